@@ -1,0 +1,100 @@
+"""Every error treadle raises on purpose.
+
+Each error has a category: `user` (the request was wrong; fix the input, the session is fine) or
+`server` (treadle or its infrastructure failed). Errors cross process boundaries as plain JSON
+(`to_dict` / `from_dict`), so a worker's error is re-raised in the client as the same class.
+Messages name the field, the value and the limit.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+Category = Literal["user", "server"]
+
+
+class TreadleError(Exception):
+    category: Category = "server"
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.message = message
+
+    def to_dict(self) -> dict:
+        return {"type": type(self).__name__, "category": self.category, "message": self.message}
+
+    @staticmethod
+    def from_dict(data: dict) -> "TreadleError":
+        cls = _REGISTRY.get(data.get("type", ""), None)
+        if cls is None:
+            cls = UserError if data.get("category") == "user" else ServerError
+        return cls(data.get("message", "unknown error"))
+
+
+class UserError(TreadleError):
+    """The request was invalid. The session and the worker are unaffected."""
+
+    category: Category = "user"
+
+
+class ServerError(TreadleError):
+    category: Category = "server"
+
+
+class InvalidRequestError(UserError):
+    """A field of a request is out of its limits (names the field, the value and the limit)."""
+
+
+class UnknownModelError(UserError):
+    """No worker serves the requested base model."""
+
+
+class CheckpointNotFoundError(UserError):
+    pass
+
+
+class CheckpointExistsError(UserError):
+    """A checkpoint of that name exists and overwrite=False."""
+
+
+class InvalidCheckpointNameError(UserError):
+    pass
+
+
+class SessionNotFoundError(UserError):
+    pass
+
+
+class IntegrityError(ServerError):
+    """A stored file does not match the sha256 recorded in its manifest."""
+
+
+class StorageError(ServerError):
+    """The checkpoint store cannot be reached or refused the credentials."""
+
+
+class BrokerUnavailableError(ServerError):
+    """Redis (broker / result backend) cannot be reached."""
+
+
+class NoWorkerError(ServerError):
+    """No live worker serves the model, so nothing would run the request."""
+
+
+class SessionLostError(ServerError):
+    """The session cannot be recovered (no checkpoint and no journal to rebuild it from)."""
+
+
+class FutureTimeoutError(ServerError, TimeoutError):
+    """`.result(timeout=...)` ran out before the operation finished."""
+
+
+_REGISTRY: dict[str, type[TreadleError]] = {
+    cls.__name__: cls
+    for cls in [
+        TreadleError, UserError, ServerError, InvalidRequestError, UnknownModelError,
+        CheckpointNotFoundError, CheckpointExistsError, InvalidCheckpointNameError,
+        SessionNotFoundError, IntegrityError, StorageError, BrokerUnavailableError,
+        NoWorkerError, SessionLostError, FutureTimeoutError,
+    ]
+}

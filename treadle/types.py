@@ -1,0 +1,359 @@
+"""Public wire types: what a training loop sends to treadle and gets back.
+
+Names, fields and defaults follow Tinker's SDK (`tinker.types`) so that a Tinker loop ports by
+changing its imports. Requests reject unknown fields; responses ignore them. This module imports
+numpy but never torch: torch is touched only inside `TensorData.from_torch` / `to_torch`.
+
+Tensors travel as raw little-endian bytes (`TensorData.to_wire` / `from_wire`), never as pickles.
+"""
+
+from __future__ import annotations
+
+import base64
+import math
+from typing import Any, Literal, Sequence
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+__all__ = [
+    "AdamParams",
+    "Checkpoint",
+    "Datum",
+    "EncodedTextChunk",
+    "ForwardBackwardOutput",
+    "GetInfoResponse",
+    "LoadWeightsResponse",
+    "LoraConfig",
+    "LossFnType",
+    "ModelData",
+    "ModelInput",
+    "OptimStepResponse",
+    "SampleResponse",
+    "SampledSequence",
+    "SamplingParams",
+    "SaveWeightsForSamplerResponse",
+    "SaveWeightsResponse",
+    "ServerCapabilities",
+    "StopReason",
+    "SupportedModel",
+    "TensorData",
+    "TrainingRun",
+    "WeightsInfo",
+    "LOSS_FN_TYPES",
+]
+
+LossFnType = Literal["cross_entropy", "importance_sampling", "ppo", "cispo", "dro"]
+LOSS_FN_TYPES: tuple[str, ...] = ("cross_entropy", "importance_sampling", "ppo", "cispo", "dro")
+StopReason = Literal["stop", "length"]
+DType = Literal["int64", "float32"]
+
+
+class _Request(BaseModel):
+    """Base of everything a client sends: unknown fields are an error, not silently dropped."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class _Response(BaseModel):
+    """Base of everything the server returns: newer servers may add fields."""
+
+    model_config = ConfigDict(extra="ignore")
+
+
+# ---------------------------------------------------------------- model input
+
+
+class EncodedTextChunk(_Request):
+    tokens: list[int] = Field(description="Token ids of this chunk.")
+    type: Literal["encoded_text"] = "encoded_text"
+
+    @property
+    def length(self) -> int:
+        return len(self.tokens)
+
+
+class ModelInput(_Request):
+    """A token sequence, as a list of chunks (only encoded text is supported)."""
+
+    chunks: list[EncodedTextChunk] = Field(default_factory=list, description="Chunks in order.")
+
+    @classmethod
+    def from_ints(cls, tokens: Sequence[int]) -> "ModelInput":
+        return cls(chunks=[EncodedTextChunk(tokens=[int(t) for t in tokens])])
+
+    @classmethod
+    def empty(cls) -> "ModelInput":
+        return cls(chunks=[])
+
+    def to_ints(self) -> list[int]:
+        return [t for c in self.chunks for t in c.tokens]
+
+    @property
+    def length(self) -> int:
+        return sum(c.length for c in self.chunks)
+
+    def append(self, chunk: EncodedTextChunk) -> "ModelInput":
+        return ModelInput(chunks=[*self.chunks, chunk])
+
+    def append_int(self, token: int) -> "ModelInput":
+        return self.append(EncodedTextChunk(tokens=[int(token)]))
+
+
+# ---------------------------------------------------------------- tensors
+
+_NP_DTYPES = {"int64": np.dtype("<i8"), "float32": np.dtype("<f4")}
+
+
+class TensorData(_Request):
+    """A flat tensor with a dtype and an optional shape (Tinker's `TensorData`)."""
+
+    data: list[int] | list[float] = Field(description="Flattened values, row-major.")
+    dtype: DType = Field(description="`int64` or `float32`.")
+    shape: list[int] | None = Field(default=None, description="Shape; None means 1-D.")
+
+    @model_validator(mode="after")
+    def _check_shape(self) -> "TensorData":
+        if self.shape is not None and math.prod(self.shape) != len(self.data):
+            raise ValueError(f"shape {self.shape} holds {math.prod(self.shape)} values but data has {len(self.data)}")
+        return self
+
+    # numpy / torch / lists
+    @classmethod
+    def from_numpy(cls, array: np.ndarray) -> "TensorData":
+        dtype = "int64" if np.issubdtype(array.dtype, np.integer) else "float32"
+        flat = np.ascontiguousarray(array, dtype=_NP_DTYPES[dtype]).reshape(-1)
+        return cls.model_construct(data=flat.tolist(), dtype=dtype, shape=list(array.shape))
+
+    @classmethod
+    def from_torch(cls, tensor: Any) -> "TensorData":
+        return cls.from_numpy(tensor.detach().cpu().numpy())
+
+    @classmethod
+    def from_list(cls, values: Sequence[Any], dtype: DType | None = None) -> "TensorData":
+        if dtype is None:
+            dtype = "int64" if all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in values) else "float32"
+        return cls.from_numpy(np.asarray(values, dtype=_NP_DTYPES[dtype]))
+
+    def to_numpy(self) -> np.ndarray:
+        array = np.asarray(self.data, dtype=_NP_DTYPES[self.dtype])
+        return array.reshape(self.shape) if self.shape is not None else array
+
+    def to_torch(self) -> Any:
+        import torch
+
+        return torch.from_numpy(self.to_numpy().copy())
+
+    def tolist(self) -> list:
+        return self.to_numpy().tolist()
+
+    # compact transport: raw little-endian bytes, base64'd once for JSON
+    def to_wire(self) -> dict:
+        raw = np.asarray(self.data, dtype=_NP_DTYPES[self.dtype]).tobytes()
+        return {"dtype": self.dtype, "shape": self.shape, "b64": base64.b64encode(raw).decode("ascii")}
+
+    @classmethod
+    def from_wire(cls, wire: dict) -> "TensorData":
+        array = np.frombuffer(base64.b64decode(wire["b64"]), dtype=_NP_DTYPES[wire["dtype"]])
+        return cls.model_construct(data=array.tolist(), dtype=wire["dtype"], shape=wire.get("shape"))
+
+
+def _as_tensor_data(key: str, value: Any) -> Any:
+    """Lets users pass lists, numpy arrays or torch tensors, as Tinker's `Datum` does."""
+    if isinstance(value, (TensorData, dict)):
+        return value
+    if hasattr(value, "detach") and hasattr(value, "numpy"):
+        return TensorData.from_torch(value)
+    if isinstance(value, np.ndarray):
+        return TensorData.from_numpy(value)
+    if isinstance(value, (list, tuple)):
+        dtype: DType = "int64" if key == "target_tokens" else "float32"
+        return TensorData.from_list(list(value), dtype)
+    return value
+
+
+class Datum(_Request):
+    """One training example: the (pre-shifted) input tokens and the loss's per-token inputs."""
+
+    model_input: ModelInput = Field(description="Input tokens, i.e. tokens[:-1].")
+    loss_fn_inputs: dict[str, TensorData] = Field(
+        default_factory=dict,
+        description="Per-token loss inputs: target_tokens, weights, logprobs, advantages, ...",
+    )
+
+    @field_validator("loss_fn_inputs", mode="before")
+    @classmethod
+    def _convert_inputs(cls, value: Any) -> Any:
+        if isinstance(value, dict):
+            return {k: _as_tensor_data(k, v) for k, v in value.items()}
+        return value
+
+    def to_wire(self) -> dict:
+        return {
+            "tokens": self.model_input.to_ints(),
+            "inputs": {k: v.to_wire() for k, v in self.loss_fn_inputs.items()},
+        }
+
+    @classmethod
+    def from_wire(cls, wire: dict) -> "Datum":
+        return cls.model_construct(
+            model_input=ModelInput.from_ints(wire["tokens"]),
+            loss_fn_inputs={k: TensorData.from_wire(v) for k, v in wire["inputs"].items()},
+        )
+
+
+# ---------------------------------------------------------------- configs
+
+
+class SamplingParams(_Request):
+    """How to sample. `top_k=1` is greedy; `seed` makes a request reproducible."""
+
+    max_tokens: int | None = Field(default=None, ge=1, description="Most new tokens per sequence (None: up to the context limit).")
+    seed: int | None = Field(default=None, description="Random seed; the same seed gives the same tokens.")
+    stop: str | list[str] | list[int] | None = Field(default=None, description="Stop strings or stop token ids.")
+    temperature: float = Field(default=1.0, ge=0.0, description="Softmax temperature; 0 means greedy.")
+    top_k: int = Field(default=-1, ge=-1, description="Keep the k most likely tokens; -1 keeps all.")
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
+
+    @field_validator("top_k")
+    @classmethod
+    def _top_k_not_zero(cls, value: int) -> int:
+        if value == 0:
+            raise ValueError("top_k must be -1 (off) or >= 1, got 0")
+        return value
+
+    @property
+    def stop_strings(self) -> list[str]:
+        if isinstance(self.stop, str):
+            return [self.stop]
+        return [s for s in (self.stop or []) if isinstance(s, str)]
+
+    @property
+    def stop_token_ids(self) -> list[int]:
+        return [s for s in (self.stop or []) if isinstance(s, int)] if not isinstance(self.stop, str) else []
+
+
+class AdamParams(_Request):
+    """AdamW hyperparameters of one `optim_step` (identical to `torch.optim.AdamW`, decoupled decay)."""
+
+    learning_rate: float = Field(default=1e-4, ge=0.0, description="Step size.")
+    beta1: float = Field(default=0.9, ge=0.0, lt=1.0, description="First-moment decay.")
+    beta2: float = Field(default=0.95, ge=0.0, lt=1.0, description="Second-moment decay.")
+    eps: float = Field(default=1e-12, gt=0.0, description="Denominator epsilon.")
+    weight_decay: float = Field(default=0.0, ge=0.0, description="Decoupled weight decay.")
+    grad_clip_norm: float = Field(default=0.0, ge=0.0, description="Clip the global grad norm to this; 0 is off.")
+
+
+class LoraConfig(_Request):
+    """The LoRA adapter of a training session."""
+
+    rank: int = Field(default=32, ge=1, le=1024, description="LoRA rank r.")
+    alpha: float = Field(default=32.0, gt=0.0, description="LoRA alpha (scale = alpha / rank).")
+    seed: int | None = Field(default=None, description="Seed of the adapter's initialisation.")
+    train_mlp: bool = Field(default=True, description="Adapt the MLP projections.")
+    train_attn: bool = Field(default=True, description="Adapt the attention projections.")
+    train_unembed: bool = Field(default=True, description="Adapt the output embedding (lm_head).")
+
+    @model_validator(mode="after")
+    def _something_to_train(self) -> "LoraConfig":
+        if not (self.train_mlp or self.train_attn or self.train_unembed):
+            raise ValueError("at least one of train_mlp, train_attn, train_unembed must be true")
+        return self
+
+
+# ---------------------------------------------------------------- responses
+
+
+class SampledSequence(_Response):
+    tokens: list[int] = Field(description="Sampled token ids (the stop token included when one ended it).")
+    logprobs: list[float] | None = Field(default=None, description="Logprob of each sampled token under the distribution sampled from.")
+    stop_reason: StopReason = Field(description="`stop` (a stop string/token or EOS) or `length` (max_tokens).")
+
+
+class SampleResponse(_Response):
+    sequences: list[SampledSequence] = Field(default_factory=list)
+    prompt_logprobs: list[float | None] | None = Field(default=None, description="Per prompt token; entry 0 is None.")
+    topk_prompt_logprobs: list[list[tuple[int, float]] | None] | None = Field(default=None, description="Top-k (token, logprob) per prompt position; entry 0 is None.")
+    prompt_cache_hit_tokens: int = 0
+
+
+class ForwardBackwardOutput(_Response):
+    loss_fn_output_type: str = "TensorData"
+    loss_fn_outputs: list[dict[str, TensorData]] = Field(default_factory=list, description="Per datum: {'logprobs': ...} of target_tokens.")
+    metrics: dict[str, float] = Field(default_factory=dict, description="Keys are `name:reduction`, e.g. `loss:sum`.")
+
+    @field_validator("metrics")
+    @classmethod
+    def _keys_have_reduction(cls, value: dict[str, float]) -> dict[str, float]:
+        bad = [k for k in value if ":" not in k]
+        if bad:
+            raise ValueError(f"metric keys must look like name:reduction, got {bad}")
+        return value
+
+
+class OptimStepResponse(_Response):
+    metrics: dict[str, float] | None = None
+
+
+class SaveWeightsResponse(_Response):
+    path: str = Field(description="treadle://<run_id>/weights/<name>")
+
+
+class SaveWeightsForSamplerResponse(_Response):
+    path: str | None = Field(default=None, description="treadle://<run_id>/sampler_weights/<name> (named form).")
+    sampling_session_id: str | None = Field(default=None, description="Ephemeral sampler id (unnamed form).")
+
+
+class LoadWeightsResponse(_Response):
+    path: str | None = None
+    model_id: str | None = None
+
+
+class ModelData(_Response):
+    arch: str | None = None
+    model_name: str | None = None
+    tokenizer_id: str | None = None
+
+
+class GetInfoResponse(_Response):
+    model_id: str
+    model_data: ModelData
+    is_lora: bool = True
+    lora_rank: int | None = None
+    model_name: str | None = None
+
+
+class SupportedModel(_Response):
+    model_name: str
+    max_context_length: int | None = None
+
+
+class ServerCapabilities(_Response):
+    supported_models: list[SupportedModel] = Field(default_factory=list)
+
+
+class Checkpoint(_Response):
+    checkpoint_id: str = Field(description="`weights/<name>` or `sampler_weights/<name>`.")
+    checkpoint_type: Literal["training", "sampler"]
+    time: float = Field(description="Creation time, seconds since the epoch.")
+    treadle_path: str
+    size_bytes: int | None = None
+    expires_at: float | None = None
+
+
+class TrainingRun(_Response):
+    training_run_id: str
+    base_model: str
+    is_lora: bool = True
+    lora_rank: int | None = None
+    created_at: float | None = None
+    user_metadata: dict[str, str] | None = None
+
+
+class WeightsInfo(_Response):
+    base_model: str
+    is_lora: bool = True
+    lora_rank: int | None = None
+    train_unembed: bool | None = None
+    train_mlp: bool | None = None
+    train_attn: bool | None = None
