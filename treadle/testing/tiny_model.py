@@ -1,0 +1,133 @@
+"""A tiny random-init causal LM plus a freshly trained byte-level BPE tokenizer, written to a directory.
+
+Tests (and anyone trying treadle offline) need a real model directory that the real loading code
+(`AutoModelForCausalLM.from_pretrained`, `AutoTokenizer.from_pretrained`) reads, without a download.
+Everything is built from a config and a seeded synthetic corpus, so the same seed gives the same
+files. The tokenizer speaks ChatML (`<|im_start|>role\\n...<|im_end|>`) and its chat template marks
+assistant turns with `{% generation %}` so `return_assistant_tokens_mask=True` works.
+
+    python -m treadle.testing.tiny_model DIR [--arch llama|qwen2] [--seed 0]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+from pathlib import Path
+from typing import Literal
+
+Arch = Literal["llama", "qwen2"]
+
+VOCAB_SIZE = 512
+MAX_POSITION_EMBEDDINGS = 512
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>"]
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if message['role'] == 'assistant' %}"
+    "<|im_start|>assistant\n{% generation %}{{ message['content'] }}<|im_end|>{% endgeneration %}\n"
+    "{% else %}"
+    "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+_WORDS = (
+    "the a one two three four five six seven eight nine ten plus minus times equals answer question "
+    "what is of and to in model train sample token loss step cat dog red blue green sun moon tree "
+    "river stone hello world yes no please thanks user assistant system think because so then"
+).split()
+
+
+def _corpus(seed: int, lines: int = 4000) -> list[str]:
+    """Synthetic text with words, digits, punctuation and a little Unicode, so BPE learns useful merges."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(lines):
+        words = [rng.choice(_WORDS) for _ in range(rng.randint(3, 12))]
+        if rng.random() < 0.3:
+            words.append(f"{rng.randint(0, 999)} + {rng.randint(0, 999)} = {rng.randint(0, 1998)}")
+        if rng.random() < 0.05:
+            words.append("café ñ ü 東京")
+        out.append(" ".join(words).capitalize() + rng.choice([".", "?", "!", ""]))
+    return out
+
+
+def build_tokenizer(seed: int = 0):
+    """A 512-token byte-level BPE with ChatML special tokens (trains in well under a second)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_corpus(seed), trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|pad|>",
+        chat_template=CHATML_TEMPLATE,
+    )
+
+
+def _config(arch: Arch, tokenizer):
+    from transformers import LlamaConfig, Qwen2Config
+
+    common = dict(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=MAX_POSITION_EMBEDDINGS,
+        tie_word_embeddings=False,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=None,
+    )
+    if arch == "llama":
+        return LlamaConfig(**common)
+    if arch == "qwen2":
+        return Qwen2Config(**common)
+    raise ValueError(f"arch: unknown {arch!r}; expected llama or qwen2")
+
+
+def build_tiny_model(directory: str | Path, arch: Arch = "llama", seed: int = 0) -> str:
+    """Write a tiny random-init causal LM and its tokenizer to `directory`; returns the path as a str."""
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer(seed)
+    assert len(tokenizer) == VOCAB_SIZE, f"tokenizer has {len(tokenizer)} tokens, expected {VOCAB_SIZE}"
+    config = _config(arch, tokenizer)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.generation_config = GenerationConfig(
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
+    )
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return str(directory)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("directory", help="Output directory (created if missing).")
+    parser.add_argument("--arch", choices=["llama", "qwen2"], default="llama", help="Model architecture.")
+    parser.add_argument("--seed", type=int, default=0, help="Seed of the weights and the tokenizer corpus.")
+    args = parser.parse_args(argv)
+    print(build_tiny_model(args.directory, arch=args.arch, seed=args.seed))
+
+
+if __name__ == "__main__":
+    main()
