@@ -1,0 +1,1 @@
+"""The demo: GRPO visibly teaches SmolLM2-135M-Instruct arithmetic on a CPU, through the SDK."""
