@@ -1,0 +1,32 @@
+"""Failover helpers: put a dead worker's in-flight message back at the head of its session queue.
+
+kombu keeps a delivered-but-unacked message in the `unacked` hash until the visibility timeout (hours,
+on purpose). When a session changes owner we move its entry back ourselves, to the head (RPUSH: kombu
+consumes with BRPOP from the right), in one transaction like kombu's own `restore_by_tag`.
+"""
+
+from __future__ import annotations
+
+import json
+
+UNACKED = "unacked"
+UNACKED_INDEX = "unacked_index"
+
+
+def restore_unacked(redis, queue: str) -> int:
+    restored = 0
+    for tag, raw in list(redis.hgetall(UNACKED).items()):
+        try:
+            payload, _exchange, routing_key = json.loads(raw)
+        except (ValueError, TypeError):
+            continue
+        if routing_key != queue:
+            continue
+        payload.get("headers", {})["redelivered"] = True
+        with redis.pipeline(transaction=True) as pipe:
+            pipe.hdel(UNACKED, tag)
+            pipe.zrem(UNACKED_INDEX, tag)
+            pipe.rpush(queue, json.dumps(payload))
+            removed, _, _ = pipe.execute()
+        restored += 1 if removed else 0
+    return restored

@@ -1,0 +1,186 @@
+"""The worker process: `treadle worker --model NAME_OR_DIR [--model ...]`.
+
+It loads each base model once, consumes the control queue of each, and subscribes itself to the
+queue of every session it owns. Besides Celery's own thread pool (one thread: one op at a time on the
+accelerator) it runs two background threads: a heartbeat that announces the worker and renews its
+session leases (never blocked by a long op), and a caretaker that adopts sessions whose owner died
+and unloads idle ones. SIGTERM is a warm shutdown: the running op finishes, owned sessions are
+checkpointed and their leases released so another worker can adopt them at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+
+from pydantic import BaseModel, Field
+
+from treadle.queue import names
+from treadle.queue.celery_app import make_app
+from treadle.queue.lease import LeaseManager
+from treadle.queue.ops_client import connect_redis
+from treadle.queue.sessions import SessionRegistry
+from treadle.queue.workers import ServedModel, WorkerAnnouncement, WorkerRegistry
+from treadle.settings import ConnectionSettings
+
+log = logging.getLogger("treadle.worker")
+
+
+class WorkerConfig(BaseModel):
+    model: list[str] = Field(description="Base models to serve: a hub id, a local dir, or NAME=DIR (served as NAME).")
+    broker_url: str | None = Field(default=None, description="Redis URL (default: TREADLE_BROKER_URL).")
+    result_url: str | None = Field(default=None, description="Result backend URL (default: the broker).")
+    storage_url: str | None = Field(default=None, description="Checkpoint store: file:///dir or s3://bucket/prefix (default: TREADLE_STORAGE_URL).")
+    hostname: str | None = Field(default=None, description="Celery node name (default: treadle-<random>@<host>).")
+    device: str | None = Field(default=None, description="cpu, cuda, cuda:1, ... (default: what Accelerate picks).")
+    dtype: str | None = Field(default=None, description="float32 or bfloat16 (default: bf16 on CUDA, fp32 on CPU).")
+    checkpoint_every: int = Field(default=10, ge=0, description="Checkpoint each session every N optimizer steps (0: never).")
+    idle_unload_s: float = Field(default=0.0, ge=0.0, description="Unload a session after this many idle seconds (0: never).")
+    lease_ttl_s: float = Field(default=15.0, gt=0.5, description="Session lease TTL: how soon another worker adopts a dead worker's sessions.")
+    max_tokens_per_microbatch: int = Field(default=4096, ge=64, description="Token budget of one forward/backward micro-batch.")
+    loglevel: str = Field(default="INFO", description="Log level.")
+
+
+def parse_model_spec(spec: str) -> tuple[str, str]:
+    """`NAME=DIR` -> (NAME, DIR); a bare id or dir is served under its own name."""
+    if "=" in spec:
+        name, path = spec.split("=", 1)
+        return name, path
+    return spec, spec
+
+
+class WorkerService:
+    def __init__(self, config: WorkerConfig):
+        from treadle.gpu_worker.celery_tasks import register_tasks
+        from treadle.gpu_worker.engine import Engine
+        from treadle.gpu_worker.executor import OpExecutor
+        from treadle.storage.checkpoint_store import CheckpointStore
+
+        self.config = config
+        env = ConnectionSettings()
+        broker = config.broker_url or env.broker_url
+        if not broker:
+            raise SystemExit("no broker: pass --broker_url or set TREADLE_BROKER_URL (or use `treadle up`)")
+        result = config.result_url or env.result_url or broker
+        storage = config.storage_url or env.storage_url or "file://" + os.path.expanduser("~/.treadle/checkpoints")
+        self.hostname = config.hostname or f"treadle-{uuid.uuid4().hex[:8]}@{socket.gethostname()}"
+        self.redis = connect_redis(broker)
+        self.store = CheckpointStore.from_url(storage)
+        self.engines = {}
+        self.served: list[ServedModel] = []
+        for spec in config.model:
+            name, path = parse_model_spec(spec)
+            t0 = time.monotonic()
+            engine = Engine(path, device=config.device, dtype=config.dtype,
+                            max_tokens_per_microbatch=config.max_tokens_per_microbatch)
+            self.engines[name] = engine
+            self.served.append(ServedModel(name=name, path=path, max_seq_len=engine.max_seq_len, vocab_size=engine.vocab_size))
+            log.info("loaded %s from %s in %.1f s", name, path, time.monotonic() - t0)
+        self.app = make_app(broker, result)
+        self.lease = LeaseManager(self.redis, self.hostname, ttl_ms=int(config.lease_ttl_s * 1000))
+        self.executor = OpExecutor(
+            hostname=self.hostname, engines=self.engines, redis=self.redis, app=self.app, store=self.store,
+            lease=self.lease, checkpoint_every=config.checkpoint_every,
+            subscribe=self._subscribe, unsubscribe=self._unsubscribe,
+        )
+        register_tasks(self.app, self.executor)
+        self.registry = WorkerRegistry(self.redis)
+        self.sessions = SessionRegistry(self.redis)
+        self._stop = threading.Event()
+        self._started_at = time.time()
+
+    # The pool thread asks the worker's own consumer (main thread) to (un)subscribe, via remote control.
+    def _subscribe(self, queue: str) -> None:
+        self.app.control.add_consumer(queue, destination=[self.hostname], reply=False)
+
+    def _unsubscribe(self, queue: str) -> None:
+        self.app.control.cancel_consumer(queue, destination=[self.hostname], reply=False)
+
+    # ------------------------------------------------------------ background threads
+    def _announce(self) -> None:
+        self.registry.announce(WorkerAnnouncement(
+            hostname=self.hostname, pid=os.getpid(), models=self.served, started_at=self._started_at,
+            sessions=sorted(self.executor.owned),
+        ))
+
+    def _heartbeat_loop(self) -> None:
+        period = min(3.0, self.config.lease_ttl_s / 3)
+        while not self._stop.is_set():
+            try:
+                self._announce()
+                for sid, owned in list(self.executor.owned.items()):
+                    if not self.lease.renew(sid, owned.epoch):
+                        log.warning("could not renew the lease of session %s", sid)
+            except Exception:  # Redis restarting: keep trying, the leases have slack
+                log.warning("heartbeat failed; retrying", exc_info=True)
+            self._stop.wait(period)
+
+    def _caretaker_loop(self) -> None:
+        period = min(3.0, self.config.lease_ttl_s / 3)
+        while not self._stop.is_set():
+            try:
+                for record in self.sessions.all():
+                    if (record.status == "active" and record.worker and record.base_model in self.engines
+                            and record.session_id not in self.executor.owned
+                            and not self.lease.is_held(record.session_id)):
+                        self.executor.take_over(record.session_id)
+                if self.config.idle_unload_s:
+                    self.executor.unload_idle(self.config.idle_unload_s)
+            except Exception:
+                log.warning("caretaker pass failed; retrying", exc_info=True)
+            self._stop.wait(period)
+
+    # ------------------------------------------------------------ run
+    def _publish_tokenizers(self) -> None:
+        import tempfile
+
+        for name, engine in self.engines.items():
+            with tempfile.TemporaryDirectory() as tmp:
+                engine.tokenizer.save_pretrained(tmp)
+                files = {f: open(os.path.join(tmp, f), "rb").read() for f in os.listdir(tmp)}
+            key = names.tokenizer_key(name)
+            with self.redis.pipeline() as pipe:
+                pipe.delete(key)
+                pipe.hset(key, mapping=files)
+                pipe.execute()
+
+    def run(self) -> None:
+        self._publish_tokenizers()
+        self._announce()
+        threads = [threading.Thread(target=self._heartbeat_loop, name="treadle-heartbeat", daemon=True),
+                   threading.Thread(target=self._caretaker_loop, name="treadle-caretaker", daemon=True)]
+        for t in threads:
+            t.start()
+        worker = self.app.Worker(
+            hostname=self.hostname, pool="threads", concurrency=1,
+            queues=[names.model_queue(name) for name in self.engines],
+            without_gossip=True, without_mingle=True, send_events=True,
+            loglevel=self.config.loglevel, redirect_stdouts=False,
+        )
+        try:
+            worker.start()
+        finally:
+            self._stop.set()
+            self._hand_over()
+            self.registry.withdraw(self.hostname)
+
+    def _hand_over(self) -> None:
+        """On a clean shutdown, checkpoint owned sessions and free their leases for another worker."""
+        for sid, owned in list(self.executor.owned.items()):
+            try:
+                with self.executor.compute_lock:
+                    if not owned.unloaded:
+                        self.executor.auto_checkpoint(owned)
+                    self.lease.release(sid, owned.epoch)
+                log.info("handed over session %s", sid)
+            except Exception:
+                log.warning("could not hand over session %s", sid, exc_info=True)
+
+
+def run_worker(config: WorkerConfig) -> None:
+    logging.basicConfig(level=config.loglevel, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    WorkerService(config).run()

@@ -1,0 +1,60 @@
+"""The Celery app and its configuration, shared by the SDK (which only publishes) and the worker.
+
+Why each setting (see shared/reference/celery.md): JSON only, never pickle; one unacked message per
+worker (acks_late + prefetch 1) so a crash loses at most the op that was running, and treadle's own
+seq discipline restores order after a crash; the visibility timeout is far longer than any op, so
+kombu never redelivers a live op (failover is driven by the session lease instead); results live 7 days.
+"""
+
+from __future__ import annotations
+
+from celery import Celery
+
+VISIBILITY_TIMEOUT_S = 6 * 3600
+RESULT_EXPIRES_S = 7 * 24 * 3600
+
+OP_TASK = "treadle.op"
+SAMPLE_TASK = "treadle.sample"
+CREATE_SESSION_TASK = "treadle.create_session"
+
+
+def make_app(broker_url: str, result_url: str | None = None) -> Celery:
+    app = Celery("treadle", broker=broker_url, backend=result_url or broker_url, set_as_current=False)
+    transport = {
+        "visibility_timeout": VISIBILITY_TIMEOUT_S,
+        "unacked_restore_interval": 10,
+        "unacked_restore_throttle": 1,
+        "socket_connect_timeout": 5,
+        "socket_timeout": 30,
+        "retry_on_timeout": True,
+        "health_check_interval": 25,
+    }
+    app.conf.update(
+        task_serializer="json",
+        result_serializer="json",
+        accept_content=["json"],
+        result_accept_content=["json"],
+        task_acks_late=True,
+        worker_prefetch_multiplier=1,
+        task_reject_on_worker_lost=False,
+        task_track_started=False,
+        result_extended=True,
+        result_expires=RESULT_EXPIRES_S,
+        task_send_sent_event=True,
+        worker_send_task_events=True,
+        broker_transport_options=transport,
+        result_backend_transport_options={"visibility_timeout": VISIBILITY_TIMEOUT_S},
+        visibility_timeout=VISIBILITY_TIMEOUT_S,
+        broker_connection_retry=True,
+        broker_connection_retry_on_startup=True,
+        broker_connection_max_retries=None,
+        redis_socket_connect_timeout=5,
+        redis_socket_timeout=30,
+        redis_retry_on_timeout=True,
+        worker_soft_shutdown_timeout=30,
+        worker_hijack_root_logger=False,
+        task_create_missing_queues=True,
+        task_default_queue="treadle.default",
+        worker_cancel_long_running_tasks_on_connection_loss=False,
+    )
+    return app

@@ -1,0 +1,57 @@
+"""Every Redis key and Celery queue name treadle uses, in one place."""
+
+from __future__ import annotations
+
+PREFIX = "treadle"
+
+
+def session_queue(session_id: str) -> str:
+    """The queue of one session's ordered ops; only the owning worker consumes it."""
+    return f"{PREFIX}.s.{session_id}"
+
+
+def model_queue(base_model: str) -> str:
+    """The control queue of one base model: session creation and sampling, any worker serving it."""
+    return f"{PREFIX}.m.{base_model}"
+
+
+def future_id(session_id: str, seq: int) -> str:
+    return f"{session_id}:{seq}"
+
+
+def split_future_id(fid: str) -> tuple[str, int]:
+    session_id, _, seq = fid.rpartition(":")
+    return session_id, int(seq)
+
+
+def worker_key(hostname: str) -> str:
+    return f"{PREFIX}:worker:{hostname}"
+
+
+WORKER_PATTERN = f"{PREFIX}:worker:*"
+
+
+def session_key(session_id: str) -> str:
+    """Hash: base_model, run_id, lora, owner, epoch, applied, ..."""
+    return f"{PREFIX}:session:{session_id}"
+
+
+SESSION_PATTERN = f"{PREFIX}:session:*"
+
+
+def lease_key(session_id: str) -> str:
+    return f"{PREFIX}:lease:{session_id}"
+
+
+def journal_key(session_id: str) -> str:
+    """Hash seq -> op envelope (JSON) of every op not yet covered by a checkpoint."""
+    return f"{PREFIX}:journal:{session_id}"
+
+
+def blob_key(name: str) -> str:
+    return f"{PREFIX}:blob:{name}"
+
+
+def tokenizer_key(base_model: str) -> str:
+    """Hash filename -> bytes of a served model's tokenizer files, published by its workers."""
+    return f"{PREFIX}:tokenizer:{base_model}"

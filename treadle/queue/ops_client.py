@@ -1,0 +1,179 @@
+"""The client half of the queue contract: publish ops, create sessions, read results.
+
+Both the treadle SDK and the HTTP gateway talk to workers only through this class, so there is one
+execution path. It imports neither torch nor the worker.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+
+import redis as redis_lib
+
+from treadle.errors import (
+    BrokerUnavailableError,
+    FutureTimeoutError,
+    NoWorkerError,
+    SessionNotFoundError,
+    UnknownModelError,
+)
+from treadle.queue import names
+from treadle.queue.celery_app import CREATE_SESSION_TASK, OP_TASK, SAMPLE_TASK, make_app
+from treadle.queue.envelope import pack, store_blob
+from treadle.queue.results import ResultStore
+from treadle.queue.sessions import SessionRecord, SessionRegistry
+from treadle.queue.workers import ServedModel, WorkerRegistry
+from treadle.types import LoraConfig
+
+CONNECT_TIMEOUT_S = 3.0
+# How long result polling rides out a Redis outage (restart, failover) before giving up.
+REDIS_OUTAGE_TOLERANCE_S = 120.0
+
+SessionInfo = SessionRecord
+
+
+def connect_redis(url: str) -> "redis_lib.Redis":
+    """A Redis client that fails fast (seconds, not minutes) when the server is unreachable."""
+    client = redis_lib.Redis.from_url(
+        url, socket_connect_timeout=CONNECT_TIMEOUT_S, socket_timeout=30, health_check_interval=30,
+        retry_on_timeout=True,
+    )
+    try:
+        client.ping()
+    except (redis_lib.ConnectionError, redis_lib.TimeoutError, OSError) as exc:
+        raise BrokerUnavailableError(
+            f"cannot reach Redis at {url} within {CONNECT_TIMEOUT_S:.0f} s ({exc}); start a stack with "
+            "`treadle up` or set TREADLE_BROKER_URL"
+        ) from None
+    return client
+
+
+class OpsClient:
+    def __init__(self, broker_url: str, result_url: str | None = None, storage_url: str | None = None):
+        self.broker_url = broker_url
+        self.result_url = result_url or broker_url
+        self.storage_url = storage_url
+        self.redis = connect_redis(broker_url)
+        self.result_redis = self.redis if self.result_url == broker_url else connect_redis(self.result_url)
+        self.app = make_app(broker_url, self.result_url)
+        self.results = ResultStore(self.app)
+        self.sessions = SessionRegistry(self.redis)
+        self.workers = WorkerRegistry(self.redis)
+        self._publish_lock = threading.Lock()
+
+    # ------------------------------------------------------------ models and sessions
+    def served_models(self) -> list[ServedModel]:
+        return self.workers.served_models()
+
+    def require_model(self, base_model: str) -> ServedModel:
+        served = self.served_models()
+        for m in served:
+            if m.name == base_model:
+                return m
+        if not served:
+            raise NoWorkerError(
+                f"base_model: no worker is running, so nothing serves {base_model!r}; start one with "
+                f"`treadle worker --model {base_model}` (or `treadle up`)"
+            )
+        raise UnknownModelError(
+            f"base_model: {base_model!r} is not served; served models: {', '.join(m.name for m in served)}"
+        )
+
+    def create_session(
+        self,
+        base_model: str,
+        lora: LoraConfig,
+        *,
+        session_id: str | None = None,
+        owner: str | None = None,
+        user_metadata: dict | None = None,
+        from_state: str | None = None,
+        with_optimizer: bool = False,
+        timeout: float = 300,
+    ) -> SessionRecord:
+        self.require_model(base_model)
+        session_id = session_id or uuid.uuid4().hex[:12]
+        payload = {
+            "session_id": session_id,
+            "base_model": base_model,
+            "lora": lora.model_dump(),
+            "owner": owner,
+            "user_metadata": user_metadata,
+            "from_state": from_state,
+            "with_optimizer": with_optimizer,
+        }
+        fid = f"create:{session_id}"
+        self.app.send_task(CREATE_SESSION_TASK, args=[payload], queue=names.model_queue(base_model), task_id=fid)
+        self.wait(fid, timeout=timeout, what=f"creating a session on {base_model!r}", base_model=base_model)
+        record = self.sessions.get(session_id)
+        if record is None:
+            raise SessionNotFoundError(f"session {session_id} vanished right after creation")
+        return record
+
+    def session_info(self, session_id: str) -> SessionRecord | None:
+        return self.sessions.get(session_id)
+
+    def stop_session(self, session_id: str) -> str:
+        return self.submit(session_id, "stop", {})
+
+    # ------------------------------------------------------------ ops
+    def submit(self, session_id: str, op: str, payload: dict, seq: int | None = None) -> str:
+        """Publish one op of a session; returns its future id at once."""
+        with self._publish_lock:
+            if seq is None:
+                seq = int(self.redis.hincrby(names.session_key(session_id), "next_seq", 1))
+            envelope = pack(self.redis, session_id, seq, op, payload)
+            self.app.send_task(
+                OP_TASK, args=[envelope.model_dump(mode="json")], queue=names.session_queue(session_id),
+                task_id=envelope.future_id, ignore_result=True,
+            )
+        return envelope.future_id
+
+    def submit_sample(self, base_model: str, payload: dict) -> str:
+        fid = f"sample:{uuid.uuid4().hex}"
+        body = {"base_model": base_model}
+        if len(payload.get("prompt", [])) < 8192:
+            body["payload"] = payload
+        else:
+            body["payload_ref"] = store_blob(self.redis, payload)
+        self.app.send_task(SAMPLE_TASK, args=[body], queue=names.model_queue(base_model), task_id=fid, ignore_result=True)
+        return fid
+
+    def tokenizer_files(self, base_model: str) -> dict[str, bytes]:
+        """The tokenizer files a worker published for a served model (so clients need no hub access)."""
+        raw = self.redis.hgetall(names.tokenizer_key(base_model))
+        return {(k.decode() if isinstance(k, bytes) else k): v for k, v in raw.items()}
+
+    # ------------------------------------------------------------ results
+    def poll(self, future_id: str) -> dict | None:
+        done, value = self.results.poll(future_id)
+        return value if done else None
+
+    def done(self, future_id: str) -> bool:
+        return self.results.is_done(future_id)
+
+    def wait(self, future_id: str, timeout: float | None = None, *, what: str | None = None, base_model: str | None = None) -> dict:
+        """Block until the op's result is stored; re-raises its error. Rides out Redis outages."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        delay, outage_since, next_worker_check = 0.0005, None, time.monotonic() + 10
+        while True:
+            try:
+                done, value = self.results.poll(future_id)
+                outage_since = None
+            except (redis_lib.ConnectionError, redis_lib.TimeoutError, OSError) as exc:
+                outage_since = outage_since or time.monotonic()
+                if time.monotonic() - outage_since > REDIS_OUTAGE_TOLERANCE_S:
+                    raise BrokerUnavailableError(f"lost Redis at {self.result_url} for over {REDIS_OUTAGE_TOLERANCE_S:.0f} s while waiting for {future_id}: {exc}") from None
+                done, value, delay = False, None, 0.5
+            if done:
+                return value
+            now = time.monotonic()
+            if deadline is not None and now >= deadline:
+                raise FutureTimeoutError(f"{what or future_id}: no result within {timeout} s")
+            if base_model is not None and now >= next_worker_check:
+                self.require_model(base_model)  # fail clearly if every worker for it died
+                next_worker_check = now + 10
+            time.sleep(min(delay, 0.02) if deadline is None else min(delay, 0.02, max(0.0, deadline - now)))
+            delay *= 1.5

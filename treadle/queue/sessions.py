@@ -1,0 +1,111 @@
+"""The session registry in Redis: what a session is, who owns it, and how far it has run."""
+
+from __future__ import annotations
+
+import json
+import time
+
+from pydantic import BaseModel, Field
+
+from treadle.queue import names
+from treadle.types import LoraConfig
+
+
+class SessionRecord(BaseModel):
+    session_id: str
+    run_id: str = Field(description="Checkpoints are stored under treadle://<run_id>/...")
+    base_model: str
+    lora: LoraConfig = Field(default_factory=LoraConfig)
+    owner: str | None = Field(default=None, description="The API owner (gateway auth); None for the SDK.")
+    user_metadata: dict | None = None
+    created_at: float = Field(default_factory=time.time)
+    # mutable state
+    worker: str | None = Field(default=None, description="Hostname of the worker holding the lease.")
+    epoch: int = Field(default=0, description="Fencing epoch: bumped on every change of owner.")
+    applied: int = Field(default=0, description="Highest seq whose op has run and whose result is stored.")
+    checkpoint: str | None = Field(default=None, description="Path of the latest automatic checkpoint.")
+    checkpoint_seq: int = Field(default=0, description="Seq that checkpoint covers.")
+    checkpoint_with_optimizer: bool = Field(default=True, description="Restore Adam moments from that checkpoint.")
+    status: str = Field(default="active", description="active | stopped")
+    last_activity: float = Field(default_factory=time.time)
+
+
+_INT_FIELDS = {"epoch", "applied", "checkpoint_seq"}
+_FLOAT_FIELDS = {"created_at", "last_activity"}
+_JSON_FIELDS = {"lora", "user_metadata"}
+_BOOL_FIELDS = {"checkpoint_with_optimizer"}
+
+
+class SessionRegistry:
+    def __init__(self, redis):
+        self.redis = redis
+
+    def create(self, record: SessionRecord) -> bool:
+        key = names.session_key(record.session_id)
+        if self.redis.exists(key):
+            return False
+        self.redis.hset(key, mapping=self._encode(record.model_dump()))
+        return True
+
+    def get(self, session_id: str) -> SessionRecord | None:
+        raw = self.redis.hgetall(names.session_key(session_id))
+        if not raw:
+            return None
+        return SessionRecord.model_validate(self._decode(raw))
+
+    def update(self, session_id: str, **fields) -> None:
+        self.redis.hset(names.session_key(session_id), mapping=self._encode(fields))
+
+    def applied(self, session_id: str) -> int:
+        return int(self.redis.hget(names.session_key(session_id), "applied") or 0)
+
+    def touch(self, session_id: str) -> None:
+        self.redis.hset(names.session_key(session_id), "last_activity", repr(time.time()))
+
+    def all(self) -> list[SessionRecord]:
+        out = []
+        for key in self.redis.scan_iter(names.SESSION_PATTERN, count=500):
+            sid = (key.decode() if isinstance(key, bytes) else key)[len(names.session_key("")):]
+            rec = self.get(sid)
+            if rec is not None:
+                out.append(rec)
+        return out
+
+    def delete(self, session_id: str) -> None:
+        self.redis.delete(names.session_key(session_id))
+
+    @staticmethod
+    def _encode(fields: dict) -> dict:
+        out = {}
+        for k, v in fields.items():
+            if k in _JSON_FIELDS:
+                out[k] = json.dumps(v.model_dump() if hasattr(v, "model_dump") else v)
+            elif v is None:
+                out[k] = ""
+            elif isinstance(v, bool):
+                out[k] = "1" if v else "0"
+            else:
+                out[k] = repr(v) if isinstance(v, float) else str(v)
+        return out
+
+    @staticmethod
+    def _decode(raw: dict) -> dict:
+        out = {}
+        for k, v in raw.items():
+            k = k.decode() if isinstance(k, bytes) else k
+            v = v.decode() if isinstance(v, bytes) else v
+            if k in _JSON_FIELDS:
+                out[k] = json.loads(v) if v else None
+            elif v == "":
+                out[k] = None
+            elif k in _BOOL_FIELDS:
+                out[k] = v == "1"
+            elif k in _INT_FIELDS:
+                out[k] = int(v)
+            elif k in _FLOAT_FIELDS:
+                out[k] = float(v)
+            else:
+                out[k] = v
+        if out.get("lora") is None:
+            out.pop("lora", None)
+        return out

@@ -1,0 +1,56 @@
+"""The worker registry: each live worker announces the base models it serves, with a short TTL."""
+
+from __future__ import annotations
+
+import json
+import time
+
+from pydantic import BaseModel
+
+from treadle.queue import names
+
+HEARTBEAT_TTL_S = 15
+
+
+class ServedModel(BaseModel):
+    name: str
+    path: str
+    max_seq_len: int
+    vocab_size: int
+    workers: list[str] = []
+
+
+class WorkerAnnouncement(BaseModel):
+    hostname: str
+    pid: int
+    models: list[ServedModel]
+    started_at: float
+    sessions: list[str] = []
+
+
+class WorkerRegistry:
+    def __init__(self, redis):
+        self.redis = redis
+
+    def announce(self, info: WorkerAnnouncement) -> None:
+        self.redis.set(names.worker_key(info.hostname), info.model_dump_json(), ex=HEARTBEAT_TTL_S)
+
+    def withdraw(self, hostname: str) -> None:
+        self.redis.delete(names.worker_key(hostname))
+
+    def live_workers(self) -> list[WorkerAnnouncement]:
+        keys = list(self.redis.scan_iter(names.WORKER_PATTERN, count=500))
+        if not keys:
+            return []
+        return [WorkerAnnouncement.model_validate_json(v) for v in self.redis.mget(keys) if v]
+
+    def served_models(self) -> list[ServedModel]:
+        models: dict[str, ServedModel] = {}
+        for worker in self.live_workers():
+            for m in worker.models:
+                entry = models.setdefault(m.name, m.model_copy(update={"workers": []}))
+                entry.workers.append(worker.hostname)
+        return sorted(models.values(), key=lambda m: m.name)
+
+    def is_alive(self, hostname: str) -> bool:
+        return bool(self.redis.exists(names.worker_key(hostname)))

@@ -1,0 +1,86 @@
+"""RestClient: runs and checkpoints in the store, and getting weights out of treadle.
+
+It reads the checkpoint store directly (file:// or s3://, with the same settings as the workers).
+`export(merged=True)` builds a merged model locally and so needs the worker extra (torch).
+"""
+
+from __future__ import annotations
+
+import os
+
+from treadle.storage.checkpoint_store import CheckpointStore
+from treadle.storage.manifest import Manifest
+from treadle.storage.paths import CheckpointPath
+from treadle.types import Checkpoint, TrainingRun, WeightsInfo
+
+
+def _checkpoint(m: Manifest) -> Checkpoint:
+    return Checkpoint(
+        checkpoint_id=f"{m.kind}/{m.name}", checkpoint_type="training" if m.kind == "weights" else "sampler",
+        time=m.created_at, treadle_path=m.path.uri(), size_bytes=m.size_bytes, expires_at=m.expires_at,
+    )
+
+
+class RestClient:
+    def __init__(self, storage_url: str | None):
+        if not storage_url:
+            storage_url = "file://" + os.path.expanduser("~/.treadle/checkpoints")
+        self.store = CheckpointStore.from_url(storage_url)
+
+    def list_training_runs(self, limit: int = 20, offset: int = 0) -> list[TrainingRun]:
+        runs = []
+        for run_id in self.store.list_runs()[offset:offset + limit]:
+            run = self.get_training_run(run_id)
+            if run is not None:
+                runs.append(run)
+        return runs
+
+    def get_training_run(self, run_id: str) -> TrainingRun | None:
+        info = self.store.get_run(run_id)
+        if info is None:
+            return None
+        return TrainingRun.model_validate({"training_run_id": run_id, **info})
+
+    def list_checkpoints(self, run_id: str) -> list[Checkpoint]:
+        return [_checkpoint(m) for m in self.store.list_checkpoints(run_id)]
+
+    def manifest(self, path: str) -> Manifest:
+        return self.store.manifest(CheckpointPath.parse(path))
+
+    def get_weights_info(self, path: str) -> WeightsInfo:
+        m = self.manifest(path)
+        lora = m.lora_config or {}
+        return WeightsInfo(base_model=m.base_model, is_lora=True, lora_rank=lora.get("rank"),
+                           train_unembed=lora.get("train_unembed"), train_mlp=lora.get("train_mlp"),
+                           train_attn=lora.get("train_attn"))
+
+    def delete_checkpoint(self, path: str) -> None:
+        self.store.delete(CheckpointPath.parse(path))
+
+    def download(self, path: str, directory: str) -> str:
+        """The checkpoint's files (verified against the manifest) into `directory`."""
+        os.makedirs(directory, exist_ok=True)
+        self.store.load(CheckpointPath.parse(path), directory)
+        return directory
+
+    def export(self, path: str, directory: str, merged: bool = False) -> str:
+        """A PEFT adapter directory (PeftModel.from_pretrained, vLLM's LoRA layout), or a merged model."""
+        import tempfile
+
+        manifest = self.manifest(path)
+        if not merged:
+            with tempfile.TemporaryDirectory() as tmp:
+                self.download(path, tmp)
+                os.makedirs(directory, exist_ok=True)
+                for name in ("adapter_model.safetensors", "adapter_config.json"):
+                    os.replace(os.path.join(tmp, name), os.path.join(directory, name))
+            return directory
+        from treadle.gpu_worker.export import export_merged
+
+        with tempfile.TemporaryDirectory() as tmp:
+            self.download(path, tmp)
+            export_merged(manifest.extra.get("base_model_path", manifest.base_model), tmp, directory)
+        return directory
+
+    def gc(self) -> list[str]:
+        return [p.uri() for p in self.store.gc()]

@@ -1,0 +1,49 @@
+"""SamplingClient: sample from a frozen sampler snapshot (or the base model) on any worker serving it."""
+
+from __future__ import annotations
+
+from treadle.queue.ops import SampleRequest
+from treadle.sdk.futures import APIFuture
+from treadle.types import ModelInput, SampleResponse, SamplingParams
+
+
+class SamplingClient:
+    def __init__(self, ops, *, base_model: str, model_path: str | None = None):
+        self._ops = ops
+        self._base_model = base_model
+        self.model_path = model_path
+
+    def sample(self, prompt: ModelInput, num_samples: int = 1, sampling_params: SamplingParams | None = None,
+               include_prompt_logprobs: bool = False, topk_prompt_logprobs: int = 0) -> APIFuture[SampleResponse]:
+        """Sequences with per-token logprobs of the distribution actually sampled from, and a stop reason."""
+        req = SampleRequest(
+            model_path=self.model_path, prompt=prompt.to_ints(), num_samples=num_samples,
+            sampling_params=sampling_params or SamplingParams(),
+            include_prompt_logprobs=include_prompt_logprobs, topk_prompt_logprobs=topk_prompt_logprobs,
+        )
+        fid = self._ops.submit_sample(self._base_model, req.model_dump(mode="json"))
+        return APIFuture(self._ops, fid, SampleResponse.model_validate, base_model=self._base_model)
+
+    def compute_logprobs(self, prompt: ModelInput) -> APIFuture[list[float | None]]:
+        """Logprob of each prompt token given the ones before it; entry 0 is None."""
+        req = SampleRequest(model_path=self.model_path, prompt=prompt.to_ints(), num_samples=1,
+                            sampling_params=SamplingParams(max_tokens=1), include_prompt_logprobs=True)
+        fid = self._ops.submit_sample(self._base_model, req.model_dump(mode="json"))
+        return APIFuture(self._ops, fid, lambda v: SampleResponse.model_validate(v).prompt_logprobs, base_model=self._base_model)
+
+    def get_tokenizer(self):
+        from treadle.sdk.tokenizer import load_tokenizer
+
+        return load_tokenizer(self._ops, self._base_model)
+
+    def get_base_model(self) -> str:
+        return self._base_model
+
+    def future(self, future_id: str) -> APIFuture[SampleResponse]:
+        return APIFuture(self._ops, future_id, SampleResponse.model_validate, base_model=self._base_model)
+
+    async def sample_async(self, prompt, num_samples=1, sampling_params=None, include_prompt_logprobs=False, topk_prompt_logprobs=0):
+        return await self.sample(prompt, num_samples, sampling_params, include_prompt_logprobs, topk_prompt_logprobs)
+
+    async def compute_logprobs_async(self, prompt):
+        return await self.compute_logprobs(prompt)

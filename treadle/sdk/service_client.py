@@ -1,0 +1,113 @@
+"""ServiceClient: the entry point. Finds the stack, lists models, creates training and sampling clients.
+
+Configuration, first match wins: constructor arguments; the environment (`TREADLE_BROKER_URL`,
+`TREADLE_RESULT_URL`, `TREADLE_STORAGE_URL`, boto3's `AWS_*` for S3); a local stack started with
+`treadle up` (found through its state file). With none of these it raises an error that says how to
+start one; it does not start servers behind your back.
+"""
+
+from __future__ import annotations
+
+from treadle.errors import BrokerUnavailableError
+from treadle.queue.ops_client import OpsClient
+from treadle.sdk.futures import APIFuture
+from treadle.sdk.sampling_client import SamplingClient
+from treadle.sdk.training_client import TrainingClient
+from treadle.settings import ConnectionSettings
+from treadle.types import LoraConfig, ServerCapabilities, SupportedModel
+
+
+class ServiceClient:
+    def __init__(self, broker_url: str | None = None, result_url: str | None = None,
+                 storage_url: str | None = None, user_metadata: dict | None = None):
+        settings = ConnectionSettings(**{k: v for k, v in
+                                         {"broker_url": broker_url, "result_url": result_url, "storage_url": storage_url}.items()
+                                         if v is not None})
+        if not settings.is_configured():
+            from treadle.local_stack import find_running_stack
+
+            found = find_running_stack()
+            if found is None:
+                raise BrokerUnavailableError(
+                    "no treadle stack configured: set TREADLE_BROKER_URL (and TREADLE_STORAGE_URL), "
+                    "or start the embedded one with `treadle up --model <NAME_OR_DIR>`"
+                )
+            settings = ConnectionSettings(broker_url=found.broker_url, storage_url=settings.storage_url or found.storage_url)
+        self.settings = settings
+        self.user_metadata = user_metadata
+        self.ops = OpsClient(settings.broker_url, settings.result_backend, settings.storage_url)
+
+    # ------------------------------------------------------------ models
+    def get_server_capabilities(self) -> ServerCapabilities:
+        return ServerCapabilities(supported_models=[
+            SupportedModel(model_name=m.name, max_context_length=m.max_seq_len) for m in self.ops.served_models()
+        ])
+
+    def list_base_models(self) -> list[str]:
+        return [m.name for m in self.ops.served_models()]
+
+    # ------------------------------------------------------------ training clients
+    def create_lora_training_client(self, base_model: str, rank: int = 32, alpha: float = 32, seed: int | None = None,
+                                    train_mlp: bool = True, train_attn: bool = True, train_unembed: bool = True,
+                                    user_metadata: dict | None = None) -> TrainingClient:
+        """A new session with a fresh LoRA adapter; blocks until a worker has created it."""
+        lora = LoraConfig(rank=rank, alpha=alpha, seed=seed, train_mlp=train_mlp, train_attn=train_attn, train_unembed=train_unembed)
+        record = self.ops.create_session(base_model, lora, user_metadata=user_metadata or self.user_metadata)
+        return TrainingClient(self.ops, record)
+
+    def create_training_client_from_state(self, path: str, user_metadata: dict | None = None) -> TrainingClient:
+        """A new session from a save_state checkpoint: its weights, with a fresh optimizer."""
+        return self._from_state(path, with_optimizer=False, user_metadata=user_metadata)
+
+    def create_training_client_from_state_with_optimizer(self, path: str, user_metadata: dict | None = None) -> TrainingClient:
+        """A new session from a save_state checkpoint: weights and Adam moments, exactly."""
+        return self._from_state(path, with_optimizer=True, user_metadata=user_metadata)
+
+    def _from_state(self, path: str, *, with_optimizer: bool, user_metadata: dict | None) -> TrainingClient:
+        manifest = self.create_rest_client().manifest(path)
+        lora = LoraConfig.model_validate(manifest.lora_config) if manifest.lora_config else LoraConfig()
+        record = self.ops.create_session(manifest.base_model, lora, from_state=path, with_optimizer=with_optimizer,
+                                         user_metadata=user_metadata or self.user_metadata)
+        return TrainingClient(self.ops, record)
+
+    # ------------------------------------------------------------ sampling and REST
+    def create_sampling_client(self, model_path: str | None = None, base_model: str | None = None) -> SamplingClient:
+        if model_path is None and base_model is None:
+            raise ValueError("create_sampling_client needs model_path or base_model")
+        if model_path is not None and base_model is None:
+            base_model = self.create_rest_client().manifest(model_path).base_model
+        self.ops.require_model(base_model)
+        return SamplingClient(self.ops, base_model=base_model, model_path=model_path)
+
+    def create_rest_client(self):
+        from treadle.sdk.rest_client import RestClient
+
+        return RestClient(self.settings.storage_url)
+
+    def future(self, future_id: str) -> APIFuture:
+        return APIFuture(self.ops, future_id, lambda v: v)
+
+    # ------------------------------------------------------------ async twins
+    async def create_lora_training_client_async(self, base_model: str, **kwargs) -> TrainingClient:
+        import asyncio
+
+        return await asyncio.to_thread(self.create_lora_training_client, base_model, **kwargs)
+
+    async def create_training_client_from_state_async(self, path: str, user_metadata: dict | None = None) -> TrainingClient:
+        import asyncio
+
+        return await asyncio.to_thread(self.create_training_client_from_state, path, user_metadata)
+
+    async def create_training_client_from_state_with_optimizer_async(self, path: str, user_metadata: dict | None = None) -> TrainingClient:
+        import asyncio
+
+        return await asyncio.to_thread(self.create_training_client_from_state_with_optimizer, path, user_metadata)
+
+    async def get_server_capabilities_async(self) -> ServerCapabilities:
+        return self.get_server_capabilities()
+
+    def __enter__(self) -> "ServiceClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass

@@ -1,0 +1,209 @@
+"""TrainingClient: one LoRA training session on a worker.
+
+Every op is validated here (pydantic), given the session's next seq, published to the session's
+queue, and returned as an `APIFuture` at once. Ops of a session run strictly in the order they were
+submitted, so `optim_step` may be submitted before the `forward_backward` result is read.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+from treadle.queue.ops import (
+    ForwardBackwardRequest,
+    LoadStateRequest,
+    OptimStepRequest,
+    SaveSamplerRequest,
+    SaveStateRequest,
+    decode_forward_output,
+)
+from treadle.queue.sessions import SessionRecord
+from treadle.sdk.futures import APIFuture, ResolvedFuture
+from treadle.types import (
+    AdamParams,
+    Datum,
+    ForwardBackwardOutput,
+    GetInfoResponse,
+    LoadWeightsResponse,
+    ModelData,
+    OptimStepResponse,
+    SaveWeightsForSamplerResponse,
+    SaveWeightsResponse,
+)
+
+LossFn = Callable[[list[Datum], list[Any]], tuple[Any, dict[str, float]]]
+
+
+def _optim_response(value: dict) -> OptimStepResponse:
+    metrics = dict(value.get("metrics") or {})
+    metrics.setdefault("step:max", float(value.get("step", 0)))
+    return OptimStepResponse(metrics=metrics)
+
+
+class TrainingClient:
+    def __init__(self, ops, record: SessionRecord):
+        self._ops = ops
+        self._record = record
+
+    # ------------------------------------------------------------ identity
+    @property
+    def session_id(self) -> str:
+        return self._record.session_id
+
+    @property
+    def run_id(self) -> str:
+        return self._record.run_id
+
+    @property
+    def base_model(self) -> str:
+        return self._record.base_model
+
+    def _submit(self, op: str, request, decode) -> APIFuture:
+        fid = self._ops.submit(self.session_id, op, request.model_dump(mode="json"))
+        return APIFuture(self._ops, fid, decode, base_model=self.base_model)
+
+    # ------------------------------------------------------------ training ops
+    def forward(self, data: Sequence[Datum], loss_fn: str = "cross_entropy", loss_fn_config: dict | None = None) -> APIFuture[ForwardBackwardOutput]:
+        """Per-token logprobs and the loss, without gradients."""
+        return self._submit("forward", ForwardBackwardRequest.build(_datums(data), loss_fn, loss_fn_config), decode_forward_output)
+
+    def forward_backward(self, data: Sequence[Datum], loss_fn: str, loss_fn_config: dict | None = None) -> APIFuture[ForwardBackwardOutput]:
+        """Adds this batch's gradients to the session's accumulated gradients (summed over tokens)."""
+        return self._submit("forward_backward", ForwardBackwardRequest.build(_datums(data), loss_fn, loss_fn_config), decode_forward_output)
+
+    def forward_backward_custom(self, data: Sequence[Datum], loss_fn: LossFn) -> APIFuture[ForwardBackwardOutput]:
+        """A loss computed here, on the client, from the worker's logprobs (needs torch locally).
+
+        Runs `forward`, calls `loss_fn(data, logprobs)` on leaf tensors that require grad, then sends
+        a cross_entropy backward with weights = -dLoss/dlogprobs, which yields the exact gradient.
+        Blocks until the backward is submitted, so ops submitted afterwards stay in order.
+        """
+        import torch
+
+        data = _datums(data)
+        forward = self.forward(data, "cross_entropy").result()
+        logprobs = [o["logprobs"].to_torch().float().requires_grad_(True) for o in forward.loss_fn_outputs]
+        loss, metrics = loss_fn(data, logprobs)
+        loss.backward()
+        weighted = []
+        for datum, lp in zip(data, logprobs):
+            grad = lp.grad if lp.grad is not None else torch.zeros_like(lp)
+            weighted.append(Datum(model_input=datum.model_input, loss_fn_inputs={
+                "target_tokens": datum.loss_fn_inputs["target_tokens"],
+                "weights": (-grad).detach().numpy(),
+            }))
+        user_metrics = {k if ":" in k else f"{k}:mean": float(v) for k, v in (metrics or {}).items()}
+        user_metrics["loss:sum"] = float(loss.detach())
+
+        def decode(value: dict) -> ForwardBackwardOutput:
+            out = decode_forward_output(value)
+            return out.model_copy(update={"metrics": {**out.metrics, **user_metrics}})
+
+        return self._submit("forward_backward", ForwardBackwardRequest.build(weighted, "cross_entropy", None), decode)
+
+    def optim_step(self, adam_params: AdamParams | None = None) -> APIFuture[OptimStepResponse]:
+        """Applies the accumulated gradients with AdamW, then clears them."""
+        return self._submit("optim_step", OptimStepRequest(adam_params=adam_params or AdamParams()), _optim_response)
+
+    # ------------------------------------------------------------ weights and state
+    def save_state(self, name: str, ttl_seconds: int | None = None, overwrite: bool = False,
+                   user_metadata: dict | None = None) -> APIFuture[SaveWeightsResponse]:
+        """Adapter + optimizer state, as treadle://<run_id>/weights/<name>."""
+        req = SaveStateRequest(name=name, ttl_seconds=ttl_seconds, overwrite=overwrite, user_metadata=user_metadata)
+        return self._submit("save_state", req, lambda v: SaveWeightsResponse(path=v["path"]))
+
+    def load_state(self, path: str) -> APIFuture[LoadWeightsResponse]:
+        """Loads the weights of a save_state checkpoint and resets the optimizer."""
+        return self._submit("load_state", LoadStateRequest(path=path, with_optimizer=False),
+                            lambda v: LoadWeightsResponse(path=v["path"], model_id=self.session_id))
+
+    def load_state_with_optimizer(self, path: str) -> APIFuture[LoadWeightsResponse]:
+        """Loads weights and Adam moments exactly (or fails loudly)."""
+        return self._submit("load_state", LoadStateRequest(path=path, with_optimizer=True),
+                            lambda v: LoadWeightsResponse(path=v["path"], model_id=self.session_id))
+
+    def save_weights_for_sampler(self, name: str | None = None, ttl_seconds: int | None = None,
+                                 merge_weights: bool = False) -> APIFuture[SaveWeightsForSamplerResponse]:
+        """A frozen snapshot of the adapter now, as treadle://<run_id>/sampler_weights/<name>.
+
+        `merge_weights=True` (SageMaker's spelling) also stores a merged model under `merged/`.
+        """
+        req = SaveSamplerRequest(name=name, ttl_seconds=ttl_seconds, merge_weights=merge_weights)
+        return self._submit("save_weights_for_sampler", req, lambda v: SaveWeightsForSamplerResponse(path=v["path"]))
+
+    def save_weights_and_get_sampling_client(self, name: str | None = None):
+        """Snapshot the adapter (ephemeral unless named) and return a SamplingClient bound to it."""
+        path = self.save_weights_for_sampler(name).result().path
+        return self.create_sampling_client(path)
+
+    def create_sampling_client(self, model_path: str):
+        from treadle.sdk.sampling_client import SamplingClient
+
+        return SamplingClient(self._ops, base_model=self.base_model, model_path=model_path)
+
+    # ------------------------------------------------------------ info
+    def get_info(self) -> GetInfoResponse:
+        return GetInfoResponse(
+            model_id=self.session_id,
+            model_data=ModelData(arch=None, model_name=self.base_model, tokenizer_id=self.base_model),
+            is_lora=True, lora_rank=self._record.lora.rank, model_name=self.base_model,
+        )
+
+    def get_tokenizer(self):
+        from treadle.sdk.tokenizer import load_tokenizer
+
+        return load_tokenizer(self._ops, self.base_model)
+
+    def future(self, future_id: str) -> APIFuture:
+        """Resolve any op of this session by id (e.g. after restarting the client)."""
+        return APIFuture(self._ops, future_id, _decode_any, base_model=self.base_model)
+
+    # ------------------------------------------------------------ lifecycle
+    def stop(self) -> None:
+        """Frees the session's adapter on the worker (after every op already submitted)."""
+        APIFuture(self._ops, self._ops.stop_session(self.session_id), lambda v: v).result()
+
+    def __enter__(self) -> "TrainingClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    # ------------------------------------------------------------ async twins
+    async def forward_async(self, data, loss_fn="cross_entropy", loss_fn_config=None):
+        return self.forward(data, loss_fn, loss_fn_config)
+
+    async def forward_backward_async(self, data, loss_fn, loss_fn_config=None):
+        return self.forward_backward(data, loss_fn, loss_fn_config)
+
+    async def forward_backward_custom_async(self, data, loss_fn):
+        return self.forward_backward_custom(data, loss_fn)
+
+    async def optim_step_async(self, adam_params=None):
+        return self.optim_step(adam_params)
+
+    async def save_state_async(self, name, ttl_seconds=None, overwrite=False, user_metadata=None):
+        return self.save_state(name, ttl_seconds, overwrite, user_metadata)
+
+    async def load_state_async(self, path):
+        return self.load_state(path)
+
+    async def load_state_with_optimizer_async(self, path):
+        return self.load_state_with_optimizer(path)
+
+    async def save_weights_for_sampler_async(self, name=None, ttl_seconds=None, merge_weights=False):
+        return self.save_weights_for_sampler(name, ttl_seconds, merge_weights)
+
+    async def save_weights_and_get_sampling_client_async(self, name=None):
+        path = (await self.save_weights_for_sampler(name)).path
+        return self.create_sampling_client(path)
+
+
+def _datums(data: Sequence[Datum]) -> list[Datum]:
+    return [d if isinstance(d, Datum) else Datum.model_validate(d) for d in data]
+
+
+def _decode_any(value: dict):
+    if "loss_fn_outputs" in value:
+        return decode_forward_output(value)
+    return value

@@ -1,0 +1,26 @@
+"""Where a treadle process finds Redis and the checkpoint store.
+
+Read from arguments first, then the environment (`TREADLE_BROKER_URL`, `TREADLE_RESULT_URL`,
+`TREADLE_STORAGE_URL`). S3 endpoint and keys come from boto3's own environment
+(`AWS_ENDPOINT_URL`, `AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY`).
+"""
+
+from __future__ import annotations
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class ConnectionSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="TREADLE_", extra="ignore")
+
+    broker_url: str | None = Field(default=None, description="Redis URL of the Celery broker, e.g. redis://127.0.0.1:6379/0.")
+    result_url: str | None = Field(default=None, description="Redis URL of the result backend; defaults to the broker.")
+    storage_url: str | None = Field(default=None, description="Checkpoint store: file:///dir or s3://bucket/prefix.")
+
+    @property
+    def result_backend(self) -> str | None:
+        return self.result_url or self.broker_url
+
+    def is_configured(self) -> bool:
+        return self.broker_url is not None
