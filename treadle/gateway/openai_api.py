@@ -1,0 +1,187 @@
+"""OpenAI-compatible `/v1/chat/completions`, `/v1/completions` and `/v1/models` over treadle's sampler.
+
+`model` names what to sample: a sampler checkpoint (`tinker://...` or `treadle://...`), a sampling
+session id from the Tinker API, or a served base model. A checkpoint is sampled with its adapter
+applied (the worker loads that snapshot; it never falls back to the base model). The chat template
+and the detokenisation use the base model's own tokenizer, loaded here with transformers.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from functools import lru_cache
+from typing import Literal
+
+from fastapi import APIRouter, Depends, HTTPException, Request
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.concurrency import run_in_threadpool
+
+from treadle.errors import InvalidRequestError, TreadleError
+from treadle.gateway.auth import require_owner
+from treadle.gateway.backend import Backend
+from treadle.queue.ops import parse_request
+from treadle.types import SamplingParams
+
+router = APIRouter()
+
+
+class _OpenAIRequest(BaseModel):
+    # The OpenAI client sends fields treadle does not use (user, metadata, ...): accept and ignore them.
+    model_config = ConfigDict(extra="ignore")
+
+    model: str = Field(description="A sampler path (tinker:// or treadle://), a sampler id, or a served base model.")
+    n: int = Field(default=1, ge=1, le=128, description="Completions to generate.")
+    max_tokens: int | None = Field(default=None, ge=1, description="Most new tokens per completion.")
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0, description="Sampling temperature; 0 is greedy.")
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
+    stop: str | list[str] | None = Field(default=None, description="Stop strings (not included in the output).")
+    seed: int | None = Field(default=None, description="Random seed; the same seed gives the same completion.")
+    stream: bool = Field(default=False, description="Streaming is not supported.")
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: str
+    content: str | list[dict] | None = None
+
+
+class ChatCompletionRequest(_OpenAIRequest):
+    messages: list[ChatMessage] = Field(min_length=1, description="The conversation so far.")
+    max_completion_tokens: int | None = Field(default=None, ge=1, description="Newer spelling of max_tokens.")
+    logprobs: bool = Field(default=False, description="Return the logprob of each generated token.")
+    top_logprobs: int | None = Field(default=None, ge=0, le=0, description="Only 0 is supported.")
+
+
+class CompletionRequest(_OpenAIRequest):
+    prompt: str | list[int] = Field(description="A prompt string, or its token ids.")
+    max_tokens: int | None = Field(default=16, ge=1, description="Most new tokens per completion (OpenAI's default is 16).")
+    logprobs: int | None = Field(default=None, ge=0, le=0, description="0 returns each token's logprob; top alternatives are not supported.")
+    echo: Literal[False] = Field(default=False, description="Echoing the prompt is not supported.")
+
+
+@lru_cache(maxsize=16)
+def load_tokenizer(source: str):
+    """A served model's tokenizer, from the HF id or directory the worker registry reports."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(source)
+
+
+def _error(status: int, message: str, kind: str) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": None}}, status_code=status)
+
+
+@router.get("/models")
+async def list_models(request: Request, owner: str = Depends(require_owner)) -> dict:
+    served = await run_in_threadpool(request.app.state.backend.ops.served_models)
+    return {"object": "list", "data": [{"id": m.name, "object": "model", "created": 0, "owned_by": "treadle"} for m in served]}
+
+
+@router.post("/chat/completions")
+async def chat_completions(request: Request, owner: str = Depends(require_owner)):
+    req = parse_request(ChatCompletionRequest, await request.json())
+    return await _complete(request.app.state.backend, owner, req, chat=True)
+
+
+@router.post("/completions")
+async def completions(request: Request, owner: str = Depends(require_owner)):
+    req = parse_request(CompletionRequest, await request.json())
+    return await _complete(request.app.state.backend, owner, req, chat=False)
+
+
+async def _complete(backend: Backend, owner: str, req: _OpenAIRequest, *, chat: bool):
+    try:
+        if req.stream:
+            raise InvalidRequestError("stream: streaming responses are not supported; send stream=false")
+        base_model, model_path = await run_in_threadpool(_resolve_model, backend, owner, req.model)
+        tokenizer = await run_in_threadpool(load_tokenizer, await run_in_threadpool(backend.tokenizer_source, base_model))
+        prompt = _prompt_tokens(tokenizer, req, chat)
+        stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+        max_tokens = (req.max_completion_tokens or req.max_tokens) if chat else req.max_tokens
+        params = parse_request(SamplingParams, {
+            "max_tokens": max_tokens, "temperature": req.temperature, "top_p": req.top_p, "seed": req.seed, "stop": stops or None,
+        }, "sampling_params")
+        payload = {
+            "model_path": model_path, "prompt": prompt, "num_samples": req.n, "sampling_params": params.model_dump(),
+            "include_prompt_logprobs": False, "topk_prompt_logprobs": 0,
+        }
+        future_id = await run_in_threadpool(backend.submit_sample, owner, base_model, payload)
+        result = await run_in_threadpool(backend.ops.wait, future_id, backend.settings.sample_timeout_seconds)
+    except TreadleError as exc:
+        return _error(400 if exc.category == "user" else 500, exc.message, "invalid_request_error" if exc.category == "user" else "server_error")
+    except HTTPException as exc:
+        return _error(exc.status_code, str(exc.detail), "invalid_request_error")
+    choices = [_choice(i, tokenizer, seq, stops, chat, bool(req.logprobs is not None and req.logprobs is not False))
+               for i, seq in enumerate(result["sequences"])]
+    completion_tokens = sum(len(seq["tokens"]) for seq in result["sequences"])
+    return {
+        "id": f"{'chatcmpl' if chat else 'cmpl'}-{secrets.token_hex(12)}",
+        "object": "chat.completion" if chat else "text_completion",
+        "created": int(time.time()),
+        "model": req.model,
+        "choices": choices,
+        "usage": {"prompt_tokens": len(prompt), "completion_tokens": completion_tokens, "total_tokens": len(prompt) + completion_tokens},
+    }
+
+
+def _resolve_model(backend: Backend, owner: str, model: str) -> tuple[str, str | None]:
+    """(base model, treadle sampler path or None) for the request's `model`."""
+    if "://" in model:
+        path, manifest = backend.checkpoint(model, owner)
+        return manifest.base_model, path.uri()
+    sampler = backend.store.get_sampler(model)
+    if sampler is not None and sampler.owner == owner:
+        return sampler.base_model, sampler.model_path
+    backend.served_model(model)
+    return model, None
+
+
+def _prompt_tokens(tokenizer, req: _OpenAIRequest, chat: bool) -> list[int]:
+    if not chat:
+        prompt = req.prompt
+        return list(prompt) if isinstance(prompt, list) else tokenizer.encode(prompt, add_special_tokens=False)
+    messages = []
+    for i, message in enumerate(req.messages):
+        content = message.content
+        if isinstance(content, list):  # content parts: only text is supported
+            if any(part.get("type") != "text" for part in content):
+                raise InvalidRequestError(f"messages[{i}].content: only text parts are supported")
+            content = "".join(part.get("text", "") for part in content)
+        messages.append({"role": message.role, "content": content or ""})
+    if tokenizer.chat_template is None:
+        raise InvalidRequestError(f"model: {req.model!r} has a tokenizer without a chat template; use /v1/completions")
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def _choice(index: int, tokenizer, seq: dict, stops: list[str], chat: bool, with_logprobs: bool) -> dict:
+    tokens, logprobs = list(seq["tokens"]), seq.get("logprobs")
+    finish_reason = "length" if seq["stop_reason"] == "length" else "stop"
+    if finish_reason == "stop" and tokens and tokens[-1] in tokenizer.all_special_ids:
+        tokens = tokens[:-1]  # the end-of-turn token ended it; it is not part of the text
+    text = tokenizer.decode(tokens, skip_special_tokens=True)
+    cut = min((text.find(s) for s in stops if s and s in text), default=-1)
+    if cut >= 0:
+        text = text[:cut]
+    choice: dict = {"index": index, "finish_reason": finish_reason}
+    if chat:
+        choice["message"] = {"role": "assistant", "content": text}
+        if with_logprobs:
+            choice["logprobs"] = {"content": [
+                {"token": tokenizer.decode([t]), "logprob": lp, "bytes": list(tokenizer.decode([t]).encode()), "top_logprobs": []}
+                for t, lp in zip(tokens, logprobs or [])
+            ]}
+        else:
+            choice["logprobs"] = None
+    else:
+        choice["text"] = text
+        choice["logprobs"] = {
+            "tokens": [tokenizer.decode([t]) for t in tokens],
+            "token_logprobs": list((logprobs or [])[: len(tokens)]),
+            "top_logprobs": None,
+            "text_offset": [],
+        } if with_logprobs else None
+    return choice

@@ -1,0 +1,145 @@
+"""Protobuf in and out, with the message definitions the `tinker` package ships (`tinker_public_pb2`).
+
+SDK 0.38 sends every forward_backward as a protobuf `ForwardBackwardRequest` and accepts
+`ForwardBackwardOutput` and `SampleResponse` results only as protobuf. Tensors on both sides are raw
+little-endian bytes, which is also treadle's own tensor wire format (`TensorData.to_wire`), so dense
+tensors pass through as bytes without being decoded into Python lists.
+"""
+
+from __future__ import annotations
+
+import base64
+import math
+
+import numpy as np
+from tinker.proto import tinker_public_pb2 as pb
+
+from treadle.errors import InvalidRequestError
+
+PROTO_MEDIA_TYPE = "application/x-protobuf"
+
+_DTYPE_NAMES = {pb.DTYPE_FLOAT32: "float32", pb.DTYPE_INT64: "int64"}
+_NP = {"float32": np.dtype("<f4"), "int64": np.dtype("<i8")}
+_STOP = {"stop": pb.STOP_REASON_STOP, "length": pb.STOP_REASON_LENGTH}
+
+
+# ---------------------------------------------------------------- requests
+
+
+def parse_forward_backward(body: bytes) -> pb.ForwardBackwardRequest:
+    msg = pb.ForwardBackwardRequest()
+    try:
+        msg.ParseFromString(body)
+    except Exception as exc:  # protobuf's DecodeError derives from Exception only
+        raise InvalidRequestError(f"body: not a protobuf ForwardBackwardRequest ({exc})") from None
+    return msg
+
+
+def forward_backward_payload(msg: pb.ForwardBackwardRequest) -> dict:
+    """treadle's forward/forward_backward op payload: `{"data": [Datum wire], "loss_fn", "loss_fn_config"}`."""
+    return {
+        "data": [_datum_to_wire(i, d) for i, d in enumerate(msg.data)],
+        "loss_fn": msg.loss_fn,
+        "loss_fn_config": _loss_config(msg) or None,
+    }
+
+
+def _loss_config(msg: pb.ForwardBackwardRequest) -> dict:
+    # v2 carries numbers and strings; the legacy map only numbers. The SDK writes both; prefer v2.
+    if msg.loss_fn_config_v2:
+        return {k: (v.text if v.WhichOneof("value") == "text" else v.number) for k, v in msg.loss_fn_config_v2.items()}
+    return dict(msg.loss_fn_config)
+
+
+def _datum_to_wire(index: int, datum: pb.Datum) -> dict:
+    tokens: list[int] = []
+    for chunk in datum.model_input:
+        kind = chunk.WhichOneof("chunk")
+        if kind != "encoded_text":
+            raise InvalidRequestError(f"data[{index}].model_input: {kind} chunks are not supported; only encoded_text")
+        tokens.extend(np.frombuffer(chunk.encoded_text.tokens, dtype="<i4").tolist())
+    inputs = {name: _tensor_to_wire(f"data[{index}].loss_fn_inputs.{name}", t) for name, t in datum.loss_fn_inputs.items()}
+    return {"tokens": tokens, "inputs": inputs}
+
+
+def _tensor_to_wire(field: str, tensor: pb.Tensor) -> dict:
+    dtype = _DTYPE_NAMES.get(tensor.dtype)
+    if dtype is None:
+        raise InvalidRequestError(f"{field}: dtype {pb.DType.Name(tensor.dtype)} is not supported; use float32 or int64")
+    shape = list(tensor.shape) or None
+    if tensor.WhichOneof("encoding") == "sparse_csr":
+        raw = _densify_csr(field, tensor.sparse_csr, dtype, shape)
+    else:
+        raw = tensor.dense
+    count = len(raw) // _NP[dtype].itemsize
+    if shape is not None and math.prod(shape) != count:
+        raise InvalidRequestError(f"{field}: shape {shape} holds {math.prod(shape)} values but the tensor has {count}")
+    return {"dtype": dtype, "shape": shape, "b64": base64.b64encode(raw).decode("ascii")}
+
+
+def _densify_csr(field: str, csr: pb.SparseCsr, dtype: str, shape: list[int] | None) -> bytes:
+    if shape is None or len(shape) != 2:
+        raise InvalidRequestError(f"{field}: a sparse CSR tensor needs a 2-D shape, got {shape}")
+    values = np.frombuffer(csr.values, dtype=_NP[dtype])
+    crow = np.frombuffer(csr.crow_indices, dtype="<i8")
+    cols = np.frombuffer(csr.col_indices, dtype="<i8")
+    dense = np.zeros(shape, dtype=_NP[dtype])
+    for row in range(shape[0]):
+        start, end = int(crow[row]), int(crow[row + 1])
+        dense[row, cols[start:end]] = values[start:end]
+    return dense.tobytes()
+
+
+# ---------------------------------------------------------------- results
+
+
+def encode_forward_backward_output(result: dict) -> bytes:
+    """treadle's forward/forward_backward result -> protobuf ForwardBackwardOutput (one ArrayRecord)."""
+    outputs: list[dict] = result.get("loss_fn_outputs") or []
+    msg = pb.ForwardBackwardOutput(loss_fn_output_type="ArrayRecord")
+    for key, value in (result.get("metrics") or {}).items():
+        msg.metrics[key] = float(value)
+    if outputs:
+        record = msg.loss_fn_outputs.add(type_tag="ArrayRecord", num_datums=len(outputs))
+        for name in outputs[0]:
+            record.fields[name].CopyFrom(_batched([o[name] for o in outputs]))
+    return msg.SerializeToString()
+
+
+def _batched(wires: list[dict]) -> pb.BatchedTensor:
+    """Per-datum tensors concatenated, with n+1 byte offsets; the leading dimension is each datum's own."""
+    blobs = [base64.b64decode(w["b64"]) for w in wires]
+    offsets = np.cumsum([0] + [len(b) for b in blobs], dtype="<i8")
+    shape = wires[0].get("shape") or []
+    dtype = pb.DTYPE_INT64 if wires[0]["dtype"] == "int64" else pb.DTYPE_FLOAT32
+    return pb.BatchedTensor(data=b"".join(blobs), offsets=offsets.tobytes(), dtype=dtype, trailing_shape=list(shape[1:]))
+
+
+def encode_sample_response(result: dict) -> bytes:
+    """treadle's SampleResponse dict -> protobuf SampleResponse (prompt logprobs: f32, NaN for None)."""
+    msg = pb.SampleResponse(prompt_cache_hit_tokens=int(result.get("prompt_cache_hit_tokens") or 0))
+    for seq in result.get("sequences") or []:
+        out = msg.sequences.add(
+            stop_reason=_STOP[seq["stop_reason"]],
+            tokens=np.asarray(seq["tokens"], dtype="<i4").tobytes(),
+        )
+        if seq.get("logprobs") is not None:
+            out.logprobs = np.asarray(seq["logprobs"], dtype="<f4").tobytes()
+    prompt_logprobs = result.get("prompt_logprobs")
+    if prompt_logprobs is not None:
+        msg.prompt_logprobs = np.asarray([math.nan if v is None else v for v in prompt_logprobs], dtype="<f4").tobytes()
+    topk = result.get("topk_prompt_logprobs")
+    if topk:
+        _encode_topk(msg.topk_prompt_logprobs, topk)
+    return msg.SerializeToString()
+
+
+def _encode_topk(msg: pb.TopkLogprobs, rows: list) -> None:
+    """N x K row-major; a missing row (position 0) or a short one is padded with (0, -99999.0)."""
+    k = max((len(r) for r in rows if r), default=0)
+    ids = np.zeros((len(rows), k), dtype="<i4")
+    lps = np.full((len(rows), k), -99999.0, dtype="<f4")
+    for i, row in enumerate(rows):
+        for j, (token, logprob) in enumerate(row or []):
+            ids[i, j], lps[i, j] = token, logprob
+    msg.token_ids, msg.logprobs, msg.k, msg.length = ids.tobytes(), lps.tobytes(), k, len(rows)

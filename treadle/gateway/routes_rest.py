@@ -1,0 +1,172 @@
+"""RestClient endpoints: training runs, checkpoints, weights info, sessions. Only the caller's own are visible.
+
+A Tinker training run is a treadle run (id = the model id); its checkpoints are the store's manifests,
+served with `tinker://` paths. Endpoints treadle has no counterpart for (publishing, signed download
+URLs, billing, projects) are left undefined, so the SDK gets a plain 404.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+
+from fastapi import APIRouter, Depends, Request
+from starlette.concurrency import run_in_threadpool
+from tinker import types as tt
+
+from treadle.gateway.auth import not_found, require_owner
+from treadle.gateway.backend import Backend
+from treadle.queue.ops import parse_request
+from treadle.storage.manifest import Manifest
+from treadle.storage.paths import CheckpointPath
+
+router = APIRouter()
+
+
+def _backend(request: Request) -> Backend:
+    return request.app.state.backend
+
+
+def _time(seconds: float | None) -> str | None:
+    return None if seconds is None else datetime.fromtimestamp(seconds, tz=timezone.utc).isoformat()
+
+
+def _strings(metadata: dict | None) -> dict[str, str] | None:
+    return None if metadata is None else {str(k): str(v) for k, v in metadata.items()}
+
+
+def checkpoint_json(manifest: Manifest) -> dict:
+    return {
+        "checkpoint_id": f"{manifest.kind}/{manifest.name}",
+        "checkpoint_type": "training" if manifest.kind == "weights" else "sampler",
+        "time": _time(manifest.created_at),
+        "tinker_path": manifest.path.uri("tinker"),
+        "size_bytes": manifest.size_bytes,
+        "public": False,
+        "user_metadata": _strings(manifest.user_metadata) or None,
+        "expires_at": _time(manifest.expires_at),
+    }
+
+
+def _run_json(backend: Backend, run_id: str, run: dict) -> dict:
+    manifests = backend.checkpoint_store().list_checkpoints(run_id)
+    last = {kind: next((m for m in reversed(manifests) if m.kind == kind), None) for kind in ("weights", "sampler_weights")}
+    session = backend.ops.session_info(run_id)
+    last_request = session.last_activity if session is not None else run.get("created_at")
+    return {
+        "training_run_id": run_id,
+        "base_model": run["base_model"],
+        "model_owner": run.get("owner") or "",
+        "is_lora": True,
+        "corrupted": False,
+        "lora_rank": run.get("lora_rank"),
+        "last_request_time": _time(last_request or 0.0),
+        "last_checkpoint": checkpoint_json(last["weights"]) if last["weights"] else None,
+        "last_sampler_checkpoint": checkpoint_json(last["sampler_weights"]) if last["sampler_weights"] else None,
+        "user_metadata": _strings(run.get("user_metadata")),
+    }
+
+
+def _owned_runs(backend: Backend, owner: str) -> list[tuple[str, dict]]:
+    store = backend.checkpoint_store()
+    runs = []
+    for run_id in store.list_runs():
+        run = store.get_run(run_id)
+        if run is not None and run.get("owner") == owner:
+            runs.append((run_id, run))
+    return sorted(runs, key=lambda item: item[1].get("created_at") or 0.0)
+
+
+@router.get("/training_runs")
+async def list_training_runs(request: Request, limit: int = 20, offset: int = 0, owner: str = Depends(require_owner)) -> dict:
+    backend = _backend(request)
+
+    def build() -> dict:
+        runs = _owned_runs(backend, owner)
+        page = runs[offset: offset + limit]
+        return {
+            "training_runs": [_run_json(backend, run_id, run) for run_id, run in page],
+            "cursor": {"offset": offset, "limit": limit, "total_count": len(runs)},
+        }
+
+    return await run_in_threadpool(build)
+
+
+@router.get("/training_runs/{run_id}")
+async def get_training_run(run_id: str, request: Request, owner: str = Depends(require_owner)) -> dict:
+    backend = _backend(request)
+    return await run_in_threadpool(lambda: _run_json(backend, run_id, backend.run(run_id, owner)))
+
+
+@router.get("/training_runs/{run_id}/checkpoints")
+async def list_checkpoints(run_id: str, request: Request, owner: str = Depends(require_owner)) -> dict:
+    backend = _backend(request)
+
+    def build() -> dict:
+        backend.run(run_id, owner)
+        return {"checkpoints": [checkpoint_json(m) for m in backend.checkpoint_store().list_checkpoints(run_id)]}
+
+    return await run_in_threadpool(build)
+
+
+@router.delete("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}")
+async def delete_checkpoint(run_id: str, checkpoint_id: str, request: Request, owner: str = Depends(require_owner)) -> None:
+    backend = _backend(request)
+    path = f"tinker://{run_id}/{checkpoint_id}"
+
+    def delete() -> None:
+        parsed, _ = backend.checkpoint(path, owner)
+        backend.checkpoint_store().delete(parsed)
+
+    await run_in_threadpool(delete)
+
+
+@router.get("/checkpoints")
+async def list_user_checkpoints(request: Request, limit: int = 100, offset: int = 0, owner: str = Depends(require_owner)) -> dict:
+    backend = _backend(request)
+
+    def build() -> dict:
+        manifests = [m for run_id, _ in _owned_runs(backend, owner) for m in backend.checkpoint_store().list_checkpoints(run_id)]
+        manifests.sort(key=lambda m: m.created_at, reverse=True)
+        return {
+            "checkpoints": [checkpoint_json(m) for m in manifests[offset: offset + limit]],
+            "cursor": {"offset": offset, "limit": limit, "total_count": len(manifests)},
+        }
+
+    return await run_in_threadpool(build)
+
+
+@router.post("/weights_info")
+async def weights_info(request: Request, owner: str = Depends(require_owner)) -> dict:
+    backend = _backend(request)
+    body = await request.json()
+    tinker_path = body.get("tinker_path") if isinstance(body, dict) else None
+    if not isinstance(tinker_path, str):
+        raise not_found("checkpoint", str(tinker_path))
+    _, manifest = await run_in_threadpool(backend.checkpoint, tinker_path, owner)
+    lora = manifest.lora_config or {}
+    return {
+        "base_model": manifest.base_model,
+        "is_lora": True,
+        "lora_rank": lora.get("rank"),
+        "train_unembed": lora.get("train_unembed"),
+        "train_mlp": lora.get("train_mlp"),
+        "train_attn": lora.get("train_attn"),
+        "optimizer_config": {"type": "adamw"},
+    }
+
+
+@router.get("/sessions")
+async def list_sessions(request: Request, limit: int = 20, offset: int = 0, owner: str = Depends(require_owner)) -> dict:
+    sessions = await run_in_threadpool(_backend(request).store.sessions_of, owner)
+    return {"sessions": [s.session_id for s in sessions[offset: offset + limit]]}
+
+
+@router.get("/sessions/{session_id}")
+async def get_session(session_id: str, request: Request, owner: str = Depends(require_owner)) -> dict:
+    backend = _backend(request)
+    session = await run_in_threadpool(backend.client_session, session_id, owner)
+    return {
+        "training_run_ids": await run_in_threadpool(backend.store.members, session_id, "models"),
+        "sampler_ids": await run_in_threadpool(backend.store.members, session_id, "samplers"),
+        "user_metadata": _strings(session.user_metadata),
+    }

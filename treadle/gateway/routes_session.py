@@ -1,0 +1,83 @@
+"""Client set-up and session bookkeeping: client/config, create_session, heartbeat, finish, health, telemetry."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Depends, Request
+from starlette.concurrency import run_in_threadpool
+from tinker import types as tt
+
+from treadle.gateway.auth import require_owner
+from treadle.gateway.backend import Backend
+from treadle.queue.ops import parse_request
+
+router = APIRouter()
+
+
+def _backend(request: Request) -> Backend:
+    return request.app.state.backend
+
+
+@router.get("/healthz")
+async def healthz() -> dict:
+    return {"status": "ok"}
+
+
+@router.post("/client/config")
+async def client_config(request: Request, owner: str = Depends(require_owner)) -> dict:
+    """Feature flags of this server. Required: the SDK aborts if this endpoint is missing."""
+    settings = _backend(request).settings
+    return {
+        "pjwt_auth_enabled": False,
+        "parallel_fwdbwd_chunks": True,
+        "proto_compress_fwdbwd": False,
+        "fwdbwd_max_chunk_len": settings.fwdbwd_max_chunk_len,
+        "sample_use_retrieve_futures": False,
+        "sample_join_sampling_session": False,
+        "custom_loss_server_side": False,
+    }
+
+
+@router.post("/client/dynamic_config")
+async def client_dynamic_config(owner: str = Depends(require_owner)) -> dict:
+    return {"refresh_interval_sec": 300, "sample_cancel_enabled": False, "sample_cancel_max_batch_size": 64}
+
+
+@router.post("/create_session")
+async def create_session(request: Request, owner: str = Depends(require_owner)) -> dict:
+    req = parse_request(tt.CreateSessionRequest, await request.json())
+    session = await run_in_threadpool(_backend(request).new_client_session, owner, req.tags, req.user_metadata)
+    return {"session_id": session.session_id, "type": "create_session"}
+
+
+@router.post("/session_heartbeat")
+async def session_heartbeat(request: Request, owner: str = Depends(require_owner)) -> dict:
+    req = parse_request(tt.SessionHeartbeatRequest, await request.json())
+    backend = _backend(request)
+    await run_in_threadpool(backend.client_session, req.session_id, owner)
+    await run_in_threadpool(backend.store.touch_session, req.session_id)
+    return {"type": "session_heartbeat"}
+
+
+@router.post("/sessions/{session_id}/finish")
+async def finish_session(session_id: str, request: Request, owner: str = Depends(require_owner)) -> dict:
+    """The client closed: stop its training models so their workers free the adapters. Checkpoints stay."""
+    backend = _backend(request)
+    await run_in_threadpool(backend.client_session, session_id, owner)
+    for model_id in await run_in_threadpool(backend.store.members, session_id, "models"):
+        if await run_in_threadpool(backend.ops.session_info, model_id) is not None:
+            await run_in_threadpool(backend.stop_model, model_id)
+    return {"status": "finished"}
+
+
+@router.get("/get_server_capabilities")
+async def get_server_capabilities(request: Request, owner: str = Depends(require_owner)) -> dict:
+    served = await run_in_threadpool(_backend(request).ops.served_models)
+    return {"supported_models": [
+        {"model_name": m.name, "max_context_length": m.max_seq_len, "trainable": True, "sampleable": True} for m in served
+    ]}
+
+
+@router.post("/telemetry")
+async def telemetry(owner: str = Depends(require_owner)) -> dict:
+    """Accepted and discarded: treadle sends nothing anywhere."""
+    return {"status": "accepted"}

@@ -1,0 +1,193 @@
+"""Training endpoints: create_model, get_info, forward_backward, optim_step, save/load weights.
+
+Each returns a future (`{"request_id", "model_id"}`) at once; `retrieve_future` renders the result.
+Model ids are Tinker's own `<session>:train:<n>` and double as treadle session ids, so the SDK's
+client-side id arithmetic and treadle's checkpoint paths (`<run_id>` = model id) agree.
+"""
+
+from __future__ import annotations
+
+import zstandard
+from fastapi import APIRouter, Depends, HTTPException, Request
+from starlette.concurrency import run_in_threadpool
+from tinker import types as tt
+
+from treadle.errors import CheckpointNotFoundError, InvalidRequestError, TreadleError
+from treadle.gateway.auth import require_owner
+from treadle.gateway.backend import Backend, model_session_id
+from treadle.gateway.proto_codec import forward_backward_payload, parse_forward_backward
+from treadle.queue.ops import parse_request
+from treadle.types import AdamParams, LoraConfig
+
+router = APIRouter()
+
+
+def _backend(request: Request) -> Backend:
+    return request.app.state.backend
+
+
+def _future(request_id: str, model_id: str) -> dict:
+    return {"request_id": request_id, "model_id": model_id}
+
+
+@router.post("/create_model")
+async def create_model(request: Request, owner: str = Depends(require_owner)) -> dict:
+    backend, body = _backend(request), await request.body()
+    req = parse_request(tt.CreateModelRequest, await request.json())
+    await run_in_threadpool(backend.client_session, req.session_id, owner)
+    model_id = f"{req.session_id}:train:{req.model_seq_id}"
+    if req.optimizer_config.type != "adamw":
+        error = InvalidRequestError(f"optimizer_config.type: {req.optimizer_config.type!r} is not supported; treadle trains with 'adamw'")
+        return _future(backend.fail_local(owner, "create_model", error), model_id)
+    tinker_lora = req.lora_config or tt.LoraConfig(rank=LoraConfig().rank)
+    lora = parse_request(LoraConfig, tinker_lora.model_dump(exclude_none=True), "lora_config")
+
+    def create() -> dict:
+        backend.ops.create_session(
+            req.base_model, lora, session_id=model_id, owner=owner, user_metadata=req.user_metadata,
+            timeout=backend.settings.create_timeout_seconds,
+        )
+        return {"model_id": model_id, "type": "create_model"}
+
+    await run_in_threadpool(backend.store.add_member, req.session_id, "models", model_id)
+    request_id = await run_in_threadpool(backend.run_local, owner, "create_model", f"create_model:{model_id}", create, body=body)
+    return _future(request_id, model_id)
+
+
+@router.post("/get_info")
+async def get_info(request: Request, owner: str = Depends(require_owner)) -> dict:
+    req = parse_request(tt.GetInfoRequest, await request.json())
+    backend = _backend(request)
+    info = await run_in_threadpool(backend.model, req.model_id, owner)
+    tokenizer_id = await run_in_threadpool(backend.tokenizer_source, info.base_model)
+    return {
+        "type": "get_info",
+        "model_id": info.session_id,
+        # tokenizer_id is what the SDK's get_tokenizer() loads: the served model's HF id or directory
+        "model_data": {"arch": None, "model_name": info.base_model, "tokenizer_id": tokenizer_id},
+        "is_lora": True,
+        "lora_rank": info.lora.rank,
+        "model_name": info.base_model,
+        "optimizer_config": {"type": "adamw"},
+    }
+
+
+@router.post("/forward_backward")
+async def forward_backward(request: Request, owner: str = Depends(require_owner)) -> dict:
+    """Protobuf in; `forward_only` makes it a forward (the SDK has no separate /forward call)."""
+    backend, body = _backend(request), await request.body()
+    if request.headers.get("content-encoding", "").lower() == "zstd":
+        body = zstandard.ZstdDecompressor().decompress(body, max_output_size=1 << 31)
+    msg = parse_forward_backward(body)
+    await run_in_threadpool(backend.model, msg.model_id, owner)
+    op = "forward" if msg.forward_only else "forward_backward"
+    return _future(await _submit(backend, owner, msg.model_id, msg.seq_id, op, lambda: forward_backward_payload(msg),
+                                 kind="forward_backward", body=body), msg.model_id)
+
+
+@router.post("/optim_step")
+async def optim_step(request: Request, owner: str = Depends(require_owner)) -> dict:
+    backend, body = _backend(request), await request.body()
+    req = parse_request(tt.OptimStepRequest, await request.json())
+    await run_in_threadpool(backend.model, req.model_id, owner)
+
+    def payload() -> dict:
+        if not isinstance(req.optim_params, tt.AdamParams):
+            raise InvalidRequestError(f"optimizer_params.type: {req.optim_params.type!r} is not supported; treadle trains with AdamW (adam_params)")
+        return {"adam_params": parse_request(AdamParams, req.optim_params.model_dump(), "adam_params").model_dump()}
+
+    return _future(await _submit(backend, owner, req.model_id, req.seq_id, "optim_step", payload, kind="optim_step", body=body), req.model_id)
+
+
+@router.post("/save_weights")
+async def save_weights(request: Request, owner: str = Depends(require_owner)) -> dict:
+    """`TrainingClient.save_state`: adapter + optimizer state under tinker://<model_id>/weights/<name>."""
+    backend, body = _backend(request), await request.body()
+    req = parse_request(tt.SaveWeightsRequest, await request.json())
+    await run_in_threadpool(backend.model, req.model_id, owner)
+
+    def payload() -> dict:
+        if not req.path:
+            raise InvalidRequestError("path: a checkpoint name is required for save_state")
+        return {"name": req.path, "ttl_seconds": req.ttl_seconds, "overwrite": req.overwrite, "user_metadata": req.user_metadata}
+
+    return _future(await _submit(backend, owner, req.model_id, req.seq_id, "save_state", payload, kind="save_weights", body=body), req.model_id)
+
+
+@router.post("/save_weights_for_sampler")
+async def save_weights_for_sampler(request: Request, owner: str = Depends(require_owner)) -> dict:
+    """Named: a persistent sampler checkpoint. Ephemeral (no path): a snapshot that becomes a sampling session."""
+    backend, body = _backend(request), await request.body()
+    req = parse_request(tt.SaveWeightsForSamplerRequest, await request.json())
+    info = await run_in_threadpool(backend.model, req.model_id, owner)
+    extra = None
+    if req.path is None:
+        session_id = model_session_id(req.model_id)
+        seq = req.sampling_session_seq_id if req.sampling_session_seq_id is not None else req.seq_id
+        extra = {"sampler_id": f"{session_id}:sample:{seq}", "base_model": info.base_model, "session_id": session_id}
+    return _future(await _submit(
+        backend, owner, req.model_id, req.seq_id, "save_weights_for_sampler",
+        lambda: {"name": req.path, "ttl_seconds": req.ttl_seconds}, kind="save_weights_for_sampler", body=body, extra=extra,
+    ), req.model_id)
+
+
+@router.post("/load_weights")
+async def load_weights(request: Request, owner: str = Depends(require_owner)) -> dict:
+    """Into an existing model (deprecated `load_state`), or into a new one (`create_training_client_from_state*`)."""
+    backend, body = _backend(request), await request.body()
+    req = parse_request(tt.LoadWeightsRequest, await request.json())
+    if req.model_id is not None:
+        await run_in_threadpool(backend.model, req.model_id, owner)
+
+        def payload() -> dict:
+            path, _ = backend.checkpoint(req.path, owner)
+            return {"path": path.uri(), "with_optimizer": req.optimizer}
+
+        return _future(await _submit(backend, owner, req.model_id, req.seq_id, "load_state", payload, kind="load_weights", body=body), req.model_id)
+
+    if req.session_id is None or req.model_seq_id is None:
+        raise InvalidRequestError("load_weights: give either model_id and seq_id, or session_id and model_seq_id")
+    await run_in_threadpool(backend.client_session, req.session_id, owner)
+    path, manifest = await run_in_threadpool(backend.checkpoint, req.path, owner)
+    model_id = f"{req.session_id}:train:{req.model_seq_id}"
+    base_model = req.base_model or manifest.base_model
+    lora = LoraConfig.model_validate(manifest.lora_config) if manifest.lora_config else LoraConfig()
+
+    def create() -> dict:
+        backend.ops.create_session(
+            base_model, lora, session_id=model_id, owner=owner, user_metadata=req.user_metadata,
+            from_state=path.uri(), with_optimizer=req.optimizer, timeout=backend.settings.create_timeout_seconds,
+        )
+        return {"model_id": model_id, "path": path.uri("tinker"), "type": "load_weights"}
+
+    await run_in_threadpool(backend.store.add_member, req.session_id, "models", model_id)
+    request_id = await run_in_threadpool(backend.run_local, owner, "load_weights", f"load_weights:{model_id}", create, body=body)
+    return _future(request_id, model_id)
+
+
+@router.post("/save_weights_external")
+async def save_weights_external(request: Request, owner: str = Depends(require_owner)) -> dict:
+    backend, body = _backend(request), await request.body()
+    req = parse_request(tt.SaveWeightsExternalRequest, await request.json())
+    await run_in_threadpool(backend.model, req.model_id, owner)
+    error = InvalidRequestError(
+        "save_weights_external is not supported by treadle; save_weights_for_sampler writes a PEFT adapter "
+        "directory, and `treadle checkpoints export` writes a merged model"
+    )
+    return _future(await run_in_threadpool(backend.refuse_op, owner, req.model_id, req.seq_id, error, body=body), req.model_id)
+
+
+async def _submit(backend: Backend, owner: str, model_id: str, seq_id: int | None, op: str, build_payload, **kwargs) -> str:
+    """Build the op's payload and publish it at seq_id; a request that cannot be translated takes its seq as a noop."""
+    def run() -> str:
+        try:
+            payload = build_payload()
+        except TreadleError as exc:
+            if exc.category != "user":
+                raise
+            return backend.refuse_op(owner, model_id, seq_id, exc, body=kwargs["body"])
+        except HTTPException as exc:  # a checkpoint that is not the caller's (404)
+            return backend.refuse_op(owner, model_id, seq_id, CheckpointNotFoundError(str(exc.detail)), body=kwargs["body"])
+        return backend.submit_op(owner, model_id, seq_id, op, payload, **kwargs)
+
+    return await run_in_threadpool(run)
