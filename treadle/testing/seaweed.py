@@ -147,7 +147,8 @@ class SeaweedServer:
         grpc = dict(zip(_COMPONENTS_WITH_PORTS, ports[len(_COMPONENTS_WITH_PORTS):]))
         self.grpc_ports = grpc
         data, logs = self.workdir / "data", self.workdir / "logs"
-        data.mkdir(exist_ok=True)
+        shutil.rmtree(data, ignore_errors=True)  # a failed earlier attempt must not leave state behind
+        data.mkdir()
         logs.mkdir(exist_ok=True)
         self.command = [
             find_weed(), f"-logdir={logs}", "mini",
