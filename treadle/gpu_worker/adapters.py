@@ -1,0 +1,164 @@
+"""Many LoRA adapters on one base model: a single `PeftModel` whose adapters are keyed by name.
+
+Every training session and every frozen sampler snapshot is one named adapter here. Sessions share
+the base weights; each adapter has its own tensors, so a session never sees another's weights or
+gradients (only the active adapter takes part in a forward pass). The `PeftModel` is created with
+the first adapter and kept afterwards, even when every adapter is gone.
+
+Adapter names are internal (`adapter_<n>`): user ids may contain characters that module names may
+not. Tensors are addressed by *portable* names, the parameter name without the adapter segment
+(`...q_proj.lora_A.weight`), which is exactly the key format of a PEFT `adapter_model.safetensors`.
+"""
+
+from __future__ import annotations
+
+import copy
+import secrets
+import warnings
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+import peft
+import torch
+from peft.utils import get_peft_model_state_dict, load_peft_weights
+from safetensors.torch import save_file
+from torch import nn
+
+from treadle.errors import CheckpointNotFoundError, InvalidRequestError
+from treadle.gpu_worker.model_host import ModelHost
+from treadle.types import LoraConfig
+
+# Llama / Qwen2 / Mistral / SmolLM naming.
+ATTN_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj"]
+MLP_MODULES = ["gate_proj", "up_proj", "down_proj"]
+UNEMBED_MODULES = ["lm_head"]
+
+
+def peft_lora_config(lora: LoraConfig, base_model: str) -> peft.LoraConfig:
+    """The PEFT config of a session's adapter: target modules from train_attn/train_mlp/train_unembed."""
+    targets = (
+        (ATTN_MODULES if lora.train_attn else [])
+        + (MLP_MODULES if lora.train_mlp else [])
+        + (UNEMBED_MODULES if lora.train_unembed else [])
+    )
+    return peft.LoraConfig(
+        r=lora.rank,
+        lora_alpha=lora.alpha,
+        lora_dropout=0.0,  # dropout would make steps depend on RNG state; Tinker has none
+        target_modules=targets,
+        bias="none",
+        task_type="CAUSAL_LM",
+        base_model_name_or_path=base_model,
+    )
+
+
+class AdapterBank:
+    """Named LoRA adapters on the host's model; the model to call for a given adapter (or the base)."""
+
+    def __init__(self, host: ModelHost):
+        self.host = host
+        self.peft_model: peft.PeftModel | None = None
+        self._counter = 0
+
+    def new_name(self) -> str:
+        self._counter += 1
+        return f"adapter_{self._counter}"
+
+    def add(self, name: str, config: peft.LoraConfig, seed: int | None = None) -> None:
+        """Add an adapter with PEFT's init (A random, B zero), reproducible for a given seed.
+
+        The init runs on a forked RNG, so adding an adapter never moves the process's global RNG.
+        """
+        self._check_targets(config)
+        devices = [self.host.device] if self.host.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(seed if seed is not None else secrets.randbits(63))
+            if self.peft_model is None:
+                self.peft_model = peft.get_peft_model(self.host.model, config, adapter_name=name)
+                self.peft_model.eval()
+            else:
+                self.peft_model.add_adapter(name, config)
+        self.peft_model.set_adapter(name, inference_mode=True)  # frozen until a training op activates it
+
+    def _check_targets(self, config: peft.LoraConfig) -> None:
+        present = {module_name.rsplit(".", 1)[-1] for module_name, _ in self.host.model.named_modules()}
+        missing = sorted(set(config.target_modules) - present)
+        if missing:
+            raise InvalidRequestError(
+                f"lora target modules {missing} do not exist in {self.host.model_type} model {self.host.name}"
+            )
+
+    def remove(self, name: str) -> None:
+        with warnings.catch_warnings():  # peft warns when the active adapter goes; every op re-activates its own
+            warnings.simplefilter("ignore", UserWarning)
+            self.peft_model.delete_adapter(name)
+
+    def config(self, name: str) -> peft.LoraConfig:
+        return self.peft_model.peft_config[name]
+
+    def parameters(self, name: str) -> dict[str, nn.Parameter]:
+        """The adapter's parameters by portable name, in a stable order."""
+        segment = f".{name}."
+        return {
+            param_name.replace(segment, "."): param
+            for param_name, param in self.peft_model.named_parameters()
+            if segment in param_name
+        }
+
+    def copy_weights(self, name: str, tensors: dict[str, torch.Tensor], *, source: str) -> None:
+        """Copy tensors (by portable name) into an adapter; every key must match, or nothing is copied."""
+        params = self.parameters(name)
+        missing, unexpected = sorted(set(params) - set(tensors)), sorted(set(tensors) - set(params))
+        if missing or unexpected:
+            raise InvalidRequestError(f"{source}: adapter tensors do not match (missing {missing[:3]}, unexpected {unexpected[:3]})")
+        for key, param in params.items():
+            if tuple(tensors[key].shape) != tuple(param.shape):
+                raise InvalidRequestError(f"{source}: {key} has shape {tuple(tensors[key].shape)}, expected {tuple(param.shape)}")
+        with torch.no_grad():
+            for key, param in params.items():
+                param.copy_(tensors[key].to(device=param.device, dtype=param.dtype))
+
+    def add_copy(self, name: str, source: str) -> None:
+        """A new frozen adapter holding a copy of `source`'s tensors at this moment."""
+        self.add(name, self.config(source))
+        self.copy_weights(name, {k: p.detach() for k, p in self.parameters(source).items()}, source=source)
+
+    def add_from_dir(self, name: str, directory: str | Path) -> None:
+        """A new frozen adapter from a PEFT adapter directory (adapter_config.json + adapter_model.*)."""
+        if not (Path(directory) / "adapter_config.json").is_file():
+            raise CheckpointNotFoundError(f"{directory}: no adapter_config.json; not a PEFT adapter directory")
+        self.add(name, peft.LoraConfig.from_pretrained(str(directory)))
+        try:
+            self.copy_weights(name, load_peft_weights(str(directory), device="cpu"), source=str(directory))
+        except Exception:
+            self.remove(name)
+            raise
+
+    def save(self, name: str, directory: str | Path) -> None:
+        """Write the adapter as a PEFT directory that `PeftModel.from_pretrained` loads."""
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        # lm_head is a LoRA target, not a trained embedding: never write the base weight.
+        tensors = get_peft_model_state_dict(self.peft_model, adapter_name=name, save_embedding_layers=False)
+        save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(directory / "adapter_model.safetensors"))
+        config = copy.deepcopy(self.config(name))
+        config.inference_mode = True
+        config.base_model_name_or_path = self.host.name
+        config.save_pretrained(str(directory))
+
+    @contextmanager
+    def using(self, name: str | None, *, trainable: bool) -> Iterator[nn.Module]:
+        """The model to call with adapter `name` active (None: the bare base model)."""
+        if name is None:
+            if self.peft_model is None:
+                yield self.host.model
+            else:
+                with self.peft_model.disable_adapter():
+                    yield self.peft_model
+            return
+        self.peft_model.set_adapter(name, inference_mode=not trainable)
+        try:
+            yield self.peft_model
+        finally:
+            self.peft_model.set_adapter(name, inference_mode=True)

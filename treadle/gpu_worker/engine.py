@@ -1,0 +1,291 @@
+"""The worker's compute engine: one base model, loaded once, serving many training sessions.
+
+Each session is one LoRA adapter plus one AdamW optimizer on the shared base model; each sampler is
+a frozen adapter snapshot (or the bare base model). The engine knows nothing of queues, ordering or
+storage: the Celery worker calls these methods in each session's `seq` order, and the checkpoint
+store moves the directories that `save_state` / `save_sampler_weights` write.
+
+Every public method takes one lock: the active adapter is process-wide state of the PeftModel, so
+ops must not interleave even when a threaded worker calls from several threads. Every request is
+validated completely before any tensor is touched, so a rejected request leaves the session as it was.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from peft.utils import load_peft_weights
+
+from treadle.errors import InvalidRequestError, SessionNotFoundError
+from treadle.gpu_worker.adapters import AdapterBank, peft_lora_config
+from treadle.gpu_worker.logprobs import micro_batches, target_logprobs
+from treadle.gpu_worker.losses import LOSSES
+from treadle.gpu_worker.model_host import ModelHost
+from treadle.gpu_worker.optimizer import SessionOptimizer
+from treadle.gpu_worker.sampler import prompt_logprobs, sample
+from treadle.gpu_worker.state import TrainingState, capture_rng, read_state, restore_rng, write_state
+from treadle.gpu_worker.validation import PreparedDatum, check_loss, check_tokens, prepare_data, prepare_sample
+from treadle.types import (
+    AdamParams,
+    Datum,
+    ForwardBackwardOutput,
+    LoraConfig,
+    ModelInput,
+    OptimStepResponse,
+    SampleResponse,
+    SamplingParams,
+    TensorData,
+)
+
+
+@dataclass
+class _Session:
+    adapter: str
+    lora: LoraConfig
+    optimizer: SessionOptimizer
+    step: int = 0
+
+
+class Engine:
+    """One base model (loaded once) serving many sessions: one PEFT LoRA adapter + one AdamW per session."""
+
+    def __init__(
+        self,
+        model: str,
+        *,
+        device: str | None = None,
+        dtype: str | None = None,
+        max_tokens_per_microbatch: int = 4096,
+    ):
+        self._host = ModelHost(model, device=device, dtype=dtype)
+        self._bank = AdapterBank(self._host)
+        self._sessions: dict[str, _Session] = {}
+        self._samplers: dict[str, str] = {}  # sampler id -> adapter name
+        self._lock = threading.RLock()
+        self.base_model = model
+        self.max_seq_len = self._host.max_seq_len
+        self.vocab_size = self._host.vocab_size
+        self.tokenizer = self._host.tokenizer
+        self.max_tokens_per_microbatch = max_tokens_per_microbatch
+
+    # ------------------------------------------------------------ sessions
+
+    def create_session(self, session_id: str, lora: LoraConfig) -> None:
+        with self._lock:
+            if session_id in self._sessions:
+                raise InvalidRequestError(f"session_id: {session_id!r} already exists")
+            self._sessions[session_id] = self._new_session(lora)
+
+    def _new_session(self, lora: LoraConfig) -> _Session:
+        adapter = self._bank.new_name()
+        self._bank.add(adapter, peft_lora_config(lora, self.base_model), seed=lora.seed)
+        return _Session(adapter=adapter, lora=lora, optimizer=SessionOptimizer(self._bank.parameters(adapter)))
+
+    def has_session(self, session_id: str) -> bool:
+        return session_id in self._sessions
+
+    def drop_session(self, session_id: str) -> None:
+        """Free the session's adapter, optimizer state and gradients."""
+        with self._lock:
+            session = self._session(session_id)
+            session.optimizer.zero_grad()
+            self._bank.remove(session.adapter)
+            del self._sessions[session_id]
+
+    def step(self, session_id: str) -> int:
+        """Optimizer steps applied so far."""
+        return self._session(session_id).step
+
+    def _session(self, session_id: str) -> _Session:
+        if session_id not in self._sessions:
+            raise SessionNotFoundError(f"session_id: no session {session_id!r} on base model {self.base_model}")
+        return self._sessions[session_id]
+
+    # ------------------------------------------------------------ training ops
+
+    def forward(
+        self, session_id: str, data: list[Datum], loss_fn: str, loss_fn_config: dict | None = None
+    ) -> ForwardBackwardOutput:
+        """Logprobs and loss without gradients (what a client-side custom loss needs)."""
+        with self._lock:
+            session = self._session(session_id)
+            config = check_loss(loss_fn, loss_fn_config)
+            prepared = prepare_data(data, loss_fn, max_seq_len=self.max_seq_len, vocab_size=self.vocab_size)
+            return self._run(session, prepared, loss_fn, config, backward=False)
+
+    def forward_backward(
+        self, session_id: str, data: list[Datum], loss_fn: str, loss_fn_config: dict | None = None
+    ) -> ForwardBackwardOutput:
+        """Like `forward`, and adds the loss's gradients to the session's accumulated gradients."""
+        with self._lock:
+            session = self._session(session_id)
+            config = check_loss(loss_fn, loss_fn_config)
+            prepared = prepare_data(data, loss_fn, max_seq_len=self.max_seq_len, vocab_size=self.vocab_size)
+            return self._run(session, prepared, loss_fn, config, backward=True)
+
+    def _run(
+        self, session: _Session, prepared: list[PreparedDatum], loss_fn: str, config: dict[str, float], *, backward: bool
+    ) -> ForwardBackwardOutput:
+        spec = LOSSES[loss_fn]
+        device = self._host.device
+        outputs: list[dict[str, TensorData]] = [{} for _ in prepared]
+        total_loss = 0.0
+        with self._bank.using(session.adapter, trainable=backward) as model, torch.set_grad_enabled(backward):
+            for group in micro_batches([d.length for d in prepared], self.max_tokens_per_microbatch):
+                batch = [prepared[i] for i in group]
+                logprobs = target_logprobs(
+                    model,
+                    [d.tokens for d in batch],
+                    [d.inputs["target_tokens"] for d in batch],
+                    device=device,
+                    pad_token_id=self._host.pad_token_id,
+                )
+                inputs = {
+                    key: torch.from_numpy(np.concatenate([d.inputs[key] for d in batch])).to(device) for key in spec.inputs
+                }
+                loss = spec.fn(torch.cat(logprobs), inputs, config)
+                if backward:
+                    loss.backward()
+                total_loss += loss.item()
+                for i, lp in zip(group, logprobs):
+                    outputs[i] = {"logprobs": TensorData.from_numpy(lp.detach().cpu().numpy())}
+        return ForwardBackwardOutput(loss_fn_outputs=outputs, metrics={"loss:sum": total_loss})
+
+    def optim_step(self, session_id: str, params: AdamParams) -> OptimStepResponse:
+        """Apply the accumulated gradients with AdamW(params) and clear them."""
+        with self._lock:
+            session = self._session(session_id)
+            metrics = session.optimizer.step(params)
+            session.step += 1
+            return OptimStepResponse(metrics={**metrics, "step:max": float(session.step)})
+
+    # ------------------------------------------------------------ samplers
+
+    def snapshot_sampler(self, session_id: str, sampler_id: str) -> None:
+        """A frozen copy of the session's adapter as it is now; later training never changes it."""
+        with self._lock:
+            session = self._session(session_id)
+            self._check_new_sampler(sampler_id)
+            adapter = self._bank.new_name()
+            self._bank.add_copy(adapter, source=session.adapter)
+            self._samplers[sampler_id] = adapter
+
+    def load_sampler(self, sampler_id: str, adapter_dir: str) -> None:
+        """A frozen sampler from a PEFT adapter directory."""
+        with self._lock:
+            self._check_new_sampler(sampler_id)
+            adapter = self._bank.new_name()
+            self._bank.add_from_dir(adapter, adapter_dir)
+            self._samplers[sampler_id] = adapter
+
+    def _check_new_sampler(self, sampler_id: str) -> None:
+        if sampler_id in self._samplers:
+            raise InvalidRequestError(f"sampler_id: {sampler_id!r} already exists")
+
+    def has_sampler(self, sampler_id: str) -> bool:
+        return sampler_id in self._samplers
+
+    def drop_sampler(self, sampler_id: str) -> None:
+        with self._lock:
+            self._bank.remove(self._sampler(sampler_id))
+            del self._samplers[sampler_id]
+
+    def _sampler(self, sampler_id: str) -> str:
+        if sampler_id not in self._samplers:
+            raise SessionNotFoundError(f"sampler_id: no sampler {sampler_id!r} on base model {self.base_model}")
+        return self._samplers[sampler_id]
+
+    def sample(
+        self,
+        sampler_id: str | None,
+        prompt: ModelInput,
+        num_samples: int,
+        params: SamplingParams,
+        include_prompt_logprobs: bool = False,
+        topk_prompt_logprobs: int = 0,
+    ) -> SampleResponse:
+        """Sample from a frozen sampler (None: the base model). See `treadle.gpu_worker.sampler` for
+        what the returned logprobs mean (the distribution actually sampled from)."""
+        with self._lock:
+            adapter = self._sampler(sampler_id) if sampler_id is not None else None
+            request = prepare_sample(
+                prompt, num_samples, params, topk_prompt_logprobs, max_seq_len=self.max_seq_len, vocab_size=self.vocab_size
+            )
+            host = self._host
+            with self._bank.using(adapter, trainable=False) as model:
+                sequences = sample(
+                    model, host.tokenizer, request, num_samples, params,
+                    device=host.device, eos_token_id=host.eos_token_id, pad_token_id=host.pad_token_id,
+                )
+                prompt_lp = topk = None
+                if include_prompt_logprobs or topk_prompt_logprobs:
+                    prompt_lp, topk = prompt_logprobs(
+                        model, request.prompt, topk_prompt_logprobs, device=host.device, pad_token_id=host.pad_token_id
+                    )
+            return SampleResponse(
+                sequences=sequences,
+                prompt_logprobs=prompt_lp if include_prompt_logprobs else None,
+                topk_prompt_logprobs=topk,
+            )
+
+    def compute_logprobs(self, sampler_id: str | None, prompt: ModelInput) -> list[float | None]:
+        """Logprob of each prompt token given the ones before it; entry 0 is None."""
+        with self._lock:
+            adapter = self._sampler(sampler_id) if sampler_id is not None else None
+            tokens = check_tokens("prompt", prompt.to_ints(), max_seq_len=self.max_seq_len, vocab_size=self.vocab_size)
+            with self._bank.using(adapter, trainable=False) as model:
+                logprobs, _ = prompt_logprobs(model, tokens, 0, device=self._host.device, pad_token_id=self._host.pad_token_id)
+            return logprobs
+
+    # ------------------------------------------------------------ state
+
+    def save_state(self, session_id: str, directory: str, *, include_optimizer: bool = True) -> None:
+        """Adapter (PEFT format), optimizer moments, pending gradients, step, LoRA config and RNG state."""
+        with self._lock:
+            session = self._session(session_id)
+            self._bank.save(session.adapter, directory)
+            write_state(
+                directory,
+                TrainingState(
+                    base_model=self.base_model,
+                    lora=session.lora,
+                    step=session.step,
+                    optimizer=session.optimizer.state_tensors() if include_optimizer else None,
+                    gradients=session.optimizer.grad_tensors(),
+                    rng=capture_rng(),
+                ),
+            )
+
+    def load_state(self, session_id: str, directory: str, *, with_optimizer: bool) -> None:
+        """Create (or replace) the session from a state directory.
+
+        with_optimizer=True restores Adam moments, pending gradients and the RNG exactly, or raises;
+        False loads the weights and step count and starts Adam afresh. Everything is loaded into a new
+        adapter first, so a failed load leaves an existing session untouched.
+        """
+        with self._lock:
+            state = read_state(directory, with_optimizer=with_optimizer)
+            fresh = self._new_session(state.lora)
+            try:
+                self._bank.copy_weights(fresh.adapter, load_peft_weights(directory, device="cpu"), source=str(directory))
+                if with_optimizer:
+                    fresh.optimizer.load_state_tensors(state.optimizer, source=str(directory))
+                    fresh.optimizer.load_grad_tensors(state.gradients, source=str(directory))
+            except Exception:
+                self._bank.remove(fresh.adapter)
+                raise
+            fresh.step = state.step
+            if session_id in self._sessions:
+                self.drop_session(session_id)
+            self._sessions[session_id] = fresh
+            if with_optimizer and state.rng:
+                restore_rng(state.rng)
+
+    def save_sampler_weights(self, sampler_id: str, directory: str) -> None:
+        """The sampler's adapter as a PEFT directory (adapter only)."""
+        with self._lock:
+            self._bank.save(self._sampler(sampler_id), directory)
+

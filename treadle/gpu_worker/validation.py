@@ -1,0 +1,139 @@
+"""Checks of every request against the served model, done before anything touches a tensor.
+
+A rejected request leaves the session exactly as it was (no partial gradients), and the message
+names the field, the value and the limit, e.g.
+`data[2].loss_fn_inputs.weights: length 7 != model_input length 8`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from treadle.errors import InvalidRequestError
+from treadle.gpu_worker.losses import LOSSES, resolve_config
+from treadle.types import Datum, ModelInput, SamplingParams
+
+
+@dataclass(frozen=True)
+class PreparedDatum:
+    """A validated datum as arrays: input tokens, and the loss inputs by key (target_tokens int64, rest float32)."""
+
+    tokens: np.ndarray
+    inputs: dict[str, np.ndarray]
+
+    @property
+    def length(self) -> int:
+        return len(self.tokens)
+
+
+def check_loss(loss_fn: str, loss_fn_config: dict[str, float] | None) -> dict[str, float]:
+    """The resolved loss config; rejects unknown losses, unknown config keys and non-finite values."""
+    if loss_fn not in LOSSES:
+        raise InvalidRequestError(f"loss_fn: unknown {loss_fn!r}; expected one of {', '.join(LOSSES)}")
+    allowed = LOSSES[loss_fn].config_defaults
+    for key, value in (loss_fn_config or {}).items():
+        if key not in allowed:
+            expected = ", ".join(allowed) or "no keys"
+            raise InvalidRequestError(f"loss_fn_config.{key}: not a parameter of {loss_fn}; expected {expected}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise InvalidRequestError(f"loss_fn_config.{key}: {value!r} is not a finite number")
+    return resolve_config(loss_fn, loss_fn_config)
+
+
+def check_tokens(field: str, tokens: list[int] | np.ndarray, *, max_seq_len: int, vocab_size: int) -> np.ndarray:
+    """Non-empty, within the context length, every id inside the vocabulary."""
+    array = np.asarray(tokens, dtype=np.int64).reshape(-1)
+    if array.size == 0:
+        raise InvalidRequestError(f"{field}: empty; at least one token is required")
+    if array.size > max_seq_len:
+        raise InvalidRequestError(f"{field}: length {array.size} exceeds max sequence length {max_seq_len}")
+    bad = np.flatnonzero((array < 0) | (array >= vocab_size))
+    if bad.size:
+        i = int(bad[0])
+        raise InvalidRequestError(f"{field}.tokens[{i}]: token id {int(array[i])} outside vocabulary (size {vocab_size})")
+    return array
+
+
+def prepare_data(data: list[Datum], loss_fn: str, *, max_seq_len: int, vocab_size: int) -> list[PreparedDatum]:
+    """Validate a forward/forward_backward batch for `loss_fn` (already checked) and convert it to arrays."""
+    if not data:
+        raise InvalidRequestError("data: empty; at least one datum is required")
+    needed = ("target_tokens", *LOSSES[loss_fn].inputs)
+    prepared = []
+    for i, datum in enumerate(data):
+        tokens = check_tokens(f"data[{i}].model_input", datum.model_input.to_ints(), max_seq_len=max_seq_len, vocab_size=vocab_size)
+        given = datum.loss_fn_inputs
+        for key in given:
+            if key not in needed:
+                raise InvalidRequestError(
+                    f"data[{i}].loss_fn_inputs.{key}: not an input of {loss_fn}; expected {', '.join(needed)}"
+                )
+        inputs = {}
+        for key in needed:
+            field = f"data[{i}].loss_fn_inputs.{key}"
+            if key not in given:
+                raise InvalidRequestError(f"{field}: missing; {loss_fn} needs {', '.join(needed)}")
+            tensor = given[key]
+            if tensor.shape is not None and len(tensor.shape) != 1:
+                raise InvalidRequestError(f"{field}: shape {tensor.shape}; only 1-D per-token inputs are supported")
+            values = tensor.to_numpy().reshape(-1)
+            if values.size != tokens.size:
+                raise InvalidRequestError(f"{field}: length {values.size} != model_input length {tokens.size}")
+            if not np.all(np.isfinite(values)):
+                raise InvalidRequestError(f"{field}: contains NaN/inf")
+            if key == "target_tokens":
+                if not np.all(values == np.round(values)):
+                    raise InvalidRequestError(f"{field}: token ids must be integers")
+                values = values.astype(np.int64)
+                bad = np.flatnonzero((values < 0) | (values >= vocab_size))
+                if bad.size:
+                    j = int(bad[0])
+                    raise InvalidRequestError(f"{field}[{j}]: token id {int(values[j])} outside vocabulary (size {vocab_size})")
+            else:
+                values = values.astype(np.float32)
+            inputs[key] = values
+        prepared.append(PreparedDatum(tokens=tokens, inputs=inputs))
+    return prepared
+
+
+@dataclass(frozen=True)
+class PreparedSample:
+    prompt: np.ndarray
+    max_tokens: int
+    stop_token_ids: list[int]
+    stop_strings: list[str]
+
+
+def prepare_sample(
+    prompt: ModelInput,
+    num_samples: int,
+    params: SamplingParams,
+    topk_prompt_logprobs: int,
+    *,
+    max_seq_len: int,
+    vocab_size: int,
+) -> PreparedSample:
+    """Validate a sample request: the prompt plus max_tokens must fit the context; stop ids must exist."""
+    tokens = check_tokens("prompt", prompt.to_ints(), max_seq_len=max_seq_len, vocab_size=vocab_size)
+    if tokens.size >= max_seq_len:
+        raise InvalidRequestError(f"prompt: length {tokens.size} leaves no room to sample within max sequence length {max_seq_len}")
+    if num_samples < 1:
+        raise InvalidRequestError(f"num_samples: {num_samples}; must be >= 1")
+    if not 0 <= topk_prompt_logprobs <= vocab_size:
+        raise InvalidRequestError(f"topk_prompt_logprobs: {topk_prompt_logprobs}; must be between 0 and {vocab_size}")
+    room = max_seq_len - tokens.size
+    max_tokens = params.max_tokens if params.max_tokens is not None else room
+    if max_tokens > room:
+        raise InvalidRequestError(
+            f"sampling_params.max_tokens: prompt length {tokens.size} + max_tokens {max_tokens} "
+            f"exceeds max sequence length {max_seq_len}"
+        )
+    for j, token in enumerate(params.stop_token_ids):
+        if not 0 <= token < vocab_size:
+            raise InvalidRequestError(f"sampling_params.stop[{j}]: token id {token} outside vocabulary (size {vocab_size})")
+    if any(s == "" for s in params.stop_strings):
+        raise InvalidRequestError("sampling_params.stop: empty stop string")
+    return PreparedSample(tokens, max_tokens, list(params.stop_token_ids), params.stop_strings)
