@@ -1,0 +1,124 @@
+"""The gateway's protobuf codec, path mapping and settings, checked against the tinker SDK's own converters."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from tinker import types as tt
+from tinker.proto.request_conv import forward_backward_request_to_proto
+from tinker.proto.response_conv import deserialize_forward_backward_output, deserialize_sample_response
+
+from treadle.errors import InvalidCheckpointNameError, InvalidRequestError
+from treadle.gateway.paths import to_tinker, to_treadle
+from treadle.gateway.proto_codec import (
+    encode_forward_backward_output,
+    encode_sample_response,
+    forward_backward_payload,
+    parse_forward_backward,
+)
+from treadle.gateway.settings import GatewaySettings
+from treadle.types import Datum, TensorData
+
+
+def _sdk_request(data, loss_fn="ppo", config=None, forward_only=False) -> bytes:
+    request = tt.ForwardBackwardRequest(
+        forward_backward_input=tt.ForwardBackwardInput(data=data, loss_fn=loss_fn, loss_fn_config=config),
+        model_id="s-1:train:0", seq_id=7,
+    )
+    msg = forward_backward_request_to_proto(request)
+    msg.forward_only = forward_only
+    return msg.SerializeToString()
+
+
+def test_forward_backward_request_decodes_to_treadle_datums():
+    data = [
+        tt.Datum(model_input=tt.ModelInput.from_ints([5, 6, 7]), loss_fn_inputs={
+            "target_tokens": [6, 7, 8], "logprobs": [-1.0, -2.0, -3.0], "advantages": [0.5, 0.5, 0.5],
+        }),
+        tt.Datum(model_input=tt.ModelInput(chunks=[tt.EncodedTextChunk(tokens=[1]), tt.EncodedTextChunk(tokens=[2])]),
+                 loss_fn_inputs={"target_tokens": [2, 3], "weights": [0.0, 1.0]}),
+    ]
+    msg = parse_forward_backward(_sdk_request(data, config={"clip_low_threshold": 0.7, "clip_high_threshold": 1.3}))
+    payload = forward_backward_payload(msg)
+
+    assert (msg.model_id, msg.seq_id, msg.forward_only) == ("s-1:train:0", 7, False)
+    assert payload["loss_fn"] == "ppo"
+    assert payload["loss_fn_config"] == pytest.approx({"clip_low_threshold": 0.7, "clip_high_threshold": 1.3})
+    datums = [Datum.from_wire(w) for w in payload["data"]]
+    assert datums[0].model_input.to_ints() == [5, 6, 7]
+    assert datums[0].loss_fn_inputs["target_tokens"].dtype == "int64"
+    assert datums[0].loss_fn_inputs["target_tokens"].tolist() == [6, 7, 8]
+    assert datums[0].loss_fn_inputs["logprobs"].tolist() == [-1.0, -2.0, -3.0]
+    assert datums[1].model_input.to_ints() == [1, 2]  # chunks are concatenated
+    assert datums[1].loss_fn_inputs["weights"].tolist() == [0.0, 1.0]
+
+
+def test_forward_only_flag_and_sparse_inputs():
+    sparse = tt.TensorData(data=[0.5, 2.0], dtype="float32", shape=[2, 3],
+                           sparse_crow_indices=[0, 1, 2], sparse_col_indices=[2, 0])
+    data = [tt.Datum(model_input=tt.ModelInput.from_ints([1, 2]), loss_fn_inputs={"target_tokens": [2, 3], "dist": sparse})]
+    msg = parse_forward_backward(_sdk_request(data, "cross_entropy", forward_only=True))
+    payload = forward_backward_payload(msg)
+    assert msg.forward_only is True
+    assert payload["loss_fn_config"] is None
+    dense = TensorData.from_wire(payload["data"][0]["inputs"]["dist"]).to_numpy()
+    np.testing.assert_array_equal(dense, [[0, 0, 0.5], [2.0, 0, 0]])
+
+
+def test_image_chunks_and_garbage_are_user_errors():
+    data = [tt.Datum(model_input=tt.ModelInput(chunks=[tt.ImageChunk(data=b"\x89PNG", format="png")]),
+                     loss_fn_inputs={"target_tokens": [1]})]
+    with pytest.raises(InvalidRequestError, match=r"data\[0\].model_input: image"):
+        forward_backward_payload(parse_forward_backward(_sdk_request(data, "cross_entropy")))
+    with pytest.raises(InvalidRequestError, match="not a protobuf ForwardBackwardRequest"):
+        parse_forward_backward(b"\xff\xff\xff")
+
+
+def test_forward_backward_output_round_trips_through_the_sdk_decoder():
+    outputs = [TensorData.from_list([-0.5, -1.25], "float32"), TensorData.from_list([-3.0], "float32"), TensorData.from_list([], "float32")]
+    result = {"loss_fn_outputs": [{"logprobs": t.to_wire()} for t in outputs], "metrics": {"loss:sum": 4.75, "step:max": 3.0}}
+    decoded = deserialize_forward_backward_output(encode_forward_backward_output(result))
+    assert decoded.metrics == {"loss:sum": 4.75, "step:max": 3.0}
+    assert [o["logprobs"].tolist() for o in decoded.loss_fn_outputs] == [[-0.5, -1.25], [-3.0], []]
+
+
+def test_sample_response_round_trips_with_none_prompt_logprobs_and_topk():
+    result = {
+        "sequences": [
+            {"tokens": [4, 5, 6], "logprobs": [-0.1, -0.2, -0.3], "stop_reason": "stop"},
+            {"tokens": [9], "logprobs": None, "stop_reason": "length"},
+        ],
+        "prompt_logprobs": [None, -1.5, -2.5],
+        "topk_prompt_logprobs": [None, [(3, -0.5), (4, -1.0)], [(7, -0.25)]],
+    }
+    decoded = deserialize_sample_response(encode_sample_response(result))
+    assert [s.tokens for s in decoded.sequences] == [[4, 5, 6], [9]]
+    assert [s.stop_reason for s in decoded.sequences] == ["stop", "length"]
+    assert decoded.sequences[0].logprobs == pytest.approx([-0.1, -0.2, -0.3])
+    assert decoded.sequences[1].logprobs is None
+    assert decoded.prompt_logprobs[0] is None and decoded.prompt_logprobs[1:] == pytest.approx([-1.5, -2.5])
+    topk = decoded.topk_prompt_logprobs
+    assert topk[1] == [(3, -0.5), (4, -1.0)]
+    assert topk[2][0] == (7, -0.25)
+
+
+def test_paths_map_both_ways_and_reject_malformed():
+    assert to_tinker("treadle://s-1:train:0/weights/final") == "tinker://s-1:train:0/weights/final"
+    assert to_treadle("tinker://s-1:train:0/sampler_weights/x") == "treadle://s-1:train:0/sampler_weights/x"
+    for bad in ("tinker://run/weights", "tinker://run/other/x", "http://run/weights/x", "tinker://run/weights/a/b"):
+        with pytest.raises(InvalidCheckpointNameError):
+            to_treadle(bad)
+
+
+def test_keys_come_from_a_toml_file_and_must_start_with_tml(tmp_path, monkeypatch):
+    keys = tmp_path / "keys.toml"
+    keys.write_text('[keys]\n"tml-alice" = "alice"\n')
+    monkeypatch.setenv("TREADLE_GATEWAY_API_KEYS_FILE", str(keys))
+    monkeypatch.setenv("TREADLE_GATEWAY_API_KEYS", '{"tml-bob": "bob"}')
+    monkeypatch.setenv("TREADLE_BROKER_URL", "redis://example:1/0")
+    settings = GatewaySettings()
+    assert settings.api_keys == {"tml-alice": "alice", "tml-bob": "bob"}
+    assert settings.broker_url == "redis://example:1/0"
+    with pytest.raises(ValueError, match="must start with 'tml-'"):
+        GatewaySettings(api_keys={"sk-nope": "eve"})
+
