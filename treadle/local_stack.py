@@ -92,8 +92,6 @@ class LocalStack:
 
     # ------------------------------------------------------------ start
     def start(self, wait_for_workers: float = 600) -> "LocalStack":
-        os.makedirs(os.path.join(self.home, "redis"), exist_ok=True)
-        os.makedirs(os.path.join(self.home, "logs"), exist_ok=True)
         self.start_redis()
         for _ in range(self.n_workers):
             self.start_worker()
@@ -104,6 +102,8 @@ class LocalStack:
 
     def start_redis(self) -> None:
         """Redis with AOF on (a restart loses nothing) and no eviction (evicted routing keys break Celery)."""
+        os.makedirs(os.path.join(self.home, "redis"), exist_ok=True)
+        os.makedirs(os.path.join(self.home, "logs"), exist_ok=True)
         self.redis_proc = subprocess.Popen(
             [redis_server_binary(), "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
              "--appendonly", "yes", "--appendfsync", "everysec", "--maxmemory-policy", "noeviction",

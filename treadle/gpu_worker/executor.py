@@ -219,7 +219,7 @@ class OpExecutor:
         engine = self._engine(owned.record.base_model)
         try:
             value = self._handlers[env.op](self, engine, owned, env, load_payload(self.redis, env))
-            self.results.store_ok(env.future_id, value)
+            self.results.store_ok(env.future_id, {**value, "op": env.op})
         except KeyError:
             self.results.store_error(env.future_id, ServerError(f"op: unknown op {env.op!r}; known: {', '.join(OP_REQUESTS)}"))
         except TreadleError as exc:

@@ -113,7 +113,7 @@ def encode_forward_output(out, step: int) -> dict:
     return {
         "loss_fn_output_type": out.loss_fn_output_type,
         "loss_fn_outputs": [{k: v.to_wire() for k, v in o.items()} for o in out.loss_fn_outputs],
-        "metrics": out.metrics,
+        "metrics": {**out.metrics, "step:max": float(step)},
         "step": step,
     }
 

@@ -203,7 +203,16 @@ def _datums(data: Sequence[Datum]) -> list[Datum]:
     return [d if isinstance(d, Datum) else Datum.model_validate(d) for d in data]
 
 
+_DECODERS = {
+    "forward": decode_forward_output,
+    "forward_backward": decode_forward_output,
+    "optim_step": _optim_response,
+    "save_state": lambda v: SaveWeightsResponse(path=v["path"]),
+    "save_weights_for_sampler": lambda v: SaveWeightsForSamplerResponse(path=v["path"]),
+    "load_state": lambda v: LoadWeightsResponse(path=v["path"]),
+}
+
+
 def _decode_any(value: dict):
-    if "loss_fn_outputs" in value:
-        return decode_forward_output(value)
-    return value
+    """Decode a result by the op that produced it (results record their op)."""
+    return _DECODERS.get(value.get("op"), lambda v: v)(value)
