@@ -31,9 +31,6 @@ class SessionOptimizer:
             weight_decay=defaults.weight_decay,
         )
 
-    def has_grads(self) -> bool:
-        return any(p.grad is not None for p in self.params.values())
-
     def zero_grad(self) -> None:
         self.adamw.zero_grad(set_to_none=True)
 
