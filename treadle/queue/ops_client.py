@@ -157,7 +157,8 @@ class OpsClient:
     def wait(self, future_id: str, timeout: float | None = None, *, what: str | None = None, base_model: str | None = None) -> dict:
         """Block until the op's result is stored; re-raises its error. Rides out Redis outages."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        delay, outage_since, next_worker_check = 0.0005, None, time.monotonic() + 10
+        started = time.monotonic()
+        delay, outage_since, next_worker_check = 0.0005, None, started + 10
         while True:
             try:
                 done, value = self.results.poll(future_id)
@@ -175,5 +176,7 @@ class OpsClient:
             if base_model is not None and now >= next_worker_check:
                 self.require_model(base_model)  # fail clearly if every worker for it died
                 next_worker_check = now + 10
-            time.sleep(min(delay, 0.02) if deadline is None else min(delay, 0.02, max(0.0, deadline - now)))
+            # Poll every ~1 ms while an op is young (most are short), then back off to 20 ms.
+            cap = 0.001 if now - started < 0.25 else 0.02
+            time.sleep(min(delay, cap) if deadline is None else min(delay, cap, max(0.0, deadline - now)))
             delay *= 1.5

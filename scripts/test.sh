@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# Sets up and runs the whole test suite. Tests start (and stop) their own Redis and S3 servers.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false OMP_NUM_THREADS=1
+exec .venv/bin/python -m pytest -q "$@"
