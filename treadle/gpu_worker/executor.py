@@ -9,12 +9,14 @@ its result already stored. Results are stored under the op's future id, whicheve
 
 from __future__ import annotations
 
+import json
 import logging
 import tempfile
 import threading
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 
 from treadle.errors import ServerError, SessionLostError, SessionNotFoundError, TreadleError
 from treadle.queue import names
@@ -51,11 +53,14 @@ class OwnedSession:
     epoch: int
     applied: int
     unloaded: bool = False
+    last_checkpoint_at: float = field(default_factory=time.monotonic)
+    pending_upload: Future | None = None
 
 
 class OpExecutor:
     def __init__(self, *, hostname: str, engines: dict, redis, app, store: CheckpointStore,
-                 lease: LeaseManager, checkpoint_every: int = 0, subscribe=None, unsubscribe=None):
+                 lease: LeaseManager, checkpoint_every: int = 0, checkpoint_interval_s: float = 0.0,
+                 slow_ops: dict[str, float] | None = None, subscribe=None, unsubscribe=None):
         self.hostname = hostname
         self.engines = engines
         self.redis = redis
@@ -63,6 +68,10 @@ class OpExecutor:
         self.store = store
         self.lease = lease
         self.checkpoint_every = checkpoint_every
+        self.checkpoint_interval_s = checkpoint_interval_s
+        self.slow_ops = slow_ops or {}
+        # Uploads of automatic checkpoints run here, off the op loop; one at a time keeps them ordered.
+        self._uploads = ThreadPoolExecutor(max_workers=1, thread_name_prefix="treadle-ckpt")
         self.journal = Journal(redis)
         self.results = ResultStore(app)
         self.sessions = SessionRegistry(redis)
@@ -123,6 +132,7 @@ class OpExecutor:
             session_id=req.session_id, run_id=req.session_id, base_model=req.base_model, lora=lora,
             owner=req.owner, user_metadata=req.user_metadata,
             checkpoint=req.from_state, checkpoint_seq=0, checkpoint_with_optimizer=req.with_optimizer,
+            checkpoint_every=req.checkpoint_every,
         )
         if not self.sessions.create(record):
             existing = self.sessions.get(req.session_id)
@@ -133,13 +143,19 @@ class OpExecutor:
         if epoch is None:
             raise ServerError(f"session {req.session_id}: could not take its lease")
         with self.compute_lock:
-            if req.from_state:
-                manifest = self._load_state_into(engine, req.session_id, req.from_state, req.with_optimizer)
-                if manifest.lora_config:
-                    record.lora = record.lora.model_validate(manifest.lora_config)
-                    self.sessions.update(req.session_id, lora=record.lora)
-            else:
-                engine.create_session(req.session_id, lora)
+            try:
+                if req.from_state:
+                    manifest = self._load_state_into(engine, req.session_id, req.from_state, req.with_optimizer)
+                    if manifest.lora_config:
+                        record.lora = record.lora.model_validate(manifest.lora_config)
+                        self.sessions.update(req.session_id, lora=record.lora)
+                else:
+                    engine.create_session(req.session_id, lora)
+            except Exception:
+                # A record left behind would look like an orphan that every caretaker adopts (and fails to load).
+                self.sessions.delete(req.session_id)
+                self.lease.release(req.session_id, epoch)
+                raise
             self.owned[req.session_id] = OwnedSession(record=record, epoch=epoch, applied=0)
         self.store.put_run(record.run_id, {
             "training_run_id": record.run_id, "base_model": record.base_model, "lora_rank": record.lora.rank,
@@ -164,25 +180,29 @@ class OpExecutor:
         restored = restore_unacked(self.redis, names.session_queue(session_id))
         with self.compute_lock:
             record = self.sessions.get(session_id)
-            self._rebuild(record)
+            timings = self._rebuild(record)
             self.owned[session_id] = OwnedSession(record=record, epoch=epoch, applied=record.applied)
-            self.sessions.update(session_id, worker=self.hostname)
+            timings["total_s"] = time.monotonic() - t0
+            self.sessions.update(session_id, worker=self.hostname, last_recovery=json.dumps(
+                {**timings, "at": time.time(), "unacked_restored": restored, "replayed_to": record.applied}))
             log.info("took over session %s (epoch %d, %d unacked restored, applied %d) in %.2f s",
-                     session_id, epoch, restored, record.applied, time.monotonic() - t0)
+                     session_id, epoch, restored, record.applied, timings["total_s"])
         self._subscribe(names.session_queue(session_id))
         with self.compute_lock:
             self.drain(session_id)
         return True
 
-    def _rebuild(self, record: SessionRecord) -> None:
+    def _rebuild(self, record: SessionRecord) -> dict:
         """Engine state of a session at `record.applied`: last checkpoint, then the journal replayed."""
         engine = self._engine(record.base_model)
         if engine.has_session(record.session_id):
             engine.drop_session(record.session_id)
+        t0 = time.monotonic()
         if record.checkpoint:
             self._load_state_into(engine, record.session_id, record.checkpoint, record.checkpoint_with_optimizer)
         else:
             engine.create_session(record.session_id, record.lora)
+        t1 = time.monotonic()
         owned = OwnedSession(record=record, epoch=-1, applied=record.checkpoint_seq)
         for seq in range(record.checkpoint_seq + 1, record.applied + 1):
             env = self.journal.get(record.session_id, seq)
@@ -194,6 +214,8 @@ class OpExecutor:
                 except TreadleError:
                     pass  # it failed the first time too, and left no state behind
             owned.applied = seq
+        t2 = time.monotonic()
+        return {"load_s": t1 - t0, "replay_s": t2 - t1, "replayed_ops": record.applied - record.checkpoint_seq}
 
     # ------------------------------------------------------------ the ordered loop
     def drain(self, session_id: str) -> None:
@@ -212,11 +234,15 @@ class OpExecutor:
                 self._reload(owned)
             self._run(owned, env)
             if env.op == "stop":
+                # Marked stopped first, so that no caretaker adopts the session once its lease is gone.
+                self.sessions.update(session_id, status="stopped")
                 self._release(session_id, drop_lease=True)
                 return
 
     def _run(self, owned: OwnedSession, env: OpEnvelope) -> None:
         engine = self._engine(owned.record.base_model)
+        if env.op in self.slow_ops:  # fault-injection for recovery tests: widen the window to kill in
+            time.sleep(self.slow_ops[env.op])
         try:
             value = self._handlers[env.op](self, engine, owned, env, load_payload(self.redis, env))
             self.results.store_ok(env.future_id, {**value, "op": env.op})
@@ -229,8 +255,14 @@ class OpExecutor:
             self.results.store_error(env.future_id, ServerError(f"{env.op} failed on the worker: {type(exc).__name__}: {exc}"))
         owned.applied = env.seq
         self.sessions.update(env.session_id, applied=env.seq, last_activity=time.time())
-        if env.op == "optim_step" and self.checkpoint_every and engine.step(env.session_id) % self.checkpoint_every == 0:
-            self.auto_checkpoint(owned)
+        if env.op == "optim_step" and self._checkpoint_due(owned, engine.step(env.session_id)):
+            self.auto_checkpoint(owned, background=True)
+
+    def _checkpoint_due(self, owned: OwnedSession, step: int) -> bool:
+        every = owned.record.checkpoint_every if owned.record.checkpoint_every is not None else self.checkpoint_every
+        if every and step % every == 0:
+            return True
+        return bool(self.checkpoint_interval_s) and time.monotonic() - owned.last_checkpoint_at >= self.checkpoint_interval_s
 
     def _not_ours(self, env: OpEnvelope) -> None:
         """An op for a session this worker does not own: answer if the session is gone, else pass it on."""
@@ -257,30 +289,49 @@ class OpExecutor:
             self.lease.release(session_id, owned.epoch)
 
     # ------------------------------------------------------------ checkpoints, idle sessions
-    def auto_checkpoint(self, owned: OwnedSession) -> str | None:
-        """Save the session's full state, point the registry at it, and trim the journal it covers."""
+    def auto_checkpoint(self, owned: OwnedSession, *, background: bool = False) -> str | None:
+        """Save the session's full state, point the registry at it, and trim the journal it covers.
+
+        The state is written to a local directory in the op loop (fast); the upload, the registry
+        update and the journal trim run on the upload thread when `background` is set.
+        """
         sid = owned.record.session_id
+        if owned.pending_upload is not None:
+            owned.pending_upload.result()  # one at a time per session, in order
         if not self.lease.holds(sid, owned.epoch):
             return None
         engine = self._engine(owned.record.base_model)
         path = CheckpointPath(run_id=owned.record.run_id, kind="weights", name=f"auto-{owned.applied:08d}")
-        with tempfile.TemporaryDirectory(prefix="treadle-ckpt-") as tmp:
-            engine.save_state(sid, tmp, include_optimizer=True)
-            if not self.lease.holds(sid, owned.epoch):
-                return None
-            self.store.save(tmp, path, base_model=owned.record.base_model, lora_config=owned.record.lora.model_dump(),
-                            step=engine.step(sid), applied_seq=owned.applied, overwrite=True,
-                            ttl_seconds=7 * 24 * 3600,
-                            extra={"automatic": True, "base_model_path": engine.base_model})
-        previous = self.sessions.get(sid)
-        self.sessions.update(sid, checkpoint=path.uri(), checkpoint_seq=owned.applied, checkpoint_with_optimizer=True)
-        self.journal.trim(sid, owned.applied)
-        if previous and previous.checkpoint and "/weights/auto-" in previous.checkpoint and previous.checkpoint != path.uri():
+        tmp = tempfile.mkdtemp(prefix="treadle-ckpt-")
+        engine.save_state(sid, tmp, include_optimizer=True)
+        step, applied = engine.step(sid), owned.applied
+        owned.last_checkpoint_at = time.monotonic()
+
+        def upload() -> str | None:
             try:
-                self.store.delete(CheckpointPath.parse(previous.checkpoint))
-            except TreadleError:
-                pass
-        return path.uri()
+                if not self.lease.holds(sid, owned.epoch):
+                    return None
+                self.store.save(tmp, path, base_model=owned.record.base_model, lora_config=owned.record.lora.model_dump(),
+                                step=step, applied_seq=applied, overwrite=True, ttl_seconds=7 * 24 * 3600,
+                                extra={"automatic": True, "base_model_path": engine.base_model})
+                previous = self.sessions.get(sid)
+                self.sessions.update(sid, checkpoint=path.uri(), checkpoint_seq=applied, checkpoint_with_optimizer=True)
+                self.journal.trim(sid, applied)
+                if previous and previous.checkpoint and "/weights/auto-" in previous.checkpoint and previous.checkpoint != path.uri():
+                    try:
+                        self.store.delete(CheckpointPath.parse(previous.checkpoint))
+                    except TreadleError:
+                        pass
+                return path.uri()
+            finally:
+                import shutil
+
+                shutil.rmtree(tmp, ignore_errors=True)
+
+        if background:
+            owned.pending_upload = self._uploads.submit(upload)
+            return path.uri()
+        return upload()
 
     def unload_idle(self, idle_seconds: float) -> list[str]:
         """Checkpoint and free sessions nobody has used for a while; they reload on their next op."""

@@ -39,10 +39,12 @@ class WorkerConfig(BaseModel):
     device: str | None = Field(default=None, description="cpu, cuda, cuda:1, ... (default: what Accelerate picks).")
     dtype: str | None = Field(default=None, description="float32 or bfloat16 (default: bf16 on CUDA, fp32 on CPU).")
     checkpoint_every: int = Field(default=10, ge=0, description="Checkpoint each session every N optimizer steps (0: never).")
+    checkpoint_interval_s: float = Field(default=0.0, ge=0.0, description="Also checkpoint a session when this many seconds passed since its last one (0: off).")
     idle_unload_s: float = Field(default=0.0, ge=0.0, description="Unload a session after this many idle seconds (0: never).")
     lease_ttl_s: float = Field(default=15.0, gt=0.5, description="Session lease TTL: how soon another worker adopts a dead worker's sessions.")
     max_tokens_per_microbatch: int = Field(default=4096, ge=64, description="Token budget of one forward/backward micro-batch.")
     loglevel: str = Field(default="INFO", description="Log level.")
+    debug_slow_ops: list[str] = Field(default_factory=list, description="Fault injection for recovery tests: OP=SECONDS sleeps before each such op.")
 
 
 def parse_model_spec(spec: str) -> tuple[str, str]:
@@ -85,6 +87,8 @@ class WorkerService:
         self.executor = OpExecutor(
             hostname=self.hostname, engines=self.engines, redis=self.redis, app=self.app, store=self.store,
             lease=self.lease, checkpoint_every=config.checkpoint_every,
+            checkpoint_interval_s=config.checkpoint_interval_s,
+            slow_ops={k: float(v) for k, v in (spec.split("=", 1) for spec in config.debug_slow_ops)},
             subscribe=self._subscribe, unsubscribe=self._unsubscribe,
         )
         register_tasks(self.app, self.executor)
@@ -105,6 +109,7 @@ class WorkerService:
         self.registry.announce(WorkerAnnouncement(
             hostname=self.hostname, pid=os.getpid(), models=self.served, started_at=self._started_at,
             sessions=sorted(self.executor.owned),
+            unloaded=sorted(sid for sid, o in self.executor.owned.items() if o.unloaded),
         ))
 
     def _heartbeat_loop(self) -> None:

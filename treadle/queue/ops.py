@@ -74,6 +74,7 @@ class CreateSessionRequest(_OpRequest):
     user_metadata: dict | None = None
     from_state: str | None = None
     with_optimizer: bool = False
+    checkpoint_every: int | None = Field(default=None, ge=0, description="Automatic checkpoint period in steps (None: the worker's).")
 
 
 OpName = Literal["forward", "forward_backward", "optim_step", "save_state", "save_weights_for_sampler", "load_state", "noop", "stop"]

@@ -6,11 +6,13 @@ execution path. It imports neither torch nor the worker.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 import uuid
 
 import redis as redis_lib
+from kombu import exceptions as kombu_errors
 
 from treadle.errors import (
     BrokerUnavailableError,
@@ -28,6 +30,8 @@ from treadle.queue.workers import ServedModel, WorkerRegistry
 from treadle.types import LoraConfig
 
 CONNECT_TIMEOUT_S = 3.0
+# How long a pending op tolerates having no live worker for its model (a restart under a supervisor).
+NO_WORKER_GRACE_S = float(os.environ.get("TREADLE_NO_WORKER_GRACE_S", "120"))
 # How long result polling rides out a Redis outage (restart, failover) before giving up.
 REDIS_OUTAGE_TOLERANCE_S = 120.0
 
@@ -67,6 +71,12 @@ class OpsClient:
     def served_models(self) -> list[ServedModel]:
         return self.workers.served_models()
 
+    def _served_or_none(self) -> list[ServedModel]:
+        try:
+            return self.served_models()
+        except (redis_lib.ConnectionError, redis_lib.TimeoutError, OSError):
+            return []
+
     def require_model(self, base_model: str) -> ServedModel:
         served = self.served_models()
         for m in served:
@@ -91,6 +101,7 @@ class OpsClient:
         user_metadata: dict | None = None,
         from_state: str | None = None,
         with_optimizer: bool = False,
+        checkpoint_every: int | None = None,
         timeout: float = 300,
     ) -> SessionRecord:
         self.require_model(base_model)
@@ -103,6 +114,7 @@ class OpsClient:
             "user_metadata": user_metadata,
             "from_state": from_state,
             "with_optimizer": with_optimizer,
+            "checkpoint_every": checkpoint_every,
         }
         fid = f"create:{session_id}"
         self.app.send_task(CREATE_SESSION_TASK, args=[payload], queue=names.model_queue(base_model), task_id=fid)
@@ -123,13 +135,27 @@ class OpsClient:
         """Publish one op of a session; returns its future id at once."""
         with self._publish_lock:
             if seq is None:
-                seq = int(self.redis.hincrby(names.session_key(session_id), "next_seq", 1))
-            envelope = pack(self.redis, session_id, seq, op, payload)
-            self.app.send_task(
+                seq = self._retrying(lambda: int(self.redis.hincrby(names.session_key(session_id), "next_seq", 1)))
+            # Once the seq is taken, retry the publish with that same seq: a repeated message is
+            # harmless (the worker dedupes by seq), a skipped seq would stall the session.
+            envelope = self._retrying(lambda: pack(self.redis, session_id, seq, op, payload))
+            self._retrying(lambda: self.app.send_task(
                 OP_TASK, args=[envelope.model_dump(mode="json")], queue=names.session_queue(session_id),
                 task_id=envelope.future_id, ignore_result=True,
-            )
+            ))
         return envelope.future_id
+
+    def _retrying(self, fn):
+        """Run a Redis call, riding out an outage (restart, failover) with bounded backoff."""
+        delay, since = 0.1, time.monotonic()
+        while True:
+            try:
+                return fn()
+            except (redis_lib.ConnectionError, redis_lib.TimeoutError, OSError, kombu_errors.OperationalError) as exc:
+                if time.monotonic() - since > REDIS_OUTAGE_TOLERANCE_S:
+                    raise BrokerUnavailableError(f"Redis at {self.broker_url} unreachable for over {REDIS_OUTAGE_TOLERANCE_S:.0f} s: {exc}") from None
+                time.sleep(delay)
+                delay = min(delay * 2, 5.0)
 
     def submit_sample(self, base_model: str, payload: dict) -> str:
         fid = f"sample:{uuid.uuid4().hex}"
@@ -158,7 +184,7 @@ class OpsClient:
         """Block until the op's result is stored; re-raises its error. Rides out Redis outages."""
         deadline = None if timeout is None else time.monotonic() + timeout
         started = time.monotonic()
-        delay, outage_since, next_worker_check = 0.0005, None, started + 10
+        delay, outage_since, next_worker_check, no_worker_since = 0.0005, None, started + 2, None
         while True:
             try:
                 done, value = self.results.poll(future_id)
@@ -174,8 +200,13 @@ class OpsClient:
             if deadline is not None and now >= deadline:
                 raise FutureTimeoutError(f"{what or future_id}: no result within {timeout} s")
             if base_model is not None and now >= next_worker_check:
-                self.require_model(base_model)  # fail clearly if every worker for it died
-                next_worker_check = now + 10
+                next_worker_check = now + 2
+                if any(m.name == base_model for m in self._served_or_none()):
+                    no_worker_since = None
+                else:
+                    no_worker_since = no_worker_since or now
+                    if now - no_worker_since > NO_WORKER_GRACE_S:
+                        self.require_model(base_model)  # raises the clear "no worker" error
             # Poll every ~1 ms while an op is young (most are short), then back off to 20 ms.
             cap = 0.001 if now - started < 0.25 else 0.02
             time.sleep(min(delay, cap) if deadline is None else min(delay, cap, max(0.0, deadline - now)))

@@ -26,11 +26,13 @@ class SessionRecord(BaseModel):
     checkpoint: str | None = Field(default=None, description="Path of the latest automatic checkpoint.")
     checkpoint_seq: int = Field(default=0, description="Seq that checkpoint covers.")
     checkpoint_with_optimizer: bool = Field(default=True, description="Restore Adam moments from that checkpoint.")
+    checkpoint_every: int | None = Field(default=None, description="Per-session automatic checkpoint period in steps (None: the worker's).")
+    last_recovery: str | None = Field(default=None, description="JSON timings of the last failover (load_s, replay_s, ...).")
     status: str = Field(default="active", description="active | stopped")
     last_activity: float = Field(default_factory=time.time)
 
 
-_INT_FIELDS = {"epoch", "applied", "checkpoint_seq"}
+_INT_FIELDS = {"epoch", "applied", "checkpoint_seq", "checkpoint_every"}
 _FLOAT_FIELDS = {"created_at", "last_activity"}
 _JSON_FIELDS = {"lora", "user_metadata"}
 _BOOL_FIELDS = {"checkpoint_with_optimizer"}

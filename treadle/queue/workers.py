@@ -26,6 +26,7 @@ class WorkerAnnouncement(BaseModel):
     models: list[ServedModel]
     started_at: float
     sessions: list[str] = []
+    unloaded: list[str] = []
 
 
 class WorkerRegistry:

@@ -49,10 +49,15 @@ class ServiceClient:
     # ------------------------------------------------------------ training clients
     def create_lora_training_client(self, base_model: str, rank: int = 32, alpha: float = 32, seed: int | None = None,
                                     train_mlp: bool = True, train_attn: bool = True, train_unembed: bool = True,
-                                    user_metadata: dict | None = None) -> TrainingClient:
-        """A new session with a fresh LoRA adapter; blocks until a worker has created it."""
+                                    user_metadata: dict | None = None, checkpoint_every: int | None = None) -> TrainingClient:
+        """A new session with a fresh LoRA adapter; blocks until a worker has created it.
+
+        `checkpoint_every` overrides the worker's automatic checkpoint period (optimizer steps) for
+        this session; automatic checkpoints bound how much a crash has to replay.
+        """
         lora = LoraConfig(rank=rank, alpha=alpha, seed=seed, train_mlp=train_mlp, train_attn=train_attn, train_unembed=train_unembed)
-        record = self.ops.create_session(base_model, lora, user_metadata=user_metadata or self.user_metadata)
+        record = self.ops.create_session(base_model, lora, user_metadata=user_metadata or self.user_metadata,
+                                         checkpoint_every=checkpoint_every)
         return TrainingClient(self.ops, record)
 
     def create_training_client_from_state(self, path: str, user_metadata: dict | None = None) -> TrainingClient:
