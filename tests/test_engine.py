@@ -11,6 +11,7 @@ from transformers import AutoModelForCausalLM
 from treadle.errors import CheckpointNotFoundError, InvalidRequestError, SessionNotFoundError
 from treadle.gpu_worker.engine import Engine
 from treadle.gpu_worker.export import export_merged
+from treadle.testing.tiny_model import build_tiny_model
 from treadle.types import AdamParams, Datum, LoraConfig, ModelInput, SamplingParams
 
 LORA = LoraConfig(rank=8, alpha=16, seed=0)
@@ -405,6 +406,27 @@ def test_sampler_weights_round_trip_and_merged_export(engine, tiny_model_dir, tm
     engine_lp = engine.forward("export", [data[0]], "cross_entropy").loss_fn_outputs[0]["logprobs"].to_torch()
     merged_lp = torch.log_softmax(merged_logits[0], -1).gather(1, torch.tensor(data[0].loss_fn_inputs["target_tokens"].tolist()).unsqueeze(1)).squeeze(1)
     assert torch.allclose(engine_lp, merged_lp, atol=1e-4)
+
+
+def test_merged_export_of_a_model_with_tied_embeddings(tmp_path):
+    """lm_head shares the embedding matrix: the export must untie it, or the merge would change the inputs too."""
+    model_dir = build_tiny_model(tmp_path / "tied", seed=1, tie_word_embeddings=True)
+    tied = Engine(model_dir)
+    data = sft_data(tied)
+    tied.create_session("tied", LORA)
+    for _ in range(3):
+        tied.forward_backward("tied", data, "cross_entropy")
+        tied.optim_step("tied", AdamParams(learning_rate=1e-2))
+    tied.snapshot_sampler("tied", "tied-v1")
+    tied.save_sampler_weights("tied-v1", str(tmp_path / "adapter"))
+    export_merged(model_dir, str(tmp_path / "adapter"), str(tmp_path / "merged"))
+    merged = AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged"))
+    ids = torch.tensor([data[0].model_input.to_ints()])
+    with torch.no_grad():
+        merged_lp = torch.log_softmax(merged(input_ids=ids).logits[0], -1)
+    targets = torch.tensor(data[0].loss_fn_inputs["target_tokens"].tolist()).unsqueeze(1)
+    engine_lp = tied.forward("tied", [data[0]], "cross_entropy").loss_fn_outputs[0]["logprobs"].to_torch()
+    assert torch.allclose(merged_lp.gather(1, targets).squeeze(1), engine_lp, atol=1e-4)
 
 
 def test_drop_session_and_sampler(engine):

@@ -72,7 +72,10 @@ class AdapterBank:
         """
         self._check_targets(config)
         devices = [self.host.device] if self.host.device.type == "cuda" else []
-        with torch.random.fork_rng(devices=devices):
+        with torch.random.fork_rng(devices=devices), warnings.catch_warnings():
+            # peft warns when lm_head is tied to the embeddings; the engine never merges in place and
+            # the merged export unties them first.
+            warnings.filterwarnings("ignore", message=".*tie_word_embeddings.*", category=UserWarning)
             torch.manual_seed(seed if seed is not None else secrets.randbits(63))
             if self.peft_model is None:
                 self.peft_model = peft.get_peft_model(self.host.model, config, adapter_name=name)

@@ -3,19 +3,29 @@
 The result loads with `AutoModelForCausalLM.from_pretrained` alone (no peft), for serving with tools
 that cannot apply LoRA themselves. The merge runs in fp32 and the result is cast back to the base
 model's stored dtype.
+
+Models that tie the output layer to the input embeddings (SmolLM2, Qwen2-0.5B, ...) are untied
+first when the adapter trains `lm_head`: merging the LoRA delta into a shared matrix would also
+change the input embeddings, which the adapter never did.
 """
 
 from __future__ import annotations
 
 import torch
-from peft import PeftModel
+from peft import PeftConfig, PeftModel
+from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 
 def export_merged(base_model: str, adapter_dir: str, out_dir: str) -> None:
     """Write base + adapter merged, with the base model's tokenizer, to `out_dir`."""
-    stored_dtype = AutoConfig.from_pretrained(base_model).dtype
+    config = AutoConfig.from_pretrained(base_model)
+    stored_dtype = config.dtype
+    untie = bool(getattr(config, "tie_word_embeddings", False)) and "lm_head" in PeftConfig.from_pretrained(adapter_dir).target_modules
     model = AutoModelForCausalLM.from_pretrained(base_model, dtype=torch.float32)
+    if untie:
+        model.config.tie_word_embeddings = False
+        model.get_output_embeddings().weight = nn.Parameter(model.get_input_embeddings().weight.detach().clone())
     merged = PeftModel.from_pretrained(model, adapter_dir).merge_and_unload()
     if isinstance(stored_dtype, torch.dtype):
         merged = merged.to(stored_dtype)

@@ -77,7 +77,7 @@ def build_tokenizer(seed: int = 0):
     )
 
 
-def _config(arch: Arch, tokenizer):
+def _config(arch: Arch, tokenizer, tie_word_embeddings: bool):
     from transformers import LlamaConfig, Qwen2Config
 
     common = dict(
@@ -88,7 +88,7 @@ def _config(arch: Arch, tokenizer):
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=MAX_POSITION_EMBEDDINGS,
-        tie_word_embeddings=False,
+        tie_word_embeddings=tie_word_embeddings,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
         bos_token_id=None,
@@ -100,8 +100,11 @@ def _config(arch: Arch, tokenizer):
     raise ValueError(f"arch: unknown {arch!r}; expected llama or qwen2")
 
 
-def build_tiny_model(directory: str | Path, arch: Arch = "llama", seed: int = 0) -> str:
-    """Write a tiny random-init causal LM and its tokenizer to `directory`; returns the path as a str."""
+def build_tiny_model(directory: str | Path, arch: Arch = "llama", seed: int = 0, *, tie_word_embeddings: bool = False) -> str:
+    """Write a tiny random-init causal LM and its tokenizer to `directory`; returns the path as a str.
+
+    `tie_word_embeddings=True` shares lm_head with the input embeddings, as many small real models do.
+    """
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig
 
@@ -109,7 +112,7 @@ def build_tiny_model(directory: str | Path, arch: Arch = "llama", seed: int = 0)
     directory.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer(seed)
     assert len(tokenizer) == VOCAB_SIZE, f"tokenizer has {len(tokenizer)} tokens, expected {VOCAB_SIZE}"
-    config = _config(arch, tokenizer)
+    config = _config(arch, tokenizer, tie_word_embeddings)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.generation_config = GenerationConfig(
@@ -125,8 +128,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("directory", help="Output directory (created if missing).")
     parser.add_argument("--arch", choices=["llama", "qwen2"], default="llama", help="Model architecture.")
     parser.add_argument("--seed", type=int, default=0, help="Seed of the weights and the tokenizer corpus.")
+    parser.add_argument("--tie-word-embeddings", action="store_true", help="Share lm_head with the input embeddings.")
     args = parser.parse_args(argv)
-    print(build_tiny_model(args.directory, arch=args.arch, seed=args.seed))
+    print(build_tiny_model(args.directory, arch=args.arch, seed=args.seed, tie_word_embeddings=args.tie_word_embeddings))
 
 
 if __name__ == "__main__":
