@@ -11,13 +11,10 @@ from datetime import datetime, timezone
 
 from fastapi import APIRouter, Depends, Request
 from starlette.concurrency import run_in_threadpool
-from tinker import types as tt
 
 from treadle.gateway.auth import not_found, require_owner
 from treadle.gateway.backend import Backend
-from treadle.queue.ops import parse_request
 from treadle.storage.manifest import Manifest
-from treadle.storage.paths import CheckpointPath
 
 router = APIRouter()
 
@@ -108,10 +105,11 @@ async def list_checkpoints(run_id: str, request: Request, owner: str = Depends(r
     return await run_in_threadpool(build)
 
 
-@router.delete("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}")
-async def delete_checkpoint(run_id: str, checkpoint_id: str, request: Request, owner: str = Depends(require_owner)) -> None:
+@router.delete("/training_runs/{run_id}/checkpoints/{kind}/{name}")
+async def delete_checkpoint(run_id: str, kind: str, name: str, request: Request, owner: str = Depends(require_owner)) -> None:
+    """The checkpoint id is `<kind>/<name>`, sent unescaped, hence two path segments."""
     backend = _backend(request)
-    path = f"tinker://{run_id}/{checkpoint_id}"
+    path = f"tinker://{run_id}/{kind}/{name}"
 
     def delete() -> None:
         parsed, _ = backend.checkpoint(path, owner)
