@@ -55,7 +55,7 @@ NOTES = {
     "TrainingClient.get_console_url": "returns a Thinking Machines console URL, which means nothing for treadle",
     "TrainingClient.save_weights_and_get_sampling_client": "kind='inflight' is served as a snapshot",
     "TrainingClient.save_weights_for_sampler": "user_metadata is not stored on sampler checkpoints",
-    "SamplingClient.sample": "topk_sample_logprobs, target_prompt_logprobs and prompt_alt_tokens_k are refused; stop=[] still stops at EOS",
+    "SamplingClient.sample": "topk_sample_logprobs, target_prompt_logprobs and prompt_alt_tokens_k are refused",
 }
 
 

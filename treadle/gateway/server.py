@@ -12,10 +12,14 @@ from treadle.gateway.app import create_app
 from treadle.gateway.settings import GatewaySettings
 
 
-def run_gateway(host: str | None = None, port: int | None = None, **overrides) -> None:
-    """Serve until interrupted. Arguments override the settings read from the environment (`TREADLE_GATEWAY_*`)."""
-    fields = {k: v for k, v in {"host": host, "port": port, **overrides}.items() if v is not None}
-    settings = GatewaySettings(**fields)
+def run_gateway(settings: GatewaySettings | None = None, **overrides) -> None:
+    """Serve until interrupted: `run_gateway(settings)` or `run_gateway(host=..., port=...)`.
+
+    Keyword overrides apply on top of `settings`, or of the settings read from the environment
+    (`TREADLE_GATEWAY_*`, `TREADLE_BROKER_URL`, ...) when none are given.
+    """
+    fields = {k: v for k, v in overrides.items() if v is not None}
+    settings = settings.model_copy(update=fields) if settings is not None else GatewaySettings(**fields)
     uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level="info")
 
 
