@@ -5,6 +5,7 @@ from __future__ import annotations
 import httpx
 import pytest
 import tinker
+import zstandard
 from tinker import types as tt
 from tinker.proto.request_conv import forward_backward_request_to_proto
 from tinker.proto.response_conv import deserialize_forward_backward_output
@@ -107,3 +108,9 @@ def test_seq_ids_run_in_order_and_a_retry_returns_the_original_future(gateway, a
         assert _result(alice, bad["request_id"]).json()["category"] == "user"
         after = alice.post("/optim_step", json={"model_id": alice_model, "seq_id": 5, "adam_params": {}}).json()
         assert _result(alice, after["request_id"]).json()["metrics"]["step:max"] == 2
+
+        # a zstd-compressed body (the SDK sends one when client/config asks for it)
+        compressed = zstandard.ZstdCompressor().compress(_fb_body(alice_model, 6))
+        request_id = alice.post("/forward_backward", content=compressed, headers={
+            "Content-Type": "application/x-protobuf", "Content-Encoding": "zstd"}).json()["request_id"]
+        assert len(deserialize_forward_backward_output(_result(alice, request_id).content).loss_fn_outputs) == 1

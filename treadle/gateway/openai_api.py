@@ -54,12 +54,20 @@ class ChatCompletionRequest(_OpenAIRequest):
     logprobs: bool = Field(default=False, description="Return the logprob of each generated token.")
     top_logprobs: int | None = Field(default=None, ge=0, le=0, description="Only 0 is supported.")
 
+    @property
+    def wants_logprobs(self) -> bool:
+        return self.logprobs
+
 
 class CompletionRequest(_OpenAIRequest):
     prompt: str | list[int] = Field(description="A prompt string, or its token ids.")
     max_tokens: int | None = Field(default=16, ge=1, description="Most new tokens per completion (OpenAI's default is 16).")
     logprobs: int | None = Field(default=None, ge=0, le=0, description="0 returns each token's logprob; top alternatives are not supported.")
     echo: Literal[False] = Field(default=False, description="Echoing the prompt is not supported.")
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return self.logprobs is not None
 
 
 @lru_cache(maxsize=16)
@@ -114,8 +122,7 @@ async def _complete(backend: Backend, owner: str, req: _OpenAIRequest, *, chat: 
         return _error(400 if exc.category == "user" else 500, exc.message, "invalid_request_error" if exc.category == "user" else "server_error")
     except HTTPException as exc:
         return _error(exc.status_code, str(exc.detail), "invalid_request_error")
-    choices = [_choice(i, tokenizer, seq, stops, chat, bool(req.logprobs is not None and req.logprobs is not False))
-               for i, seq in enumerate(result["sequences"])]
+    choices = [_choice(i, tokenizer, seq, stops, chat, req.wants_logprobs) for i, seq in enumerate(result["sequences"])]
     completion_tokens = sum(len(seq["tokens"]) for seq in result["sequences"])
     return {
         "id": f"{'chatcmpl' if chat else 'cmpl'}-{secrets.token_hex(12)}",
