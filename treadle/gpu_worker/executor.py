@@ -390,8 +390,9 @@ class OpExecutor:
     def _save_sampler(self, engine, owned, env, payload):
         req = parse_request(SaveSamplerRequest, payload, "save_weights_for_sampler")
         sid = owned.record.session_id
-        name = req.name or f"ephemeral-{env.seq:08d}"
-        ttl = req.ttl_seconds or (None if req.name else 24 * 3600)
+        ephemeral = req.name is None  # an empty name is a bad name, not a request for a generated one
+        name = f"ephemeral-{env.seq:08d}" if ephemeral else req.name
+        ttl = req.ttl_seconds or (24 * 3600 if ephemeral else None)
         path = CheckpointPath(run_id=owned.record.run_id, kind="sampler_weights", name=name)
         sampler_id = path.uri()
         engine.snapshot_sampler(sid, sampler_id)

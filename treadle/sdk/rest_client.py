@@ -7,11 +7,16 @@ It reads the checkpoint store directly (file:// or s3://, with the same settings
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 
 from treadle.storage.checkpoint_store import CheckpointStore
 from treadle.storage.manifest import Manifest
 from treadle.storage.paths import CheckpointPath
 from treadle.types import Checkpoint, TrainingRun, WeightsInfo
+
+ADAPTER_FILES = ("adapter_model.safetensors", "adapter_config.json")
+MERGED_DIR = "merged"  # where save_weights_for_sampler(merge_weights=True) puts the merged model
 
 
 def _checkpoint(m: Manifest) -> Checkpoint:
@@ -64,21 +69,29 @@ class RestClient:
         return directory
 
     def export(self, path: str, directory: str, merged: bool = False) -> str:
-        """A PEFT adapter directory (PeftModel.from_pretrained, vLLM's LoRA layout), or a merged model."""
-        import tempfile
+        """A PEFT adapter directory (PeftModel.from_pretrained, vLLM's LoRA layout), or a merged model.
 
+        A merged model comes from the checkpoint itself when it was saved with `merge_weights=True`;
+        otherwise it is built here from the base model the worker loaded, which must be reachable by
+        that name or path from this machine too.
+        """
         manifest = self.manifest(path)
-        if not merged:
-            with tempfile.TemporaryDirectory() as tmp:
-                self.download(path, tmp)
-                os.makedirs(directory, exist_ok=True)
-                for name in ("adapter_model.safetensors", "adapter_config.json"):
-                    os.replace(os.path.join(tmp, name), os.path.join(directory, name))
-            return directory
-        from treadle.gpu_worker.export import export_merged
-
         with tempfile.TemporaryDirectory() as tmp:
             self.download(path, tmp)
+            os.makedirs(directory, exist_ok=True)
+            if not merged:
+                for name in ADAPTER_FILES:
+                    shutil.move(os.path.join(tmp, name), os.path.join(directory, name))  # tmp may be another filesystem
+                return directory
+            stored = [name for name in manifest.files if name.startswith(MERGED_DIR + "/")]
+            if stored:
+                for name in stored:
+                    target = os.path.join(directory, name[len(MERGED_DIR) + 1:])
+                    os.makedirs(os.path.dirname(target), exist_ok=True)
+                    shutil.move(os.path.join(tmp, name), target)
+                return directory
+            from treadle.gpu_worker.export import export_merged
+
             export_merged(manifest.extra.get("base_model_path", manifest.base_model), tmp, directory)
         return directory
 
