@@ -53,6 +53,9 @@ class OwnedSession:
     epoch: int
     applied: int
     unloaded: bool = False
+    # Highest seq whose message this worker has received: a message runs the ops up to it, so one
+    # session's backlog does not run inside a single Celery task while other sessions wait.
+    max_seen: int = 0
     last_checkpoint_at: float = field(default_factory=time.monotonic)
     pending_upload: Future | None = None
 
@@ -87,9 +90,11 @@ class OpExecutor:
         env = OpEnvelope.model_validate(envelope)
         self.journal.record(env)
         with self.compute_lock:
-            if env.session_id not in self.owned:
+            owned = self.owned.get(env.session_id)
+            if owned is None:
                 self._not_ours(env)
                 return
+            owned.max_seen = max(owned.max_seen, env.seq)
             self.drain(env.session_id)
 
     def on_create_session(self, future_id: str, payload: dict) -> None:
@@ -177,7 +182,7 @@ class OpExecutor:
         if epoch is None:
             return False
         t0 = time.monotonic()
-        restored = restore_unacked(self.redis, names.session_queue(session_id))
+        restored = restore_unacked(self.redis, names.session_queue(session_id), session_id)
         with self.compute_lock:
             record = self.sessions.get(session_id)
             timings = self._rebuild(record)
@@ -189,6 +194,9 @@ class OpExecutor:
                      session_id, epoch, restored, record.applied, timings["total_s"])
         self._subscribe(names.session_queue(session_id))
         with self.compute_lock:
+            # Ops whose message died with the old owner are in the journal: run them now.
+            owned = self.owned[session_id]
+            owned.max_seen = max([owned.applied, *self.journal.seqs(session_id)])
             self.drain(session_id)
         return True
 
@@ -221,7 +229,7 @@ class OpExecutor:
     def drain(self, session_id: str) -> None:
         """Run every op of the session that is next in line, in seq order."""
         owned = self.owned[session_id]
-        while True:
+        while owned.applied < owned.max_seen:
             env = self.journal.get(session_id, owned.applied + 1)
             if env is None:
                 return

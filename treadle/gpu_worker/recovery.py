@@ -13,14 +13,18 @@ UNACKED = "unacked"
 UNACKED_INDEX = "unacked_index"
 
 
-def restore_unacked(redis, queue: str) -> int:
+def restore_unacked(redis, queue: str, session_id: str) -> int:
+    """Move the session's delivered-but-unacked messages back to the head of its queue."""
+    session_prefix = f"{session_id}:"
     restored = 0
     for tag, raw in list(redis.hgetall(UNACKED).items()):
         try:
-            payload, _exchange, routing_key = json.loads(raw)
-        except (ValueError, TypeError):
+            payload, _exchange, _routing_key = json.loads(raw)
+            delivery = payload["properties"].get("delivery_info") or {}
+            target = delivery.get("routing_key") or payload["headers"].get("routing_key")
+        except (ValueError, TypeError, KeyError, AttributeError):
             continue
-        if routing_key != queue:
+        if target != queue and not str(payload.get("headers", {}).get("id", "")).startswith(session_prefix):
             continue
         payload.get("headers", {})["redelivered"] = True
         with redis.pipeline(transaction=True) as pipe:

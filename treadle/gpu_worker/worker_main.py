@@ -17,6 +17,7 @@ import threading
 import time
 import uuid
 
+from celery.signals import worker_ready
 from pydantic import BaseModel, Field
 
 from treadle.queue import names
@@ -98,8 +99,14 @@ class WorkerService:
         self._started_at = time.time()
 
     # The pool thread asks the worker's own consumer (main thread) to (un)subscribe, via remote control.
+    # The reply is awaited: a lost broadcast would leave a session's queue with no consumer.
     def _subscribe(self, queue: str) -> None:
-        self.app.control.add_consumer(queue, destination=[self.hostname], reply=False)
+        for attempt in range(10):
+            replies = self.app.control.add_consumer(queue, destination=[self.hostname], reply=True, timeout=3)
+            if replies:
+                return
+            log.warning("no reply subscribing to %s (attempt %d); retrying", queue, attempt + 1)
+        log.error("could not subscribe to %s", queue)
 
     def _unsubscribe(self, queue: str) -> None:
         self.app.control.cancel_consumer(queue, destination=[self.hostname], reply=False)
@@ -156,10 +163,10 @@ class WorkerService:
     def run(self) -> None:
         self._publish_tokenizers()
         self._announce()
-        threads = [threading.Thread(target=self._heartbeat_loop, name="treadle-heartbeat", daemon=True),
-                   threading.Thread(target=self._caretaker_loop, name="treadle-caretaker", daemon=True)]
-        for t in threads:
-            t.start()
+        threading.Thread(target=self._heartbeat_loop, name="treadle-heartbeat", daemon=True).start()
+        # Adopting sessions needs the consumer up (it subscribes to their queues), so wait for ready.
+        caretaker = threading.Thread(target=self._caretaker_loop, name="treadle-caretaker", daemon=True)
+        worker_ready.connect(lambda sender=None, **kw: caretaker.start(), weak=False)
         worker = self.app.Worker(
             hostname=self.hostname, pool="threads", concurrency=1,
             queues=[names.model_queue(name) for name in self.engines],

@@ -24,6 +24,7 @@ from treadle.errors import (
 from treadle.queue import names
 from treadle.queue.celery_app import CREATE_SESSION_TASK, OP_TASK, SAMPLE_TASK, make_app
 from treadle.queue.envelope import pack, store_blob
+from treadle.queue.journal import Journal
 from treadle.queue.results import ResultStore
 from treadle.queue.sessions import SessionRecord, SessionRegistry
 from treadle.queue.workers import ServedModel, WorkerRegistry
@@ -65,7 +66,12 @@ class OpsClient:
         self.results = ResultStore(self.app)
         self.sessions = SessionRegistry(self.redis)
         self.workers = WorkerRegistry(self.redis)
+        self.journal = Journal(self.redis)
         self._publish_lock = threading.Lock()
+        # An explicit seq (the gateway's) moves the counter too, so a later automatic seq never reuses it.
+        self._raise_next_seq = self.redis.register_script(
+            "local cur = tonumber(redis.call('HGET', KEYS[1], 'next_seq') or '0') "
+            "if cur < tonumber(ARGV[1]) then redis.call('HSET', KEYS[1], 'next_seq', ARGV[1]) end return 1")
 
     # ------------------------------------------------------------ models and sessions
     def served_models(self) -> list[ServedModel]:
@@ -136,9 +142,14 @@ class OpsClient:
         with self._publish_lock:
             if seq is None:
                 seq = self._retrying(lambda: int(self.redis.hincrby(names.session_key(session_id), "next_seq", 1)))
+            else:
+                self._retrying(lambda: self._raise_next_seq(keys=[names.session_key(session_id)], args=[seq]))
             # Once the seq is taken, retry the publish with that same seq: a repeated message is
             # harmless (the worker dedupes by seq), a skipped seq would stall the session.
             envelope = self._retrying(lambda: pack(self.redis, session_id, seq, op, payload))
+            # Journal first, then ring the doorbell: a message lost between a worker's BRPOP and its
+            # crash (kombu records `unacked` only after the pop) cannot lose the op itself.
+            self._retrying(lambda: self.journal.record(envelope))
             self._retrying(lambda: self.app.send_task(
                 OP_TASK, args=[envelope.model_dump(mode="json")], queue=names.session_queue(session_id),
                 task_id=envelope.future_id, ignore_result=True,
