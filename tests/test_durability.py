@@ -179,3 +179,17 @@ def test_idle_session_is_unloaded_and_reloads(make_stack, tiny_model_dir):
     ref_losses, ref_weights = reference(tiny_model_dir, 4)
     assert losses == ref_losses
     assert_same_adapter(adapter_of(sc, tc.save_state("final").result(timeout=60).path), ref_weights)
+
+
+def test_single_worker_restarted_by_a_supervisor_adopts_its_sessions(make_stack, tiny_model_dir):
+    stack = make_stack(workers=1)
+    sc = ServiceClient(broker_url=stack.broker_url, storage_url=stack.storage_url)
+    tc = sc.create_lora_training_client("tiny", rank=8, seed=SEED)
+    pairs = [(tc.forward_backward(batch(s), "cross_entropy"), tc.optim_step(ADAM)) for s in range(3)]
+    pairs[-1][1].result(timeout=60)
+    kill_owner(stack, sc, tc.session_id, replace=False)
+    pairs += [(tc.forward_backward(batch(s), "cross_entropy"), tc.optim_step(ADAM)) for s in range(3, 6)]
+    stack.start_worker()  # what compose's `restart: unless-stopped` does
+    losses = [fb.result(timeout=300).metrics["loss:sum"] for fb, _ in pairs]
+    assert [opt.result(timeout=60).metrics["step:max"] for _, opt in pairs] == list(range(1, 7))
+    assert losses == reference(tiny_model_dir, 6)[0]
