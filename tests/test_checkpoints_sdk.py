@@ -29,6 +29,7 @@ from treadle.errors import (
 from treadle.local_stack import free_port
 from treadle.storage.manifest import hash_file
 from treadle.storage.paths import CheckpointPath
+from treadle.types import SampleResponse
 
 ADAM = AdamParams(learning_rate=5e-3)
 STEPS_BEFORE_SAVE = 3
@@ -93,8 +94,8 @@ class History:
     new_worker_pid: int
     losses_after_save: list[float]
     final_probe: list[float]
-    sample_at_save: object
-    sample_after_training: object
+    sample_at_save: SampleResponse
+    sample_after_training: SampleResponse
 
 
 @pytest.fixture(scope="module")
@@ -104,6 +105,7 @@ def sc(s3_service_client):
 
 @pytest.fixture(scope="module")
 def history(s3_stack, sc) -> History:
+    """Train, save state and a sampler at step 3, train on; then replace the worker process."""
     tc = sc.create_lora_training_client("tiny", rank=8, seed=5)
     old_pid = worker_pid(sc, tc.session_id)
     train(tc, range(STEPS_BEFORE_SAVE))
