@@ -1,0 +1,53 @@
+"""Held-out evaluation: greedy answers from a sampler, graded, as one accuracy number.
+
+Every request is submitted before any result is read, so the worker goes from one problem to the
+next without waiting for a round trip.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from tqdm import tqdm
+
+from treadle.recipes.math_tasks import Problem, grade
+from treadle.recipes.rendering import render_generation_prompt
+from treadle.types import ModelInput, SamplingParams
+
+
+@dataclass
+class EvalResult:
+    accuracy: float
+    responses: list[str]
+
+
+def prompt_messages(question: str, system_prompt: str | None) -> list[dict[str, str]]:
+    system = [{"role": "system", "content": system_prompt}] if system_prompt else []
+    return [*system, {"role": "user", "content": question}]
+
+
+def evaluate_problems(
+    sampler: Any,
+    tokenizer: Any,
+    problems: Sequence[Problem],
+    *,
+    system_prompt: str | None,
+    max_tokens: int,
+    stop: list[str],
+    first_line_only: bool = True,
+    desc: str = "eval",
+) -> EvalResult:
+    """Greedy (`top_k=1`) accuracy of `sampler` on `problems`."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=1.0, top_k=1, stop=stop, seed=0)
+    futures = [
+        sampler.sample(ModelInput.from_ints(render_generation_prompt(tokenizer, prompt_messages(p.question, system_prompt))),
+                       num_samples=1, sampling_params=params)
+        for p in problems
+    ]
+    responses, correct = [], 0.0
+    for problem, future in tqdm(list(zip(problems, futures)), desc=desc, leave=False):
+        text = tokenizer.decode(future.result().sequences[0].tokens, skip_special_tokens=True)
+        responses.append(text)
+        correct += grade(text, problem.answer, first_line_only)
+    return EvalResult(accuracy=correct / len(problems), responses=responses)

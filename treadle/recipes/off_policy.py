@@ -1,0 +1,45 @@
+"""Staleness bookkeeping of asynchronous (off-policy) RL.
+
+In async mode, rollouts keep being sampled while the trainer trains, so a group may have been
+sampled by a policy that is already some optimizer steps old. A group sampled by policy version v
+and trained on at version `current` is `current - v` steps off-policy. Up to `max_steps_off_policy`
+it is used (the importance ratio exp(lp - q) corrects for the gap); beyond that it is either
+discarded, or its problem is requeued to be sampled again by the current policy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+StalePolicy = Literal["requeue", "discard"]
+Action = Literal["use", "requeue", "discard"]
+
+
+@dataclass
+class SampledCompletion:
+    tokens: list[int]
+    logprobs: list[float]
+    reward: float
+    text: str
+
+
+@dataclass
+class Group:
+    """K completions of one prompt, and the policy version that sampled them."""
+
+    problem_index: int
+    prompt: list[int]
+    completions: list[SampledCompletion]
+    policy_version: int
+
+
+def staleness(group_version: int, current_version: int) -> int:
+    return current_version - group_version
+
+
+def staleness_action(group_version: int, current_version: int, max_steps_off_policy: int, stale_policy: StalePolicy) -> Action:
+    """What to do with a group sampled at `group_version` when the trainer is at `current_version`."""
+    if staleness(group_version, current_version) <= max_steps_off_policy:
+        return "use"
+    return stale_policy
