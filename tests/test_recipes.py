@@ -110,3 +110,20 @@ def test_resume_after_kill_repeats_and_skips_no_step(stack, tmp_path):
     assert fresh.returncode == 0, out
     reference = _rows(tmp_path / "fresh" / "metrics.jsonl")
     assert [r["reward/mean"] for r in rows[1:]] == [r["reward/mean"] for r in reference[1:]]
+
+
+def test_math_rl_on_gsm8k_jsonl_with_ppo_and_a_kl_penalty(service_client, tmp_path):
+    """GSM8K from a local JSONL (answers after '#### '), the ppo loss, and KL-in-reward against the base model."""
+    rows = [{"question": f"Sam has {a} pens and buys {b} more. How many pens?", "answer": f"{a} + {b} = {a + b}\n#### {a + b}"}
+            for a, b in [(1, 2), (3, 1), (2, 2), (4, 1), (0, 3)]]
+    data = tmp_path / "gsm8k.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = _tiny_rl_config(tmp_path / "run", task="gsm8k", gsm8k_train_path=str(data), gsm8k_eval_path=str(data),
+                          loss_fn="ppo", kl_penalty_coef=0.05, steps=3, groups_per_batch=2, group_size=8)
+    result = math_rl.main(cfg, service_client)
+    metrics = _rows(result.metrics_path)
+    assert [r["step"] for r in metrics] == [0, 1, 2, 3]
+    assert metrics[1]["kl/policy_base"] == pytest.approx(0.0, abs=1e-4)  # the fresh adapter is the base model
+    assert metrics[1]["tokens"] > 0 and abs(metrics[3]["kl/policy_base"]) > 1e-3  # after training it is not
+    indices = [r["problem_index"] for r in _rows(tmp_path / "run" / "rollouts.jsonl")]
+    assert indices == list(range(6))

@@ -165,7 +165,7 @@ def main(cfg: Config, service: ServiceClient | None = None) -> RunResult:
         # ------------------------------------------------------------ stream groups into forward_backward
         fwd_futures, datums_by_call, rewards, used = [], [], [], 0
         counts = {"use": 0, "requeue": 0, "discard": 0, "skipped": 0}
-        stalenesses, sample_wait, tokens = [], 0.0, 0
+        stalenesses, sample_wait, tokens, kls = [], 0.0, 0, []
         while used < cfg.groups_per_batch:
             if cfg.mode == "async":
                 top_up(cfg.async_groups_in_flight)
@@ -187,7 +187,9 @@ def main(cfg: Config, service: ServiceClient | None = None) -> RunResult:
             group_rewards = [c.reward for c in group.completions]
             rewards += group_rewards
             if reference is not None:
-                group_rewards = [kl_penalized_reward(r, kl, cfg.kl_penalty_coef) for r, kl in zip(group_rewards, kl_against_reference(group))]
+                group_kls = kl_against_reference(group)
+                kls += group_kls
+                group_rewards = [kl_penalized_reward(r, kl, cfg.kl_penalty_coef) for r, kl in zip(group_rewards, group_kls)]
             advantages = group_advantages(group_rewards, cfg.normalize_std)
             if not is_informative(advantages):
                 counts["skipped"] += 1
@@ -220,6 +222,7 @@ def main(cfg: Config, service: ServiceClient | None = None) -> RunResult:
             "async/staleness_max": max(stalenesses), "async/staleness_mean": sum(stalenesses) / len(stalenesses),
             "optim/kl_sample_train_v1": sum(diffs) / len(diffs) if diffs else 0.0,
             "optim/kl_sample_train_v2": 0.5 * sum(d * d for d in diffs) / len(diffs) if diffs else 0.0,
+            **({"kl/policy_base": sum(kls) / len(kls)} if kls else {}),
             "time/sample_wait": sample_wait, "time/train_wait": train_wait,
         }
         if step == cfg.steps or (cfg.eval_every and step % cfg.eval_every == 0):
