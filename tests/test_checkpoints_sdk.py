@@ -235,7 +235,7 @@ def test_save_weights_for_sampler_with_merge_weights(sc, tiny_model_dir, tmp_pat
     def no_merging_here(*args):
         raise AssertionError("export(merged=True) merged again instead of using the stored merged model")
 
-    monkeypatch.setattr("treadle.gpu_worker.export.export_merged", no_merging_here)
+    monkeypatch.setattr("treadle.storage.merged_export.export_merged", no_merging_here)
     rest = sc.create_rest_client()
     exported = rest.export(path, str(tmp_path / "export-merged"), merged=True)
     assert (Path(exported) / "tokenizer_config.json").exists()

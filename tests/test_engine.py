@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM
 
 from treadle.errors import CheckpointNotFoundError, InvalidRequestError, SessionNotFoundError
 from treadle.gpu_worker.engine import Engine
-from treadle.gpu_worker.export import export_merged
+from treadle.storage.merged_export import export_merged
 from treadle.testing.tiny_model import build_tiny_model
 from treadle.types import AdamParams, Datum, LoraConfig, ModelInput, SamplingParams
 

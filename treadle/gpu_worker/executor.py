@@ -408,7 +408,7 @@ class OpExecutor:
         with tempfile.TemporaryDirectory(prefix="treadle-sampler-") as tmp:
             engine.save_sampler_weights(sampler_id, tmp)
             if req.merge_weights:
-                from treadle.gpu_worker.export import export_merged
+                from treadle.storage.merged_export import export_merged
 
                 export_merged(engine.base_model, tmp, f"{tmp}/merged")
             self._fence(owned)

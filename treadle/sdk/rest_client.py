@@ -90,7 +90,7 @@ class RestClient:
                     os.makedirs(os.path.dirname(target), exist_ok=True)
                     shutil.move(os.path.join(tmp, name), target)
                 return directory
-            from treadle.gpu_worker.export import export_merged
+            from treadle.storage.merged_export import export_merged
 
             export_merged(manifest.extra.get("base_model_path", manifest.base_model), tmp, directory)
         return directory

@@ -1,0 +1,51 @@
+"""The client side stays light: treadle.types, treadle.sdk and treadle.recipes never import torch,
+peft or the worker, so a laptop needs only the SDK."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[1] / "treadle"
+LIGHT = [ROOT / "types.py", ROOT / "errors.py", ROOT / "settings.py", ROOT / "sdk", ROOT / "recipes", ROOT / "queue"]
+FORBIDDEN = ("torch", "peft", "accelerate", "treadle.gpu_worker")
+
+
+def _imports(path: pathlib.Path):
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            yield from (a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            yield node.module
+
+
+def test_light_modules_never_import_heavy_ones():
+    offenders = []
+    for root in LIGHT:
+        for path in [root] if root.is_file() else sorted(root.rglob("*.py")):
+            for name in _imports(path):
+                if name.split(".")[0] in ("torch", "peft", "accelerate") or name.startswith("treadle.gpu_worker"):
+                    offenders.append(f"{path.relative_to(ROOT.parent)} imports {name}")
+    # The two lazy, opt-in exceptions: TensorData.to_torch, and forward_backward_custom, which runs the
+    # user's torch loss on the client as Tinker's does. Neither is imported unless called.
+    allowed = {"treadle/types.py imports torch", "treadle/sdk/training_client.py imports torch"}
+    offenders = [o for o in offenders if o not in allowed]
+    assert offenders == []
+
+
+def test_sdk_and_recipes_import_without_torch():
+    code = (
+        "import sys\n"
+        "class Block:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        f"        if name.split('.')[0] in {FORBIDDEN[:3]!r}: raise ImportError('blocked ' + name)\n"
+        "sys.meta_path.insert(0, Block())\n"
+        "import treadle, treadle.types, treadle.sdk, treadle.recipes.math_rl, treadle.recipes.sft\n"
+        "from treadle import ServiceClient, Datum, ModelInput, TensorData, SamplingParams, AdamParams\n"
+        "assert not any(m.startswith('treadle.gpu_worker') for m in sys.modules)\n"
+        "print('ok')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr
