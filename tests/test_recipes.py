@@ -127,3 +127,18 @@ def test_math_rl_on_gsm8k_jsonl_with_ppo_and_a_kl_penalty(service_client, tmp_pa
     assert metrics[1]["tokens"] > 0 and abs(metrics[3]["kl/policy_base"]) > 1e-3  # after training it is not
     indices = [r["problem_index"] for r in _rows(tmp_path / "run" / "rollouts.jsonl")]
     assert indices == list(range(6))
+
+
+def test_sft_resume_continues_exactly_from_the_checkpoint(service_client, tmp_path):
+    """Drop the last checkpoint (as if the run died after step 2's save) and resume: steps 3-4 come out identical."""
+    cfg = sft.Config(base_model="tiny", log_dir=str(tmp_path), steps=4, batch_size=4, learning_rate=1e-2, lora_rank=4,
+                     eval_every=0, save_every=2)
+    sft.main(cfg, service_client)
+    original = _rows(tmp_path / "metrics.jsonl")
+    checkpoints = (tmp_path / "checkpoints.jsonl").read_text().splitlines()
+    (tmp_path / "checkpoints.jsonl").write_text(checkpoints[0] + "\n")  # only step 2 survives
+    sft.main(cfg.model_copy(update={"resume": True}), service_client)
+    resumed = _rows(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in resumed] == [0, 1, 2, 3, 4]
+    assert [r["train/loss"] for r in resumed[1:]] == [r["train/loss"] for r in original[1:]]
+    assert resumed[-1]["eval/loss"] == original[-1]["eval/loss"]
