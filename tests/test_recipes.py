@@ -127,6 +127,9 @@ def test_math_rl_on_gsm8k_jsonl_with_ppo_and_a_kl_penalty(service_client, tmp_pa
     assert metrics[1]["tokens"] > 0 and abs(metrics[3]["kl/policy_base"]) > 1e-3  # after training it is not
     indices = [r["problem_index"] for r in _rows(tmp_path / "run" / "rollouts.jsonl")]
     assert indices == list(range(6))
+    samples = _rows(tmp_path / "run" / "eval_samples.jsonl")
+    assert [r["step"] for r in samples] == [0] * 3 + [3] * 3  # the eval set is the JSONL's first eval_problems rows
+    assert [r["answer"] for r in samples[:3]] == [3, 4, 4]
 
 
 def test_sft_resume_continues_exactly_from_the_checkpoint(service_client, tmp_path):

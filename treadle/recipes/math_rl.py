@@ -55,7 +55,7 @@ class Config(BaseModel):
     max_tokens: int = Field(default=16, ge=1, description="Most tokens per completion.")
     temperature: float = Field(default=1.0, gt=0.0, description="Sampling temperature of rollouts.")
     stop: list[str] = Field(default_factory=lambda: ["\n"], description="Stop strings of rollouts and eval.")
-    lora_rank: int = Field(default=16, ge=1, description="LoRA rank.")
+    lora_rank: int = Field(default=16, ge=1, description="LoRA rank (alpha is 2 x rank).")
     learning_rate: float = Field(default=3e-4, gt=0.0, description="AdamW learning rate.")
     loss_fn: Literal["importance_sampling", "ppo", "cispo"] = Field(default="importance_sampling", description="Policy loss.")
     normalize_std: bool = Field(default=False, description="Divide group advantages by the group's reward std.")
@@ -119,6 +119,8 @@ def main(cfg: Config, service: ServiceClient | None = None) -> RunResult:
         result = evaluate_problems(sampler, tokenizer, heldout, system_prompt=cfg.system_prompt, max_tokens=cfg.max_tokens,
                                    stop=cfg.stop, first_line_only=first_line_only, desc=f"eval @ step {step}")
         eval_times.append(time.monotonic() - started)
+        for problem, response in zip(heldout, result.responses):
+            log.append("eval_samples.jsonl", step, {"question": problem.question, "answer": problem.answer, "response": response})
         return {"eval/accuracy": result.accuracy, "time/eval": eval_times[-1]}
 
     def submit_group(index: int):

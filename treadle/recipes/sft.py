@@ -44,7 +44,7 @@ class Config(BaseModel):
     batch_size: int = Field(default=8, ge=1, description="Conversations per step.")
     max_length: int = Field(default=512, ge=2, description="Truncate rendered conversations to this many tokens.")
     train_on: Literal["all_assistant", "last_assistant"] = Field(default="all_assistant", description="Which assistant turns to train on.")
-    lora_rank: int = Field(default=16, ge=1, description="LoRA rank.")
+    lora_rank: int = Field(default=16, ge=1, description="LoRA rank (alpha is 2 x rank).")
     learning_rate: float = Field(default=2e-4, gt=0.0, description="AdamW learning rate.")
     submit_ahead: int = Field(default=1, ge=0, description="Steps enqueued before the oldest result is read.")
     eval_every: int = Field(default=5, ge=0, description="Held-out loss every N steps (0: only before and after).")
