@@ -245,6 +245,9 @@ class OpExecutor:
                 # Marked stopped first, so that no caretaker adopts the session once its lease is gone.
                 self.sessions.update(session_id, status="stopped")
                 self._release(session_id, drop_lease=True)
+                # Nothing will replay a stopped session: free its journal, keep its record a week.
+                self.journal.drop(session_id)
+                self.redis.expire(names.session_key(session_id), 7 * 24 * 3600)
                 return
 
     def _run(self, owned: OwnedSession, env: OpEnvelope) -> None:

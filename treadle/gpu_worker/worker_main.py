@@ -41,7 +41,7 @@ class WorkerConfig(BaseModel):
     dtype: str | None = Field(default=None, description="float32 or bfloat16 (default: bf16 on CUDA, fp32 on CPU).")
     checkpoint_every: int = Field(default=10, ge=0, description="Checkpoint each session every N optimizer steps (0: never).")
     checkpoint_interval_s: float = Field(default=0.0, ge=0.0, description="Also checkpoint a session when this many seconds passed since its last one (0: off).")
-    idle_unload_s: float = Field(default=0.0, ge=0.0, description="Unload a session after this many idle seconds (0: never).")
+    idle_unload_s: float = Field(default=1800.0, ge=0.0, description="Checkpoint and unload a session after this many idle seconds, freeing accelerator memory; it reloads on its next op (0: never).")
     lease_ttl_s: float = Field(default=15.0, gt=0.5, description="Session lease TTL: how soon another worker adopts a dead worker's sessions.")
     max_tokens_per_microbatch: int = Field(default=4096, ge=64, description="Token budget of one forward/backward micro-batch.")
     loglevel: str = Field(default="INFO", description="Log level.")
