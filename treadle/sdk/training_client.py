@@ -44,6 +44,7 @@ class TrainingClient:
     def __init__(self, ops, record: SessionRecord):
         self._ops = ops
         self._record = record
+        self._stopped = False
 
     # ------------------------------------------------------------ identity
     @property
@@ -59,6 +60,10 @@ class TrainingClient:
         return self._record.base_model
 
     def _submit(self, op: str, request, decode) -> APIFuture:
+        if self._stopped:
+            from treadle.errors import SessionNotFoundError
+
+            raise SessionNotFoundError(f"session {self.session_id} was stopped; create a new training client")
         fid = self._ops.submit(self.session_id, op, request.model_dump(mode="json"))
         return APIFuture(self._ops, fid, decode, base_model=self.base_model)
 
@@ -161,7 +166,9 @@ class TrainingClient:
     # ------------------------------------------------------------ lifecycle
     def stop(self) -> None:
         """Frees the session's adapter on the worker (after every op already submitted)."""
-        APIFuture(self._ops, self._ops.stop_session(self.session_id), lambda v: v).result()
+        if not self._stopped:
+            APIFuture(self._ops, self._ops.stop_session(self.session_id), lambda v: v).result()
+            self._stopped = True
 
     def __enter__(self) -> "TrainingClient":
         return self
