@@ -23,19 +23,8 @@ from treadle.queue import names
 from treadle.queue.envelope import OpEnvelope, load_payload
 from treadle.queue.journal import Journal
 from treadle.queue.lease import LeaseManager
-from treadle.queue.ops import (
-    OP_REQUESTS,
-    STATEFUL_OPS,
-    CreateSessionRequest,
-    ForwardBackwardRequest,
-    LoadStateRequest,
-    OptimStepRequest,
-    SampleRequest,
-    SaveSamplerRequest,
-    SaveStateRequest,
-    encode_forward_output,
-    parse_request,
-)
+from treadle.gpu_worker.op_handlers import HANDLERS
+from treadle.queue.ops import OP_REQUESTS, STATEFUL_OPS, CreateSessionRequest, SampleRequest, parse_request
 from treadle.queue.results import ResultStore
 from treadle.queue.sessions import SessionRecord, SessionRegistry
 from treadle.storage.checkpoint_store import CheckpointStore
@@ -150,7 +139,7 @@ class OpExecutor:
         with self.compute_lock:
             try:
                 if req.from_state:
-                    manifest = self._load_state_into(engine, req.session_id, req.from_state, req.with_optimizer)
+                    manifest = self.load_state_into(engine, req.session_id, req.from_state, req.with_optimizer)
                     if manifest.lora_config:
                         record.lora = record.lora.model_validate(manifest.lora_config)
                         self.sessions.update(req.session_id, lora=record.lora)
@@ -207,7 +196,7 @@ class OpExecutor:
             engine.drop_session(record.session_id)
         t0 = time.monotonic()
         if record.checkpoint:
-            self._load_state_into(engine, record.session_id, record.checkpoint, record.checkpoint_with_optimizer)
+            self.load_state_into(engine, record.session_id, record.checkpoint, record.checkpoint_with_optimizer)
         else:
             engine.create_session(record.session_id, record.lora)
         t1 = time.monotonic()
@@ -218,7 +207,7 @@ class OpExecutor:
                 raise SessionLostError(f"session {record.session_id}: op {seq} is neither checkpointed nor journaled")
             if env.op in STATEFUL_OPS:
                 try:
-                    self._handlers[env.op](self, engine, owned, env, load_payload(self.redis, env))
+                    HANDLERS[env.op](self, engine, owned, env, load_payload(self.redis, env))
                 except TreadleError:
                     pass  # it failed the first time too, and left no state behind
             owned.applied = seq
@@ -255,7 +244,7 @@ class OpExecutor:
         if env.op in self.slow_ops:  # fault-injection for recovery tests: widen the window to kill in
             time.sleep(self.slow_ops[env.op])
         try:
-            value = self._handlers[env.op](self, engine, owned, env, load_payload(self.redis, env))
+            value = HANDLERS[env.op](self, engine, owned, env, load_payload(self.redis, env))
             self.results.store_ok(env.future_id, {**value, "op": env.op})
         except KeyError:
             self.results.store_error(env.future_id, ServerError(f"op: unknown op {env.op!r}; known: {', '.join(OP_REQUESTS)}"))
@@ -369,76 +358,6 @@ class OpExecutor:
         owned.unloaded = False
         log.info("reloaded session %s", record.session_id)
 
-    # ------------------------------------------------------------ op handlers
-    def _forward(self, engine, owned, env, payload):
-        req = parse_request(ForwardBackwardRequest, payload, "forward")
-        fn = engine.forward_backward if env.op == "forward_backward" else engine.forward
-        out = fn(owned.record.session_id, req.datums(), req.loss_fn, req.loss_fn_config)
-        return encode_forward_output(out, engine.step(owned.record.session_id))
-
-    def _optim_step(self, engine, owned, env, payload):
-        req = parse_request(OptimStepRequest, payload, "optim_step")
-        out = engine.optim_step(owned.record.session_id, req.adam_params)
-        return {"metrics": out.metrics or {}, "step": engine.step(owned.record.session_id)}
-
-    def _save_state(self, engine, owned, env, payload):
-        req = parse_request(SaveStateRequest, payload, "save_state")
-        sid = owned.record.session_id
-        path = CheckpointPath(run_id=owned.record.run_id, kind="weights", name=req.name)
-        if not req.overwrite and self.store.exists(path):
-            from treadle.errors import CheckpointExistsError
-
-            raise CheckpointExistsError(f"name: checkpoint {path.uri()} exists and overwrite=False")
-        with tempfile.TemporaryDirectory(prefix="treadle-state-") as tmp:
-            engine.save_state(sid, tmp, include_optimizer=True)
-            self._fence(owned)
-            self.store.save(tmp, path, base_model=owned.record.base_model, lora_config=owned.record.lora.model_dump(),
-                            step=engine.step(sid), applied_seq=env.seq, ttl_seconds=req.ttl_seconds,
-                            user_metadata=req.user_metadata, overwrite=req.overwrite,
-                            extra={"base_model_path": engine.base_model})
-        return {"path": path.uri()}
-
-    def _save_sampler(self, engine, owned, env, payload):
-        req = parse_request(SaveSamplerRequest, payload, "save_weights_for_sampler")
-        sid = owned.record.session_id
-        ephemeral = req.name is None  # an empty name is a bad name, not a request for a generated one
-        name = f"ephemeral-{env.seq:08d}" if ephemeral else req.name
-        ttl = req.ttl_seconds or (24 * 3600 if ephemeral else None)
-        path = CheckpointPath(run_id=owned.record.run_id, kind="sampler_weights", name=name)
-        sampler_id = path.uri()
-        engine.snapshot_sampler(sid, sampler_id)
-        self._remember_sampler(sampler_id, owned.record.base_model)
-        with tempfile.TemporaryDirectory(prefix="treadle-sampler-") as tmp:
-            engine.save_sampler_weights(sampler_id, tmp)
-            if req.merge_weights:
-                from treadle.storage.merged_export import export_merged
-
-                export_merged(engine.base_model, tmp, f"{tmp}/merged")
-            self._fence(owned)
-            self.store.save(tmp, path, base_model=owned.record.base_model, lora_config=owned.record.lora.model_dump(),
-                            step=engine.step(sid), applied_seq=env.seq, ttl_seconds=ttl, overwrite=True,
-                            extra={"base_model_path": engine.base_model})
-        return {"path": sampler_id, "step": engine.step(sid)}
-
-    def _load_state(self, engine, owned, env, payload):
-        req = parse_request(LoadStateRequest, payload, "load_state")
-        self._load_state_into(engine, owned.record.session_id, req.path, req.with_optimizer)
-        return {"path": req.path, "step": engine.step(owned.record.session_id)}
-
-    def _noop(self, engine, owned, env, payload):
-        return {}
-
-    _handlers = {
-        "forward": _forward,
-        "forward_backward": _forward,
-        "optim_step": _optim_step,
-        "save_state": _save_state,
-        "save_weights_for_sampler": _save_sampler,
-        "load_state": _load_state,
-        "noop": _noop,
-        "stop": _noop,
-    }
-
     # ------------------------------------------------------------ helpers
     def _engine(self, base_model: str):
         try:
@@ -448,11 +367,11 @@ class OpExecutor:
 
             raise UnknownModelError(f"base_model: {base_model!r} is not served by worker {self.hostname}; it serves {', '.join(self.engines)}") from None
 
-    def _fence(self, owned: OwnedSession) -> None:
+    def fence(self, owned: OwnedSession) -> None:
         if owned.epoch >= 0 and not self.lease.holds(owned.record.session_id, owned.epoch):
             raise ServerError(f"session {owned.record.session_id}: this worker lost its lease; not writing")
 
-    def _load_state_into(self, engine, session_id: str, path: str, with_optimizer: bool):
+    def load_state_into(self, engine, session_id: str, path: str, with_optimizer: bool):
         cpath = CheckpointPath.parse(path)
         if cpath.kind != "weights":
             from treadle.errors import InvalidRequestError
@@ -476,10 +395,10 @@ class OpExecutor:
         with tempfile.TemporaryDirectory(prefix="treadle-sampler-") as tmp:
             self.store.load(cpath, tmp)
             engine.load_sampler(sampler_id, tmp)
-        self._remember_sampler(sampler_id, manifest.base_model)
+        self.remember_sampler(sampler_id, manifest.base_model)
         return engine, sampler_id
 
-    def _remember_sampler(self, sampler_id: str, base_model: str) -> None:
+    def remember_sampler(self, sampler_id: str, base_model: str) -> None:
         self._samplers[sampler_id] = base_model
         self._samplers.move_to_end(sampler_id)
         while len(self._samplers) > MAX_CACHED_SAMPLERS:

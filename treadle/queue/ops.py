@@ -1,7 +1,7 @@
 """The typed payload of each op, shared by the publishing side (SDK, gateway) and the worker.
 
 Adding an op: a request type here (and its entry in OP_REQUESTS), a handler in
-`gpu_worker/executor.py`, a method in `sdk/training_client.py`, a gateway route, a test row.
+`gpu_worker/op_handlers.py`, a method in `sdk/training_client.py`, a gateway route, a test row.
 """
 
 from __future__ import annotations

@@ -54,18 +54,3 @@ class APIFuture(Generic[T]):
 
     def __repr__(self) -> str:
         return f"APIFuture({self._id!r}, done={self._resolved})"
-
-
-class ResolvedFuture(APIFuture[T]):
-    """A future whose value is already known (for ops answered client-side)."""
-
-    def __init__(self, value: T, future_id: str = "local"):
-        self._id = future_id
-        self._value = value
-        self._resolved = True
-
-    def done(self) -> bool:
-        return True
-
-    def result(self, timeout: float | None = None) -> T:
-        return self._value

@@ -18,7 +18,7 @@ from treadle.queue.ops import (
     decode_forward_output,
 )
 from treadle.queue.sessions import SessionRecord
-from treadle.sdk.futures import APIFuture, ResolvedFuture
+from treadle.sdk.futures import APIFuture
 from treadle.types import (
     AdamParams,
     Datum,
