@@ -9,7 +9,6 @@ import sys
 import time
 
 import pytest
-import redis as redis_lib
 
 from treadle import AdamParams, Datum, ModelInput, ServiceClient
 from treadle.errors import BrokerUnavailableError, InvalidRequestError, NoWorkerError, UnknownModelError
