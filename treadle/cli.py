@@ -157,22 +157,15 @@ def build_parser() -> argparse.ArgumentParser:
     add_config_args(p, WorkerConfig)
     p.set_defaults(func=cmd_worker)
 
-    p = sub.add_parser("gateway", help="Run the Tinker-compatible HTTP gateway.")
-    try:
-        from treadle.gateway.settings import GatewaySettings
+    from treadle.demo.main import DemoConfig
+    from treadle.gateway.settings import GatewaySettings
 
-        add_config_args(p, GatewaySettings)
-    except ImportError:
-        pass
+    p = sub.add_parser("gateway", help="Run the Tinker-compatible HTTP gateway.")
+    add_config_args(p, GatewaySettings)
     p.set_defaults(func=cmd_gateway)
 
     p = sub.add_parser("demo", help="The main job: GRPO teaches SmolLM2-135M-Instruct arithmetic, on CPU.")
-    try:
-        from treadle.demo.main import DemoConfig
-
-        add_config_args(p, DemoConfig)
-    except ImportError:
-        pass
+    add_config_args(p, DemoConfig)
     p.set_defaults(func=cmd_demo)
 
     p = sub.add_parser("flower", help="Flower queue monitoring for the stack.")

@@ -110,21 +110,22 @@ class Engine:
         self, session_id: str, data: list[Datum], loss_fn: str, loss_fn_config: dict | None = None
     ) -> ForwardBackwardOutput:
         """Logprobs and loss without gradients (what a client-side custom loss needs)."""
-        with self._lock:
-            session = self._session(session_id)
-            config = check_loss(loss_fn, loss_fn_config)
-            prepared = prepare_data(data, loss_fn, max_seq_len=self.max_seq_len, vocab_size=self.vocab_size)
-            return self._run(session, prepared, loss_fn, config, backward=False)
+        return self._checked_run(session_id, data, loss_fn, loss_fn_config, backward=False)
 
     def forward_backward(
         self, session_id: str, data: list[Datum], loss_fn: str, loss_fn_config: dict | None = None
     ) -> ForwardBackwardOutput:
         """Like `forward`, and adds the loss's gradients to the session's accumulated gradients."""
+        return self._checked_run(session_id, data, loss_fn, loss_fn_config, backward=True)
+
+    def _checked_run(self, session_id: str, data: list[Datum], loss_fn: str, loss_fn_config: dict | None,
+                     *, backward: bool) -> ForwardBackwardOutput:
+        # Everything is validated before the model runs, so a rejected request leaves no gradients.
         with self._lock:
             session = self._session(session_id)
             config = check_loss(loss_fn, loss_fn_config)
             prepared = prepare_data(data, loss_fn, max_seq_len=self.max_seq_len, vocab_size=self.vocab_size)
-            return self._run(session, prepared, loss_fn, config, backward=True)
+            return self._run(session, prepared, loss_fn, config, backward=backward)
 
     def _run(
         self, session: _Session, prepared: list[PreparedDatum], loss_fn: str, config: dict[str, float], *, backward: bool
