@@ -22,9 +22,12 @@ def add_config_args(parser: argparse.ArgumentParser, model: type[BaseModel]) -> 
         annotation = info.annotation
         origin = typing.get_origin(annotation)
         args = [a for a in typing.get_args(annotation) if a is not type(None)]
-        help_text = f"{info.description or ''} (default: {info.default!r})" if not info.is_required() else f"{info.description or ''} (required)"
+        default = info.default_factory() if info.default_factory is not None else info.default
+        help_text = f"{info.description or ''} (default: {default!r})" if not info.is_required() else f"{info.description or ''} (required)"
         if annotation is bool:
             parser.add_argument(f"--{name}", action=argparse.BooleanOptionalAction, default=info.default, help=help_text)
+        elif origin is dict:
+            parser.add_argument(f"--{name}", type=json.loads, default=None, help=help_text + " [JSON]")
         elif origin is list:
             parser.add_argument(f"--{name}", action="append", required=info.is_required(), help=help_text + " [repeatable]")
         else:
