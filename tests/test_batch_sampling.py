@@ -1,0 +1,244 @@
+"""Batched sampling on the tiny model, at engine level: the decode loop and the scheduler that shares each
+decode step among every pending request (mixed adapters, per-row parameters and RNG, shared prefill,
+continuous batching, fair turns with training)."""
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+from treadle.gpu_worker.adapters import AdapterBank, peft_lora_config
+from treadle.gpu_worker.batch_decode import SampleJob
+from treadle.gpu_worker.device_lock import DeviceLock
+from treadle.gpu_worker.model_host import ModelHost
+from treadle.gpu_worker.sample_scheduler import SampleScheduler
+from treadle.gpu_worker.token_choice import processed_logprobs
+from treadle.gpu_worker.validation import prepare_sample
+from treadle.types import LoraConfig, ModelInput, SamplingParams
+
+ADAPTERS = ["one", "two", "three"]
+WAIT = 60  # seconds; every wait in these tests has this bound
+
+
+@pytest.fixture(scope="module")
+def bank(tiny_model_dir) -> AdapterBank:
+    """Three adapters with random (non-zero) B matrices, so each one changes the model's outputs."""
+    bank = AdapterBank(ModelHost(tiny_model_dir))
+    for seed, name in enumerate(ADAPTERS):
+        bank.add(name, peft_lora_config(LoraConfig(rank=4, alpha=8), tiny_model_dir), seed=seed)
+        generator = torch.Generator().manual_seed(100 + seed)
+        with torch.no_grad():
+            for key, param in bank.parameters(name).items():
+                if "lora_B" in key:
+                    param.copy_(torch.randn(param.shape, generator=generator) * 0.3)
+    return bank
+
+
+@pytest.fixture
+def scheduler(bank):
+    scheduler = SampleScheduler(bank, bank.host, DeviceLock())
+    yield scheduler
+    scheduler.close()
+
+
+class StepCounter:
+    """Counts decode-loop forwards and the distinct adapters and rows of each (observed from outside)."""
+
+    def __init__(self, bank: AdapterBank):
+        self.calls: list[tuple[int, frozenset]] = []
+        layer = bank.host.model.model.layers[0].self_attn.q_proj  # a LoRA layer once adapters exist
+        self._handle = layer.register_forward_hook(self._record, with_kwargs=True)
+
+    def _record(self, module, args, kwargs, output):
+        names = kwargs.get("adapter_names")
+        self.calls.append((args[0].shape[0], frozenset(names) if names else frozenset()))
+
+    def close(self):
+        self._handle.remove()
+
+
+def job(bank, prompt, adapter=None, num_samples=2, **params) -> SampleJob:
+    host = bank.host
+    sampling = SamplingParams(**params)
+    request = prepare_sample(ModelInput.from_ints(prompt), num_samples, sampling, 0,
+                             max_seq_len=host.max_seq_len, vocab_size=host.vocab_size)
+    return SampleJob(adapter, request, num_samples, sampling, frozenset({host.eos_token_id, *request.stop_token_ids}))
+
+
+def submit_together(scheduler, jobs) -> list:
+    """Queue every job while holding the device, so all are admitted before the first decode step."""
+    with scheduler.device_lock:
+        futures = [scheduler.sample(j) for j in jobs]
+    return [f.result(timeout=WAIT) for f in futures]
+
+
+def forward_logprobs(bank, adapter, prompt, tokens) -> np.ndarray:
+    ids = torch.tensor([*prompt, *tokens]).unsqueeze(0)
+    with bank.using(adapter, trainable=False) as model, torch.no_grad():
+        lp = torch.log_softmax(model(input_ids=ids).logits[0].float(), dim=-1)
+    return lp[len(prompt) - 1 : -1].gather(1, torch.tensor(tokens).unsqueeze(1)).squeeze(1).numpy()
+
+
+PROMPTS = [[5, 6, 7, 8], [40, 41, 42, 43, 44, 45, 46, 47, 48], [100, 101], [200, 201, 202, 203, 204, 205]]
+
+
+def test_mixed_adapter_batch_logprobs_equal_forward(bank, scheduler):
+    counter = StepCounter(bank)
+    try:
+        adapters = [*ADAPTERS, None]
+        jobs = [job(bank, p, a, num_samples=3, max_tokens=10 + i, seed=i) for i, (p, a) in enumerate(zip(PROMPTS, adapters))]
+        responses = submit_together(scheduler, jobs)
+    finally:
+        counter.close()
+    # The decode steps really mixed all four (three adapters and the base model) in one forward.
+    assert any(names == {*ADAPTERS, "__base__"} and rows == 12 for rows, names in counter.calls)
+    # Each request's prompt was prefilled once: four one-row forwards of the prompt, not twelve.
+    assert sum(1 for rows, names in counter.calls if rows == 1) == 4
+    for j, response in zip(jobs, responses):
+        assert len(response.sequences) == 3
+        for seq in response.sequences:
+            expected = forward_logprobs(bank, j.adapter, j.request.prompt.tolist(), seq.tokens)
+            np.testing.assert_allclose(seq.logprobs, expected, atol=1e-4)
+    # The adapters matter: the same tokens score differently under another adapter.
+    seq = responses[0].sequences[0]
+    other = forward_logprobs(bank, "two", PROMPTS[0], seq.tokens)
+    assert np.abs(np.asarray(seq.logprobs) - other).max() > 1e-2
+
+
+def test_stop_strings_ids_and_max_tokens_per_row(bank, scheduler):
+    prompt = PROMPTS[1]
+    (greedy,) = submit_together(scheduler, [job(bank, prompt, "one", num_samples=1, max_tokens=12, temperature=0)])
+    ref = greedy.sequences[0].tokens
+    assert greedy.sequences[0].logprobs == [0.0] * len(ref)  # greedy is a point mass
+    tokenizer = bank.host.tokenizer
+    stop_id = ref[4]
+    stop_text = tokenizer.decode(ref[6:8])
+    jobs = [
+        job(bank, prompt, "one", num_samples=1, max_tokens=12, temperature=0, stop=[stop_id]),
+        job(bank, prompt, "one", num_samples=1, max_tokens=12, temperature=0, stop=stop_text),
+        job(bank, prompt, "one", num_samples=1, max_tokens=3, temperature=0),
+        job(bank, PROMPTS[0], "two", num_samples=2, max_tokens=7, seed=3),
+    ]
+    by_id, by_string, by_length, other = submit_together(scheduler, jobs)
+    first_id = ref.index(stop_id) + 1
+    assert by_id.sequences[0].tokens == ref[:first_id] and by_id.sequences[0].stop_reason == "stop"
+    first_text = next(k for k in range(1, len(ref) + 1) if stop_text in tokenizer.decode(ref[:k]))
+    assert by_string.sequences[0].tokens == ref[:first_text] and by_string.sequences[0].stop_reason == "stop"
+    assert by_length.sequences[0].tokens == ref[:3] and by_length.sequences[0].stop_reason == "length"
+    for seq in other.sequences:
+        assert (len(seq.tokens) == 7 and seq.stop_reason == "length") or seq.tokens[-1] == bank.host.eos_token_id
+
+
+def test_same_seeds_same_order_same_tokens(bank, scheduler):
+    def run():
+        jobs = [
+            job(bank, PROMPTS[0], "one", num_samples=3, max_tokens=9, seed=1),
+            job(bank, PROMPTS[1], None, num_samples=2, max_tokens=6, seed=2, temperature=0.7, top_k=20),
+            job(bank, PROMPTS[2], "three", num_samples=4, max_tokens=8, seed=3, top_p=0.8),
+        ]
+        return [[(s.tokens, s.logprobs) for s in r.sequences] for r in submit_together(scheduler, jobs)]
+
+    first, second = run(), run()
+    assert first == second
+    assert first[0][0] != first[0][1]  # the rows of one request are different draws
+
+
+def test_lone_seeded_request_is_reproducible_and_independent_of_the_batch(bank, scheduler):
+    lone = [scheduler.sample(job(bank, PROMPTS[3], "two", num_samples=2, max_tokens=10, seed=7)).result(timeout=WAIT)
+            for _ in range(3)]
+    tokens = [[s.tokens for s in r.sequences] for r in lone]
+    assert tokens[0] == tokens[1] == tokens[2]
+    # Its own RNG: sharing the batch with other requests leaves its draws as they were.
+    crowd = [job(bank, p, a, num_samples=3, max_tokens=12, seed=50 + i) for i, (p, a) in enumerate(zip(PROMPTS, ADAPTERS))]
+    _, _, _, batched = submit_together(scheduler, [*crowd, job(bank, PROMPTS[3], "two", num_samples=2, max_tokens=10, seed=7)])
+    assert [s.tokens for s in batched.sequences] == tokens[0]
+
+
+def test_batched_compute_logprobs_equal_unbatched(bank, scheduler):
+    cases = [(PROMPTS[0], "one", 0), (PROMPTS[1], None, 3), (PROMPTS[2], "three", 0), (PROMPTS[3], "two", 2), ([9], "one", 2)]
+    alone = [scheduler.compute_logprobs(a, np.array(p), k).result(timeout=WAIT) for p, a, k in cases]
+    with scheduler.device_lock:
+        futures = [scheduler.compute_logprobs(a, np.array(p), k) for p, a, k in cases]
+    together = [f.result(timeout=WAIT) for f in futures]
+    for (prompt, adapter, topk), (lp1, top1), (lp2, top2) in zip(cases, alone, together):
+        assert lp1[0] is None and lp2[0] is None and len(lp1) == len(prompt)
+        np.testing.assert_allclose(lp1[1:], lp2[1:], atol=1e-5)
+        if len(prompt) > 1:
+            np.testing.assert_allclose(lp2[1:], forward_logprobs(bank, adapter, prompt[:1], prompt[1:]), atol=1e-5)
+        if topk:
+            assert top1[0] is None and all(len(t) == topk for t in top2[1:])
+            for a, b in zip(top1[1:], top2[1:]):
+                assert [i for i, _ in a] == [i for i, _ in b]
+                np.testing.assert_allclose([v for _, v in a], [v for _, v in b], atol=1e-5)
+        else:
+            assert top1 is None and top2 is None
+
+
+def test_prompt_logprobs_with_a_sample_come_from_its_prefill(bank, scheduler):
+    j = job(bank, PROMPTS[1], "three", num_samples=2, max_tokens=4, seed=0)
+    j.include_prompt_logprobs, j.topk_prompt_logprobs = True, 2
+    response = scheduler.sample(j).result(timeout=WAIT)
+    expected, topk = scheduler.compute_logprobs("three", np.array(PROMPTS[1]), 2).result(timeout=WAIT)
+    np.testing.assert_allclose(response.prompt_logprobs[1:], expected[1:], atol=1e-5)
+    assert [[i for i, _ in t] for t in response.topk_prompt_logprobs[1:]] == [[i for i, _ in t] for t in topk[1:]]
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, -1, 1.0), (0.7, 5, 1.0), (1.3, -1, 0.6), (0.5, 40, 0.9), (0.0, -1, 1.0)])
+def test_processed_logprobs_match_hf_warpers_per_row(temperature, top_k, top_p):
+    logits = torch.randn(3, 64, generator=torch.Generator().manual_seed(0)) * 3
+    # Row 1 uses the parameters under test; rows 0 and 2 keep the defaults and must stay untouched.
+    out = processed_logprobs(logits, [1.0, temperature, 1.0], [-1, top_k, -1], [1.0, top_p, 1.0])
+    scores = logits[1:2].clone()
+    warpers = [TopKLogitsWarper(1)] if temperature == 0 else [
+        *([TemperatureLogitsWarper(temperature)] if temperature != 1 else []),
+        *([TopKLogitsWarper(top_k)] if top_k > 0 else []),
+        *([TopPLogitsWarper(top_p)] if top_p < 1 else []),
+    ]
+    for warper in warpers:
+        scores = warper(None, scores)
+    torch.testing.assert_close(out[1], torch.log_softmax(scores, dim=-1)[0])
+    torch.testing.assert_close(out[[0, 2]], torch.log_softmax(logits[[0, 2]], dim=-1))
+
+
+def test_rows_join_at_step_boundaries_and_training_waits_one_step(bank, scheduler):
+    counter = StepCounter(bank)
+    try:
+        # Greedy on this prompt never meets EOS within 300 tokens (checked below): it runs to its length.
+        long = scheduler.sample(job(bank, PROMPTS[0], "one", num_samples=2, max_tokens=300, temperature=0))
+        _wait_for(lambda: len(counter.calls) >= 3)
+        short = scheduler.sample(job(bank, PROMPTS[1], "two", num_samples=1, max_tokens=3, seed=0))
+        short.result(timeout=WAIT)
+        assert not long.done()  # it joined the running batch instead of waiting for it to end
+        # A "training op" asks for the device mid-batch: at most the step in progress runs before it.
+        before = len(counter.calls)
+        with scheduler.device_lock:
+            during = len(counter.calls)
+        assert during - before <= 1
+        assert all(s.stop_reason == "length" for s in long.result(timeout=WAIT).sequences)
+    finally:
+        counter.close()
+
+
+def test_token_budget_keeps_big_requests_apart(bank):
+    scheduler = SampleScheduler(bank, bank.host, DeviceLock(), max_batch_tokens=100)
+    counter = StepCounter(bank)
+    try:
+        # Each request projects 3 rows x (9 + 20) = 87 positions: two together would exceed 100.
+        responses = submit_together(scheduler, [job(bank, PROMPTS[1], a, num_samples=3, max_tokens=20, seed=0, stop=[])
+                                                for a in ("one", "two")])
+    finally:
+        counter.close()
+        scheduler.close()
+    assert all(len(names) <= 1 for _, names in counter.calls) and max(rows for rows, _ in counter.calls) == 3
+    assert all(len(s.tokens) == 20 or s.stop_reason == "stop" for r in responses for s in r.sequences)
+
+
+def _wait_for(condition, timeout: float = WAIT) -> None:
+    done = threading.Event()
+    for _ in range(int(timeout * 100)):
+        if condition():
+            return
+        done.wait(0.01)
+    raise AssertionError("condition not reached within the bound")

@@ -1,0 +1,247 @@
+"""One decode loop for many sample requests at once: mixed adapters, per-row sampling, shared prefill.
+
+Every row of the batch is one sequence being sampled; rows of different requests, sessions,
+snapshots and the bare base model step together. Each row names its adapter; a step whose rows use
+one adapter runs it as the active adapter, a mixed step passes PEFT's `adapter_names=[...]` (one
+entry per row, `"__base__"` for the base model), which adds each LoRA delta to its own sub-batch of
+rows, so a row's numbers are those of its adapter alone.
+
+A request's prompt is prefilled once, as a batch of one row; its KV cache is then repeated for its
+`num_samples` rows. Rows join at step boundaries: the newcomer's cache and the batch's cache are
+left-padded to one length (padding is masked out and every row carries its own position ids, so
+padding never changes a row's numbers) and concatenated; finished rows leave, and columns that have
+become padding for every remaining row are cut off. This works on HF's `DynamicCache` (full
+attention layers); sliding-window caches would need their own bookkeeping.
+
+The caller serialises calls (one decode step or one prefill at a time on the device).
+"""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from treadle.gpu_worker.adapters import AdapterBank
+from treadle.gpu_worker.model_host import ModelHost
+from treadle.gpu_worker.token_choice import draw, finished, processed_logprobs
+from treadle.gpu_worker.validation import PreparedSample
+from treadle.types import SampledSequence, SampleResponse, SamplingParams
+
+BASE = "__base__"  # PEFT's name for "no adapter" in a mixed-adapter batch
+
+
+@dataclass
+class SampleJob:
+    """One `sample` request: `num_samples` rows sharing a prompt, an adapter (None: base) and an RNG."""
+
+    adapter: str | None
+    request: PreparedSample
+    num_samples: int
+    params: SamplingParams
+    stop_ids: frozenset[int]
+    include_prompt_logprobs: bool = False
+    topk_prompt_logprobs: int = 0
+    generator: torch.Generator | None = None
+    sequences: list[SampledSequence | None] = field(default_factory=list)
+    prompt_logprobs: list[float | None] | None = None
+    topk: list[list[tuple[int, float]] | None] | None = None
+
+    @property
+    def done(self) -> bool:
+        return all(s is not None for s in self.sequences)
+
+    def response(self) -> SampleResponse:
+        return SampleResponse(
+            sequences=list(self.sequences),
+            prompt_logprobs=self.prompt_logprobs if self.include_prompt_logprobs else None,
+            topk_prompt_logprobs=self.topk,
+        )
+
+
+@dataclass
+class _Row:
+    job: SampleJob
+    index: int  # which of the job's num_samples
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+
+
+def forward_rows(bank: AdapterBank, adapters: list[str | None], **inputs):
+    """The model's output for a batch whose row i runs with adapter `adapters[i]` (None: base)."""
+    distinct = set(adapters)
+    with torch.no_grad():
+        if len(distinct) == 1:
+            with bank.using(adapters[0], trainable=False) as model:
+                return model(**inputs)
+        return bank.peft_model(**inputs, adapter_names=[BASE if a is None else a for a in adapters])
+
+
+def prompt_logprobs_from_logits(
+    logits: torch.Tensor, tokens: torch.Tensor, topk: int
+) -> tuple[list[float | None], list[list[tuple[int, float]] | None] | None]:
+    """Per prompt token, its logprob given the tokens before (entry 0 None), and optionally the top-k.
+
+    `logits` (length, vocab) are the model's outputs at each prompt position of `tokens` (length,).
+    """
+    all_lp = torch.log_softmax(logits[:-1].float(), dim=-1)
+    chosen = all_lp.gather(1, tokens[1:].unsqueeze(1)).squeeze(1).tolist()
+    if not topk:
+        return [None, *chosen], None
+    values, ids = all_lp.topk(topk, dim=-1)
+    return [None, *chosen], [None, *[list(zip(i.tolist(), v.tolist())) for i, v in zip(ids, values)]]
+
+
+class DecodeBatch:
+    """The rows being decoded, their shared (left-padded) KV cache, attention mask and positions."""
+
+    def __init__(self, bank: AdapterBank, host: ModelHost):
+        self.bank = bank
+        self.host = host
+        self.rows: list[_Row] = []
+        self._cache = None  # DynamicCache over every row, or None when empty
+        self._mask = torch.zeros((0, 0), dtype=torch.long, device=host.device)
+        self._positions = torch.zeros(0, dtype=torch.long, device=host.device)  # next position id per row
+        self._last = torch.zeros(0, dtype=torch.long, device=host.device)  # last sampled token per row
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    @property
+    def width(self) -> int:
+        """Length of the shared cache, padding included."""
+        return self._mask.shape[1]
+
+    def adapters(self) -> set[str | None]:
+        return {row.job.adapter for row in self.rows}
+
+    def remaining(self) -> list[int]:
+        """Per row, the most tokens it may still generate."""
+        return [row.job.request.max_tokens - len(row.tokens) for row in self.rows]
+
+    def admit(self, job: SampleJob) -> bool:
+        """Prefill the job's prompt once, draw each row's first token, add the rows that go on.
+
+        Returns True when the job is already complete (every row ended on its first token).
+        """
+        device = self.host.device
+        if job.generator is None:
+            job.generator = torch.Generator(device=device)
+            job.generator.manual_seed(job.params.seed if job.params.seed is not None else secrets.randbits(63))
+        job.sequences = [None] * job.num_samples
+        prompt = torch.from_numpy(np.ascontiguousarray(job.request.prompt)).to(device)
+        wants_prompt = job.include_prompt_logprobs or job.topk_prompt_logprobs > 0
+        out = forward_rows(
+            self.bank, [job.adapter],
+            input_ids=prompt.unsqueeze(0), attention_mask=torch.ones_like(prompt).unsqueeze(0),
+            use_cache=True, logits_to_keep=0 if wants_prompt else 1,
+        )
+        if wants_prompt:
+            job.prompt_logprobs, job.topk = prompt_logprobs_from_logits(out.logits[0], prompt, job.topk_prompt_logprobs)
+        rows = [_Row(job, i) for i in range(job.num_samples)]
+        first = self._choose(out.logits[:, -1].expand(job.num_samples, -1), rows)
+        going = self._record(rows, first)
+        if going:
+            self._join([rows[i] for i in going], out.cache, prompt.shape[0], first[torch.tensor(going, device=device)])
+        return job.done
+
+    def step(self) -> list[SampleJob]:
+        """One decode step for every row; returns the jobs that completed in it."""
+        mask = torch.cat([self._mask, torch.ones((len(self.rows), 1), dtype=torch.long, device=self._mask.device)], dim=1)
+        out = forward_rows(
+            self.bank, [row.job.adapter for row in self.rows],
+            input_ids=self._last.unsqueeze(1), attention_mask=mask, position_ids=self._positions.unsqueeze(1),
+            cache=self._cache, use_cache=True,
+        )
+        self._cache, self._mask, self._positions = out.cache, mask, self._positions + 1
+        tokens = self._choose(out.logits[:, -1], self.rows)
+        rows = self.rows
+        going = self._record(rows, tokens)
+        completed = list({id(r.job): r.job for r in rows if r.job.done}.values())
+        if len(going) < len(rows):
+            self._keep(going)
+        if going:
+            self._last = tokens[torch.tensor(going, device=tokens.device)]
+        return completed
+
+    def fail_all(self) -> list[SampleJob]:
+        """Drop every row (after a failed step); returns their jobs."""
+        jobs = list({id(r.job): r.job for r in self.rows}.values())
+        self._keep([])
+        return jobs
+
+    # ------------------------------------------------------------ internals
+
+    def _choose(self, logits: torch.Tensor, rows: list[_Row]) -> torch.Tensor:
+        """Draw each row's next token; its logprob (under the processed distribution) goes on the row."""
+        params = [row.job.params for row in rows]
+        logprobs = processed_logprobs(
+            logits, [p.temperature for p in params], [p.top_k for p in params], [p.top_p for p in params]
+        )
+        groups: dict[int, tuple[torch.Generator, list[int]]] = {}
+        for i, row in enumerate(rows):
+            groups.setdefault(id(row.job), (row.job.generator, []))[1].append(i)
+        tokens = draw(logprobs, list(groups.values()))
+        chosen = logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1).tolist()
+        for row, lp in zip(rows, chosen):
+            row.logprobs.append(lp)
+        return tokens
+
+    def _record(self, rows: list[_Row], tokens: torch.Tensor) -> list[int]:
+        """Append each row's token; rows that ended become sequences. Returns the indices that go on."""
+        going = []
+        for i, (row, token) in enumerate(zip(rows, tokens.tolist())):
+            row.tokens.append(token)
+            job = row.job
+            reason = finished(
+                row.tokens, stop_ids=job.stop_ids, stop_strings=job.request.stop_strings,
+                max_tokens=job.request.max_tokens, tokenizer=self.host.tokenizer,
+            )
+            if reason is None:
+                going.append(i)
+            else:
+                job.sequences[row.index] = SampledSequence(tokens=row.tokens, logprobs=row.logprobs, stop_reason=reason)
+        return going
+
+    def _join(self, rows: list[_Row], cache, length: int, last: torch.Tensor) -> None:
+        """Add rows that share one prompt: its one-row cache of `length` positions is repeated for each."""
+        count = len(rows)
+        width = max(self.width, length)
+        for layer_index, layer in enumerate(cache.layers):
+            keys, values = layer.keys.expand(count, -1, -1, -1), layer.values.expand(count, -1, -1, -1)
+            if self._cache is None:
+                layer.keys, layer.values = keys.contiguous(), values.contiguous()
+                continue
+            mine = self._cache.layers[layer_index]
+            mine.keys = torch.cat([_pad_left(mine.keys, width), _pad_left(keys, width)])
+            mine.values = torch.cat([_pad_left(mine.values, width), _pad_left(values, width)])
+        if self._cache is None:
+            self._cache = cache
+        new_mask = torch.ones((count, length), dtype=torch.long, device=self._mask.device)
+        self._mask = torch.cat([F.pad(self._mask, (width - self.width, 0)), F.pad(new_mask, (width - length, 0))])
+        self._positions = torch.cat([self._positions, torch.full((count,), length, device=self._positions.device)])
+        self._last = torch.cat([self._last, last])
+        self.rows.extend(rows)
+
+    def _keep(self, going: list[int]) -> None:
+        """Keep only rows `going`; cut the leading columns that are padding for all of them."""
+        self.rows = [self.rows[i] for i in going]
+        if not going:
+            self._cache = None
+            self._mask = self._mask[:0, :0]
+            self._positions, self._last = self._positions[:0], self._last[:0]
+            return
+        index = torch.tensor(going, device=self._mask.device)
+        mask = self._mask[index]
+        cut = int((mask.cumsum(dim=1) == 0).sum(dim=1).min())
+        self._mask, self._positions = mask[:, cut:], self._positions[index]
+        for layer in self._cache.layers:
+            layer.keys, layer.values = layer.keys[index, :, cut:], layer.values[index, :, cut:]
+
+
+def _pad_left(states: torch.Tensor, width: int) -> torch.Tensor:
+    """(batch, heads, length, dim) padded with zeros on the left of the length axis to `width`."""
+    return F.pad(states, (0, 0, width - states.shape[-2], 0))

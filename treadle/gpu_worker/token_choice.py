@@ -1,0 +1,90 @@
+"""Choosing the next token of many rows at once, each row with its own sampling parameters and RNG.
+
+`processed_logprobs` turns one step's logits (rows x vocab) into log-probabilities of the
+distribution each row samples from: temperature, then top-k, then top-p (nucleus), applied per row
+in that order, exactly as HF's `TemperatureLogitsWarper`, `TopKLogitsWarper` and `TopPLogitsWarper`
+do for a single row. Temperature 0 means greedy: a point mass on the most likely token (logprob 0).
+The logprob reported for a sampled token is read from this processed distribution, so it is the
+logprob of the distribution actually sampled from, which importance-sampling and PPO ratios need.
+At temperature 1 with no top-k/top-p it is the model's own logprob.
+
+`draw` samples one token per row, with one `torch.Generator` per request: a request's draws come
+from its own RNG stream, so they do not depend on which other requests share the batch.
+
+`finished` decides, after a token is appended, whether a row has ended and why (`stop` at EOS, a
+stop token id, or once its text contains a stop string, the completing token kept; `length` at
+max_tokens).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from treadle.types import StopReason
+
+
+def processed_logprobs(
+    logits: torch.Tensor, temperature: list[float], top_k: list[int], top_p: list[float]
+) -> torch.Tensor:
+    """(rows, vocab) float32 log-probabilities after each row's temperature, top-k and top-p."""
+    scores = logits.float()
+    device = scores.device
+    greedy = torch.tensor([t == 0 for t in temperature], device=device)
+    temps = torch.tensor([t if t > 0 else 1.0 for t in temperature], device=device, dtype=scores.dtype)
+    if bool((temps != 1.0).any()):
+        scores = scores / temps.unsqueeze(1)
+    vocab = scores.shape[-1]
+    # Greedy is top-k 1 (the most likely token); -1 keeps everything.
+    ks = [1 if g else (vocab if k < 0 else min(k, vocab)) for g, k in zip(greedy.tolist(), top_k)]
+    ps = [1.0 if g else p for g, p in zip(greedy.tolist(), top_p)]
+    filtered = [i for i, (k, p) in enumerate(zip(ks, ps)) if k < vocab or p < 1.0]
+    if filtered:
+        scores = scores.clone()
+        scores[filtered] = _filter(scores[filtered], [ks[i] for i in filtered], [ps[i] for i in filtered])
+    return torch.log_softmax(scores, dim=-1)
+
+
+def _filter(scores: torch.Tensor, ks: list[int], ps: list[float]) -> torch.Tensor:
+    """Top-k then top-p on some rows (one sort for both); removed tokens get -inf."""
+    device = scores.device
+    ordered, order = torch.sort(scores, dim=-1, descending=True)
+    k = torch.tensor(ks, device=device)
+    # Top-k keeps every token at least as likely as the k-th (ties at the threshold survive, as in HF).
+    threshold = ordered.gather(1, (k - 1).unsqueeze(1))
+    ordered = ordered.masked_fill(ordered < threshold, float("-inf"))
+    p = torch.tensor(ps, device=device, dtype=scores.dtype).unsqueeze(1)
+    # Top-p as HF computes it: in ascending order, drop tokens whose cumulative mass (including
+    # themselves) is <= 1 - p, always keeping the most likely one.
+    ascending = ordered.flip(-1)
+    cumulative = ascending.softmax(dim=-1).cumsum(dim=-1)
+    drop = (cumulative <= 1 - p) & (p < 1.0)
+    drop[:, -1] = False
+    ordered = ascending.masked_fill(drop, float("-inf")).flip(-1)
+    return torch.empty_like(scores).scatter_(1, order, ordered)
+
+
+def draw(logprobs: torch.Tensor, groups: list[tuple[torch.Generator, list[int]]]) -> torch.Tensor:
+    """One token per row; `groups` pairs each request's generator with its rows (in row order)."""
+    tokens = torch.empty(logprobs.shape[0], dtype=torch.long, device=logprobs.device)
+    probs = logprobs.exp()
+    for generator, rows in groups:
+        index = torch.tensor(rows, device=logprobs.device)
+        tokens[index] = torch.multinomial(probs[index], 1, generator=generator).squeeze(1)
+    return tokens
+
+
+def finished(
+    tokens: list[int], *, stop_ids: frozenset[int], stop_strings: list[str], max_tokens: int, tokenizer
+) -> StopReason | None:
+    """Why the row ends after its latest token, or None while it goes on."""
+    if tokens[-1] in stop_ids:
+        return "stop"
+    if stop_strings:
+        # Only a stop string completed by the latest token can be new: decode a tail long enough to
+        # hold the longest one (a character may take up to 4 byte-level tokens).
+        tail = tokenizer.decode(tokens[-(4 * max(len(s) for s in stop_strings) + 1) :])
+        if any(s in tail for s in stop_strings):
+            return "stop"
+    if len(tokens) >= max_tokens:
+        return "length"
+    return None
