@@ -1,4 +1,4 @@
-"""`treadle up | worker | gateway | demo | flower | status | checkpoints | runs`.
+"""`treadle up | worker | gateway | demo | flower | status | checkpoints | runs | runner | training-runs`.
 
 Each command's options are generated from a pydantic config, so `--help` documents every knob, and
 each is read with one precedence everywhere (`treadle.config`): flag > environment > config file >
@@ -25,6 +25,7 @@ class UpConfig(BaseModel):
     home: str = Field(default=os.path.expanduser("~/.treadle/local"), description="State, logs, Redis data and checkpoints.")
     port: int | None = Field(default=None, description="Redis port (default: a free one).")
     workers: int = Field(default=1, ge=1, description="Worker processes.")
+    runners: int = Field(default=1, ge=0, description="Batch-run runners (`treadle runs submit`).")
     redis_password: str | None = Field(default=None, description="Require this password on the stack's Redis (it is carried in the URLs).")
 
 
@@ -32,8 +33,8 @@ def cmd_up(ns) -> None:
     from treadle.local_stack import LocalStack
 
     cfg = config_from_args(UpConfig, ns, "TREADLE_UP_", "up")
-    stack = LocalStack(cfg.model, home=cfg.home, port=cfg.port, workers=cfg.workers, password=cfg.redis_password)
-    print(f"starting redis on 127.0.0.1:{stack.port} and {cfg.workers} worker(s) for {', '.join(cfg.model)} ...", flush=True)
+    stack = LocalStack(cfg.model, home=cfg.home, port=cfg.port, workers=cfg.workers, runners=cfg.runners, password=cfg.redis_password)
+    print(f"starting redis on 127.0.0.1:{stack.port} and {cfg.workers} worker(s) for {', '.join(cfg.model)} and {cfg.runners} runner(s) ...", flush=True)
     stop = {"now": False}
     signal.signal(signal.SIGTERM, lambda *a: stop.update(now=True))
     try:
@@ -129,9 +130,27 @@ def cmd_checkpoints(ns) -> None:
         print("\n".join(removed) or "nothing expired")
 
 
-def cmd_runs(ns) -> None:
+def cmd_training_runs(ns) -> None:
     for run in _rest(ns).list_training_runs(limit=ns.limit):
         print(json.dumps(run.model_dump(), default=str))
+
+
+def cmd_runner(ns) -> None:
+    from treadle.runs.cli import run_runner
+    from treadle.runs.runner import RunnerConfig
+
+    run_runner(config_from_args(RunnerConfig, ns))
+
+
+def add_batch_run_commands(sub) -> None:
+    """`treadle runs submit|list|status|logs|stop` and `treadle runner` (treadle/runs/)."""
+    from treadle.runs.cli import add_runs_parser
+    from treadle.runs.runner import RunnerConfig
+
+    add_runs_parser(sub.add_parser("runs", help="Batch runs: submit a command; a runner restarts and resumes it."))
+    p = sub.add_parser("runner", help="Run a batch-run runner (`treadle up` starts one).")
+    add_config_args(p, RunnerConfig)
+    p.set_defaults(func=cmd_runner)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -171,10 +190,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--storage_url", default=None)
     p.set_defaults(func=cmd_checkpoints)
 
-    p = sub.add_parser("runs", help="List training runs.")
+    p = sub.add_parser("training-runs", help="List training runs (the checkpoint store's runs of sessions).")
     p.add_argument("--limit", type=int, default=50)
     p.add_argument("--storage_url", default=None)
-    p.set_defaults(func=cmd_runs)
+    p.set_defaults(func=cmd_training_runs)
+
+    add_batch_run_commands(sub)
     return parser
 
 

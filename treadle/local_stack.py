@@ -71,19 +71,21 @@ def find_running_stack(home: str = DEFAULT_HOME) -> StackInfo | None:
 
 
 class LocalStack:
-    def __init__(self, models: list[str], *, home: str = DEFAULT_HOME, workers: int = 1, port: int | None = None,
+    def __init__(self, models: list[str], *, home: str = DEFAULT_HOME, workers: int = 1, runners: int = 0, port: int | None = None,
                  storage_url: str | None = None, worker_args: list[str] | None = None, log_to_files: bool = True,
                  password: str | None = None):
         self.models = models
         self.password = password
         self.home = os.path.abspath(home)
         self.n_workers = workers
+        self.n_runners = runners
         self.port = port or free_port()
         self.storage_url = storage_url or "file://" + os.path.join(self.home, "checkpoints")
         self.worker_args = worker_args or []
         self.log_to_files = log_to_files
         self.redis_proc: subprocess.Popen | None = None
         self.workers: list[subprocess.Popen] = []
+        self.runners: list[subprocess.Popen] = []
 
     @property
     def broker_url(self) -> str:
@@ -100,6 +102,8 @@ class LocalStack:
         for _ in range(self.n_workers):
             self.start_worker()
         self.wait_for_workers(self.n_workers, wait_for_workers)
+        for _ in range(self.n_runners):
+            self.start_runner()
         fd = os.open(os.path.join(self.home, "stack.json"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with open(fd, "w") as f:
             json.dump(StackInfo(self.broker_url, self.storage_url, self.home, self.pids()).__dict__, f)
@@ -155,6 +159,14 @@ class LocalStack:
         self.workers.append(proc)
         return proc
 
+    def start_runner(self, extra_args: list[str] | None = None) -> subprocess.Popen:
+        """A batch-run runner (`treadle runner`): it finds Redis and the log store in `env()`."""
+        proc = subprocess.Popen([sys.executable, "-m", "treadle.cli", "runner", *(extra_args or [])], env=self.env(),
+                                stdout=self._log(f"runner-{len(self.runners)}"), stderr=subprocess.STDOUT,
+                                preexec_fn=_die_with_parent)
+        self.runners.append(proc)
+        return proc
+
     def wait_for_workers(self, count: int, timeout: float) -> None:
         from treadle.queue.workers import WorkerRegistry
 
@@ -174,14 +186,14 @@ class LocalStack:
         return open(os.path.join(self.home, "logs", f"{name}.log"), "ab")
 
     def pids(self) -> list[int]:
-        return [p.pid for p in [self.redis_proc, *self.workers] if p is not None]
+        return [p.pid for p in [self.redis_proc, *self.workers, *self.runners] if p is not None]
 
     # ------------------------------------------------------------ stop
     def stop(self) -> None:
-        for proc in self.workers:
+        for proc in self.runners + self.workers:
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
-        for proc in self.workers:
+        for proc in self.runners + self.workers:
             try:
                 proc.wait(timeout=60)
             except subprocess.TimeoutExpired:
