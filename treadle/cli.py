@@ -80,19 +80,39 @@ class FlowerConfig(BaseModel):
 def cmd_flower(ns) -> None:
     """Flower on the stack's broker. Flower reads its own FLOWER_* variables (FLOWER_BASIC_AUTH=user:password)."""
     cfg = config_from_args(FlowerConfig, ns, "TREADLE_FLOWER_", "flower")
-    broker = cfg.broker_url
-    if broker is None:
-        from treadle.local_stack import find_running_stack
-
-        found = find_running_stack()
-        broker = found.broker_url if found else None
-    if broker is None:
-        sys.exit("no broker: pass --broker_url or set TREADLE_BROKER_URL")
+    broker = _broker(cfg.broker_url)
     # Flower shows every task's arguments and can revoke tasks: beyond loopback it must ask for a password.
     if cfg.address not in ("127.0.0.1", "localhost", "::1") and not os.environ.get("FLOWER_BASIC_AUTH"):
         sys.exit(f"flower --address {cfg.address} is reachable from other hosts: set FLOWER_BASIC_AUTH=user:password")
     os.execvp(sys.executable, [sys.executable, "-m", "celery", "--broker", broker, "flower",
                                f"--port={cfg.port}", f"--address={cfg.address}"])
+
+
+def _broker(url: str | None) -> str:
+    """The given Redis URL, else the running `treadle up` stack's, else exit with what to set."""
+    if url is None:
+        from treadle.local_stack import find_running_stack
+
+        found = find_running_stack()
+        url = found.broker_url if found else None
+    if url is None:
+        sys.exit("no broker: pass --broker_url or set TREADLE_BROKER_URL")
+    return url
+
+
+class StatusConfig(BaseModel):
+    broker_url: str | None = Field(default=None, description="Redis URL of the deployment (default: the running `treadle up` stack).")
+    include_stopped: bool = Field(default=False, description="Also list stopped and expired sessions.")
+
+
+def cmd_status(ns) -> None:
+    """Workers, sessions and queue depths, as tables or (--json) as one JSON object."""
+    from treadle.queue.ops_client import connect_redis
+    from treadle.status import collect_status, render
+
+    cfg = config_from_args(StatusConfig, ns, "TREADLE_STATUS_", "status")
+    report = collect_status(connect_redis(_broker(cfg.broker_url)), include_stopped=cfg.include_stopped)
+    print(report.model_dump_json(indent=2) if ns.json else render(report))
 
 
 def _rest(ns):
@@ -181,6 +201,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("flower", help="Flower queue monitoring for the stack.")
     add_config_args(p, FlowerConfig, "TREADLE_FLOWER_")
     p.set_defaults(func=cmd_flower)
+
+    p = sub.add_parser("status", help="Workers (alive, models, sessions, memory), sessions and queue depths.")
+    add_config_args(p, StatusConfig, "TREADLE_STATUS_")
+    p.add_argument("--json", action="store_true", help="One JSON object, for scripts.")
+    p.set_defaults(func=cmd_status)
 
     p = sub.add_parser("checkpoints", help="List, inspect, download, export, delete and expire checkpoints.")
     p.add_argument("action", choices=["list", "info", "download", "export", "delete", "gc"])

@@ -1,0 +1,132 @@
+"""`treadle status`: workers, sessions and queue depths of a deployment, read (only read) from its Redis.
+
+A worker is alive while its heartbeat key exists (it renews it every few seconds); a worker that an
+active session still names but that no longer announces itself is listed as dead: its sessions wait
+for another worker to adopt them. Queue depth is the number of messages waiting in Redis (all of
+Celery's priority lists of the queue), not counting the one a worker is running.
+"""
+
+from __future__ import annotations
+
+import time
+
+from pydantic import BaseModel, Field
+
+from treadle.metering import Meter, Usage
+from treadle.queue import names
+from treadle.queue.sessions import SessionRegistry
+from treadle.queue.workers import WorkerRegistry
+
+# kombu's Redis transport keeps one list per priority step; priority 0 is the queue's own name.
+_PRIORITY_SUFFIXES = ("", "\x06\x163", "\x06\x166", "\x06\x169")
+
+
+class WorkerStatus(BaseModel):
+    hostname: str = Field(description="Celery node name.")
+    alive: bool = Field(description="Its heartbeat is current.")
+    pid: int | None = Field(default=None, description="Process id on its host.")
+    models: list[str] = Field(default_factory=list, description="Base models it serves.")
+    sessions: list[str] = Field(default_factory=list, description="Sessions it owns.")
+    unloaded: list[str] = Field(default_factory=list, description="Owned sessions checkpointed and unloaded while idle.")
+    uptime_s: float | None = Field(default=None, description="Seconds since it started.")
+    memory: dict[str, int] = Field(default_factory=dict, description="Bytes in use as the worker reports them (rss, device).")
+
+
+class SessionStatus(BaseModel):
+    session_id: str
+    owner: str | None = Field(description="Gateway owner; None for sessions of the treadle SDK.")
+    base_model: str
+    status: str = Field(description="active | stopped | expired")
+    worker: str | None = Field(description="The worker holding its lease.")
+    applied: int = Field(description="Highest seq applied.")
+    submitted: int = Field(description="Highest seq submitted.")
+    queued_ops: int = Field(description="Ops submitted and not yet applied.")
+    last_op: str | None = Field(default=None, description="Name of the last op metered.")
+    last_activity: float = Field(description="Unix time of its last op.")
+    idle_s: float = Field(description="Seconds since then.")
+    last_checkpoint: str | None = Field(description="Its latest automatic checkpoint.")
+    checkpoint_seq: int = Field(description="The seq that checkpoint covers.")
+    usage: Usage = Field(description="What its ops consumed.")
+
+
+class QueueDepth(BaseModel):
+    queue: str
+    depth: int
+
+
+class StatusReport(BaseModel):
+    at: float = Field(description="When this was read (Unix time).")
+    workers: list[WorkerStatus]
+    sessions: list[SessionStatus]
+    queues: list[QueueDepth]
+
+
+def queue_depth(redis, queue: str) -> int:
+    with redis.pipeline(transaction=False) as pipe:
+        for suffix in _PRIORITY_SUFFIXES:
+            pipe.llen(queue + suffix)
+        return sum(pipe.execute())
+
+
+def collect_status(redis, include_stopped: bool = False) -> StatusReport:
+    now = time.time()
+    meter = Meter(redis)
+    workers = {
+        w.hostname: WorkerStatus(hostname=w.hostname, alive=True, pid=w.pid, models=[m.name for m in w.models],
+                                 sessions=w.sessions, unloaded=w.unloaded, uptime_s=now - w.started_at)
+        for w in WorkerRegistry(redis).live_workers()
+    }
+    sessions = []
+    for record in sorted(SessionRegistry(redis).all(), key=lambda r: r.created_at):
+        if record.status != "active" and not include_stopped:
+            continue
+        if record.status == "active" and record.worker and record.worker not in workers:
+            workers[record.worker] = WorkerStatus(hostname=record.worker, alive=False)
+        submitted = int(redis.hget(names.session_key(record.session_id), "next_seq") or 0)
+        ops = meter.session_ops(record.session_id)
+        sessions.append(SessionStatus(
+            session_id=record.session_id, owner=record.owner, base_model=record.base_model, status=record.status,
+            worker=record.worker, applied=record.applied, submitted=max(submitted, record.applied),
+            queued_ops=max(0, submitted - record.applied), last_op=ops[-1].op if ops else None,
+            last_activity=record.last_activity, idle_s=max(0.0, now - record.last_activity),
+            last_checkpoint=record.checkpoint, checkpoint_seq=record.checkpoint_seq,
+            usage=meter.session_usage(record.session_id),
+        ))
+    models = sorted({m for w in workers.values() for m in w.models} | {s.base_model for s in sessions})
+    queues = [names.model_queue(m) for m in models] + [names.session_queue(s.session_id) for s in sessions if s.status == "active"]
+    return StatusReport(at=now, workers=sorted(workers.values(), key=lambda w: w.hostname), sessions=sessions,
+                        queues=[QueueDepth(queue=q, depth=queue_depth(redis, q)) for q in queues])
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    widths = [max(len(str(c)) for c in col) for col in zip(header, *rows)]
+    return ["  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip() for row in [header, *rows]]
+
+
+def _ago(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.1f}{unit}"
+    return f"{seconds:.0f}s"
+
+
+def _bytes(memory: dict[str, int]) -> str:
+    return " ".join(f"{k}={v / 2**20:.0f}MiB" for k, v in sorted(memory.items())) or "-"
+
+
+def render(report: StatusReport) -> str:
+    """The report as three plain-text tables."""
+    lines = [f"workers ({sum(w.alive for w in report.workers)} alive)"]
+    lines += _table(["HOSTNAME", "ALIVE", "MODELS", "SESSIONS", "UNLOADED", "UPTIME", "MEMORY"], [
+        [w.hostname, "yes" if w.alive else "NO", ",".join(w.models) or "-", str(len(w.sessions)), str(len(w.unloaded)),
+         _ago(w.uptime_s), _bytes(w.memory)] for w in report.workers])
+    lines += ["", f"sessions ({len(report.sessions)})"]
+    lines += _table(["SESSION", "OWNER", "MODEL", "STATUS", "WORKER", "APPLIED", "QUEUED", "LAST OP", "IDLE", "TRAINED TOK", "LAST CHECKPOINT"], [
+        [s.session_id, s.owner or "(sdk)", s.base_model, s.status, s.worker or "-", str(s.applied), str(s.queued_ops),
+         s.last_op or "-", _ago(s.idle_s), str(s.usage.trained_tokens),
+         f"{s.last_checkpoint} (seq {s.checkpoint_seq})" if s.last_checkpoint else "-"] for s in report.sessions])
+    lines += ["", "queues"]
+    lines += _table(["QUEUE", "DEPTH"], [[q.queue, str(q.depth)] for q in report.queues])
+    return "\n".join(lines)
