@@ -1,0 +1,1 @@
+"""Operational signals of treadle processes: Prometheus metrics (`treadle.observability.metrics`)."""

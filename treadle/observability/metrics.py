@@ -1,0 +1,109 @@
+"""Prometheus metrics of a worker, served by `start_metrics_server` (text format on GET /metrics).
+
+Counters only grow; rates are the scraper's job: tokens/s by kind is
+`rate(treadle_tokens_total[1m])`, ops/s `rate(treadle_ops_total[1m])`, p99 op latency
+`histogram_quantile(0.99, rate(treadle_op_seconds_bucket[5m]))`. Labels are bounded sets (op names,
+base models, token kinds, outcomes): never session ids or owners, whose number has no bound (per-owner
+usage is metering's job, `treadle.metering`). Queue depths are read from Redis at each scrape, so they
+are current even when no op runs.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.core import GaugeMetricFamily
+
+from treadle.metering import OpUsage
+from treadle.queue import names
+from treadle.queue.sessions import SessionRegistry
+from treadle.queue.workers import WorkerRegistry
+from treadle.status import queue_depth
+
+REGISTRY = CollectorRegistry()
+# From a 1 ms no-op to a 10-minute GRPO step.
+_OP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+
+OP_SECONDS = Histogram("treadle_op_seconds", "Seconds an op ran on the worker.", ["op", "base_model"],
+                       buckets=_OP_BUCKETS, registry=REGISTRY)
+OPS = Counter("treadle_ops", "Ops run, by outcome (ok | user_error | server_error).", ["op", "base_model", "outcome"],
+              registry=REGISTRY)
+TOKENS = Counter("treadle_tokens", "Tokens processed, by kind (prefill | sampled | trained).", ["kind", "base_model"],
+                 registry=REGISTRY)
+ACTIVE_SESSIONS = Gauge("treadle_active_sessions", "Sessions this worker owns (loaded or unloaded).", ["base_model"],
+                        registry=REGISTRY)
+LEASE_TAKEOVERS = Counter("treadle_lease_takeovers", "Sessions this worker adopted from a dead worker.", ["base_model"],
+                          registry=REGISTRY)
+CHECKPOINT_SECONDS = Histogram("treadle_checkpoint_seconds", "Seconds to write one checkpoint (auto | state | sampler).",
+                               ["kind"], buckets=_OP_BUCKETS, registry=REGISTRY)
+CHECKPOINT_BYTES = Counter("treadle_checkpoint_bytes", "Bytes of checkpoints written (auto | state | sampler).", ["kind"],
+                           registry=REGISTRY)
+
+
+def observe_op(op: str, base_model: str, seconds: float, outcome: str = "ok", usage: OpUsage | None = None) -> None:
+    """One finished op: its latency, its outcome and the tokens it processed."""
+    OP_SECONDS.labels(op, base_model).observe(seconds)
+    OPS.labels(op, base_model, outcome).inc()
+    if usage is not None:
+        for kind in ("prefill", "sampled", "trained"):
+            count = getattr(usage, f"{kind}_tokens")
+            if count:
+                TOKENS.labels(kind, base_model).inc(count)
+
+
+def observe_checkpoint(kind: str, seconds: float, size_bytes: int) -> None:
+    CHECKPOINT_SECONDS.labels(kind).observe(seconds)
+    CHECKPOINT_BYTES.labels(kind).inc(size_bytes)
+
+
+def _queue_depths(redis, models: Iterable[str]) -> GaugeMetricFamily:
+    family = GaugeMetricFamily("treadle_queue_depth", "Messages waiting on a base model's control queue.",
+                               labels=["base_model"])
+    for model in sorted(models):
+        family.add_metric([model], queue_depth(redis, names.model_queue(model)))
+    return family
+
+
+class QueueDepthCollector:
+    """`treadle_queue_depth{base_model}` of the models a worker serves, read from Redis at each scrape."""
+
+    def __init__(self, redis, models: Iterable[str]):
+        self.redis = redis
+        self.models = list(models)
+
+    def collect(self):
+        yield _queue_depths(self.redis, self.models)
+
+
+class DeploymentCollector:
+    """What the whole deployment has, read at each scrape: the queue depth of every served model, the live
+    workers, the active sessions per base model (the gateway exports these; every instance sees the same).
+
+    `redis_fn` is called at each scrape, so the collector can be registered before the process connects.
+    """
+
+    def __init__(self, redis_fn):
+        self.redis_fn = redis_fn
+
+    def collect(self):
+        redis = self.redis_fn()
+        workers = WorkerRegistry(redis).live_workers()
+        counts = dict.fromkeys((m.name for w in workers for m in w.models), 0)
+        for record in SessionRegistry(redis).all():
+            if record.status == "active":
+                counts[record.base_model] = counts.get(record.base_model, 0) + 1
+        yield _queue_depths(redis, counts)
+        yield GaugeMetricFamily("treadle_deployment_workers", "Workers with a current heartbeat.", value=len(workers))
+        sessions = GaugeMetricFamily("treadle_deployment_active_sessions", "Active sessions, by base model.",
+                                     labels=["base_model"])
+        for model, count in sorted(counts.items()):
+            sessions.add_metric([model], count)
+        yield sessions
+
+
+def start_metrics_server(port: int, addr: str = "0.0.0.0", *, redis=None, models: Iterable[str] = ()):
+    """Serve REGISTRY (plus the queue depths of `models`, when a Redis client is given) on addr:port."""
+    if redis is not None:
+        REGISTRY.register(QueueDepthCollector(redis, models))
+    return start_http_server(port, addr, registry=REGISTRY)
