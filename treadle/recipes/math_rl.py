@@ -70,6 +70,8 @@ class Config(BaseModel):
     max_steps_off_policy: int = Field(default=1, ge=0, description="Async: staleness limit of a group, in steps.")
     stale_policy: StalePolicy = Field(default="requeue", description="Async: what happens to a staler group.")
     mlflow_experiment: str | None = Field(default=None, description="Also log to this MLflow experiment (needs mlflow).")
+    mlflow_tracking_uri: str | None = Field(default=None, description="MLflow store, e.g. sqlite:///mlflow.db (None: MLFLOW_TRACKING_URI or ./mlruns).")
+    registered_model_name: str | None = Field(default=None, description="Register every saved checkpoint as a version of this MLflow model.")
 
 
 @dataclass
@@ -94,7 +96,8 @@ def problem_source(cfg: Config):
 
 def main(cfg: Config, service: ServiceClient | None = None) -> RunResult:
     service = service or ServiceClient()
-    log = RunLog(cfg.log_dir, cfg, cfg.resume, cfg.mlflow_experiment)
+    log = RunLog(cfg.log_dir, cfg, cfg.resume, cfg.mlflow_experiment, mlflow_tracking_uri=cfg.mlflow_tracking_uri,
+                 registered_model_name=cfg.registered_model_name)
     problem_at, heldout = problem_source(cfg)
     first_line_only = cfg.task == "arithmetic"  # GSM8K answers come after a chain of thought
 

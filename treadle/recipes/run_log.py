@@ -1,5 +1,5 @@
 """A run's log directory: config.json, metrics.jsonl, checkpoints.jsonl, other step-keyed JSONL
-files (e.g. rollouts.jsonl), and optionally MLflow.
+files (e.g. rollouts.jsonl), and optionally MLflow (params, metrics, artifacts, registered checkpoints).
 
 `checkpoints.jsonl` records, beside each saved training state, the loop position it corresponds to
 (`step` = the number of completed steps) and whatever else the loop needs to continue (`extra`,
@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pydantic import BaseModel
+
+from treadle.recipes.mlflow_log import MlflowRun
 
 METRICS_FILE = "metrics.jsonl"
 CHECKPOINTS_FILE = "checkpoints.jsonl"
@@ -58,7 +60,8 @@ def append_jsonl(path: str, row: dict) -> None:
 class RunLog:
     """Append-only logs of one run in `log_dir`, mirrored to MLflow when `mlflow_experiment` is set."""
 
-    def __init__(self, log_dir: str, config: BaseModel, resume: bool = False, mlflow_experiment: str | None = None):
+    def __init__(self, log_dir: str, config: BaseModel, resume: bool = False, mlflow_experiment: str | None = None,
+                 *, mlflow_tracking_uri: str | None = None, registered_model_name: str | None = None):
         self.log_dir = os.path.abspath(log_dir)
         os.makedirs(self.log_dir, exist_ok=True)
         self.metrics_path = os.path.join(self.log_dir, METRICS_FILE)
@@ -68,22 +71,21 @@ class RunLog:
                 os.remove(path)
         with open(os.path.join(self.log_dir, CONFIG_FILE), "w") as f:
             f.write(config.model_dump_json(indent=2))
-        self._mlflow = None
+        if registered_model_name and not mlflow_experiment:
+            raise ValueError(f"registered_model_name={registered_model_name!r} needs mlflow_experiment (the run its versions belong to)")
+        self._mlflow: MlflowRun | None = None
         if mlflow_experiment:
-            try:
-                import mlflow
-            except ImportError:
-                raise RuntimeError(f"mlflow_experiment={mlflow_experiment!r} needs the mlflow package: pip install mlflow") from None
-            mlflow.set_experiment(mlflow_experiment)
-            mlflow.start_run(run_name=os.path.basename(self.log_dir))
-            mlflow.log_params({k: str(v) for k, v in config.model_dump().items()})
-            self._mlflow = mlflow
+            self._mlflow = MlflowRun(mlflow_experiment, os.path.basename(self.log_dir), config.model_dump(),
+                                     mlflow_tracking_uri, registered_model_name)
+        # Checkpoints wait here until their step's metrics are logged, so their registry tags carry them.
+        self._unregistered: list[tuple[str, int, str]] = []
 
     # ------------------------------------------------------------ metrics
     def log_metrics(self, step: int, metrics: dict[str, float]) -> None:
         append_jsonl(self.metrics_path, {"step": step, **metrics})
         if self._mlflow is not None:
-            self._mlflow.log_metrics({k.replace(":", "_").replace("/", "_"): float(v) for k, v in metrics.items()}, step=step)
+            self._mlflow.log_metrics(step, metrics)
+            self._register(step, metrics)
 
     def metrics(self) -> list[dict]:
         return _read_jsonl(self.metrics_path)
@@ -96,7 +98,19 @@ class RunLog:
     def record_checkpoint(self, name: str, step: int, state_path: str, extra: dict[str, Any] | None = None) -> CheckpointRecord:
         record = CheckpointRecord(name=name, step=step, state_path=state_path, time=time.time(), extra=extra or {})
         append_jsonl(self.checkpoints_path, record.__dict__)
+        self.record_sampler(state_path, step, kind="state")
         return record
+
+    def record_sampler(self, path: str, step: int, kind: str = "sampler") -> None:
+        """A checkpoint that is not a resume point (e.g. a sampler snapshot): only registered, when registering."""
+        if self._mlflow is not None and self._mlflow.registered_model_name:
+            self._unregistered.append((path, step, kind))
+
+    def _register(self, up_to_step: float, metrics: dict[str, float]) -> None:
+        for path, step, kind in self._unregistered:
+            if step <= up_to_step:
+                self._mlflow.register_checkpoint(path, step, kind, metrics)
+        self._unregistered = [c for c in self._unregistered if c[1] > up_to_step]
 
     def checkpoints(self) -> list[CheckpointRecord]:
         return [CheckpointRecord(**row) for row in _read_jsonl(self.checkpoints_path)]
@@ -114,7 +128,29 @@ class RunLog:
             with open(path + ".tmp", "w") as f:
                 f.writelines(json.dumps(row) + "\n" for row in kept)
             os.replace(path + ".tmp", path)
+        if self._mlflow is not None:
+            # A resumed run is a new MLflow run: it starts with the steps it keeps, so it equals metrics.jsonl.
+            for row in self.metrics():
+                self._mlflow.log_metrics(row["step"], {k: v for k, v in row.items() if k != "step"})
 
     def close(self) -> None:
+        """Finish the MLflow run: pending registrations, then the PNG curves and JSONL logs as artifacts."""
         if self._mlflow is not None:
-            self._mlflow.end_run()
+            self._register(float("inf"), {})
+            for path in sorted(glob.glob(os.path.join(self.log_dir, "*.png")) + glob.glob(os.path.join(self.log_dir, "*.jsonl"))):
+                self._mlflow.log_artifact(path)
+            self._mlflow.close()
+
+
+def resume_or_create(service: Any, log: RunLog, resume: bool, base_model: str, lora_rank: int, seed: int) -> tuple[Any, int]:
+    """The run's training client and its first step: from the last checkpoint with `resume`, else a fresh LoRA.
+
+    Resuming restores the optimizer too and drops the logged steps after the checkpoint.
+    """
+    last = log.last_checkpoint() if resume else None
+    if last is None:
+        log.rewind_to(-1)  # --resume before the first checkpoint: start over
+        return service.create_lora_training_client(base_model, rank=lora_rank, alpha=2 * lora_rank, seed=seed), 1
+    log.rewind_to(last.step)
+    print(f"resuming from {last.state_path} after step {last.step}")
+    return service.create_training_client_from_state_with_optimizer(last.state_path), last.step + 1

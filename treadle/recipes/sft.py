@@ -51,6 +51,8 @@ class Config(BaseModel):
     save_every: int = Field(default=10, ge=1, description="save_state every N steps (and at the end).")
     resume: bool = Field(default=False, description="Continue from the last checkpoint in log_dir's checkpoints.jsonl.")
     mlflow_experiment: str | None = Field(default=None, description="Also log to this MLflow experiment (needs mlflow).")
+    mlflow_tracking_uri: str | None = Field(default=None, description="MLflow store, e.g. sqlite:///mlflow.db (None: MLFLOW_TRACKING_URI or ./mlruns).")
+    registered_model_name: str | None = Field(default=None, description="Register every saved checkpoint as a version of this MLflow model.")
 
 
 @dataclass
@@ -88,7 +90,8 @@ def batch_indices(step: int, batch_size: int, n: int, seed: int) -> list[int]:
 
 def main(cfg: Config, service: ServiceClient | None = None) -> RunResult:
     service = service or ServiceClient()
-    log = RunLog(cfg.log_dir, cfg, cfg.resume, cfg.mlflow_experiment)
+    log = RunLog(cfg.log_dir, cfg, cfg.resume, cfg.mlflow_experiment, mlflow_tracking_uri=cfg.mlflow_tracking_uri,
+                 registered_model_name=cfg.registered_model_name)
 
     # ---------------------------------------------------------------- session (fresh or resumed)
     last = log.last_checkpoint() if cfg.resume else None

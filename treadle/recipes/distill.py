@@ -1,0 +1,188 @@
+"""On-policy distillation: the student samples, the teacher scores the student's tokens, the student
+trains on the per-token reverse KL as its advantage (as the Tinker cookbook does).
+
+Each step snapshots the student, samples `samples_per_prompt` completions of `prompts_per_batch`
+prompts, and asks the teacher for the logprob of every sampled token (`compute_logprobs` on
+prompt + completion). The per-token reverse KL estimate is log p_student - log p_teacher at the
+sampled token; its negative (times `kl_coef`) is that token's advantage under `importance_sampling`,
+so the student is pushed towards the teacher exactly where it went wrong, on its own samples.
+
+The teacher is a sampler on any checkpoint (`--teacher_path`, e.g. an SFT run's state) or on a base
+model served by any worker (`--teacher_model`); it must share the student's tokenizer. Held-out
+metric: the same per-token KL on samples of fixed held-out prompts, and greedy arithmetic accuracy.
+
+    python -m treadle.recipes.distill --teacher_path treadle://<run>/weights/step-000020 --log_dir runs/distill
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+from pydantic import BaseModel, Field
+from tqdm import tqdm
+
+from treadle import AdamParams, Datum, ModelInput, SamplingParams, ServiceClient
+from treadle.recipes.cli import parse_config
+from treadle.recipes.datums import rl_datum
+from treadle.recipes.evaluation import evaluate_problems, prompt_messages
+from treadle.recipes.math_tasks import arithmetic_heldout, arithmetic_problem_at
+from treadle.recipes.plot import plot_metrics
+from treadle.recipes.preference import eval_part
+from treadle.recipes.rendering import render_generation_prompt
+from treadle.recipes.run_log import RunLog, resume_or_create
+
+
+class Config(BaseModel):
+    """On-policy distillation of a teacher into a LoRA student, through the treadle SDK."""
+
+    base_model: str = Field(default="SmolLM2-135M-Instruct", description="The student's base model.")
+    teacher_path: str | None = Field(default=None, description="Checkpoint the teacher samples from (treadle://...).")
+    teacher_model: str | None = Field(default=None, description="Base model of the teacher when no teacher_path (None: base_model).")
+    log_dir: str = Field(default="runs/distill", description="Where metrics.jsonl, checkpoints.jsonl and the PNG go.")
+    prompts_path: str | None = Field(default=None, description="JSONL of {prompt}; the last eval_prompts rows are held out. None: arithmetic.")
+    max_operand: int = Field(default=9, ge=1, description="Arithmetic: operands are drawn from [0, max_operand].")
+    system_prompt: str | None = Field(default=None, description="System message (None: the chat template's default).")
+    seed: int = Field(default=0, description="Seed of the prompt stream, the sampler and the LoRA init.")
+    steps: int = Field(default=20, ge=1, description="Optimizer steps.")
+    prompts_per_batch: int = Field(default=8, ge=1, description="Prompts per step.")
+    samples_per_prompt: int = Field(default=4, ge=1, description="Student completions per prompt.")
+    max_tokens: int = Field(default=16, ge=1, description="Most tokens per completion.")
+    temperature: float = Field(default=1.0, gt=0.0, description="Sampling temperature of the student.")
+    stop: list[str] = Field(default_factory=lambda: ["\n"], description="Stop strings of samples and eval.")
+    kl_coef: float = Field(default=1.0, gt=0.0, description="Advantage of a token = -kl_coef * (log p_student - log p_teacher).")
+    lora_rank: int = Field(default=16, ge=1, description="LoRA rank (alpha is 2 x rank).")
+    learning_rate: float = Field(default=1e-4, gt=0.0, description="AdamW learning rate.")
+    eval_prompts: int = Field(default=50, ge=1, description="Held-out prompts of the KL (and accuracy) eval.")
+    eval_samples: int = Field(default=2, ge=1, description="Student samples per held-out prompt in the KL eval.")
+    arithmetic_eval: bool = Field(default=True, description="Arithmetic: also measure greedy held-out accuracy.")
+    eval_every: int = Field(default=5, ge=0, description="Held-out eval every N steps (0: only before and after).")
+    save_every: int = Field(default=10, ge=1, description="save_state every N steps (and at the end).")
+    resume: bool = Field(default=False, description="Continue from the last checkpoint in log_dir's checkpoints.jsonl.")
+    mlflow_experiment: str | None = Field(default=None, description="Also log to this MLflow experiment (needs mlflow).")
+    mlflow_tracking_uri: str | None = Field(default=None, description="MLflow store, e.g. sqlite:///mlflow.db (None: MLFLOW_TRACKING_URI or ./mlruns).")
+    registered_model_name: str | None = Field(default=None, description="Register every saved checkpoint as a version of this MLflow model.")
+
+
+@dataclass
+class RunResult:
+    eval_before: dict[str, float]
+    eval_after: dict[str, float]
+    final_state_path: str
+    metrics_path: str
+    png_path: str
+
+
+@dataclass
+class Scored:
+    """One student completion with the teacher's logprobs of its tokens."""
+
+    prompt: list[int]
+    tokens: list[int]
+    student: np.ndarray
+    teacher: np.ndarray
+
+
+def sample_and_score(student: Any, teacher: Any, prompts: Sequence[list[int]], params: list[SamplingParams], n: int) -> list[Scored]:
+    """`n` student samples of each prompt, each scored by the teacher; every request is in flight at once."""
+    samples = [student.sample(ModelInput.from_ints(p), n, sp) for p, sp in zip(prompts, params)]
+    pending = []
+    for prompt, future in zip(prompts, samples):
+        for seq in future.result().sequences:
+            if seq.tokens:  # an empty completion has no token to score
+                pending.append((prompt, seq, teacher.compute_logprobs(ModelInput.from_ints([*prompt, *seq.tokens]))))
+    return [Scored(prompt, list(seq.tokens), np.asarray(seq.logprobs, np.float64), np.asarray(f.result()[len(prompt):], np.float64))
+            for prompt, seq, f in pending]
+
+
+def reverse_kl_datum(s: Scored, kl_coef: float) -> Datum:
+    """An importance_sampling datum whose completion tokens carry -kl_coef * (log p_student - log p_teacher)."""
+    datum = rl_datum(s.prompt, s.tokens, s.student.tolist(), 0.0)
+    advantages = np.concatenate([np.zeros(len(s.prompt) - 1), -kl_coef * (s.student - s.teacher)]).astype(np.float32)
+    return Datum(model_input=datum.model_input, loss_fn_inputs={**datum.loss_fn_inputs, "advantages": advantages})
+
+
+def mean_token_kl(scored: Sequence[Scored]) -> float:
+    """Per-token reverse KL estimate over all sampled tokens (log p_student - log p_teacher, averaged)."""
+    return float(np.concatenate([s.student - s.teacher for s in scored]).mean())
+
+
+def main(cfg: Config, service: ServiceClient | None = None) -> RunResult:
+    service = service or ServiceClient()
+    log = RunLog(cfg.log_dir, cfg, cfg.resume, cfg.mlflow_experiment, mlflow_tracking_uri=cfg.mlflow_tracking_uri,
+                 registered_model_name=cfg.registered_model_name)
+    training, start_step = resume_or_create(service, log, cfg.resume, cfg.base_model, cfg.lora_rank, cfg.seed)
+    tokenizer = training.get_tokenizer()
+    teacher = (service.create_sampling_client(model_path=cfg.teacher_path) if cfg.teacher_path
+               else service.create_sampling_client(base_model=cfg.teacher_model or cfg.base_model))
+
+    # ---------------------------------------------------------------- prompts: a stream by index, and a fixed held-out set
+    if cfg.prompts_path:
+        with open(cfg.prompts_path) as f:
+            questions = [json.loads(line)["prompt"] for line in f if line.strip()]
+        if len(questions) <= cfg.eval_prompts:
+            raise ValueError(f"eval_prompts={cfg.eval_prompts} leaves no training prompt out of {len(questions)} in {cfg.prompts_path}")
+        heldout_questions, train_questions, problems = questions[-cfg.eval_prompts:], questions[:-cfg.eval_prompts], []
+        question_at = lambda i: train_questions[i % len(train_questions)]  # noqa: E731
+    else:
+        problems = arithmetic_heldout(cfg.eval_prompts, cfg.max_operand)
+        heldout_questions = [p.question for p in problems]
+        question_at = lambda i: arithmetic_problem_at(cfg.seed, i, cfg.max_operand).question  # noqa: E731
+    render = lambda q: render_generation_prompt(tokenizer, prompt_messages(q, cfg.system_prompt))  # noqa: E731
+    heldout_prompts = [render(q) for q in heldout_questions]
+
+    def evaluate(step: int) -> dict[str, float]:
+        path = training.save_weights_for_sampler(f"step-{step:06d}").result().path
+        log.record_sampler(path, step)
+        student = training.create_sampling_client(path)
+        # The same seeds at every eval, so the estimates differ by the student, not by the draw.
+        params = [SamplingParams(max_tokens=cfg.max_tokens, temperature=1.0, stop=cfg.stop, seed=i) for i in range(len(heldout_prompts))]
+        metrics = {"eval/kl_student_teacher": mean_token_kl(sample_and_score(student, teacher, heldout_prompts, params, cfg.eval_samples))}
+        if problems and cfg.arithmetic_eval:
+            metrics["eval/accuracy"] = evaluate_problems(student, tokenizer, problems, system_prompt=cfg.system_prompt,
+                                                         max_tokens=cfg.max_tokens, stop=cfg.stop, desc=f"eval @ step {step}").accuracy
+        return metrics
+
+    if start_step == 1:
+        log.log_metrics(0, evaluate(0))
+
+    # ---------------------------------------------------------------- training loop
+    final_state_path = log.last_checkpoint().state_path if start_step > 1 else ""
+    progress = tqdm(range(start_step, cfg.steps + 1), desc="distill", initial=start_step - 1, total=cfg.steps)
+    for step in progress:
+        started = time.monotonic()
+        student = training.save_weights_and_get_sampling_client()
+        first = (step - 1) * cfg.prompts_per_batch  # the prompts of a step are a pure function of it, so --resume continues
+        prompts = [render(question_at(i)) for i in range(first, first + cfg.prompts_per_batch)]
+        params = [SamplingParams(max_tokens=cfg.max_tokens, temperature=cfg.temperature, stop=cfg.stop,
+                                 seed=cfg.seed * 1_000_003 + first + k) for k in range(len(prompts))]
+        scored = sample_and_score(student, teacher, prompts, params, cfg.samples_per_prompt)
+        sampled = time.monotonic()
+        fwd_bwd = training.forward_backward([reverse_kl_datum(s, cfg.kl_coef) for s in scored], "importance_sampling")
+        optim = training.optim_step(AdamParams(learning_rate=cfg.learning_rate, eps=1e-8))
+        fwd_bwd.result(), optim.result()
+        metrics = {"kl/student_teacher": mean_token_kl(scored), "tokens": sum(len(s.tokens) for s in scored),
+                   "time/sample_and_score": sampled - started, "time/step": time.monotonic() - started}
+        if step == cfg.steps or (cfg.eval_every and step % cfg.eval_every == 0):
+            metrics.update(evaluate(step))
+        if step % cfg.save_every == 0 or step == cfg.steps:
+            final_state_path = training.save_state(f"step-{step:06d}").result().path
+            log.record_checkpoint(f"step-{step:06d}", step, final_state_path)
+        log.log_metrics(step, metrics)
+        progress.set_postfix(kl=f"{metrics['kl/student_teacher']:.3f}")
+
+    # ---------------------------------------------------------------- curve and summary
+    png_path = plot_metrics(log.metrics_path, f"{log.log_dir}/curve.png",
+                            ["kl/student_teacher", "eval/kl_student_teacher", "eval/accuracy"], title=f"distillation ({cfg.base_model})")
+    log.close()
+    evals = [row for row in log.metrics() if "eval/kl_student_teacher" in row]
+    return RunResult(eval_part(evals[0]), eval_part(evals[-1]), final_state_path, log.metrics_path, png_path)
+
+
+if __name__ == "__main__":
+    result = main(parse_config(Config, prog="python -m treadle.recipes.distill"))
+    print(f"held-out before: {result.eval_before}\nheld-out after:  {result.eval_after}\n"
+          f"metrics: {result.metrics_path}\ncurve:   {result.png_path}\nstate:   {result.final_state_path}")

@@ -1,0 +1,144 @@
+"""KTO from binary feedback: unpaired (prompt, completion, desirable?) examples, the loss on the client.
+
+No pairs are needed, only a thumbs up or down per completion. Each step's batch is scored by the
+policy in one `forward` together with its mismatched pairs (prompt i with completion i+1 of the
+batch, as in the KTO paper), whose log-ratio to the reference estimates the KL reference point z0
+(floored at 0, no gradient). The KTO loss and its exact gradient are computed here with numpy and
+sent back as a cross_entropy `forward_backward` on the batch's own examples, then `optim_step`.
+
+Reference logprobs come from the frozen base model's sampler, once per completion (the mismatched
+pairs when first seen, then cached). By default the examples are the arithmetic task's, labelled by
+its grader; `--data_path` takes any JSONL of `{"prompt", "completion", "label"}`. Held-out metrics
+are DPO's: implicit-reward accuracy on held-out pairs and greedy arithmetic accuracy.
+
+    python -m treadle.recipes.kto --base_model SmolLM2-135M-Instruct --steps 20 --log_dir runs/kto
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+from pydantic import BaseModel, Field
+from tqdm import tqdm
+
+from treadle import AdamParams, ServiceClient
+from treadle.recipes.cli import parse_config
+from treadle.recipes.math_tasks import arithmetic_heldout
+from treadle.recipes.plot import plot_metrics
+from treadle.recipes.preference import completion_datum, eval_part, heldout_metrics, reference_logprobs, render_pairs
+from treadle.recipes.preference_data import arithmetic_kto_examples, arithmetic_pairs, load_kto_examples, load_pairs
+from treadle.recipes.preference_losses import forward_backward_with_loss, kto_on_batch
+from treadle.recipes.run_log import RunLog, resume_or_create
+from treadle.recipes.sft import batch_indices
+
+
+class Config(BaseModel):
+    """KTO from desirable / undesirable labels, the loss on the client, through the treadle SDK."""
+
+    base_model: str = Field(default="SmolLM2-135M-Instruct", description="Base model served by the workers (also the reference).")
+    log_dir: str = Field(default="runs/kto", description="Where metrics.jsonl, checkpoints.jsonl and the PNG go.")
+    data_path: str | None = Field(default=None, description="JSONL of {prompt, completion, label}; None: arithmetic examples.")
+    heldout_path: str | None = Field(default=None, description="Held-out pairs JSONL {prompt, chosen, rejected}; None: arithmetic.")
+    examples: int = Field(default=256, ge=2, description="Arithmetic: labelled examples to generate.")
+    desirable_fraction: float = Field(default=0.5, gt=0.0, lt=1.0, description="Arithmetic: share of right (desirable) examples.")
+    heldout_pairs: int = Field(default=50, ge=1, description="Arithmetic: held-out pairs (and problems of the accuracy eval).")
+    max_operand: int = Field(default=9, ge=1, description="Arithmetic: operands are drawn from [0, max_operand].")
+    arithmetic_eval: bool = Field(default=True, description="Also measure greedy accuracy on the held-out arithmetic problems.")
+    system_prompt: str | None = Field(default=None, description="System message (None: the chat template's default).")
+    seed: int = Field(default=0, description="Seed of the data, the batch order and the LoRA init.")
+    steps: int = Field(default=20, ge=1, description="Optimizer steps.")
+    batch_size: int = Field(default=16, ge=2, description="Examples per step (the mismatched pairs need at least 2).")
+    beta: float = Field(default=0.1, gt=0.0, description="KTO beta: the strength of the implicit KL to the reference.")
+    desirable_weight: float = Field(default=1.0, gt=0.0, description="lambda_D: weight of desirable examples.")
+    undesirable_weight: float = Field(default=1.0, gt=0.0, description="lambda_U: weight of undesirable examples.")
+    lora_rank: int = Field(default=16, ge=1, description="LoRA rank (alpha is 2 x rank).")
+    learning_rate: float = Field(default=1e-4, gt=0.0, description="AdamW learning rate.")
+    max_tokens: int = Field(default=16, ge=1, description="Accuracy eval: most tokens per answer.")
+    stop: list[str] = Field(default_factory=lambda: ["\n"], description="Accuracy eval: stop strings.")
+    eval_every: int = Field(default=5, ge=0, description="Held-out eval every N steps (0: only before and after).")
+    save_every: int = Field(default=10, ge=1, description="save_state every N steps (and at the end).")
+    resume: bool = Field(default=False, description="Continue from the last checkpoint in log_dir's checkpoints.jsonl.")
+    mlflow_experiment: str | None = Field(default=None, description="Also log to this MLflow experiment (needs mlflow).")
+    mlflow_tracking_uri: str | None = Field(default=None, description="MLflow store, e.g. sqlite:///mlflow.db (None: MLFLOW_TRACKING_URI or ./mlruns).")
+    registered_model_name: str | None = Field(default=None, description="Register every saved checkpoint as a version of this MLflow model.")
+
+
+@dataclass
+class RunResult:
+    eval_before: dict[str, float]
+    eval_after: dict[str, float]
+    final_state_path: str
+    metrics_path: str
+    png_path: str
+
+
+def main(cfg: Config, service: ServiceClient | None = None) -> RunResult:
+    service = service or ServiceClient()
+    log = RunLog(cfg.log_dir, cfg, cfg.resume, cfg.mlflow_experiment, mlflow_tracking_uri=cfg.mlflow_tracking_uri,
+                 registered_model_name=cfg.registered_model_name)
+    training, start_step = resume_or_create(service, log, cfg.resume, cfg.base_model, cfg.lora_rank, cfg.seed)
+    tokenizer = training.get_tokenizer()
+
+    # ---------------------------------------------------------------- data, and reference logprobs once per completion
+    examples = (load_kto_examples(cfg.data_path) if cfg.data_path
+                else arithmetic_kto_examples(cfg.examples, cfg.seed, cfg.desirable_fraction, cfg.max_operand))
+    heldout = (load_pairs(cfg.heldout_path) if cfg.heldout_path
+               else arithmetic_pairs(cfg.heldout_pairs, cfg.seed, heldout=True, max_operand=cfg.max_operand))
+    reference = service.create_sampling_client(base_model=cfg.base_model)
+    datums = [completion_datum(tokenizer, e.prompt, e.completion, cfg.system_prompt) for e in examples]
+    ref = reference_logprobs(reference, datums)
+    desirable = np.array([e.label for e in examples])
+    heldout_pairs = render_pairs(tokenizer, reference, heldout, cfg.system_prompt)
+    problems = arithmetic_heldout(cfg.heldout_pairs, cfg.max_operand) if cfg.arithmetic_eval else []
+    mismatched: dict[tuple[int, int], tuple] = {}  # (prompt of example i, completion of example j) -> (datum, ref logprob)
+
+    def mismatched_pairs(keys: list[tuple[int, int]]) -> list[tuple]:
+        new = [k for k in keys if k not in mismatched]
+        new_datums = [completion_datum(tokenizer, examples[i].prompt, examples[j].completion, cfg.system_prompt) for i, j in new]
+        for key, datum, logprob in zip(new, new_datums, reference_logprobs(reference, new_datums)):
+            mismatched[key] = (datum, logprob)
+        return [mismatched[k] for k in keys]
+
+    def evaluate(step: int) -> dict[str, float]:
+        return heldout_metrics(training, tokenizer, log, step, heldout_pairs, cfg.beta, problems,
+                               system_prompt=cfg.system_prompt, max_tokens=cfg.max_tokens, stop=cfg.stop)
+
+    if start_step == 1:
+        log.log_metrics(0, evaluate(0))
+
+    # ---------------------------------------------------------------- training loop
+    final_state_path = log.last_checkpoint().state_path if start_step > 1 else ""
+    progress = tqdm(range(start_step, cfg.steps + 1), desc="KTO", initial=start_step - 1, total=cfg.steps)
+    for step in progress:
+        started = time.monotonic()
+        indices = batch_indices(step, cfg.batch_size, len(examples), cfg.seed)
+        kl_pairs = mismatched_pairs([(i, indices[(k + 1) % len(indices)]) for k, i in enumerate(indices)])
+        loss_fn = kto_on_batch(ref[indices], desirable[indices], np.array([r for _, r in kl_pairs]), cfg.beta,
+                               cfg.desirable_weight, cfg.undesirable_weight)
+        batch = [datums[i] for i in indices] + [d for d, _ in kl_pairs]
+        fwd_bwd, result = forward_backward_with_loss(training, batch, loss_fn, n_trained=len(indices))
+        optim = training.optim_step(AdamParams(learning_rate=cfg.learning_rate, eps=1e-8))
+        fwd_bwd.result(), optim.result()
+        metrics = {**result.metrics, "desirable_share": float(desirable[indices].mean()), "time/step": time.monotonic() - started}
+        if step == cfg.steps or (cfg.eval_every and step % cfg.eval_every == 0):
+            metrics.update(evaluate(step))
+        if step % cfg.save_every == 0 or step == cfg.steps:
+            final_state_path = training.save_state(f"step-{step:06d}").result().path
+            log.record_checkpoint(f"step-{step:06d}", step, final_state_path)
+        log.log_metrics(step, metrics)
+        progress.set_postfix(loss=f"{result.loss:.3f}", kl=f"{result.metrics['kto/kl']:.3f}")
+
+    # ---------------------------------------------------------------- curve and summary
+    png_path = plot_metrics(log.metrics_path, f"{log.log_dir}/curve.png",
+                            ["kto/loss", "kto/kl", "eval/reward_accuracy", "eval/accuracy"], title=f"KTO ({cfg.base_model})")
+    log.close()
+    evals = [row for row in log.metrics() if "eval/reward_accuracy" in row]
+    return RunResult(eval_part(evals[0]), eval_part(evals[-1]), final_state_path, log.metrics_path, png_path)
+
+
+if __name__ == "__main__":
+    result = main(parse_config(Config, prog="python -m treadle.recipes.kto"))
+    print(f"held-out before: {result.eval_before}\nheld-out after:  {result.eval_after}\n"
+          f"metrics: {result.metrics_path}\ncurve:   {result.png_path}\nstate:   {result.final_state_path}")

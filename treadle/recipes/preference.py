@@ -1,0 +1,100 @@
+"""The pieces DPO and KTO share: completion datums, cached reference logprobs, held-out pair metrics.
+
+A completion is rendered as the conversation [system?, user: prompt, assistant: completion] with the
+tokenizer's chat template, and only the assistant turn (its end-of-turn token included) is weighted,
+so a sequence logprob is log pi(completion | prompt).
+
+Reference logprobs come from the frozen base model's sampler (`compute_logprobs`), once per
+completion: they never change during a run, so a recipe computes them up front and keeps them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+
+from treadle.recipes.datums import supervised_datum
+from treadle.recipes.evaluation import evaluate_problems, prompt_messages
+from treadle.recipes.math_tasks import Problem
+from treadle.recipes.preference_data import PreferencePair
+from treadle.recipes.preference_losses import dpo_loss, sequence_logprobs
+from treadle.recipes.rendering import render_conversation
+from treadle.recipes.run_log import RunLog
+from treadle.types import Datum
+
+
+def completion_datum(tokenizer: Any, prompt: str, completion: str, system_prompt: str | None) -> Datum:
+    """A cross_entropy datum of `completion` after `prompt`, weighted 1 on the completion's tokens only."""
+    messages = [*prompt_messages(prompt, system_prompt), {"role": "assistant", "content": completion}]
+    rendered = render_conversation(tokenizer, messages, "last_assistant")
+    return supervised_datum(rendered.tokens, rendered.mask)
+
+
+def datum_tokens(datum: Any) -> list[int]:
+    """The whole token sequence of a pre-shifted datum (model_input plus the last target)."""
+    return [*datum.model_input.to_ints(), int(datum.loss_fn_inputs["target_tokens"].to_numpy()[-1])]
+
+
+def reference_logprobs(sampler: Any, datums: Sequence[Any]) -> np.ndarray:
+    """The sampler's sequence logprob of each datum's weighted tokens; every request is in flight at once."""
+    # The datum's own ModelInput class, so the official tinker SDK's sampler gets its own type.
+    futures = [sampler.compute_logprobs(type(d.model_input).from_ints(datum_tokens(d))) for d in datums]
+    # Entry 0 of compute_logprobs is None (no context); entry t+1 scores target t.
+    token_logprobs = [np.asarray(f.result()[1:], dtype=np.float64) for f in futures]
+    return sequence_logprobs(token_logprobs, [d.loss_fn_inputs["weights"].to_numpy() for d in datums])
+
+
+@dataclass
+class RenderedPairs:
+    """Preference pairs as datums, with the reference's sequence logprobs of both sides."""
+
+    chosen: list[Datum]
+    rejected: list[Datum]
+    ref_chosen: np.ndarray
+    ref_rejected: np.ndarray
+
+
+def render_pairs(tokenizer: Any, reference: Any, pairs: Sequence[PreferencePair], system_prompt: str | None) -> RenderedPairs:
+    chosen = [completion_datum(tokenizer, p.prompt, p.chosen, system_prompt) for p in pairs]
+    rejected = [completion_datum(tokenizer, p.prompt, p.rejected, system_prompt) for p in pairs]
+    ref = reference_logprobs(reference, [*chosen, *rejected])
+    return RenderedPairs(chosen, rejected, ref[: len(pairs)], ref[len(pairs):])
+
+
+def pair_metrics(training: Any, pairs: RenderedPairs, beta: float) -> dict[str, float]:
+    """Held-out pair metrics of the current policy (a `forward`, no gradient).
+
+    `eval/reward_accuracy`: share of pairs whose implicit reward beta*(log pi - log pi_ref) ranks the
+    chosen completion above the rejected one (meaningless at the start, where every margin is 0 up to
+    the ~1e-6 rounding by which the training forward and the sampler differ);
+    `eval/preference_accuracy`: share where the policy itself gives the chosen completion the higher
+    logprob (the base model's own ranking before training).
+    """
+    datums = [*pairs.chosen, *pairs.rejected]
+    out = training.forward(datums, "cross_entropy").result()
+    policy = sequence_logprobs([o["logprobs"].to_numpy() for o in out.loss_fn_outputs],
+                               [d.loss_fn_inputs["weights"].to_numpy() for d in datums])
+    n = len(pairs.chosen)
+    result = dpo_loss(policy[:n], policy[n:], pairs.ref_chosen, pairs.ref_rejected, beta)
+    return {"eval/reward_accuracy": result.metrics["dpo/accuracy"], "eval/margin": result.metrics["dpo/margin"],
+            "eval/dpo_loss": result.loss, "eval/preference_accuracy": float((policy[:n] > policy[n:]).mean())}
+
+
+def heldout_metrics(training: Any, tokenizer: Any, log: RunLog, step: int, heldout: RenderedPairs, beta: float,
+                    problems: Sequence[Problem], *, system_prompt: str | None, max_tokens: int, stop: list[str]) -> dict[str, float]:
+    """`pair_metrics`, plus greedy accuracy on `problems` (if any) from a named sampler snapshot of this step."""
+    metrics = pair_metrics(training, heldout, beta)
+    if problems:
+        path = training.save_weights_for_sampler(f"step-{step:06d}").result().path
+        log.record_sampler(path, step)
+        metrics["eval/accuracy"] = evaluate_problems(training.create_sampling_client(path), tokenizer, problems,
+                                                     system_prompt=system_prompt, max_tokens=max_tokens, stop=stop,
+                                                     desc=f"eval @ step {step}").accuracy
+    return metrics
+
+
+def eval_part(row: dict) -> dict[str, float]:
+    """The held-out metrics of a metrics.jsonl row."""
+    return {k: v for k, v in row.items() if k.startswith("eval/")}
