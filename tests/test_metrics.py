@@ -3,6 +3,9 @@ the gateway's /metrics; every endpoint parses with prometheus_client.parser and 
 
 from __future__ import annotations
 
+import json
+import pathlib
+import re
 import time
 import urllib.request
 
@@ -66,3 +69,17 @@ def test_deployment_collector_reads_workers_sessions_and_queues(redis_client):
     assert got[("treadle_deployment_workers", ())] == 1
     assert got[("treadle_deployment_active_sessions", (("base_model", "tiny"),))] == 2
     assert got[("treadle_queue_depth", (("base_model", "tiny"),))] == 1
+
+
+def test_the_grafana_dashboard_queries_only_metrics_treadle_exports(redis_client):
+    """Every metric a panel of deploy/grafana-dashboard.json queries is exported by the worker or the gateway."""
+    from fastapi import FastAPI
+
+    from treadle.gateway.metrics import install
+
+    exported = {m.name for m in metrics.REGISTRY.collect()}
+    exported |= {m.name for m in install(FastAPI(), lambda: redis_client).collect()}
+    dashboard = json.loads((pathlib.Path(__file__).resolve().parents[1] / "deploy" / "grafana-dashboard.json").read_text())
+    queried = {re.sub(r"_(bucket|total|count|sum)$", "", name) for panel in dashboard["panels"] for t in panel["targets"]
+               for name in re.findall(r"\btreadle_\w+", t["expr"])}
+    assert len(queried) >= 10 and queried <= exported, queried - exported
