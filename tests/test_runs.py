@@ -1,0 +1,276 @@
+"""Batch runs on the real local stack: `treadle runs ...` and `treadle runner` as subprocesses configured
+by TREADLE_BROKER_URL / TREADLE_STORAGE_URL, as docs/runs.md says; commands really killed."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+
+import psutil
+import pytest
+import redis
+import yaml
+
+from treadle.cli import build_parser
+from treadle.runs.records import RunRecord, RunStore
+from treadle.runs.runner import RunnerConfig
+from treadle.storage import CheckpointStore
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Short lease, poll and flush intervals so that adoption and log streaming happen within seconds.
+RUNNER_ARGS = ["--poll_s", "0.1", "--lease_ttl_s", "2", "--log_flush_s", "0.2", "--stop_grace_s", "5"]
+
+
+def wait_for(predicate, timeout: float, what: str, poll: float = 0.05):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"timed out after {timeout} s waiting for {what}"
+        time.sleep(poll)
+
+
+@pytest.fixture()
+def env(stack):
+    return {**os.environ, "TREADLE_BROKER_URL": stack.broker_url, "TREADLE_STORAGE_URL": stack.storage_url,
+            "OMP_NUM_THREADS": "1"}
+
+
+@pytest.fixture()
+def store(stack):
+    return RunStore(redis.Redis.from_url(stack.broker_url))
+
+
+@pytest.fixture()
+def runners(stack, env):
+    """Start runners (`treadle runner`) by id; each is SIGTERMed (and reaped) when the test ends."""
+    started: list[subprocess.Popen] = []
+
+    def start(runner_id: str) -> subprocess.Popen:
+        proc = subprocess.Popen([sys.executable, "-m", "treadle.cli", "runner", "--runner_id", runner_id, *RUNNER_ARGS],
+                                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        started.append(proc)
+        return proc
+
+    yield start
+    for proc in started:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+    for proc in started:
+        proc.wait(timeout=60)
+
+
+def treadle(env, *args, check: bool = True) -> subprocess.CompletedProcess:
+    done = subprocess.run([sys.executable, "-m", "treadle.cli", *args], env=env, cwd=REPO, capture_output=True,
+                          text=True, timeout=120)
+    assert not check or done.returncode == 0, done.stdout + done.stderr
+    return done
+
+
+def submit(env, name: str, *command: str, options: tuple[str, ...] = ()) -> str:
+    out = treadle(env, "runs", "submit", "--name", name, *options, "--", *command).stdout
+    assert out.splitlines()[0] == name
+    return name
+
+
+def status(env, name: str) -> RunRecord:
+    return RunRecord.model_validate_json(treadle(env, "runs", "status", name, "--json").stdout)
+
+
+def finished(store: RunStore, name: str) -> RunRecord | None:
+    record = store.get(name)
+    return record if record.finished else None
+
+
+def unique(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:6]}"
+
+
+def test_compose_runs_one_runner_that_shuts_down_gracefully():
+    with open(os.path.join(REPO, "compose.yaml")) as f:
+        compose = yaml.safe_load(f)
+    runner = compose["services"]["runner"]
+    ns = build_parser().parse_args(runner["command"])
+    assert ns.func.__name__ == "cmd_runner"
+    assert runner["environment"]["TREADLE_BROKER_URL"] == compose["services"]["worker"]["environment"]["TREADLE_BROKER_URL"]
+    assert runner["restart"] == "unless-stopped" and "redis" in runner["depends_on"]
+    # compose's SIGKILL must come after the runner's own SIGTERM-to-SIGKILL grace: runs are released, not orphaned
+    assert int(runner["stop_grace_period"].rstrip("s")) > RunnerConfig().stop_grace_s
+
+
+# ------------------------------------------------------------------------ restart policy and logs
+def test_a_failing_command_restarts_with_its_resume_args_then_fails_with_its_last_lines(env, store, runners):
+    runners("r-fail")
+    script = "import os, sys; print('attempt', os.environ['TREADLE_RUN_ATTEMPT'], sys.argv[1:]); print('boom', file=sys.stderr); sys.exit(3)"
+    name = submit(env, unique("fails"), sys.executable, "-c", script,
+                  options=("--max_restarts", "2", "--backoff_s", "0.05", "--resume_args=--again --from-last"))
+    record = wait_for(lambda: finished(store, name), 60, "the run to fail")
+    shown = status(env, name)
+    assert shown.status.state == "failed" and shown.status.restarts == 2 and shown.status.attempt == 3
+    assert shown.status.last_exit_code == 3
+    assert shown.status.last_lines[-2:] == ["attempt 3 ['--again', '--from-last']", "boom"]
+    assert record.status.message == "exit code 3 after 2 restarts (max_restarts=2)"
+    human = treadle(env, "runs", "status", name).stdout
+    assert "state:       failed" in human and "boom" in human
+    log = treadle(env, "runs", "logs", name).stdout
+    # the first start as submitted; every restart with the declared resume arguments
+    assert [line for line in log.splitlines() if line.startswith("attempt")] == [
+        "attempt 1 []", "attempt 2 ['--again', '--from-last']", "attempt 3 ['--again', '--from-last']"]
+    listed = treadle(env, "runs", "list").stdout
+    assert any(line.split()[:3] == [name, "failed", "2/2"] for line in listed.splitlines())
+
+
+def test_submit_rejects_bad_input_naming_the_field_and_the_limit(env):
+    done = treadle(env, "runs", "submit", "--max_restarts", "-1", "--", "true", check=False)
+    assert done.returncode != 0 and "--max_restarts -1" in done.stderr and "greater than or equal to 0" in done.stderr
+    done = treadle(env, "runs", "submit", "--name", "a/b", "--", "true", check=False)
+    assert done.returncode != 0 and "name 'a/b' must not contain '/'" in done.stderr
+    done = treadle(env, "runs", "status", "no-such-run", check=False)
+    assert done.returncode != 0 and "no batch run named 'no-such-run'" in done.stderr
+
+
+def _read_lines(pipe, into: queue.Queue) -> None:
+    for line in pipe:
+        into.put(line.rstrip("\n"))
+    into.put(None)
+
+
+def test_logs_follow_streams_while_the_run_is_live(env, store, runners, tmp_path):
+    runners("r-follow")
+    go = tmp_path / "go"
+    script = ("import os, sys, time\nfor i in range(3): print('tick', i, flush=True)\n"
+              f"while not os.path.exists({str(go)!r}): time.sleep(0.05)\nprint('done', flush=True)")
+    name = submit(env, unique("follow"), sys.executable, "-c", script)
+    follower = subprocess.Popen([sys.executable, "-m", "treadle.cli", "runs", "logs", name, "--follow", "--poll_s", "0.1",
+                                 "--timeout_s", "120"], env=env, stdout=subprocess.PIPE, text=True)
+    lines: queue.Queue = queue.Queue()
+    threading.Thread(target=_read_lines, args=(follower.stdout, lines), daemon=True).start()
+    try:
+        seen = []
+        while "tick 2" not in seen:
+            seen.append(lines.get(timeout=60))
+        # the output arrived while the command is still running: it waits for `go`
+        assert store.get(name).status.state == "running" and follower.poll() is None
+        go.touch()
+        while seen[-1] is not None:
+            seen.append(lines.get(timeout=60))
+        assert follower.wait(timeout=60) == 0
+    finally:
+        if follower.poll() is None:
+            follower.kill()
+    assert seen[-2] == "done" and store.get(name).status.state == "succeeded"
+
+
+# ------------------------------------------------------------------------ runner shutdown, adoption, stop
+def _group(pid: int) -> list[psutil.Process]:
+    root = psutil.Process(pid)
+    return [root, *root.children(recursive=True)]
+
+
+def test_runner_shutdown_leaves_the_run_adoptable_and_stop_kills_the_whole_group(env, store, runners):
+    first = runners("r-first")
+    name = submit(env, unique("sleeper"), "sh", "-c", "echo start $TREADLE_RUN_ATTEMPT; sleep 300 & sleep 301 & wait")
+    record = wait_for(lambda: (r := store.get(name)).status.state == "running" and r.status.pid and r, 60, "the first start")
+    procs = wait_for(lambda: len(group := _group(record.status.pid)) == 3 and group, 30, "sh and its two sleeps")
+
+    first.send_signal(signal.SIGTERM)
+    assert first.wait(timeout=60) == 0
+    assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in procs), "orphans after runner shutdown"
+    record = store.get(name)
+    assert record.status.state == "running" and store.lease_holder(name) is None  # released, not finished
+
+    runners("r-second")
+    record = wait_for(lambda: (r := store.get(name)).status.attempt == 2 and r.status.pid and r, 60, "adoption")
+    assert record.status.runner == "r-second" and record.status.adoptions == 1 and record.status.restarts == 0
+    procs = wait_for(lambda: len(group := _group(record.status.pid)) == 3 and group, 30, "the second start")
+
+    out = treadle(env, "runs", "stop", name, "--wait_s", "30").stdout
+    assert out.strip() == f"{name}: stopped"
+    assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in procs), "orphans after stop"
+    log = treadle(env, "runs", "logs", name).stdout
+    assert "start 1" in log and "start 2" in log
+
+
+# ------------------------------------------------------------------------ acceptance: math_rl survives kills
+RL_ARGS = ["--base_model", "tiny", "--max_operand", "3", "--max_tokens", "3", "--format_reward", "0.5", "--learning_rate",
+           "3e-3", "--lora_rank", "4", "--groups_per_batch", "2", "--group_size", "4", "--eval_problems", "2",
+           "--eval_every", "0", "--steps", "30", "--save_every", "3", "--seed", "0"]
+
+
+def _last_step(log_dir) -> int:
+    path = os.path.join(log_dir, "metrics.jsonl")
+    if not os.path.exists(path):
+        return -1
+    with open(path) as f:
+        rows = [json.loads(line) for line in f if line.endswith("\n")]
+    return rows[-1]["step"] if rows else -1
+
+
+def _rows(path) -> list[dict]:
+    with open(path) as f:
+        return [json.loads(line) for line in f]
+
+
+def _final_state(stack, log_dir, tmp_path) -> tuple[int, dict[str, bytes]]:
+    """The optimizer steps applied by the final checkpoint (its manifest), and its weights and optimizer bytes."""
+    path = _rows(os.path.join(log_dir, "checkpoints.jsonl"))[-1]["state_path"]
+    local = tmp_path / uuid.uuid4().hex
+    manifest = CheckpointStore.from_url(stack.storage_url).load(path, str(local))
+    files = {name: (local / name).read_bytes() for name in ("adapter_model.safetensors", "optimizer.safetensors")}
+    return manifest.step, files
+
+
+def test_math_rl_run_survives_three_loop_kills_and_a_runner_kill_bit_identically(stack, env, store, runners, tmp_path):
+    chooser = random.Random(int(time.time()))
+    # the steps after which to kill: the loop, the loop, the runner, the loop (3 apart: each attempt gets going)
+    kill_at = [chooser.randint(2, 6), chooser.randint(9, 13), chooser.randint(16, 20), chooser.randint(23, 27)]
+    print("kill points (steps):", kill_at)
+    by_id = {rid: runners(rid) for rid in ("r-a", "r-b")}
+    recipe = [sys.executable, "-m", "treadle.recipes.math_rl", *RL_ARGS]
+    killed_dir, fresh_dir = tmp_path / "killed", tmp_path / "fresh"
+    name = submit(env, unique("rl"), *recipe, "--log_dir", str(killed_dir), options=("--max_restarts", "5", "--backoff_s", "0.2"))
+    # the uninterrupted reference runs beside it, outside the runners (killing a runner must not touch it)
+    with open(tmp_path / "reference.log", "w") as out:
+        reference = subprocess.Popen([*recipe, "--log_dir", str(fresh_dir)], cwd=REPO, env=env, stdout=out,
+                                     stderr=subprocess.STDOUT)
+
+    for attempt, step in enumerate(kill_at, start=1):
+        record = wait_for(lambda: (r := store.get(name)).status.attempt == attempt and r.status.pid and r, 120,
+                          f"attempt {attempt}")
+        wait_for(lambda: _last_step(killed_dir) >= step, 300, f"step {step}", poll=0.02)
+        time.sleep(chooser.uniform(0, 0.3))
+        if attempt == 3:  # the runner that supervises the run: the loop dies with it, the other runner adopts
+            by_id[record.status.runner].send_signal(signal.SIGKILL)
+        else:
+            os.kill(record.status.pid, signal.SIGKILL)
+
+    done = wait_for(lambda: finished(store, name), 600, "the killed run to finish")
+    assert reference.wait(timeout=600) == 0, (tmp_path / "reference.log").read_text()[-3000:]
+    shown = status(env, name)
+    assert (shown.status.state, shown.status.restarts, shown.status.adoptions, shown.status.attempt) == ("succeeded", 3, 1, 5)
+    assert done.status.last_exit_code == 0
+    assert shown.status.last_metrics["step"] == 30
+    assert shown.status.checkpoints[-1]["step"] == 30
+
+    rows = _rows(killed_dir / "metrics.jsonl")
+    assert [r["step"] for r in rows] == list(range(31))  # one row per step, none repeated, none missing
+    used = [r["problem_index"] for r in _rows(killed_dir / "rollouts.jsonl")]
+    assert sorted(used) == list(range(30 * 2))  # every problem trained on exactly once
+    # A step whose groups all got uniform rewards has nothing to train on and applies no optimizer step, so the
+    # final state has applied one optimizer step per loop step that trained: none repeated, none lost.
+    optimizer_steps = sum(1 for r in rows[1:] if r["groups/used"] > r["groups/skipped_uniform"])
+    steps, state = _final_state(stack, killed_dir, tmp_path)
+    ref_steps, ref_state = _final_state(stack, fresh_dir, tmp_path)
+    assert steps == ref_steps == optimizer_steps > 10
+    assert state == ref_state  # weights and Adam moments bit-identical to the uninterrupted run
+    log = treadle(env, "runs", "logs", name).stdout
+    assert log.count("resuming from") >= 3 and "attempt 5:" in log
