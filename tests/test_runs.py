@@ -51,13 +51,12 @@ def store(stack):
 
 
 @pytest.fixture()
-def runners(stack, env):
+def runners(stack):
     """Start runners (`treadle runner`) by id; each is SIGTERMed (and reaped) when the test ends."""
     started: list[subprocess.Popen] = []
 
     def start(runner_id: str) -> subprocess.Popen:
-        proc = subprocess.Popen([sys.executable, "-m", "treadle.cli", "runner", "--runner_id", runner_id, *RUNNER_ARGS],
-                                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        proc = stack.start_runner(["--runner_id", runner_id, *RUNNER_ARGS])  # as `treadle up` starts its runner
         started.append(proc)
         return proc
 

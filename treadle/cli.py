@@ -159,7 +159,7 @@ def cmd_runner(ns) -> None:
     from treadle.runs.cli import run_runner
     from treadle.runs.runner import RunnerConfig
 
-    run_runner(config_from_args(RunnerConfig, ns))
+    run_runner(config_from_args(RunnerConfig, ns, "TREADLE_RUNNER_", "runner"))
 
 
 def add_batch_run_commands(sub) -> None:
@@ -169,7 +169,7 @@ def add_batch_run_commands(sub) -> None:
 
     add_runs_parser(sub.add_parser("runs", help="Batch runs: submit a command; a runner restarts and resumes it."))
     p = sub.add_parser("runner", help="Run a batch-run runner (`treadle up` starts one).")
-    add_config_args(p, RunnerConfig)
+    add_config_args(p, RunnerConfig, "TREADLE_RUNNER_")
     p.set_defaults(func=cmd_runner)
 
 

@@ -169,11 +169,13 @@ def cmd_logs(ns, store: RunStore) -> None:
 
 
 def cmd_stop(ns, store: RunStore) -> None:
-    record = store.request_stop(ns.name, f"cli-{socket.gethostname()}-{os.getpid()}")
+    holder = f"cli-{socket.gethostname()}-{os.getpid()}"
+    record = store.request_stop(ns.name, holder)
     deadline = time.monotonic() + ns.wait_s
     while not record.finished and time.monotonic() < deadline:
         time.sleep(0.2)
-        record = store.get(ns.name)
+        # Again: when a dead runner's lease expires and no runner adopts the run first, it is stopped here.
+        record = store.request_stop(ns.name, holder)
     print(f"{ns.name}: {record.status.state}")
     if not record.finished:
         sys.exit(f"run {ns.name} did not stop within --wait_s {ns.wait_s} (its runner stops it when it next looks)")
