@@ -223,3 +223,12 @@ def test_compose_flower_lists_the_worker_behind_basic_auth(compose_on_host):
         with urllib.request.urlopen(request, timeout=30) as r:
             seen = json.load(r)
         time.sleep(0.5)
+
+
+def test_every_treadle_service_of_compose_runs_on_the_host(compose_on_host):
+    """Each service of the treadle image was started from compose.yaml and is still running after the others' tests."""
+    dep = compose_on_host
+    treadle_services = {name for name, svc in dep.compose["services"].items() if svc.get("image") == "treadle:latest"}
+    assert treadle_services >= {"worker", "gateway", "flower"} and treadle_services <= set(dep.procs)
+    exited = {name: proc.returncode for name, proc in dep.procs.items() if proc.poll() is not None}
+    assert exited == {}, f"compose services exited: {exited}"
