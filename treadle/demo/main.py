@@ -3,8 +3,8 @@
 What it really does: converts SmolLM2-135M-Instruct (shipped on PyPI as GGUF) into a cached model
 directory, starts the embedded stack (Redis + one worker serving that model), and runs the
 `math_rl` recipe on one-digit addition and subtraction ("What is 7 - 3?"): the fixed held-out set
-is answered greedily before training, then GRPO trains a LoRA adapter for a few steps, then the
-held-out set is answered again. The base model usually knows the sums but rambles ("7 - 3 is a
+is answered greedily before training, then GRPO trains a LoRA adapter for a few steps, answering
+the held-out set again every `eval_every` steps and at the end. The base model usually knows the sums but rambles ("7 - 3 is a
 simple arithmetic operation that ...") past the 16-token budget or miscounts; reward for right
 answers teaches it to answer briefly and correctly. The held-out questions are never trained on.
 
@@ -35,7 +35,9 @@ class DemoConfig(BaseModel):
     home: str = Field(default=os.path.expanduser("~/.treadle/demo"), description="Stack state, logs, checkpoints and run logs.")
     model_cache_dir: str | None = Field(default=None, description="Converted model directory (default: ~/.cache/treadle/models/...).")
     model_dir: str | None = Field(default=None, description="Serve this model directory instead of SmolLM2 (e.g. a tiny test model).")
-    worker_threads: int = Field(default=1, ge=1, description="Torch threads of the worker (1 is fastest on a busy 2-core CPU).")
+    worker_threads: int = Field(default_factory=lambda: os.cpu_count() or 1, ge=1,
+                                description="Torch threads of the worker (default: every CPU core of this machine).")
+    eval_every: int = Field(default=5, ge=0, description="Held-out eval every N steps, besides before and after (0: only those).")
 
 
 @contextmanager
@@ -49,15 +51,19 @@ def _phase(timings: dict[str, float], name: str):
 def run_demo(config: DemoConfig | None = None, **overrides) -> dict:
     """Run the demo end to end; returns the numbers it prints (accuracies, seconds per phase, paths)."""
     from treadle import ServiceClient
-    from treadle.demo.model import prepare_smollm2
+    from treadle.demo.model import cached_smollm2, prepare_smollm2
     from treadle.local_stack import LocalStack
     from treadle.recipes import math_rl
 
     cfg = (config or DemoConfig()).model_copy(update=overrides)
     timings: dict[str, float] = {}
     started = time.monotonic()
-    with _phase(timings, "prepare model"):
-        model_dir = cfg.model_dir or prepare_smollm2(cfg.model_cache_dir)
+    model_dir = cfg.model_dir or cached_smollm2(cfg.model_cache_dir)
+    if model_dir is None:
+        with _phase(timings, "prepare model"):
+            model_dir = prepare_smollm2(cfg.model_cache_dir)
+    else:
+        print(f"[demo] model: {model_dir}", flush=True)
     model_name = os.path.basename(os.path.normpath(cfg.model_dir)) if cfg.model_dir else MODEL_NAME
 
     stack = LocalStack([f"{model_name}={model_dir}"], home=os.path.join(cfg.home, "stack"))
@@ -77,17 +83,19 @@ def run_demo(config: DemoConfig | None = None, **overrides) -> dict:
             base_model=model_name, log_dir=os.path.join(cfg.home, f"runs/seed-{cfg.seed}"), seed=cfg.seed,
             steps=cfg.steps, groups_per_batch=cfg.groups_per_batch, group_size=cfg.group_size,
             learning_rate=cfg.learning_rate, lora_rank=cfg.lora_rank, eval_problems=cfg.eval_problems,
-            eval_every=0, save_every=cfg.steps, max_tokens=16, temperature=1.0,
+            eval_every=cfg.eval_every, save_every=cfg.steps, max_tokens=16, temperature=1.0,
         )
         with _phase(timings, "GRPO (eval before, train, eval after)"):
             result = math_rl.main(rl_config, service)
     finally:
         stack.stop()
-    eval_before, eval_after = result.eval_seconds[0], result.eval_seconds[-1]
+    evals = result.eval_seconds
     rl_total = timings.pop("GRPO (eval before, train, eval after)")
-    timings["eval before"] = eval_before
-    timings["train"] = rl_total - eval_before - eval_after
-    timings["eval after"] = eval_after
+    timings["eval before"] = evals[0]
+    timings["train"] = rl_total - sum(evals)  # training steps only: every eval is counted apart
+    if len(evals) > 2:
+        timings["evals during"] = sum(evals[1:-1])
+    timings["eval after"] = evals[-1]
     timings["total"] = time.monotonic() - started
 
     print(f"\nheld-out accuracy of {model_name} on {cfg.eval_problems} arithmetic problems (greedy), seed {cfg.seed}")

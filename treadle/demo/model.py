@@ -30,15 +30,26 @@ def gguf_package_dir() -> str:
     return spec.submodule_search_locations[0]
 
 
+def _cache_path(cache_dir: str | None) -> Path:
+    return Path(cache_dir).expanduser() if cache_dir else DEFAULT_CACHE_DIR.expanduser()
+
+
+def cached_smollm2(cache_dir: str | None = None) -> str | None:
+    """The converted model directory if an earlier run already wrote it, else None."""
+    out = _cache_path(cache_dir)
+    return str(out) if (out / "config.json").exists() and (out / "model.safetensors").exists() else None
+
+
 def prepare_smollm2(cache_dir: str | None = None) -> str:
     """Return a plain safetensors model directory for SmolLM2-135M-Instruct, converting it on first use.
 
     The directory is written to a temporary sibling and renamed into place, so an interrupted
     conversion never leaves a half-written model behind that later runs would trust.
     """
-    out = Path(cache_dir).expanduser() if cache_dir else DEFAULT_CACHE_DIR.expanduser()
-    if (out / "config.json").exists() and (out / "model.safetensors").exists():
-        return str(out)
+    cached = cached_smollm2(cache_dir)
+    if cached is not None:
+        return cached
+    out = _cache_path(cache_dir)
 
     import torch  # the worker side only: the SDK and recipes stay torch-free
     from transformers import AutoModelForCausalLM, AutoTokenizer

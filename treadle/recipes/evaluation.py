@@ -1,7 +1,7 @@
 """Held-out evaluation: greedy answers from a sampler, graded, as one accuracy number.
 
-Every request is submitted before any result is read, so the worker goes from one problem to the
-next without waiting for a round trip.
+Every request is submitted before any result is read, so the worker's sampler batches them all
+into one decode loop instead of answering one round trip at a time.
 """
 
 from __future__ import annotations
@@ -46,7 +46,8 @@ def evaluate_problems(
         for p in problems
     ]
     responses, correct = [], 0.0
-    for problem, future in tqdm(list(zip(problems, futures)), desc=desc, leave=False):
+    # No bar in a log file (disable=None: only on a terminal), where nested bars come out garbled.
+    for problem, future in tqdm(list(zip(problems, futures)), desc=desc, leave=False, disable=None):
         text = tokenizer.decode(future.result().sequences[0].tokens, skip_special_tokens=True)
         responses.append(text)
         correct += grade(text, problem.answer, first_line_only)

@@ -148,32 +148,35 @@ def main(cfg: Config, service: ServiceClient | None = None) -> RunResult:
 
     in_flight: deque = deque()
 
-    def top_up(target: int) -> None:
-        """Keep `target` groups being sampled: requeued problems first, then new ones."""
-        nonlocal cursor
+    def top_up(target: int, cursor: int) -> int:
+        """Keep `target` groups being sampled: requeued problems first, then new ones. Returns the new cursor."""
         while len(in_flight) < target:
             if pending:
                 in_flight.append(submit_group(pending.popleft()))
             else:
                 in_flight.append(submit_group(cursor))
                 cursor += 1
+        return cursor
 
+    last_eval: float | None = None  # shown beside the reward once an eval has run
     if start_step == 1:
-        log.log_metrics(0, evaluate(0))
+        first = evaluate(0)
+        log.log_metrics(0, first)
+        last_eval = first["eval/accuracy"]
     final_state_path = last.state_path if last is not None else ""
     progress = tqdm(range(start_step, cfg.steps + 1), desc="GRPO", initial=start_step - 1, total=cfg.steps)
     for step in progress:
         step_started = time.monotonic()
         # ------------------------------------------------------------ rollouts: sync samples one batch per step
         if cfg.mode == "sync":
-            top_up(cfg.groups_per_batch)
+            cursor = top_up(cfg.groups_per_batch, cursor)
         # ------------------------------------------------------------ stream groups into forward_backward
         fwd_futures, datums_by_call, rewards, used = [], [], [], 0
         counts = {"use": 0, "requeue": 0, "discard": 0, "skipped": 0}
         stalenesses, sample_wait, tokens, kls = [], 0.0, 0, []
         while used < cfg.groups_per_batch:
             if cfg.mode == "async":
-                top_up(cfg.async_groups_in_flight)
+                cursor = top_up(cfg.async_groups_in_flight, cursor)
             waited = time.monotonic()
             group = grade_group(*in_flight.popleft())
             sample_wait += time.monotonic() - waited
@@ -242,7 +245,8 @@ def main(cfg: Config, service: ServiceClient | None = None) -> RunResult:
             metrics["time/save"] = time.monotonic() - saved
         metrics["time/step"] = time.monotonic() - step_started
         log.log_metrics(step, metrics)
-        progress.set_postfix(reward=f"{metrics['reward/mean']:.2f}", acc=f"{metrics.get('eval/accuracy', float('nan')):.2f}")
+        last_eval = metrics.get("eval/accuracy", last_eval)
+        progress.set_postfix(reward=f"{metrics['reward/mean']:.2f}", **({} if last_eval is None else {"eval_acc": f"{last_eval:.2f}"}))
 
     # -------------------------------------------------------------------- curve and summary
     png_path = plot_metrics(log.metrics_path, f"{log.log_dir}/curve.png", ["reward/mean", "eval/accuracy"],
