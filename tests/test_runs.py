@@ -19,9 +19,11 @@ import pytest
 import redis
 import yaml
 
-from treadle.cli import build_parser
-from treadle.runs.records import RunRecord, RunStore
-from treadle.runs.runner import RunnerConfig
+from treadle.cli import UpConfig, build_parser
+from treadle.config import config_from_args
+from treadle.local_stack import LocalStack
+from treadle.runs.records import RunRecord, RunSpec, RunStore
+from treadle.runs.runner import RunnerConfig, live_runners
 from treadle.storage import CheckpointStore
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -104,6 +106,50 @@ def test_compose_runs_one_runner_that_shuts_down_gracefully():
     assert runner["restart"] == "unless-stopped" and "redis" in runner["depends_on"]
     # compose's SIGKILL must come after the runner's own SIGTERM-to-SIGKILL grace: runs are released, not orphaned
     assert int(runner["stop_grace_period"].rstrip("s")) > RunnerConfig().stop_grace_s
+
+
+def test_a_runner_that_lost_its_lease_can_no_longer_write_the_run(stack):
+    """Fencing: after the lease expired and another runner claimed the run, the first one's writes are refused."""
+    store = RunStore(redis.Redis.from_url(stack.broker_url), ttl_ms=300)
+    name = unique("fenced")
+    store.submit(RunSpec(name=name, command=["true"], cwd="/"))
+    first = store.claim(name, "r-old")
+    assert first is not None and store.claim(name, "r-new") is None  # held: nobody else gets it
+    assert store.update(name, store.token("r-old", first), state="running", pid=123)
+    wait_for(lambda: store.lease_holder(name) is None, 10, "the lease to expire")
+    second = store.claim(name, "r-new")
+    assert second == first + 1
+    assert not store.update(name, store.token("r-old", first), state="failed", message="stale")
+    assert store.renew({name: store.token("r-old", first)}) == {name}
+    assert store.renew({name: store.token("r-new", second)}) == set()
+    assert store.update(name, store.token("r-new", second), release=True, state="succeeded")
+    record = store.get(name)
+    assert (record.status.state, record.status.pid, record.status.epoch) == ("succeeded", 123, second)
+    assert name not in store.open_names() and store.lease_holder(name) is None
+
+
+def test_stop_of_a_run_that_no_runner_holds_stops_it_at_once(env, store):
+    out = treadle(env, "runs", "submit", "--name", (name := unique("idle")), "--", "sleep", "300")
+    assert "no runner is alive" in out.stderr
+    assert treadle(env, "runs", "stop", name, "--wait_s", "10").stdout.strip() == f"{name}: stopped"
+    record = store.get(name)
+    assert record.status.attempt == 0 and record.status.stop_requested  # it never started
+
+
+def test_a_stack_with_a_runner_runs_a_submitted_command_and_stops_it_with_the_stack(tmp_path):
+    """`treadle up` starts one runner by default; LocalStack(runners=1) starts it and stops it with the stack."""
+    ns = build_parser().parse_args(["up", "--model", "m"])
+    assert config_from_args(UpConfig, ns).runners == 1
+    with LocalStack([], home=str(tmp_path / "home"), workers=0, runners=1) as small:
+        runner = small.runners[0]
+        wait_for(lambda: live_runners(redis.Redis.from_url(small.broker_url)), 60, "the runner to announce itself")
+        env = {**small.env(), "OMP_NUM_THREADS": "1"}
+        name = submit(env, unique("hello"), sys.executable, "-c", "print('hello from', __import__('os').getcwd())")
+        store = RunStore(redis.Redis.from_url(small.broker_url))
+        wait_for(lambda: finished(store, name), 60, "the run to finish")
+        assert store.get(name).status.state == "succeeded"
+        assert f"hello from {REPO}" in treadle(env, "runs", "logs", name).stdout  # it ran in the submitter's cwd
+    assert runner.poll() is not None
 
 
 # ------------------------------------------------------------------------ restart policy and logs
