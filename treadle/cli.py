@@ -24,7 +24,7 @@ class UpConfig(BaseModel):
     model: list[str] = Field(description="Models for the worker: a hub id, a dir, or NAME=DIR.")
     home: str = Field(default=os.path.expanduser("~/.treadle/local"), description="State, logs, Redis data and checkpoints.")
     port: int | None = Field(default=None, description="Redis port (default: a free one).")
-    workers: int = Field(default=1, ge=1, description="Worker processes.")
+    workers: int = Field(default=1, ge=0, description="Worker processes (0: Redis only; workers run elsewhere with `treadle worker`).")
     runners: int = Field(default=1, ge=0, description="Batch-run runners (`treadle runs submit`).")
     redis_password: str | None = Field(default=None, description="Require this password on the stack's Redis (it is carried in the URLs).")
 
