@@ -110,3 +110,21 @@ def test_dpo_recipe_learns_the_preference_on_the_tiny_model(service_client, tmp_
     assert rows[3]["eval/margin"] == pytest.approx(rows[4]["dpo/margin"], abs=1e-4)
     assert "eval/accuracy" in result.eval_after  # greedy accuracy on 4 held-out arithmetic problems was measured
     assert [c["step"] for c in _rows(tmp_path / "run" / "checkpoints.jsonl")] == [3, 6]
+
+
+def test_kto_recipe_learns_from_binary_labels_on_the_tiny_model(service_client, tmp_path):
+    """8 labelled examples in full batches; the held-out file holds pairs of the same 8 questions (mechanics, as above)."""
+    data = write_jsonl(str(tmp_path / "kto.jsonl"), arithmetic_kto_examples(8, seed=0, max_operand=3))
+    heldout = write_jsonl(str(tmp_path / "pairs.jsonl"), arithmetic_pairs(8, seed=0, max_operand=3))
+    cfg = kto.Config(base_model="tiny", log_dir=str(tmp_path / "run"), data_path=data, heldout_path=heldout, arithmetic_eval=False,
+                     steps=6, batch_size=8, beta=0.5, learning_rate=5e-3, lora_rank=4, eval_every=0, save_every=6)
+    result = kto.main(cfg, service_client)
+    rows = _rows(result.metrics_path)
+    assert [r["step"] for r in rows] == list(range(7))
+    assert rows[1]["kto/loss"] == pytest.approx(0.5, abs=1e-4)  # r = z0 = 0 at the start: 1 - sigmoid(0) for every example
+    assert all(r["kto/kl"] >= 0.0 for r in rows[1:])  # the reference point is floored at 0
+    assert any(r["kto/kl"] > 0.0 for r in rows[1:])  # ... and moves once the policy leaves the reference
+    losses = [r["kto/loss"] for r in rows[1:]]
+    assert losses[-1] < losses[0] - 0.05, losses
+    assert result.eval_after["eval/margin"] > result.eval_before["eval/margin"] + 0.2
+    assert "eval/accuracy" not in result.eval_after

@@ -1,4 +1,4 @@
-"""Supervised fine-tuning on chat conversations (JSONL or HF datasets), through the treadle SDK.
+"""Supervised fine-tuning on chat conversations (JSONL, JSON, parquet or HF datasets), through the treadle SDK.
 
 Each conversation is rendered with the tokenizer's own chat template and trained with cross_entropy
 on assistant tokens only. Submission is pipelined: step s+1's forward_backward and optim_step are
@@ -20,12 +20,13 @@ from typing import Literal
 from pydantic import BaseModel, Field
 from tqdm import tqdm
 
-from treadle import AdamParams, Datum, ServiceClient
+from treadle import AdamParams, ServiceClient
 from treadle.recipes.cli import parse_config
-from treadle.recipes.conversations import EXAMPLE_CONVERSATIONS, load_hf_conversations, load_jsonl_conversations
+from treadle.recipes.conversations import EXAMPLE_CONVERSATIONS, load_conversations, load_hf_conversations
 from treadle.recipes.datums import supervised_datum
 from treadle.recipes.plot import plot_metrics
-from treadle.recipes.rendering import render_conversation
+from treadle.recipes.packing import pack_conversations
+from treadle.recipes.rendering import RenderedConversation, render_conversation
 from treadle.recipes.run_log import RunLog
 
 
@@ -34,7 +35,7 @@ class Config(BaseModel):
 
     base_model: str = Field(default="SmolLM2-135M-Instruct", description="Base model served by the workers.")
     log_dir: str = Field(default="runs/sft", description="Where metrics.jsonl, checkpoints.jsonl and the PNG go.")
-    data_path: str = Field(default=EXAMPLE_CONVERSATIONS, description="JSONL of {'messages': [...]} (used unless hf_dataset is set).")
+    data_path: str = Field(default=EXAMPLE_CONVERSATIONS, description="Conversations file: JSONL, JSON or parquet (Tulu 3 / UltraChat layouts; unless hf_dataset).")
     hf_dataset: str | None = Field(default=None, description="HF dataset instead, e.g. allenai/tulu-3-sft-mixture (online).")
     hf_split: str = Field(default="train", description="Split of hf_dataset (UltraChat: train_sft).")
     hf_limit: int | None = Field(default=2000, description="Use the first N conversations of hf_dataset (None: all).")
@@ -43,6 +44,7 @@ class Config(BaseModel):
     steps: int = Field(default=20, ge=1, description="Optimizer steps.")
     batch_size: int = Field(default=8, ge=1, description="Conversations per step.")
     max_length: int = Field(default=512, ge=2, description="Truncate rendered conversations to this many tokens.")
+    pack_tokens: int | None = Field(default=None, ge=2, description="Pack training conversations into sequences of up to N tokens (None: one per datum).")
     train_on: Literal["all_assistant", "last_assistant"] = Field(default="all_assistant", description="Which assistant turns to train on.")
     lora_rank: int = Field(default=16, ge=1, description="LoRA rank (alpha is 2 x rank).")
     learning_rate: float = Field(default=2e-4, gt=0.0, description="AdamW learning rate.")
@@ -110,15 +112,18 @@ def main(cfg: Config, service: ServiceClient | None = None) -> RunResult:
     if cfg.hf_dataset:
         conversations = load_hf_conversations(cfg.hf_dataset, cfg.hf_split, cfg.hf_limit)
     else:
-        conversations = load_jsonl_conversations(cfg.data_path)
+        conversations = load_conversations(cfg.data_path)
     random.Random(cfg.seed).shuffle(conversations)
     if len(conversations) <= cfg.eval_size:
         raise ValueError(f"eval_size={cfg.eval_size} leaves no training data out of {len(conversations)} conversations")
-    datums: list[Datum] = []
+    rendered = []
     for messages in tqdm(conversations, desc="render", leave=False):
-        rendered = render_conversation(tokenizer, messages, cfg.train_on)
-        datums.append(supervised_datum(rendered.tokens[: cfg.max_length], rendered.mask[: cfg.max_length]))
-    eval_datums, train_datums = datums[: cfg.eval_size], datums[cfg.eval_size:]
+        full = render_conversation(tokenizer, messages, cfg.train_on)
+        rendered.append(RenderedConversation(full.tokens[: cfg.max_length], full.mask[: cfg.max_length]))
+    # Held-out conversations stay one per datum, so the eval loss does not depend on packing.
+    train_rendered = pack_conversations(rendered[cfg.eval_size:], cfg.pack_tokens) if cfg.pack_tokens else rendered[cfg.eval_size:]
+    eval_datums = [supervised_datum(r.tokens, r.mask) for r in rendered[: cfg.eval_size]]
+    train_datums = [supervised_datum(r.tokens, r.mask) for r in train_rendered]
     eval_weight = sum(sum(d.loss_fn_inputs["weights"].data) for d in eval_datums)
 
     def eval_loss(future) -> float:
