@@ -12,7 +12,8 @@ import pytest
 from treadle.recipes import dpo, kto
 from treadle.recipes.math_tasks import grade, is_heldout
 from treadle.recipes.preference_data import arithmetic_kto_examples, arithmetic_pairs, write_jsonl
-from treadle.recipes.preference_losses import dpo_loss, kto_loss, kto_reference_point
+from treadle.recipes.preference import completion_datum, reference_logprobs
+from treadle.recipes.preference_losses import dpo_loss, dpo_on_pairs, forward_backward_with_loss, kto_loss, kto_reference_point
 
 
 def _numeric_grad(f, x: np.ndarray, eps: float = 1e-6) -> np.ndarray:
@@ -128,3 +129,36 @@ def test_kto_recipe_learns_from_binary_labels_on_the_tiny_model(service_client, 
     assert losses[-1] < losses[0] - 0.05, losses
     assert result.eval_after["eval/margin"] > result.eval_before["eval/margin"] + 0.2
     assert "eval/accuracy" not in result.eval_after
+
+
+def test_dpo_through_the_gateway_with_the_official_tinker_sdk(tinker_env):
+    """The recipe's pieces, unchanged, on clients of the official `tinker` SDK: its datum and ModelInput types,
+    its sampler for the reference logprobs, and forward + forward_backward for the client-side loss."""
+    import tinker
+    from tinker import types as tt
+
+    official = tinker.ServiceClient()
+    training = official.create_lora_training_client(base_model="tiny", rank=4, seed=0).result()
+    reference = official.create_sampling_client(base_model="tiny").result()
+    tokenizer = training.get_tokenizer()
+
+    def official_datum(prompt: str, completion: str):
+        d = completion_datum(tokenizer, prompt, completion, None)
+        return tt.Datum(model_input=tt.ModelInput.from_ints(d.model_input.to_ints()),
+                        loss_fn_inputs={k: v.to_numpy() for k, v in d.loss_fn_inputs.items()})
+
+    pairs = arithmetic_pairs(4, max_operand=3)
+    batch = [official_datum(p.prompt, p.chosen) for p in pairs] + [official_datum(p.prompt, p.rejected) for p in pairs]
+    assert isinstance(batch[0], tt.Datum)
+    ref = reference_logprobs(reference, batch)
+    loss_fn = dpo_on_pairs(ref[:4], ref[4:], beta=0.5)
+    results = []
+    for _ in range(5):
+        backward, result = forward_backward_with_loss(training, batch, loss_fn)
+        optim = training.optim_step(tt.AdamParams(learning_rate=5e-3))
+        backward.result(), optim.result()
+        results.append(result)
+    official.close("success")
+    assert results[0].loss == pytest.approx(math.log(2), abs=1e-4)  # the official SDK's sampler is the reference
+    assert results[-1].metrics["dpo/margin"] > results[0].metrics["dpo/margin"] + 0.3
+    assert results[-1].loss < results[0].loss - 0.1
