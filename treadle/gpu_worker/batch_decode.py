@@ -6,8 +6,8 @@ one adapter runs it as the active adapter, a mixed step passes PEFT's `adapter_n
 entry per row, `"__base__"` for the base model), which adds each LoRA delta to its own sub-batch of
 rows, so a row's numbers are those of its adapter alone.
 
-A request's prompt is prefilled once, as a batch of one row; its KV cache is then repeated for its
-`num_samples` rows. Rows join at step boundaries: the newcomer's cache and the batch's cache are
+A request's prompt is prefilled once, as one row (the prompts admitted together share one left-padded
+prefill forward); that row's KV cache is then repeated for the request's `num_samples` rows. Rows join at step boundaries: the newcomer's cache and the batch's cache are
 left-padded to one length (padding is masked out and every row carries its own position ids, so
 padding never changes a row's numbers) and concatenated; finished rows leave, and columns that have
 become padding for every remaining row are cut off. This works on HF's `DynamicCache` (full
@@ -115,38 +115,48 @@ class DecodeBatch:
         """Length of the shared cache, padding included."""
         return self._mask.shape[1]
 
-    def adapters(self) -> set[str | None]:
-        return {row.job.adapter for row in self.rows}
-
     def remaining(self) -> list[int]:
         """Per row, the most tokens it may still generate."""
         return [row.job.request.max_tokens - len(row.tokens) for row in self.rows]
 
-    def admit(self, job: SampleJob) -> bool:
-        """Prefill the job's prompt once, draw each row's first token, add the rows that go on.
+    def admit(self, jobs: list[SampleJob]) -> list[SampleJob]:
+        """Prefill the jobs' prompts in one left-padded forward (one row per prompt, each with its own
+        adapter), draw each sample's first token, add the rows that go on to the batch.
 
-        Returns True when the job is already complete (every row ended on its first token).
+        Returns the jobs that are already complete (every row ended on its first token).
         """
         device = self.host.device
-        if job.generator is None:
-            job.generator = torch.Generator(device=device)
-            job.generator.manual_seed(job.params.seed if job.params.seed is not None else secrets.randbits(63))
-        job.sequences = [None] * job.num_samples
-        prompt = torch.from_numpy(np.ascontiguousarray(job.request.prompt)).to(device)
-        wants_prompt = job.include_prompt_logprobs or job.topk_prompt_logprobs > 0
+        lengths = [len(job.request.prompt) for job in jobs]
+        width = max(lengths)
+        ids = torch.full((len(jobs), width), self.host.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(jobs), width), dtype=torch.long)
+        for i, job in enumerate(jobs):
+            if job.generator is None:
+                job.generator = torch.Generator(device=device)
+                job.generator.manual_seed(job.params.seed if job.params.seed is not None else secrets.randbits(63))
+            job.sequences = [None] * job.num_samples
+            ids[i, width - lengths[i]:] = torch.from_numpy(np.ascontiguousarray(job.request.prompt))
+            mask[i, width - lengths[i]:] = 1
+        ids, mask = ids.to(device), mask.to(device)
+        wants_prompt = [job.include_prompt_logprobs or job.topk_prompt_logprobs > 0 for job in jobs]
         out = forward_rows(
-            self.bank, [job.adapter],
-            input_ids=prompt.unsqueeze(0), attention_mask=torch.ones_like(prompt).unsqueeze(0),
-            use_cache=True, logits_to_keep=0 if wants_prompt else 1,
+            self.bank, [job.adapter for job in jobs], input_ids=ids, attention_mask=mask,
+            position_ids=(mask.cumsum(dim=1) - 1).clamp(min=0), use_cache=True, logits_to_keep=0 if any(wants_prompt) else 1,
         )
-        if wants_prompt:
-            job.prompt_logprobs, job.topk = prompt_logprobs_from_logits(out.logits[0], prompt, job.topk_prompt_logprobs)
-        rows = [_Row(job, i) for i in range(job.num_samples)]
-        first = self._choose(out.logits[:, -1].expand(job.num_samples, -1), rows)
+        for i, job in enumerate(jobs):
+            if wants_prompt[i]:
+                job.prompt_logprobs, job.topk = prompt_logprobs_from_logits(
+                    out.logits[i, width - lengths[i]:], ids[i, width - lengths[i]:], job.topk_prompt_logprobs
+                )
+        # The num_samples rows of a job all start from its one prefilled row.
+        rows = [_Row(job, k) for job in jobs for k in range(job.num_samples)]
+        source = torch.tensor([i for i, job in enumerate(jobs) for _ in range(job.num_samples)], device=device)
+        first = self._choose(out.logits[:, -1][source], rows)
         going = self._record(rows, first)
         if going:
-            self._join([rows[i] for i in going], out.cache, prompt.shape[0], first[torch.tensor(going, device=device)])
-        return job.done
+            keep = torch.tensor(going, device=device)
+            self._join([rows[g] for g in going], out.cache, mask, source[keep], first[keep])
+        return [job for job in jobs if job.done]
 
     def step(self) -> list[SampleJob]:
         """One decode step for every row; returns the jobs that completed in it."""
@@ -206,23 +216,22 @@ class DecodeBatch:
                 job.sequences[row.index] = SampledSequence(tokens=row.tokens, logprobs=row.logprobs, stop_reason=reason)
         return going
 
-    def _join(self, rows: list[_Row], cache, length: int, last: torch.Tensor) -> None:
-        """Add rows that share one prompt: its one-row cache of `length` positions is repeated for each."""
-        count = len(rows)
-        width = max(self.width, length)
+    def _join(self, rows: list[_Row], cache, mask: torch.Tensor, source: torch.Tensor, last: torch.Tensor) -> None:
+        """Add rows whose cache and mask are rows `source` of a prefill's (left-padded) cache and mask."""
+        width = max(self.width, mask.shape[1])
         for layer_index, layer in enumerate(cache.layers):
-            keys, values = layer.keys.expand(count, -1, -1, -1), layer.values.expand(count, -1, -1, -1)
+            keys, values = layer.keys[source], layer.values[source]
             if self._cache is None:
-                layer.keys, layer.values = keys.contiguous(), values.contiguous()
+                layer.keys, layer.values = keys, values
                 continue
             mine = self._cache.layers[layer_index]
             mine.keys = torch.cat([_pad_left(mine.keys, width), _pad_left(keys, width)])
             mine.values = torch.cat([_pad_left(mine.values, width), _pad_left(values, width)])
         if self._cache is None:
             self._cache = cache
-        new_mask = torch.ones((count, length), dtype=torch.long, device=self._mask.device)
-        self._mask = torch.cat([F.pad(self._mask, (width - self.width, 0)), F.pad(new_mask, (width - length, 0))])
-        self._positions = torch.cat([self._positions, torch.full((count,), length, device=self._positions.device)])
+        mask = mask[source]
+        self._mask = torch.cat([F.pad(self._mask, (width - self.width, 0)), F.pad(mask, (width - mask.shape[1], 0))])
+        self._positions = torch.cat([self._positions, mask.sum(dim=1)])
         self._last = torch.cat([self._last, last])
         self.rows.extend(rows)
 

@@ -2,21 +2,23 @@
 each decode step, whatever session, snapshot or base model it samples.
 
 Requests wait in one queue and get a `concurrent.futures.Future`. One thread runs the decode loop
-(`DecodeBatch`): at every step boundary it admits waiting sample requests in arrival order (each
-prefilled once, its rows joining the running batch) while the batch's projected KV cache stays
-within `max_batch_tokens`, runs one decode step for every row, and answers each request as soon as
-its last row ends. This is continuous batching: a request that arrives mid-batch starts at the next
-step, and finished rows free their place at once. `compute_logprobs` requests are answered between
-steps, many in one padded forward (mixed adapters), split by `max_logprob_tokens`.
+(`DecodeBatch`): at every step boundary it admits the waiting sample requests, in arrival order, while
+the batch's projected KV cache stays within `max_batch_tokens` (their prompts prefilled together,
+once each, their rows joining the running batch), runs one decode step for every row, and answers
+each request as soon as its last row ends. This is continuous batching: a request that arrives
+mid-batch starts at the next step, and finished rows free their place at once. `compute_logprobs`
+requests are answered between steps, many in one padded forward with mixed adapters.
 
-The device is shared with training through one `DeviceLock`, taken per prefill, per decode step and
-per logprob forward, never for a whole batch: a training op waits at most one of those, and since the
-lock is granted in arrival order, sampling goes on between the training ops of other sessions.
+The device is shared with training through one `DeviceLock`, taken per forward (a prefill, a decode
+step, a logprob batch), never for a whole batch: a training op waits at most one forward, and since
+the lock is granted in arrival order, sampling goes on between the training ops of other sessions.
 
 Memory: the batch's KV cache is at most `max_batch_tokens` positions (rows x padded length, counting
-each row's full `max_tokens`); one position costs 2 x layers x kv_heads x head_dim x dtype bytes
-(SmolLM2-135M in fp32: 2 x 30 x 3 x 64 x 4 = 46 KB, so 16384 positions ~ 0.75 GB), plus one step's
-logits (rows x vocab x 4 bytes). A request larger than the budget runs alone.
+each row's full `max_tokens`; a request larger than that runs alone); one position costs
+2 x layers x kv_heads x head_dim x dtype bytes (SmolLM2-135M in fp32: 2 x 30 x 3 x 64 x 4 = 46 KB,
+so 16384 positions ~ 0.75 GB), plus one step's logits (rows x vocab x 4 bytes). A prefill or logprob
+forward covers at most `max_forward_tokens` padded tokens, like a training micro-batch; with prompt
+logprobs it holds their logits (tokens x vocab x 4 bytes: 4096 x 49152 x 4 = 0.8 GB for SmolLM2).
 """
 
 from __future__ import annotations
@@ -56,12 +58,12 @@ class SampleScheduler:
     """A queue of sample and logprob requests on one base model, served by one decode-loop thread."""
 
     def __init__(self, bank: AdapterBank, host: ModelHost, device_lock: DeviceLock, *,
-                 max_batch_tokens: int = 16384, max_logprob_tokens: int = 4096):
+                 max_batch_tokens: int = 16384, max_forward_tokens: int = 4096):
         self.bank = bank
         self.host = host
         self.device_lock = device_lock
         self.max_batch_tokens = max_batch_tokens
-        self.max_logprob_tokens = max_logprob_tokens
+        self.max_forward_tokens = max_forward_tokens
         self._batch = DecodeBatch(bank, host)
         self._samples: deque[tuple[SampleJob, Future]] = deque()
         self._logprobs: deque[LogprobJob] = deque()
@@ -114,55 +116,77 @@ class SampleScheduler:
     # ------------------------------------------------------------ the loop
 
     def _loop(self) -> None:
-        while True:
-            with self._cond:
-                # Idle: sleep until a request arrives (re-checked every second so close() is never missed).
-                while not (self._samples or self._logprobs or self._batch or self._closed):
-                    self._cond.wait(timeout=1.0)
-                if self._closed:
-                    self._fail_everything(ServerError(f"sampler of {self.host.name} shut down"))
-                    return
-                logprob_jobs = list(self._logprobs)
-                self._logprobs.clear()
-            if logprob_jobs:
-                self._answer_logprobs(logprob_jobs)
-            while (entry := self._next_admissible()) is not None:
-                self._admit(*entry)
-            if self._batch:
-                self._step()
-
-    def _next_admissible(self) -> tuple[SampleJob, Future] | None:
-        """The oldest waiting sample request, if its rows fit the budget beside the running ones."""
-        with self._cond:
-            if not self._samples or self._closed:
-                return None
-            job, future = self._samples[0]
-            if self._batch and self._projected(job) > self.max_batch_tokens:
-                return None  # first come, first served: later requests wait behind it
-            self._samples.popleft()
-            self._running[id(job)] = (job, future)
-            return job, future
-
-    def _projected(self, job: SampleJob) -> int:
-        """KV positions the batch could reach with `job` added: rows x (padded width + longest remaining)."""
-        width = max(self._batch.width, len(job.request.prompt))
-        longest = max([job.request.max_tokens, *self._batch.remaining()])
-        return (len(self._batch) + job.num_samples) * (width + longest)
-
-    def _admit(self, job: SampleJob, future: Future) -> None:
-        try:
+        # Each device turn is one forward: a compute_logprobs batch, a prefill of newly admitted
+        # requests, or a decode step. What a turn takes from the queue is decided once it holds the
+        # device, so everything that arrived while the device was busy goes into that turn.
+        while self._wait_for_work():
             with self.device_lock:
-                done = self._batch.admit(job)
+                if logprob_jobs := self._take_logprobs():
+                    self._answer_logprobs(logprob_jobs)
+            with self.device_lock:
+                if admitted := self._take_admissible():
+                    self._admit(admitted)
+            if self._batch:
+                with self.device_lock:
+                    self._step()
+
+    def _wait_for_work(self) -> bool:
+        """False once closed (everything unanswered has failed by then)."""
+        with self._cond:
+            # Re-checked every second, so a close() is never missed.
+            while not (self._samples or self._logprobs or self._batch or self._closed):
+                self._cond.wait(timeout=1.0)
+            if self._closed:
+                self._fail_everything(ServerError(f"sampler of {self.host.name} shut down"))
+                return False
+            return True
+
+    def _take_logprobs(self) -> list[LogprobJob]:
+        """The oldest waiting logprob requests whose padded size fits one forward."""
+        with self._cond:
+            if not self._logprobs:
+                return []
+            group = micro_batches([len(j.tokens) for j in self._logprobs], self.max_forward_tokens)[0]
+            return [self._logprobs.popleft() for _ in group]
+
+    def _take_admissible(self) -> list[SampleJob]:
+        """Waiting sample requests, oldest first, while the batch's projected KV cache stays within
+        `max_batch_tokens` and their prompts fit one prefill forward (at least one when the batch is empty)."""
+        taken: list[SampleJob] = []
+        with self._cond:
+            while self._samples and not self._closed:
+                job, future = self._samples[0]
+                candidate = [*taken, job]
+                longest_prompt = max(len(j.request.prompt) for j in candidate)
+                if self._batch or taken:
+                    if (self._projected(candidate) > self.max_batch_tokens
+                            or len(candidate) * longest_prompt > self.max_forward_tokens):
+                        break  # first come, first served: later requests wait behind this one
+                self._samples.popleft()
+                self._running[id(job)] = (job, future)
+                taken.append(job)
+        return taken
+
+    def _projected(self, jobs: list[SampleJob]) -> int:
+        """KV positions the batch could reach with `jobs` added: rows x (padded width + longest remaining)."""
+        width = max(self._batch.width, *(len(j.request.prompt) for j in jobs))
+        longest = max([*(j.request.max_tokens for j in jobs), *self._batch.remaining()])
+        return (len(self._batch) + sum(j.num_samples for j in jobs)) * (width + longest)
+
+    def _admit(self, jobs: list[SampleJob]) -> None:
+        try:
+            completed = self._batch.admit(jobs)
         except Exception as exc:
-            self._finish(job, error=_as_error(exc, "sample"))
+            error = _as_error(exc, "sample")
+            for job in jobs:
+                self._finish(job, error=error)
             return
-        if done:
+        for job in completed:
             self._finish(job)
 
     def _step(self) -> None:
         try:
-            with self.device_lock:
-                completed = self._batch.step()
+            completed = self._batch.step()
         except Exception as exc:
             error = _as_error(exc, "sample")
             for job in self._batch.fail_all():
@@ -180,18 +204,15 @@ class SampleScheduler:
             future.set_result(job.response())
 
     def _answer_logprobs(self, jobs: list[LogprobJob]) -> None:
-        for group in micro_batches([len(j.tokens) for j in jobs], self.max_logprob_tokens):
-            batch = [jobs[i] for i in group]
-            try:
-                with self.device_lock:
-                    results = batch_prompt_logprobs(self.bank, self.host, batch)
-            except Exception as exc:
-                error = _as_error(exc, "compute_logprobs")
-                for job in batch:
-                    job.future.set_exception(error)
-                continue
-            for job, result in zip(batch, results):
-                job.future.set_result(result)
+        try:
+            results = batch_prompt_logprobs(self.bank, self.host, jobs)
+        except Exception as exc:
+            error = _as_error(exc, "compute_logprobs")
+            for job in jobs:
+                job.future.set_exception(error)
+            return
+        for job, result in zip(jobs, results):
+            job.future.set_result(result)
 
     def _fail_everything(self, error: ServerError) -> None:
         for job in self._batch.fail_all():
