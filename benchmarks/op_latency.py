@@ -1,21 +1,37 @@
-"""Queue overhead of treadle: round-trip latency of a minimal op and pipelined throughput of one session.
+"""Queue overhead of treadle: latency of a minimal op, pipelined throughput, and a tiny training step.
 
-Starts its own local stack (redis + one worker) on a tiny random model, so the figures are the
-overhead of SDK -> Celery/Redis -> worker -> result backend -> SDK, not of the model.
+Each measurement starts its own local stack (redis + one worker) on a tiny random model, so the
+figures are the overhead of SDK -> Redis/Celery -> worker -> result backend -> SDK, not of the model.
+The tiny step (4 datums x 32 tokens, forward_backward + optim_step) is also run in-process on the
+engine, side by side, as the baseline.
 
     .venv/bin/python benchmarks/op_latency.py [--n 300]
+    .venv/bin/python benchmarks/op_latency.py --compare /path/to/other/checkout [--rounds 3]
+
+`--compare` runs the same measurements on another checkout of treadle (for example the commit
+before a change: `git worktree add /tmp/before <commit>`), interleaved round by round in one run
+(the machine drifts), with that checkout first on the import path of every process it starts, and
+prints both with their ratios.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 
-from treadle import Datum, ModelInput, ServiceClient
+import numpy as np
+
+from treadle import AdamParams, Datum, ModelInput, ServiceClient
 from treadle.local_stack import LocalStack
 from treadle.testing.tiny_model import build_tiny_model
+
+ADAM = AdamParams(learning_rate=1e-3)
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -23,50 +39,130 @@ def pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--n", type=int, default=300, help="ops per measurement")
-    args = parser.parse_args()
+def step_batch() -> list[Datum]:
+    rng = np.random.default_rng(0)
+    return [Datum(model_input=ModelInput.from_ints(rng.integers(5, 250, 32).tolist()),
+                  loss_fn_inputs={"target_tokens": rng.integers(5, 250, 32), "weights": np.ones(32, dtype=np.float32)})
+            for _ in range(4)]
+
+
+def noop_submitter(sc: ServiceClient, session_id: str):
+    """A function that publishes one noop: through the op contract, or the older dict payload."""
+    try:
+        from treadle.queue.ops import NoopRequest
+    except ImportError:  # a checkout from before the typed op contract
+        return lambda: sc.ops.submit(session_id, "noop", {})
+    return lambda: sc.ops.submit(session_id, NoopRequest())
+
+
+def measure(n: int) -> dict[str, float]:
+    """One round of every figure, on a fresh stack."""
+    out: dict[str, float] = {}
     with tempfile.TemporaryDirectory() as tmp:
         model = build_tiny_model(f"{tmp}/tiny", arch="llama", seed=0)
         with LocalStack([f"tiny={model}"], home=f"{tmp}/stack") as stack:
             sc = ServiceClient(broker_url=stack.broker_url, storage_url=stack.storage_url)
             tc = sc.create_lora_training_client("tiny", rank=8, seed=0)
+            submit_noop = noop_submitter(sc, tc.session_id)
             datum = Datum(model_input=ModelInput.from_ints(list(range(5, 13))),
                           loss_fn_inputs={"target_tokens": list(range(6, 14)), "weights": [1.0] * 8})
-            ops = sc.ops
+            batch = step_batch()
 
             def noop():
-                return ops.wait(ops.submit(tc.session_id, "noop", {}))
+                sc.ops.wait(submit_noop())
 
             def forward():
-                return tc.forward([datum]).result()
+                tc.forward([datum]).result()
+
+            def train_step():
+                tc.forward_backward(batch, "cross_entropy")
+                tc.optim_step(ADAM).result()
 
             for _ in range(20):  # warm-up, left out of the figures
-                noop(), forward()
-            rows = []
-            for name, fn in [("noop (queue only)", noop), ("forward, 8 tokens", forward)]:
+                noop(), forward(), train_step()
+            for name, fn in [("noop", noop), ("forward", forward), ("step", train_step)]:
                 lat = []
-                for _ in range(args.n):
+                for _ in range(n if name != "step" else max(20, n // 5)):
                     t0 = time.perf_counter()
                     fn()
                     lat.append((time.perf_counter() - t0) * 1000)
-                t0 = time.perf_counter()
-                if name.startswith("noop"):
-                    ids = [ops.submit(tc.session_id, "noop", {}) for _ in range(args.n)]
-                    for i in ids:
-                        ops.wait(i)
-                else:
-                    futs = [tc.forward([datum]) for _ in range(args.n)]
-                    for f in futs:
-                        f.result()
-                rate = args.n / (time.perf_counter() - t0)
-                rows.append((name, statistics.median(lat), pct(lat, 0.99), rate, 1000 / statistics.median(lat)))
+                out[f"{name}_p50_ms"], out[f"{name}_p99_ms"] = statistics.median(lat), pct(lat, 0.99)
+            t0 = time.perf_counter()
+            for fid in [submit_noop() for _ in range(n)]:
+                sc.ops.wait(fid)
+            out["noop_pipelined_ops_s"] = n / (time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            for future in [tc.forward([datum]) for _ in range(n)]:
+                future.result()
+            out["forward_pipelined_ops_s"] = n / (time.perf_counter() - t0)
             tc.stop()
-    print(f"\nop latency through treadle (one session, {args.n} ops each, loopback Redis, 1 worker)")
-    print(f"{'op':<22}{'p50 ms':>9}{'p99 ms':>9}{'pipelined ops/s':>17}{'sequential ops/s':>18}{'pipelining gain':>17}")
-    for name, p50, p99, rate, seq_rate in rows:
-        print(f"{name:<22}{p50:>9.2f}{p99:>9.2f}{rate:>17.1f}{seq_rate:>18.1f}{rate / seq_rate:>16.2f}x")
+        out["inprocess_step_p50_ms"] = inprocess_step_ms(model, max(20, n // 5))
+    return out
+
+
+def inprocess_step_ms(model_dir: str, n: int) -> float:
+    """The same 4x32 step on the engine in this process: the limit treadle's step is compared with."""
+    from treadle.gpu_worker.engine import Engine
+    from treadle.types import LoraConfig
+
+    engine = Engine(model_dir)
+    engine.create_session("s", LoraConfig(rank=8, seed=0))
+    batch, lat = step_batch(), []
+    for i in range(20 + n):
+        t0 = time.perf_counter()
+        engine.forward_backward("s", batch, "cross_entropy")
+        engine.optim_step("s", ADAM)
+        if i >= 20:
+            lat.append((time.perf_counter() - t0) * 1000)
+    return statistics.median(lat)
+
+
+def run_child(checkout: str, n: int) -> dict[str, float]:
+    """One round in a fresh process whose `treadle` (and its workers') comes from `checkout`."""
+    env = {**os.environ, "PYTHONPATH": os.path.abspath(checkout)}
+    out = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", "--n", str(n)], env=env,
+                         cwd=os.path.abspath(checkout), capture_output=True, text=True, timeout=1800)
+    if out.returncode != 0:
+        raise SystemExit(f"round on {checkout} failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+ROWS = [
+    ("noop p50 ms", "noop_p50_ms"), ("noop p99 ms", "noop_p99_ms"), ("noop pipelined ops/s", "noop_pipelined_ops_s"),
+    ("forward p50 ms", "forward_p50_ms"), ("forward pipelined ops/s", "forward_pipelined_ops_s"),
+    ("4x32 step p50 ms", "step_p50_ms"), ("same step in-process p50 ms", "inprocess_step_p50_ms"),
+]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--n", type=int, default=300, help="ops per measurement")
+    parser.add_argument("--compare", metavar="CHECKOUT", help="another checkout of treadle to measure side by side")
+    parser.add_argument("--rounds", type=int, default=3, help="with --compare: interleaved rounds per side")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        print(json.dumps(measure(args.n)))
+        return
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    sides = {"this": here, **({"other": args.compare} if args.compare else {})}
+    results: dict[str, list[dict]] = {side: [] for side in sides}
+    for r in range(args.rounds if args.compare else 1):
+        for side, checkout in (sides.items() if r % 2 == 0 else reversed(sides.items())):
+            print(f"round {r + 1}: {side} ({checkout}) ...", file=sys.stderr, flush=True)
+            results[side].append(run_child(checkout, args.n))
+    med = {side: {k: statistics.median(x[k] for x in rs) for k in rs[0]} for side, rs in results.items()}
+    print(f"\nop latency through treadle (one session, {args.n} ops each, loopback Redis, 1 worker; "
+          f"medians of {len(results['this'])} round(s))")
+    head = f"{'':<30}{'this':>12}" + (f"{'other':>12}{'this/other':>12}" if args.compare else "")
+    print(head)
+    for label, key in ROWS:
+        line = f"{label:<30}{med['this'][key]:>12.2f}"
+        if args.compare:
+            line += f"{med['other'][key]:>12.2f}{med['this'][key] / med['other'][key]:>11.2f}x"
+        print(line)
+    for side in sides:
+        print(f"{side}: 4x32 step through treadle / in-process = {med[side]['step_p50_ms'] / med[side]['inprocess_step_p50_ms']:.2f}x")
 
 
 if __name__ == "__main__":

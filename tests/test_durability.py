@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import random
 import signal
+import sys
 import tempfile
 import time
 
@@ -88,9 +89,11 @@ def make_stack(tiny_model_dir, tmp_path):
     stacks = []
     os.environ["OMP_NUM_THREADS"] = "1"
 
-    def make(workers: int = 2, extra: list[str] | None = None) -> LocalStack:
+    def make(workers: int = 2, extra: list[str] | None = None, slow_op: str | None = None) -> LocalStack:
+        # A slow op: its handler sleeps 2 s first, so the test can kill the worker inside it.
+        command = [sys.executable, "-m", "tests.slow_worker", slow_op, "2"] if slow_op else None
         s = LocalStack([f"tiny={tiny_model_dir}"], home=str(tmp_path / f"stack{len(stacks)}"), workers=workers,
-                       worker_args=["--lease_ttl_s", "2", "--checkpoint_every", "5", *(extra or [])])
+                       worker_args=["--lease_ttl_s", "2", "--checkpoint_every", "5", *(extra or [])], worker_command=command)
         stacks.append(s)
         return s.start(wait_for_workers=180)
 
@@ -122,7 +125,7 @@ def test_chaos_three_kills_are_invisible(make_stack, tiny_model_dir):
 
 @pytest.mark.parametrize("op", ["forward_backward", "optim_step", "save_state"])
 def test_kill_during_an_op_recovers(make_stack, tiny_model_dir, op):
-    stack = make_stack(workers=2, extra=["--debug_slow_ops", f"{op}=2"])
+    stack = make_stack(workers=2, slow_op=op)
     sc = ServiceClient(broker_url=stack.broker_url, storage_url=stack.storage_url)
     tc = sc.create_lora_training_client("tiny", rank=8, seed=SEED)
     fb0 = tc.forward_backward(batch(0), "cross_entropy")

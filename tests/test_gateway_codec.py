@@ -13,11 +13,11 @@ from treadle.gateway.paths import to_tinker, to_treadle
 from treadle.gateway.proto_codec import (
     encode_forward_backward_output,
     encode_sample_response,
-    forward_backward_payload,
+    forward_backward_request,
     parse_forward_backward,
 )
 from treadle.gateway.settings import GatewaySettings
-from treadle.types import Datum, TensorData
+from treadle.types import ForwardBackwardOutput, SampleResponse, TensorData
 
 
 def _sdk_request(data, loss_fn="ppo", config=None, forward_only=False) -> bytes:
@@ -39,12 +39,12 @@ def test_forward_backward_request_decodes_to_treadle_datums():
                  loss_fn_inputs={"target_tokens": [2, 3], "weights": [0.0, 1.0]}),
     ]
     msg = parse_forward_backward(_sdk_request(data, config={"clip_low_threshold": 0.7, "clip_high_threshold": 1.3}))
-    payload = forward_backward_payload(msg)
+    request = forward_backward_request(msg)
 
     assert (msg.model_id, msg.seq_id, msg.forward_only) == ("s-1:train:0", 7, False)
-    assert payload["loss_fn"] == "ppo"
-    assert payload["loss_fn_config"] == pytest.approx({"clip_low_threshold": 0.7, "clip_high_threshold": 1.3})
-    datums = [Datum.from_wire(w) for w in payload["data"]]
+    assert (request.op, request.loss_fn) == ("forward_backward", "ppo")
+    assert request.loss_fn_config == pytest.approx({"clip_low_threshold": 0.7, "clip_high_threshold": 1.3})
+    datums = request.data
     assert datums[0].model_input.to_ints() == [5, 6, 7]
     assert datums[0].loss_fn_inputs["target_tokens"].dtype == "int64"
     assert datums[0].loss_fn_inputs["target_tokens"].tolist() == [6, 7, 8]
@@ -58,10 +58,10 @@ def test_forward_only_flag_and_sparse_inputs():
                            sparse_crow_indices=[0, 1, 2], sparse_col_indices=[2, 0])
     data = [tt.Datum(model_input=tt.ModelInput.from_ints([1, 2]), loss_fn_inputs={"target_tokens": [2, 3], "dist": sparse})]
     msg = parse_forward_backward(_sdk_request(data, "cross_entropy", forward_only=True))
-    payload = forward_backward_payload(msg)
-    assert msg.forward_only is True
-    assert payload["loss_fn_config"] is None
-    dense = TensorData.from_wire(payload["data"][0]["inputs"]["dist"]).to_numpy()
+    request = forward_backward_request(msg)
+    assert msg.forward_only is True and request.op == "forward"
+    assert request.loss_fn_config is None
+    dense = request.data[0].loss_fn_inputs["dist"].to_numpy()
     np.testing.assert_array_equal(dense, [[0, 0, 0.5], [2.0, 0, 0]])
 
 
@@ -69,28 +69,28 @@ def test_image_chunks_and_garbage_are_user_errors():
     data = [tt.Datum(model_input=tt.ModelInput(chunks=[tt.ImageChunk(data=b"\x89PNG", format="png")]),
                      loss_fn_inputs={"target_tokens": [1]})]
     with pytest.raises(InvalidRequestError, match=r"data\[0\].model_input: image"):
-        forward_backward_payload(parse_forward_backward(_sdk_request(data, "cross_entropy")))
+        forward_backward_request(parse_forward_backward(_sdk_request(data, "cross_entropy")))
     with pytest.raises(InvalidRequestError, match="not a protobuf ForwardBackwardRequest"):
         parse_forward_backward(b"\xff\xff\xff")
 
 
 def test_forward_backward_output_round_trips_through_the_sdk_decoder():
     outputs = [TensorData.from_list([-0.5, -1.25], "float32"), TensorData.from_list([-3.0], "float32"), TensorData.from_list([], "float32")]
-    result = {"loss_fn_outputs": [{"logprobs": t.to_wire()} for t in outputs], "metrics": {"loss:sum": 4.75, "step:max": 3.0}}
+    result = ForwardBackwardOutput(loss_fn_outputs=[{"logprobs": t} for t in outputs], metrics={"loss:sum": 4.75, "step:max": 3.0})
     decoded = deserialize_forward_backward_output(encode_forward_backward_output(result))
     assert decoded.metrics == {"loss:sum": 4.75, "step:max": 3.0}
     assert [o["logprobs"].tolist() for o in decoded.loss_fn_outputs] == [[-0.5, -1.25], [-3.0], []]
 
 
 def test_sample_response_round_trips_with_none_prompt_logprobs_and_topk():
-    result = {
+    result = SampleResponse.model_validate({
         "sequences": [
             {"tokens": [4, 5, 6], "logprobs": [-0.1, -0.2, -0.3], "stop_reason": "stop"},
             {"tokens": [9], "logprobs": None, "stop_reason": "length"},
         ],
         "prompt_logprobs": [None, -1.5, -2.5],
         "topk_prompt_logprobs": [None, [(3, -0.5), (4, -1.0)], [(7, -0.25)]],
-    }
+    })
     decoded = deserialize_sample_response(encode_sample_response(result))
     assert [s.tokens for s in decoded.sequences] == [[4, 5, 6], [9]]
     assert [s.stop_reason for s in decoded.sequences] == ["stop", "length"]

@@ -14,8 +14,6 @@ from treadle import AdamParams, Datum, ModelInput, ServiceClient
 from treadle.errors import BrokerUnavailableError, InvalidRequestError, NoWorkerError, UnknownModelError
 from treadle.local_stack import LocalStack
 from treadle.queue import names
-from treadle.queue.celery_app import OP_TASK
-from treadle.queue.envelope import OpEnvelope
 
 ADAM = AdamParams(learning_rate=5e-3)
 
@@ -75,12 +73,9 @@ def test_duplicate_delivery_runs_once(service_client):
     tc.forward_backward(sft_batch(1), "cross_entropy").result(timeout=60)
     optim = tc.optim_step(ADAM)
     assert optim.result(timeout=60).metrics["step:max"] == 1
-    # Deliver the optim_step's message again, as Redis would after a redelivery.
+    # Ring the optim_step's doorbell again, as Redis would after a redelivery.
     _, seq = names.split_future_id(optim.id)
-    env = OpEnvelope(session_id=tc.session_id, seq=seq, op="optim_step",
-                     payload={"adam_params": ADAM.model_dump()})
-    ops.app.send_task(OP_TASK, args=[env.model_dump(mode="json")], queue=names.session_queue(tc.session_id),
-                      task_id=optim.id, ignore_result=True)
+    ops.ring(tc.session_id, seq, "optim_step")
     after = tc.forward(sft_batch(1), "cross_entropy").result(timeout=60)
     assert after.metrics["step:max"] == 1  # not 2: the duplicate did not step again
     assert tc.future(optim.id).result(timeout=5).metrics == optim.result().metrics
@@ -94,7 +89,7 @@ def test_future_resolves_by_id_from_a_fresh_process(service_client, stack):
     code = (
         "from treadle import ServiceClient; import sys, json;"
         f"sc = ServiceClient(broker_url={stack.broker_url!r}, storage_url={stack.storage_url!r});"
-        f"print(json.dumps(sc.future({fut.id!r}).result(timeout=30)['metrics']))"
+        f"print(json.dumps(sc.future({fut.id!r}).result(timeout=30).metrics))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr

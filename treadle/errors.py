@@ -65,6 +65,14 @@ class SessionNotFoundError(UserError):
     pass
 
 
+class NotFoundError(UserError):
+    """Not there, or not the caller's: the gateway answers both alike (404), so ids cannot be probed."""
+
+
+class ConflictError(UserError):
+    """The request reuses an id (a Tinker seq_id) that an earlier, different request took (409)."""
+
+
 class IntegrityError(ServerError):
     """A stored file does not match the sha256 recorded in its manifest."""
 
@@ -94,7 +102,7 @@ _REGISTRY: dict[str, type[TreadleError]] = {
     for cls in [
         TreadleError, UserError, ServerError, InvalidRequestError, UnknownModelError,
         CheckpointNotFoundError, CheckpointExistsError, InvalidCheckpointNameError,
-        SessionNotFoundError, IntegrityError, StorageError, BrokerUnavailableError,
+        SessionNotFoundError, NotFoundError, ConflictError, IntegrityError, StorageError, BrokerUnavailableError,
         NoWorkerError, SessionLostError, FutureTimeoutError,
     ]
 }

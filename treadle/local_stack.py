@@ -73,7 +73,7 @@ def find_running_stack(home: str = DEFAULT_HOME) -> StackInfo | None:
 class LocalStack:
     def __init__(self, models: list[str], *, home: str = DEFAULT_HOME, workers: int = 1, runners: int = 0, port: int | None = None,
                  storage_url: str | None = None, worker_args: list[str] | None = None, log_to_files: bool = True,
-                 password: str | None = None):
+                 password: str | None = None, worker_command: list[str] | None = None):
         self.models = models
         self.password = password
         self.home = os.path.abspath(home)
@@ -82,6 +82,8 @@ class LocalStack:
         self.port = port or free_port()
         self.storage_url = storage_url or "file://" + os.path.join(self.home, "checkpoints")
         self.worker_args = worker_args or []
+        # What starts a worker; its options follow. Another command may wrap `treadle worker`.
+        self.worker_command = worker_command or [sys.executable, "-m", "treadle.cli", "worker"]
         self.log_to_files = log_to_files
         self.redis_proc: subprocess.Popen | None = None
         self.workers: list[subprocess.Popen] = []
@@ -150,7 +152,7 @@ class LocalStack:
 
     def start_worker(self, extra_args: list[str] | None = None) -> subprocess.Popen:
         # The URLs travel in the environment (`env()`), not in argv, which `ps` shows to everyone.
-        args = [sys.executable, "-m", "treadle.cli", "worker"]
+        args = list(self.worker_command)
         for model in self.models:
             args += ["--model", model]
         proc = subprocess.Popen(args + self.worker_args + (extra_args or []), env=self.env(),

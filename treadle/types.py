@@ -4,17 +4,19 @@ Names, fields and defaults follow Tinker's SDK (`tinker.types`) so that a Tinker
 changing its imports. Requests reject unknown fields; responses ignore them. This module imports
 numpy but never torch: torch is touched only inside `TensorData.from_torch` / `to_torch`.
 
-Tensors travel as raw little-endian bytes (`TensorData.to_wire` / `from_wire`), never as pickles.
+Tensors travel as raw little-endian bytes (`model_dump(context=WIRE)`), never as pickles.
 """
 
 from __future__ import annotations
 
 import base64
+import binascii
 import math
+import typing
 from typing import Any, Literal, Sequence
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_serializer, model_validator
 
 __all__ = [
     "AdamParams",
@@ -44,7 +46,7 @@ __all__ = [
 ]
 
 LossFnType = Literal["cross_entropy", "importance_sampling", "ppo", "cispo", "dro"]
-LOSS_FN_TYPES: tuple[str, ...] = ("cross_entropy", "importance_sampling", "ppo", "cispo", "dro")
+LOSS_FN_TYPES: tuple[str, ...] = typing.get_args(LossFnType)
 StopReason = Literal["stop", "length"]
 DType = Literal["int64", "float32"]
 
@@ -104,26 +106,82 @@ class ModelInput(_Request):
 
 _NP_DTYPES = {"int64": np.dtype("<i8"), "float32": np.dtype("<f4")}
 
+# model_dump(context=WIRE) writes tensors in their compact wire form (raw bytes, base64'd once).
+WIRE = {"wire": True}
+
 
 class TensorData(_Request):
-    """A flat tensor with a dtype and an optional shape (Tinker's `TensorData`)."""
+    """A flat tensor with a dtype and an optional shape (Tinker's `TensorData`).
 
-    data: list[int] | list[float] = Field(description="Flattened values, row-major.")
+    The values live in a numpy array; `data` (Tinker's list field) is built only when something reads
+    it. On the wire a tensor is `{"dtype", "shape", "b64"}`: its raw little-endian bytes, decoded with
+    one `np.frombuffer`, so a batch never turns into Python lists between the client and the engine.
+    """
+
+    data: list[int] | list[float] = Field(description="Flattened values, row-major (made from the array on first use).")
     dtype: DType = Field(description="`int64` or `float32`.")
     shape: list[int] | None = Field(default=None, description="Shape; None means 1-D.")
+    _array: np.ndarray | None = PrivateAttr(default=None)
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _accept_wire_form(cls, value: Any, handler) -> "TensorData":
+        if isinstance(value, dict) and "b64" in value:
+            return cls._from_wire_dict(value)
+        return handler(value)
 
     @model_validator(mode="after")
     def _check_shape(self) -> "TensorData":
+        if self._array is not None:  # came off the wire: its shape was checked against the bytes
+            return self
         if self.shape is not None and math.prod(self.shape) != len(self.data):
             raise ValueError(f"shape {self.shape} holds {math.prod(self.shape)} values but data has {len(self.data)}")
         return self
+
+    @model_serializer(mode="wrap")
+    def _serialize(self, handler, info):
+        if info.context and info.context.get("wire"):
+            return self.to_wire()
+        self.data  # noqa: B018 - materialise the list before the default serializer reads the fields
+        return handler(self)
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "data":  # built from the array on first read, then kept
+            values = self.__pydantic_private__["_array"].reshape(-1).tolist()
+            self.__dict__["data"] = values
+            return values
+        return super().__getattr__(name)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, TensorData):
+            return NotImplemented
+        return self.dtype == other.dtype and self.shape == other.shape and np.array_equal(self.to_numpy(), other.to_numpy())
+
+    @classmethod
+    def _of(cls, array: np.ndarray, dtype: DType, shape: list[int] | None) -> "TensorData":
+        tensor = cls.model_construct(dtype=dtype, shape=shape)
+        tensor._array = array
+        return tensor
+
+    @classmethod
+    def _from_wire_dict(cls, wire: dict) -> "TensorData":
+        dtype, shape = wire.get("dtype"), wire.get("shape")
+        if dtype not in _NP_DTYPES:
+            raise ValueError(f"dtype: {dtype!r} is not one of {', '.join(_NP_DTYPES)}")
+        try:
+            array = np.frombuffer(base64.b64decode(wire["b64"], validate=True), dtype=_NP_DTYPES[dtype])
+        except (binascii.Error, ValueError, TypeError) as exc:
+            raise ValueError(f"b64: not the raw bytes of a {dtype} tensor ({exc})") from None
+        if shape is not None and math.prod(shape) != array.size:
+            raise ValueError(f"shape {shape} holds {math.prod(shape)} values but the bytes hold {array.size}")
+        return cls._of(array, dtype, shape)
 
     # numpy / torch / lists
     @classmethod
     def from_numpy(cls, array: np.ndarray) -> "TensorData":
         dtype = "int64" if np.issubdtype(array.dtype, np.integer) else "float32"
-        flat = np.ascontiguousarray(array, dtype=_NP_DTYPES[dtype]).reshape(-1)
-        return cls.model_construct(data=flat.tolist(), dtype=dtype, shape=list(array.shape))
+        # A copy: the caller may keep writing into its array after handing it over.
+        return cls._of(np.array(array, dtype=_NP_DTYPES[dtype], copy=True), dtype, list(array.shape))
 
     @classmethod
     def from_torch(cls, tensor: Any) -> "TensorData":
@@ -136,8 +194,10 @@ class TensorData(_Request):
         return cls.from_numpy(np.asarray(values, dtype=_NP_DTYPES[dtype]))
 
     def to_numpy(self) -> np.ndarray:
-        array = np.asarray(self.data, dtype=_NP_DTYPES[self.dtype])
-        return array.reshape(self.shape) if self.shape is not None else array
+        """The values as an array of `shape` (read-only when it came off the wire)."""
+        if self._array is None:
+            self._array = np.asarray(self.data, dtype=_NP_DTYPES[self.dtype])
+        return self._array.reshape(self.shape) if self.shape is not None else self._array.reshape(-1)
 
     def to_torch(self) -> Any:
         import torch
@@ -147,15 +207,9 @@ class TensorData(_Request):
     def tolist(self) -> list:
         return self.to_numpy().tolist()
 
-    # compact transport: raw little-endian bytes, base64'd once for JSON
     def to_wire(self) -> dict:
-        raw = np.asarray(self.data, dtype=_NP_DTYPES[self.dtype]).tobytes()
+        raw = np.ascontiguousarray(self.to_numpy(), dtype=_NP_DTYPES[self.dtype]).tobytes()
         return {"dtype": self.dtype, "shape": self.shape, "b64": base64.b64encode(raw).decode("ascii")}
-
-    @classmethod
-    def from_wire(cls, wire: dict) -> "TensorData":
-        array = np.frombuffer(base64.b64decode(wire["b64"]), dtype=_NP_DTYPES[wire["dtype"]])
-        return cls.model_construct(data=array.tolist(), dtype=wire["dtype"], shape=wire.get("shape"))
 
 
 def _as_tensor_data(key: str, value: Any) -> Any:
@@ -187,19 +241,6 @@ class Datum(_Request):
         if isinstance(value, dict):
             return {k: _as_tensor_data(k, v) for k, v in value.items()}
         return value
-
-    def to_wire(self) -> dict:
-        return {
-            "tokens": self.model_input.to_ints(),
-            "inputs": {k: v.to_wire() for k, v in self.loss_fn_inputs.items()},
-        }
-
-    @classmethod
-    def from_wire(cls, wire: dict) -> "Datum":
-        return cls.model_construct(
-            model_input=ModelInput.from_ints(wire["tokens"]),
-            loss_fn_inputs={k: TensorData.from_wire(v) for k, v in wire["inputs"].items()},
-        )
 
 
 # ---------------------------------------------------------------- configs

@@ -7,7 +7,15 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from treadle.errors import BrokerUnavailableError, CheckpointNotFoundError, NoWorkerError, SessionNotFoundError, TreadleError
+from treadle.errors import (
+    BrokerUnavailableError,
+    CheckpointNotFoundError,
+    ConflictError,
+    NoWorkerError,
+    NotFoundError,
+    SessionNotFoundError,
+    TreadleError,
+)
 from treadle.gateway import futures, openai_api, routes_rest, routes_sampling, routes_session, routes_training
 from treadle.gateway.auth import KeyRing
 from treadle.gateway.backend import Backend
@@ -15,7 +23,7 @@ from treadle.gateway.settings import GatewaySettings
 from treadle.queue.ops_client import OpsClient
 from treadle.storage.checkpoint_store import CheckpointStore
 
-_NOT_FOUND = (CheckpointNotFoundError, SessionNotFoundError)
+_NOT_FOUND = (CheckpointNotFoundError, SessionNotFoundError, NotFoundError)
 # Worth the SDK's retry loop: a worker or Redis may come back within its five minutes of retries.
 _UNAVAILABLE = (BrokerUnavailableError, NoWorkerError)
 
@@ -47,6 +55,8 @@ def create_app(settings: GatewaySettings | None = None, *, ops: OpsClient | None
     async def treadle_error(request: Request, exc: TreadleError) -> JSONResponse:
         if isinstance(exc, _NOT_FOUND):
             status = 404
+        elif isinstance(exc, ConflictError):
+            status = 409
         elif exc.category == "user":
             status = 400
         else:

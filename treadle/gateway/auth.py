@@ -1,8 +1,7 @@
 """API-key authentication: a key names an owner, and an owner sees only what it created.
 
 The Tinker SDK sends the key as `X-API-Key`; the OpenAI client sends `Authorization: Bearer <key>`.
-A missing or unknown key is a 401. Someone else's session, sampler or checkpoint is reported as a
-404, exactly like one that does not exist, so ids cannot be probed.
+A missing or unknown key is a 401 (what an owner may see is `ownership.py`'s job).
 """
 
 from __future__ import annotations
@@ -43,6 +42,3 @@ def require_owner(request: Request) -> str:
         raise HTTPException(status_code=401, detail=detail)
     return owner
 
-
-def not_found(kind: str, ident: str) -> HTTPException:
-    return HTTPException(status_code=404, detail=f"{kind} {ident!r} not found")

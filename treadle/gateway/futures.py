@@ -1,28 +1,33 @@
 """`retrieve_future`: hold the poll until the result is in, then answer in the form the SDK expects.
 
 The SDK re-polls immediately after `try_again`, so the gateway must hold each poll (long-poll) instead
-of answering at once, or the client would spin. Results of forward_backward and sample are protobuf
-(the SDK rejects JSON for them); the rest are small JSON objects. A failed op is a 200 JSON
-`{"error", "category"}`, which the SDK raises as `RequestFailedError` with that category.
+of answering at once, or the client would spin. A worker's result records the op that produced it,
+and is rendered from that op's response type in the op table: forward_backward and sample outputs as
+protobuf (the SDK rejects JSON for them), every other response as the Tinker type of the same name.
+A failed op is a 200 JSON `{"error", "category"}`, which the SDK raises as `RequestFailedError`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+import typing
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel
 from starlette.concurrency import run_in_threadpool
 from tinker import types as tt
 
 from treadle.errors import ServerError, TreadleError
-from treadle.gateway.auth import not_found, require_owner
-from treadle.gateway.backend import Backend
+from treadle.gateway.auth import require_owner
+from treadle.gateway.backend import Backend, get_backend
+from treadle.gateway.ownership import not_found
 from treadle.gateway.paths import to_tinker
 from treadle.gateway.proto_codec import PROTO_MEDIA_TYPE, encode_forward_backward_output, encode_sample_response
 from treadle.gateway.store import RequestRecord, Sampler
-from treadle.queue.ops import parse_request
+from treadle.queue.ops import decode_result, parse_request
+from treadle.types import ForwardBackwardOutput, SampleResponse
 
 router = APIRouter()
 
@@ -31,8 +36,7 @@ POLL_MAX_S = 0.05
 
 
 @router.post("/retrieve_future")
-async def retrieve_future(request: Request, owner: str = Depends(require_owner)) -> Response:
-    backend: Backend = request.app.state.backend
+async def retrieve_future(request: Request, owner: str = Depends(require_owner), backend: Backend = Depends(get_backend)) -> Response:
     req = parse_request(tt.FutureRetrieveRequest, await request.json())
     record = await run_in_threadpool(backend.store.get_request, req.request_id)
     if record is None or record.owner != owner:
@@ -41,9 +45,9 @@ async def retrieve_future(request: Request, owner: str = Depends(require_owner))
     delay = POLL_START_S
     while True:
         try:
-            value = await run_in_threadpool(backend.poll, record)
+            value = await run_in_threadpool(backend.local.poll, record)
             if value is not None:
-                return await run_in_threadpool(render, backend, record, value)
+                return await run_in_threadpool(render_result, backend, record, value)
         except TreadleError as exc:
             return JSONResponse({"error": exc.message, "category": exc.category})
         except Exception as exc:  # a result the gateway cannot render is a server error, not a hung client
@@ -54,41 +58,49 @@ async def retrieve_future(request: Request, owner: str = Depends(require_owner))
         delay = min(delay * 2, POLL_MAX_S)
 
 
-def render(backend: Backend, record: RequestRecord, value: dict) -> Response:
-    """Turn treadle's result of a request into Tinker's response of that request type."""
-    kind = record.kind
-    if kind == "forward_backward":
-        return Response(encode_forward_backward_output(value), media_type=PROTO_MEDIA_TYPE)
-    if kind == "sample":
-        return Response(encode_sample_response(_last_n(value, record.extra.get("prompt_logprobs_last_n"))), media_type=PROTO_MEDIA_TYPE)
-    if kind == "optim_step":
-        return JSONResponse({"metrics": value.get("metrics") or {}, "type": "optim_step"})
-    if kind == "save_weights":
-        return JSONResponse({"path": to_tinker(value["path"]), "type": "save_weights"})
-    if kind == "load_weights":
-        return JSONResponse({"path": to_tinker(value["path"]), "type": "load_weights"})
-    if kind == "save_weights_for_sampler":
-        sampler_id = record.extra.get("sampler_id")
-        if sampler_id is None:
-            return JSONResponse({"path": to_tinker(value["path"]), "type": "save_weights_for_sampler"})
-        # The ephemeral form: the snapshot becomes a sampling session the client samples from directly.
-        backend.store.put_sampler(Sampler(
-            sampler_id=sampler_id, owner=record.owner, base_model=record.extra["base_model"], model_path=value["path"],
-        ))
-        backend.store.add_member(record.extra["session_id"], "samplers", sampler_id)
-        return JSONResponse({"sampling_session_id": sampler_id, "type": "save_weights_for_sampler"})
-    # gateway-side futures (create_model, load_weights into a new model) store the final JSON
-    return JSONResponse(value)
+def render_result(backend: Backend, record: RequestRecord, value: dict) -> Response:
+    """A stored result as Tinker's response: worker results by their op's response type, the gateway's own as is."""
+    if "op" not in value:  # gateway-side futures (create_model, load_weights into a new model) store the final JSON
+        return JSONResponse(value)
+    response = decode_result(value)
+    if record.extra.get("sampler_id") is not None:
+        # The ephemeral save_weights_for_sampler: the snapshot becomes a sampling session the client samples from.
+        backend.store.put_sampler(Sampler(sampler_id=record.extra["sampler_id"], owner=record.owner,
+                                          base_model=record.extra["base_model"], model_path=response.path))
+        backend.store.add_member(record.extra["session_id"], "samplers", record.extra["sampler_id"])
+        return JSONResponse({"sampling_session_id": record.extra["sampler_id"], "type": "save_weights_for_sampler"})
+    if isinstance(response, SampleResponse):
+        response = _last_n(response, record.extra.get("prompt_logprobs_last_n"))
+    return render(response)
 
 
-def _last_n(value: dict, last_n: int | None) -> dict:
+def render(response: BaseModel) -> Response:
+    """Any op's typed response in Tinker's form: protobuf for the two the SDK reads as protobuf, else the
+    Tinker type of the same name (with its `type` tag and tinker:// paths), else the response's own JSON."""
+    if isinstance(response, ForwardBackwardOutput):
+        return Response(encode_forward_backward_output(response), media_type=PROTO_MEDIA_TYPE)
+    if isinstance(response, SampleResponse):
+        return Response(encode_sample_response(response), media_type=PROTO_MEDIA_TYPE)
+    body = response.model_dump(mode="json")
+    if isinstance(body.get("path"), str):
+        body["path"] = to_tinker(body["path"])
+    tinker_type = getattr(tt, type(response).__name__, None)
+    if tinker_type is not None:
+        fields = tinker_type.model_fields
+        body = {k: v for k, v in body.items() if k in fields}
+        tag = typing.get_args(typing.get_args(fields["type"].annotation)[0]) if "type" in fields else ()
+        if tag:
+            body["type"] = tag[0]
+    return JSONResponse(body)
+
+
+def _last_n(response: SampleResponse, last_n: int | None) -> SampleResponse:
     """Honour prompt_logprobs_last_n by blanking the earlier entries, as the SDK checks."""
-    prompt_logprobs = value.get("prompt_logprobs")
-    if last_n is None or prompt_logprobs is None:
-        return value
-    keep_from = max(0, len(prompt_logprobs) - last_n)
-    blanked = [None] * keep_from + prompt_logprobs[keep_from:]
-    topk = value.get("topk_prompt_logprobs")
-    if topk is not None:
-        topk = [None] * keep_from + topk[keep_from:]
-    return {**value, "prompt_logprobs": blanked, "topk_prompt_logprobs": topk}
+    if last_n is None or response.prompt_logprobs is None:
+        return response
+    keep_from = max(0, len(response.prompt_logprobs) - last_n)
+    topk = response.topk_prompt_logprobs
+    return response.model_copy(update={
+        "prompt_logprobs": [None] * keep_from + response.prompt_logprobs[keep_from:],
+        "topk_prompt_logprobs": None if topk is None else [None] * keep_from + topk[keep_from:],
+    })

@@ -13,15 +13,15 @@ import time
 from functools import lru_cache
 from typing import Literal
 
-from fastapi import APIRouter, Depends, HTTPException, Request
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.concurrency import run_in_threadpool
 
-from treadle.errors import InvalidRequestError, TreadleError
+from treadle.errors import InvalidRequestError, NotFoundError, TreadleError
 from treadle.gateway.auth import require_owner
-from treadle.gateway.backend import Backend
-from treadle.queue.ops import parse_request
+from treadle.gateway.backend import Backend, get_backend
+from treadle.queue.ops import SampleRequest, parse_request
 from treadle.types import SamplingParams
 
 router = APIRouter()
@@ -83,21 +83,21 @@ def _error(status: int, message: str, kind: str) -> JSONResponse:
 
 
 @router.get("/models")
-async def list_models(request: Request, owner: str = Depends(require_owner)) -> dict:
-    served = await run_in_threadpool(request.app.state.backend.ops.served_models)
+async def list_models(owner: str = Depends(require_owner), backend: Backend = Depends(get_backend)) -> dict:
+    served = await run_in_threadpool(backend.owners.served_models)
     return {"object": "list", "data": [{"id": m.name, "object": "model", "created": 0, "owned_by": "treadle"} for m in served]}
 
 
 @router.post("/chat/completions")
-async def chat_completions(request: Request, owner: str = Depends(require_owner)):
+async def chat_completions(request: Request, owner: str = Depends(require_owner), backend: Backend = Depends(get_backend)):
     req = parse_request(ChatCompletionRequest, await request.json())
-    return await _complete(request.app.state.backend, owner, req, chat=True)
+    return await _complete(backend, owner, req, chat=True)
 
 
 @router.post("/completions")
-async def completions(request: Request, owner: str = Depends(require_owner)):
+async def completions(request: Request, owner: str = Depends(require_owner), backend: Backend = Depends(get_backend)):
     req = parse_request(CompletionRequest, await request.json())
-    return await _complete(request.app.state.backend, owner, req, chat=False)
+    return await _complete(backend, owner, req, chat=False)
 
 
 async def _complete(backend: Backend, owner: str, req: _OpenAIRequest, *, chat: bool):
@@ -105,23 +105,21 @@ async def _complete(backend: Backend, owner: str, req: _OpenAIRequest, *, chat: 
         if req.stream:
             raise InvalidRequestError("stream: streaming responses are not supported; send stream=false")
         base_model, model_path = await run_in_threadpool(_resolve_model, backend, owner, req.model)
-        tokenizer = await run_in_threadpool(load_tokenizer, await run_in_threadpool(backend.tokenizer_source, base_model))
+        tokenizer = await run_in_threadpool(load_tokenizer, await run_in_threadpool(backend.owners.tokenizer_source, base_model))
         prompt = _prompt_tokens(tokenizer, req, chat)
         stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
         max_tokens = (req.max_completion_tokens or req.max_tokens) if chat else req.max_tokens
         params = parse_request(SamplingParams, {
             "max_tokens": max_tokens, "temperature": req.temperature, "top_p": req.top_p, "seed": req.seed, "stop": stops or None,
         }, "sampling_params")
-        payload = {
-            "model_path": model_path, "prompt": prompt, "num_samples": req.n, "sampling_params": params.model_dump(),
-            "include_prompt_logprobs": False, "topk_prompt_logprobs": 0,
-        }
-        future_id = await run_in_threadpool(backend.submit_sample, owner, base_model, payload)
-        result = await run_in_threadpool(backend.ops.wait, future_id, backend.settings.sample_timeout_seconds)
+        sample = SampleRequest.build(base_model=base_model, model_path=model_path, prompt=prompt, num_samples=req.n,
+                                     sampling_params=params)
+        future_id = await run_in_threadpool(backend.submit_sample, owner, sample)
+        result = await run_in_threadpool(backend.wait, future_id, backend.settings.sample_timeout_seconds)
+    except NotFoundError as exc:
+        return _error(404, exc.message, "invalid_request_error")
     except TreadleError as exc:
         return _error(400 if exc.category == "user" else 500, exc.message, "invalid_request_error" if exc.category == "user" else "server_error")
-    except HTTPException as exc:
-        return _error(exc.status_code, str(exc.detail), "invalid_request_error")
     choices = [_choice(i, tokenizer, seq, stops, chat, req.wants_logprobs) for i, seq in enumerate(result["sequences"])]
     completion_tokens = sum(len(seq["tokens"]) for seq in result["sequences"])
     return {
@@ -137,12 +135,12 @@ async def _complete(backend: Backend, owner: str, req: _OpenAIRequest, *, chat: 
 def _resolve_model(backend: Backend, owner: str, model: str) -> tuple[str, str | None]:
     """(base model, treadle sampler path or None) for the request's `model`."""
     if "://" in model:
-        path, manifest = backend.checkpoint(model, owner)
+        path, manifest = backend.owners.checkpoint(model, owner)
         return manifest.base_model, path.uri()
     sampler = backend.store.get_sampler(model)
     if sampler is not None and sampler.owner == owner:
         return sampler.base_model, sampler.model_path
-    backend.served_model(model)
+    backend.owners.served_model(model)
     return model, None
 
 

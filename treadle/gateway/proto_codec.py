@@ -3,18 +3,19 @@
 SDK 0.38 sends every forward_backward as a protobuf `ForwardBackwardRequest` and accepts
 `ForwardBackwardOutput` and `SampleResponse` results only as protobuf. Tensors on both sides are raw
 little-endian bytes, which is also treadle's own tensor wire format (`TensorData.to_wire`), so dense
-tensors pass through as bytes without being decoded into Python lists.
+tensors become arrays with one `np.frombuffer`, never Python lists.
 """
 
 from __future__ import annotations
 
-import base64
 import math
 
 import numpy as np
 from tinker.proto import tinker_public_pb2 as pb
 
 from treadle.errors import InvalidRequestError
+from treadle.queue.ops import ForwardBackwardRequest, ForwardRequest
+from treadle.types import Datum, ForwardBackwardOutput, ModelInput, SampleResponse, TensorData
 
 PROTO_MEDIA_TYPE = "application/x-protobuf"
 
@@ -35,13 +36,11 @@ def parse_forward_backward(body: bytes) -> pb.ForwardBackwardRequest:
     return msg
 
 
-def forward_backward_payload(msg: pb.ForwardBackwardRequest) -> dict:
-    """treadle's forward/forward_backward op payload: `{"data": [Datum wire], "loss_fn", "loss_fn_config"}`."""
-    return {
-        "data": [_datum_to_wire(i, d) for i, d in enumerate(msg.data)],
-        "loss_fn": msg.loss_fn,
-        "loss_fn_config": _loss_config(msg) or None,
-    }
+def forward_backward_request(msg: pb.ForwardBackwardRequest) -> ForwardRequest:
+    """treadle's typed forward (forward_only) or forward_backward request; tensors stay arrays."""
+    cls = ForwardRequest if msg.forward_only else ForwardBackwardRequest
+    return cls.build(data=[_datum(i, d) for i, d in enumerate(msg.data)], loss_fn=msg.loss_fn,
+                     loss_fn_config=_loss_config(msg) or None)
 
 
 def _loss_config(msg: pb.ForwardBackwardRequest) -> dict:
@@ -51,18 +50,18 @@ def _loss_config(msg: pb.ForwardBackwardRequest) -> dict:
     return dict(msg.loss_fn_config)
 
 
-def _datum_to_wire(index: int, datum: pb.Datum) -> dict:
+def _datum(index: int, datum: pb.Datum) -> Datum:
     tokens: list[int] = []
     for chunk in datum.model_input:
         kind = chunk.WhichOneof("chunk")
         if kind != "encoded_text":
             raise InvalidRequestError(f"data[{index}].model_input: {kind} chunks are not supported; only encoded_text")
         tokens.extend(np.frombuffer(chunk.encoded_text.tokens, dtype="<i4").tolist())
-    inputs = {name: _tensor_to_wire(f"data[{index}].loss_fn_inputs.{name}", t) for name, t in datum.loss_fn_inputs.items()}
-    return {"tokens": tokens, "inputs": inputs}
+    inputs = {name: _tensor(f"data[{index}].loss_fn_inputs.{name}", t) for name, t in datum.loss_fn_inputs.items()}
+    return Datum(model_input=ModelInput.from_ints(tokens), loss_fn_inputs=inputs)
 
 
-def _tensor_to_wire(field: str, tensor: pb.Tensor) -> dict:
+def _tensor(field: str, tensor: pb.Tensor) -> TensorData:
     dtype = _DTYPE_NAMES.get(tensor.dtype)
     if dtype is None:
         raise InvalidRequestError(f"{field}: dtype {pb.DType.Name(tensor.dtype)} is not supported; use float32 or int64")
@@ -71,10 +70,12 @@ def _tensor_to_wire(field: str, tensor: pb.Tensor) -> dict:
         raw = _densify_csr(field, tensor.sparse_csr, dtype, shape)
     else:
         raw = tensor.dense
-    count = len(raw) // _NP[dtype].itemsize
-    if shape is not None and math.prod(shape) != count:
-        raise InvalidRequestError(f"{field}: shape {shape} holds {math.prod(shape)} values but the tensor has {count}")
-    return {"dtype": dtype, "shape": shape, "b64": base64.b64encode(raw).decode("ascii")}
+    if len(raw) % _NP[dtype].itemsize:
+        raise InvalidRequestError(f"{field}: {len(raw)} bytes is not a whole number of {dtype} values")
+    array = np.frombuffer(raw, dtype=_NP[dtype])
+    if shape is not None and math.prod(shape) != array.size:
+        raise InvalidRequestError(f"{field}: shape {shape} holds {math.prod(shape)} values but the tensor has {array.size}")
+    return TensorData.from_numpy(array.reshape(shape) if shape is not None else array)
 
 
 def _densify_csr(field: str, csr: pb.SparseCsr, dtype: str, shape: list[int] | None) -> bytes:
@@ -93,44 +94,38 @@ def _densify_csr(field: str, csr: pb.SparseCsr, dtype: str, shape: list[int] | N
 # ---------------------------------------------------------------- results
 
 
-def encode_forward_backward_output(result: dict) -> bytes:
-    """treadle's forward/forward_backward result -> protobuf ForwardBackwardOutput (one ArrayRecord)."""
-    outputs: list[dict] = result.get("loss_fn_outputs") or []
+def encode_forward_backward_output(out: ForwardBackwardOutput) -> bytes:
+    """treadle's forward/forward_backward output -> protobuf ForwardBackwardOutput (one ArrayRecord)."""
     msg = pb.ForwardBackwardOutput(loss_fn_output_type="ArrayRecord")
-    for key, value in (result.get("metrics") or {}).items():
+    for key, value in out.metrics.items():
         msg.metrics[key] = float(value)
-    if outputs:
-        record = msg.loss_fn_outputs.add(type_tag="ArrayRecord", num_datums=len(outputs))
-        for name in outputs[0]:
-            record.fields[name].CopyFrom(_batched([o[name] for o in outputs]))
+    if out.loss_fn_outputs:
+        record = msg.loss_fn_outputs.add(type_tag="ArrayRecord", num_datums=len(out.loss_fn_outputs))
+        for name in out.loss_fn_outputs[0]:
+            record.fields[name].CopyFrom(_batched([o[name] for o in out.loss_fn_outputs]))
     return msg.SerializeToString()
 
 
-def _batched(wires: list[dict]) -> pb.BatchedTensor:
+def _batched(tensors: list[TensorData]) -> pb.BatchedTensor:
     """Per-datum tensors concatenated, with n+1 byte offsets; the leading dimension is each datum's own."""
-    blobs = [base64.b64decode(w["b64"]) for w in wires]
+    blobs = [np.ascontiguousarray(t.to_numpy(), dtype=_NP[t.dtype]).tobytes() for t in tensors]
     offsets = np.cumsum([0] + [len(b) for b in blobs], dtype="<i8")
-    shape = wires[0].get("shape") or []
-    dtype = pb.DTYPE_INT64 if wires[0]["dtype"] == "int64" else pb.DTYPE_FLOAT32
+    shape = tensors[0].shape or []
+    dtype = pb.DTYPE_INT64 if tensors[0].dtype == "int64" else pb.DTYPE_FLOAT32
     return pb.BatchedTensor(data=b"".join(blobs), offsets=offsets.tobytes(), dtype=dtype, trailing_shape=list(shape[1:]))
 
 
-def encode_sample_response(result: dict) -> bytes:
-    """treadle's SampleResponse dict -> protobuf SampleResponse (prompt logprobs: f32, NaN for None)."""
-    msg = pb.SampleResponse(prompt_cache_hit_tokens=int(result.get("prompt_cache_hit_tokens") or 0))
-    for seq in result.get("sequences") or []:
-        out = msg.sequences.add(
-            stop_reason=_STOP[seq["stop_reason"]],
-            tokens=np.asarray(seq["tokens"], dtype="<i4").tobytes(),
-        )
-        if seq.get("logprobs") is not None:
-            out.logprobs = np.asarray(seq["logprobs"], dtype="<f4").tobytes()
-    prompt_logprobs = result.get("prompt_logprobs")
-    if prompt_logprobs is not None:
-        msg.prompt_logprobs = np.asarray([math.nan if v is None else v for v in prompt_logprobs], dtype="<f4").tobytes()
-    topk = result.get("topk_prompt_logprobs")
-    if topk:
-        _encode_topk(msg.topk_prompt_logprobs, topk)
+def encode_sample_response(result: SampleResponse) -> bytes:
+    """treadle's SampleResponse -> protobuf SampleResponse (prompt logprobs: f32, NaN for None)."""
+    msg = pb.SampleResponse(prompt_cache_hit_tokens=result.prompt_cache_hit_tokens)
+    for seq in result.sequences:
+        out = msg.sequences.add(stop_reason=_STOP[seq.stop_reason], tokens=np.asarray(seq.tokens, dtype="<i4").tobytes())
+        if seq.logprobs is not None:
+            out.logprobs = np.asarray(seq.logprobs, dtype="<f4").tobytes()
+    if result.prompt_logprobs is not None:
+        msg.prompt_logprobs = np.asarray([math.nan if v is None else v for v in result.prompt_logprobs], dtype="<f4").tobytes()
+    if result.topk_prompt_logprobs:
+        _encode_topk(msg.topk_prompt_logprobs, result.topk_prompt_logprobs)
     return msg.SerializeToString()
 
 

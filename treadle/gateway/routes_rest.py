@@ -12,15 +12,12 @@ from datetime import datetime, timezone
 from fastapi import APIRouter, Depends, Request
 from starlette.concurrency import run_in_threadpool
 
-from treadle.gateway.auth import not_found, require_owner
-from treadle.gateway.backend import Backend
+from treadle.gateway.auth import require_owner
+from treadle.gateway.backend import Backend, get_backend
+from treadle.gateway.ownership import not_found
 from treadle.storage.manifest import Manifest
 
 router = APIRouter()
-
-
-def _backend(request: Request) -> Backend:
-    return request.app.state.backend
 
 
 def _time(seconds: float | None) -> str | None:
@@ -45,9 +42,9 @@ def checkpoint_json(manifest: Manifest) -> dict:
 
 
 def _run_json(backend: Backend, run_id: str, run: dict) -> dict:
-    manifests = backend.checkpoint_store().list_checkpoints(run_id)
+    manifests = backend.owners.checkpoints().list_checkpoints(run_id)
     last = {kind: next((m for m in reversed(manifests) if m.kind == kind), None) for kind in ("weights", "sampler_weights")}
-    session = backend.ops.session_info(run_id)
+    session = backend.session_info(run_id)
     last_request = session.last_activity if session is not None else run.get("created_at")
     return {
         "training_run_id": run_id,
@@ -64,7 +61,7 @@ def _run_json(backend: Backend, run_id: str, run: dict) -> dict:
 
 
 def _owned_runs(backend: Backend, owner: str) -> list[tuple[str, dict]]:
-    store = backend.checkpoint_store()
+    store = backend.owners.checkpoints()
     runs = []
     for run_id in store.list_runs():
         run = store.get_run(run_id)
@@ -74,8 +71,7 @@ def _owned_runs(backend: Backend, owner: str) -> list[tuple[str, dict]]:
 
 
 @router.get("/training_runs")
-async def list_training_runs(request: Request, limit: int = 20, offset: int = 0, owner: str = Depends(require_owner)) -> dict:
-    backend = _backend(request)
+async def list_training_runs(request: Request, limit: int = 20, offset: int = 0, owner: str = Depends(require_owner), backend: Backend = Depends(get_backend)) -> dict:
 
     def build() -> dict:
         runs = _owned_runs(backend, owner)
@@ -89,41 +85,37 @@ async def list_training_runs(request: Request, limit: int = 20, offset: int = 0,
 
 
 @router.get("/training_runs/{run_id}")
-async def get_training_run(run_id: str, request: Request, owner: str = Depends(require_owner)) -> dict:
-    backend = _backend(request)
-    return await run_in_threadpool(lambda: _run_json(backend, run_id, backend.run(run_id, owner)))
+async def get_training_run(run_id: str, request: Request, owner: str = Depends(require_owner), backend: Backend = Depends(get_backend)) -> dict:
+    return await run_in_threadpool(lambda: _run_json(backend, run_id, backend.owners.run(run_id, owner)))
 
 
 @router.get("/training_runs/{run_id}/checkpoints")
-async def list_checkpoints(run_id: str, request: Request, owner: str = Depends(require_owner)) -> dict:
-    backend = _backend(request)
+async def list_checkpoints(run_id: str, request: Request, owner: str = Depends(require_owner), backend: Backend = Depends(get_backend)) -> dict:
 
     def build() -> dict:
-        backend.run(run_id, owner)
-        return {"checkpoints": [checkpoint_json(m) for m in backend.checkpoint_store().list_checkpoints(run_id)]}
+        backend.owners.run(run_id, owner)
+        return {"checkpoints": [checkpoint_json(m) for m in backend.owners.checkpoints().list_checkpoints(run_id)]}
 
     return await run_in_threadpool(build)
 
 
 @router.delete("/training_runs/{run_id}/checkpoints/{kind}/{name}")
-async def delete_checkpoint(run_id: str, kind: str, name: str, request: Request, owner: str = Depends(require_owner)) -> None:
+async def delete_checkpoint(run_id: str, kind: str, name: str, request: Request, owner: str = Depends(require_owner), backend: Backend = Depends(get_backend)) -> None:
     """The checkpoint id is `<kind>/<name>`, sent unescaped, hence two path segments."""
-    backend = _backend(request)
     path = f"tinker://{run_id}/{kind}/{name}"
 
     def delete() -> None:
-        parsed, _ = backend.checkpoint(path, owner)
-        backend.checkpoint_store().delete(parsed)
+        parsed, _ = backend.owners.checkpoint(path, owner)
+        backend.owners.checkpoints().delete(parsed)
 
     await run_in_threadpool(delete)
 
 
 @router.get("/checkpoints")
-async def list_user_checkpoints(request: Request, limit: int = 100, offset: int = 0, owner: str = Depends(require_owner)) -> dict:
-    backend = _backend(request)
+async def list_user_checkpoints(request: Request, limit: int = 100, offset: int = 0, owner: str = Depends(require_owner), backend: Backend = Depends(get_backend)) -> dict:
 
     def build() -> dict:
-        manifests = [m for run_id, _ in _owned_runs(backend, owner) for m in backend.checkpoint_store().list_checkpoints(run_id)]
+        manifests = [m for run_id, _ in _owned_runs(backend, owner) for m in backend.owners.checkpoints().list_checkpoints(run_id)]
         manifests.sort(key=lambda m: m.created_at, reverse=True)
         return {
             "checkpoints": [checkpoint_json(m) for m in manifests[offset: offset + limit]],
@@ -134,13 +126,12 @@ async def list_user_checkpoints(request: Request, limit: int = 100, offset: int 
 
 
 @router.post("/weights_info")
-async def weights_info(request: Request, owner: str = Depends(require_owner)) -> dict:
-    backend = _backend(request)
+async def weights_info(request: Request, owner: str = Depends(require_owner), backend: Backend = Depends(get_backend)) -> dict:
     body = await request.json()
     tinker_path = body.get("tinker_path") if isinstance(body, dict) else None
     if not isinstance(tinker_path, str):
         raise not_found("checkpoint", str(tinker_path))
-    _, manifest = await run_in_threadpool(backend.checkpoint, tinker_path, owner)
+    _, manifest = await run_in_threadpool(backend.owners.checkpoint, tinker_path, owner)
     lora = manifest.lora_config or {}
     return {
         "base_model": manifest.base_model,
@@ -154,15 +145,14 @@ async def weights_info(request: Request, owner: str = Depends(require_owner)) ->
 
 
 @router.get("/sessions")
-async def list_sessions(request: Request, limit: int = 20, offset: int = 0, owner: str = Depends(require_owner)) -> dict:
-    sessions = await run_in_threadpool(_backend(request).store.sessions_of, owner)
+async def list_sessions(request: Request, limit: int = 20, offset: int = 0, owner: str = Depends(require_owner), backend: Backend = Depends(get_backend)) -> dict:
+    sessions = await run_in_threadpool(backend.store.sessions_of, owner)
     return {"sessions": [s.session_id for s in sessions[offset: offset + limit]]}
 
 
 @router.get("/sessions/{session_id}")
-async def get_session(session_id: str, request: Request, owner: str = Depends(require_owner)) -> dict:
-    backend = _backend(request)
-    session = await run_in_threadpool(backend.client_session, session_id, owner)
+async def get_session(session_id: str, request: Request, owner: str = Depends(require_owner), backend: Backend = Depends(get_backend)) -> dict:
+    session = await run_in_threadpool(backend.owners.client_session, session_id, owner)
     return {
         "training_run_ids": await run_in_threadpool(backend.store.members, session_id, "models"),
         "sampler_ids": await run_in_threadpool(backend.store.members, session_id, "samplers"),

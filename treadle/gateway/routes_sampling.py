@@ -13,25 +13,20 @@ from tinker import types as tt
 
 from treadle.errors import InvalidRequestError, TreadleError
 from treadle.gateway.auth import require_owner
-from treadle.gateway.backend import Backend
+from treadle.gateway.backend import Backend, get_backend
 from treadle.gateway.paths import to_tinker
 from treadle.gateway.store import Sampler
-from treadle.queue.ops import parse_request
+from treadle.queue.ops import SampleRequest, parse_request
 from treadle.types import SamplingParams
 
 router = APIRouter()
 
 
-def _backend(request: Request) -> Backend:
-    return request.app.state.backend
-
-
 @router.post("/create_sampling_session")
-async def create_sampling_session(request: Request, owner: str = Depends(require_owner)) -> dict:
-    backend = _backend(request)
+async def create_sampling_session(request: Request, owner: str = Depends(require_owner), backend: Backend = Depends(get_backend)) -> dict:
     req = parse_request(tt.CreateSamplingSessionRequest, await request.json())
-    await run_in_threadpool(backend.client_session, req.session_id, owner)
-    base_model, model_path = await run_in_threadpool(_target, backend, owner, req.base_model, req.model_path)
+    await run_in_threadpool(backend.owners.client_session, req.session_id, owner)
+    base_model, model_path = await run_in_threadpool(backend.owners.sampling_target, owner, req.base_model, req.model_path)
     sampler = Sampler(
         sampler_id=f"{req.session_id}:sample:{req.sampling_session_seq_id}", owner=owner, base_model=base_model, model_path=model_path,
     )
@@ -41,8 +36,8 @@ async def create_sampling_session(request: Request, owner: str = Depends(require
 
 
 @router.get("/samplers/{sampler_id}")
-async def get_sampler(sampler_id: str, request: Request, owner: str = Depends(require_owner)) -> dict:
-    sampler = await run_in_threadpool(_backend(request).sampler, sampler_id, owner)
+async def get_sampler(sampler_id: str, request: Request, owner: str = Depends(require_owner), backend: Backend = Depends(get_backend)) -> dict:
+    sampler = await run_in_threadpool(backend.owners.sampler, sampler_id, owner)
     return {
         "sampler_id": sampler.sampler_id,
         "base_model": sampler.base_model,
@@ -51,37 +46,25 @@ async def get_sampler(sampler_id: str, request: Request, owner: str = Depends(re
 
 
 @router.post("/asample")
-async def asample(request: Request, owner: str = Depends(require_owner)) -> dict:
+async def asample(request: Request, owner: str = Depends(require_owner), backend: Backend = Depends(get_backend)) -> dict:
     """Returns the future at once, with one `sample_sequence_id` per sample (the SDK asserts them)."""
-    backend = _backend(request)
     req = parse_request(tt.SampleRequest, await request.json())
     if req.sampling_session_id is not None:
-        sampler = await run_in_threadpool(backend.sampler, req.sampling_session_id, owner)
+        sampler = await run_in_threadpool(backend.owners.sampler, req.sampling_session_id, owner)
         base_model, model_path = sampler.base_model, sampler.model_path
     else:
-        base_model, model_path = await run_in_threadpool(_target, backend, owner, req.base_model, req.model_path)
+        base_model, model_path = await run_in_threadpool(backend.owners.sampling_target, owner, req.base_model, req.model_path)
     try:
-        payload = _sample_payload(req, model_path)
+        sample = _sample_request(req, base_model, model_path)
     except TreadleError as exc:
-        request_id = await run_in_threadpool(backend.fail_local, owner, "sample", exc)
+        request_id = await run_in_threadpool(backend.local.fail, owner, "sample", exc)
     else:
         extra = {"prompt_logprobs_last_n": req.prompt_logprobs_last_n}
-        request_id = await run_in_threadpool(backend.submit_sample, owner, base_model, payload, extra)
+        request_id = await run_in_threadpool(backend.submit_sample, owner, sample, extra)
     return {"request_id": request_id, "sample_sequence_ids": [f"{request_id}:{i}" for i in range(req.num_samples)]}
 
 
-def _target(backend: Backend, owner: str, base_model: str | None, model_path: str | None) -> tuple[str, str | None]:
-    """(base model, treadle sampler path) of a sampling target: a checkpoint of the owner's, or a served base model."""
-    if model_path is not None:
-        path, manifest = backend.checkpoint(model_path, owner)
-        return manifest.base_model, path.uri()
-    if base_model is None:
-        raise InvalidRequestError("base_model: give base_model or model_path to sample from")
-    backend.served_model(base_model)
-    return base_model, None
-
-
-def _sample_payload(req: tt.SampleRequest, model_path: str | None) -> dict:
+def _sample_request(req: tt.SampleRequest, base_model: str, model_path: str | None) -> SampleRequest:
     unsupported = {
         "topk_sample_logprobs": req.topk_sample_logprobs > 0,
         "target_prompt_logprobs": req.target_prompt_logprobs is not None,
@@ -96,11 +79,7 @@ def _sample_payload(req: tt.SampleRequest, model_path: str | None) -> dict:
             raise InvalidRequestError(f"prompt.chunks[{i}]: {type(chunk).__name__} is not supported; only encoded_text")
         prompt.extend(chunk.tokens)
     params = parse_request(SamplingParams, req.sampling_params.model_dump(), "sampling_params")
-    return {
-        "model_path": model_path,
-        "prompt": prompt,
-        "num_samples": req.num_samples,
-        "sampling_params": params.model_dump(),
-        "include_prompt_logprobs": bool(req.prompt_logprobs),
-        "topk_prompt_logprobs": req.topk_prompt_logprobs,
-    }
+    return SampleRequest.build(
+        base_model=base_model, model_path=model_path, prompt=prompt, num_samples=req.num_samples, sampling_params=params,
+        include_prompt_logprobs=bool(req.prompt_logprobs), topk_prompt_logprobs=req.topk_prompt_logprobs,
+    )

@@ -7,14 +7,10 @@ from starlette.concurrency import run_in_threadpool
 from tinker import types as tt
 
 from treadle.gateway.auth import require_owner
-from treadle.gateway.backend import Backend
+from treadle.gateway.backend import Backend, get_backend
 from treadle.queue.ops import parse_request
 
 router = APIRouter()
-
-
-def _backend(request: Request) -> Backend:
-    return request.app.state.backend
 
 
 @router.get("/healthz")
@@ -23,9 +19,9 @@ async def healthz() -> dict:
 
 
 @router.post("/client/config")
-async def client_config(request: Request, owner: str = Depends(require_owner)) -> dict:
+async def client_config(request: Request, owner: str = Depends(require_owner), backend: Backend = Depends(get_backend)) -> dict:
     """Feature flags of this server. Required: the SDK aborts if this endpoint is missing."""
-    settings = _backend(request).settings
+    settings = backend.settings
     return {
         "pjwt_auth_enabled": False,
         "parallel_fwdbwd_chunks": True,
@@ -43,35 +39,33 @@ async def client_dynamic_config(owner: str = Depends(require_owner)) -> dict:
 
 
 @router.post("/create_session")
-async def create_session(request: Request, owner: str = Depends(require_owner)) -> dict:
+async def create_session(request: Request, owner: str = Depends(require_owner), backend: Backend = Depends(get_backend)) -> dict:
     req = parse_request(tt.CreateSessionRequest, await request.json())
-    session = await run_in_threadpool(_backend(request).new_client_session, owner, req.tags, req.user_metadata)
+    session = await run_in_threadpool(backend.owners.new_client_session, owner, req.tags, req.user_metadata)
     return {"session_id": session.session_id, "type": "create_session"}
 
 
 @router.post("/session_heartbeat")
-async def session_heartbeat(request: Request, owner: str = Depends(require_owner)) -> dict:
+async def session_heartbeat(request: Request, owner: str = Depends(require_owner), backend: Backend = Depends(get_backend)) -> dict:
     req = parse_request(tt.SessionHeartbeatRequest, await request.json())
-    backend = _backend(request)
-    await run_in_threadpool(backend.client_session, req.session_id, owner)
+    await run_in_threadpool(backend.owners.client_session, req.session_id, owner)
     await run_in_threadpool(backend.store.touch_session, req.session_id)
     return {"type": "session_heartbeat"}
 
 
 @router.post("/sessions/{session_id}/finish")
-async def finish_session(session_id: str, request: Request, owner: str = Depends(require_owner)) -> dict:
+async def finish_session(session_id: str, request: Request, owner: str = Depends(require_owner), backend: Backend = Depends(get_backend)) -> dict:
     """The client closed: stop its training models so their workers free the adapters. Checkpoints stay."""
-    backend = _backend(request)
-    await run_in_threadpool(backend.client_session, session_id, owner)
+    await run_in_threadpool(backend.owners.client_session, session_id, owner)
     for model_id in await run_in_threadpool(backend.store.members, session_id, "models"):
-        if await run_in_threadpool(backend.ops.session_info, model_id) is not None:
-            await run_in_threadpool(backend.stop_model, model_id)
+        if await run_in_threadpool(backend.model_exists, model_id):
+            await run_in_threadpool(backend.seqs.stop_model, model_id)
     return {"status": "finished"}
 
 
 @router.get("/get_server_capabilities")
-async def get_server_capabilities(request: Request, owner: str = Depends(require_owner)) -> dict:
-    served = await run_in_threadpool(_backend(request).ops.served_models)
+async def get_server_capabilities(request: Request, owner: str = Depends(require_owner), backend: Backend = Depends(get_backend)) -> dict:
+    served = await run_in_threadpool(backend.owners.served_models)
     return {"supported_models": [
         {"model_name": m.name, "max_context_length": m.max_seq_len, "trainable": True, "sampleable": True} for m in served
     ]}

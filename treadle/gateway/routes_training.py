@@ -7,23 +7,29 @@ client-side id arithmetic and treadle's checkpoint paths (`<run_id>` = model id)
 
 from __future__ import annotations
 
+from typing import Callable
+
 import zstandard
-from fastapi import APIRouter, Depends, HTTPException, Request
+from fastapi import APIRouter, Depends, Request
 from starlette.concurrency import run_in_threadpool
 from tinker import types as tt
 
-from treadle.errors import CheckpointNotFoundError, InvalidRequestError, TreadleError
+from treadle.errors import InvalidRequestError, TreadleError
 from treadle.gateway.auth import require_owner
-from treadle.gateway.backend import Backend, model_session_id
-from treadle.gateway.proto_codec import forward_backward_payload, parse_forward_backward
-from treadle.queue.ops import parse_request
+from treadle.gateway.backend import Backend, get_backend, model_session_id
+from treadle.gateway.proto_codec import forward_backward_request, parse_forward_backward
+from treadle.queue.ops import (
+    CreateSessionRequest,
+    LoadStateRequest,
+    OpRequest,
+    OptimStepRequest,
+    SaveStateRequest,
+    SaveWeightsForSamplerRequest,
+    parse_request,
+)
 from treadle.types import AdamParams, LoraConfig
 
 router = APIRouter()
-
-
-def _backend(request: Request) -> Backend:
-    return request.app.state.backend
 
 
 def _future(request_id: str, model_id: str) -> dict:
@@ -31,35 +37,33 @@ def _future(request_id: str, model_id: str) -> dict:
 
 
 @router.post("/create_model")
-async def create_model(request: Request, owner: str = Depends(require_owner)) -> dict:
-    backend, body = _backend(request), await request.body()
+async def create_model(request: Request, owner: str = Depends(require_owner), backend: Backend = Depends(get_backend)) -> dict:
+    body = await request.body()
     req = parse_request(tt.CreateModelRequest, await request.json())
-    await run_in_threadpool(backend.client_session, req.session_id, owner)
+    await run_in_threadpool(backend.owners.client_session, req.session_id, owner)
     model_id = f"{req.session_id}:train:{req.model_seq_id}"
     if req.optimizer_config.type != "adamw":
         error = InvalidRequestError(f"optimizer_config.type: {req.optimizer_config.type!r} is not supported; treadle trains with 'adamw'")
-        return _future(backend.fail_local(owner, "create_model", error), model_id)
+        return _future(backend.local.fail(owner, "create_model", error), model_id)
     tinker_lora = req.lora_config or tt.LoraConfig(rank=LoraConfig().rank)
     lora = parse_request(LoraConfig, tinker_lora.model_dump(exclude_none=True), "lora_config")
+    create = CreateSessionRequest.build(session_id=model_id, base_model=req.base_model, lora=lora, owner=owner,
+                                        user_metadata=req.user_metadata)
 
-    def create() -> dict:
-        backend.ops.create_session(
-            req.base_model, lora, session_id=model_id, owner=owner, user_metadata=req.user_metadata,
-            timeout=backend.settings.create_timeout_seconds,
-        )
+    def run() -> dict:
+        backend.create_model(create)
         return {"model_id": model_id, "type": "create_model"}
 
     await run_in_threadpool(backend.store.add_member, req.session_id, "models", model_id)
-    request_id = await run_in_threadpool(backend.run_local, owner, "create_model", f"create_model:{model_id}", create, body=body)
+    request_id = await run_in_threadpool(backend.local.run, owner, "create_model", f"create_model:{model_id}", run, body=body)
     return _future(request_id, model_id)
 
 
 @router.post("/get_info")
-async def get_info(request: Request, owner: str = Depends(require_owner)) -> dict:
+async def get_info(request: Request, owner: str = Depends(require_owner), backend: Backend = Depends(get_backend)) -> dict:
     req = parse_request(tt.GetInfoRequest, await request.json())
-    backend = _backend(request)
-    info = await run_in_threadpool(backend.model, req.model_id, owner)
-    tokenizer_id = await run_in_threadpool(backend.tokenizer_source, info.base_model)
+    info = await run_in_threadpool(backend.owners.model, req.model_id, owner)
+    tokenizer_id = await run_in_threadpool(backend.owners.tokenizer_source, info.base_model)
     return {
         "type": "get_info",
         "model_id": info.session_id,
@@ -73,121 +77,117 @@ async def get_info(request: Request, owner: str = Depends(require_owner)) -> dic
 
 
 @router.post("/forward_backward")
-async def forward_backward(request: Request, owner: str = Depends(require_owner)) -> dict:
+async def forward_backward(request: Request, owner: str = Depends(require_owner), backend: Backend = Depends(get_backend)) -> dict:
     """Protobuf in; `forward_only` makes it a forward (the SDK has no separate /forward call)."""
-    backend, body = _backend(request), await request.body()
+    body = await request.body()
     if request.headers.get("content-encoding", "").lower() == "zstd":
         body = zstandard.ZstdDecompressor().decompress(body, max_output_size=1 << 31)
     msg = parse_forward_backward(body)
-    await run_in_threadpool(backend.model, msg.model_id, owner)
-    op = "forward" if msg.forward_only else "forward_backward"
-    return _future(await _submit(backend, owner, msg.model_id, msg.seq_id, op, lambda: forward_backward_payload(msg),
+    await run_in_threadpool(backend.owners.model, msg.model_id, owner)
+    return _future(await _submit(backend, owner, msg.model_id, msg.seq_id, lambda: forward_backward_request(msg),
                                  kind="forward_backward", body=body), msg.model_id)
 
 
 @router.post("/optim_step")
-async def optim_step(request: Request, owner: str = Depends(require_owner)) -> dict:
-    backend, body = _backend(request), await request.body()
+async def optim_step(request: Request, owner: str = Depends(require_owner), backend: Backend = Depends(get_backend)) -> dict:
+    body = await request.body()
     req = parse_request(tt.OptimStepRequest, await request.json())
-    await run_in_threadpool(backend.model, req.model_id, owner)
+    await run_in_threadpool(backend.owners.model, req.model_id, owner)
 
-    def payload() -> dict:
+    def build() -> OptimStepRequest:
         if not isinstance(req.optim_params, tt.AdamParams):
             raise InvalidRequestError(f"optimizer_params.type: {req.optim_params.type!r} is not supported; treadle trains with AdamW (adam_params)")
-        return {"adam_params": parse_request(AdamParams, req.optim_params.model_dump(), "adam_params").model_dump()}
+        return OptimStepRequest.build(adam_params=parse_request(AdamParams, req.optim_params.model_dump(), "adam_params"))
 
-    return _future(await _submit(backend, owner, req.model_id, req.seq_id, "optim_step", payload, kind="optim_step", body=body), req.model_id)
+    return _future(await _submit(backend, owner, req.model_id, req.seq_id, build, kind="optim_step", body=body), req.model_id)
 
 
 @router.post("/save_weights")
-async def save_weights(request: Request, owner: str = Depends(require_owner)) -> dict:
+async def save_weights(request: Request, owner: str = Depends(require_owner), backend: Backend = Depends(get_backend)) -> dict:
     """`TrainingClient.save_state`: adapter + optimizer state under tinker://<model_id>/weights/<name>."""
-    backend, body = _backend(request), await request.body()
+    body = await request.body()
     req = parse_request(tt.SaveWeightsRequest, await request.json())
-    await run_in_threadpool(backend.model, req.model_id, owner)
+    await run_in_threadpool(backend.owners.model, req.model_id, owner)
 
-    def payload() -> dict:
+    def build() -> SaveStateRequest:
         if not req.path:
             raise InvalidRequestError("path: a checkpoint name is required for save_state")
-        return {"name": req.path, "ttl_seconds": req.ttl_seconds, "overwrite": req.overwrite, "user_metadata": req.user_metadata}
+        return SaveStateRequest.build(name=req.path, ttl_seconds=req.ttl_seconds, overwrite=req.overwrite, user_metadata=req.user_metadata)
 
-    return _future(await _submit(backend, owner, req.model_id, req.seq_id, "save_state", payload, kind="save_weights", body=body), req.model_id)
+    return _future(await _submit(backend, owner, req.model_id, req.seq_id, build, kind="save_weights", body=body), req.model_id)
 
 
 @router.post("/save_weights_for_sampler")
-async def save_weights_for_sampler(request: Request, owner: str = Depends(require_owner)) -> dict:
+async def save_weights_for_sampler(request: Request, owner: str = Depends(require_owner), backend: Backend = Depends(get_backend)) -> dict:
     """Named: a persistent sampler checkpoint. Ephemeral (no path): a snapshot that becomes a sampling session."""
-    backend, body = _backend(request), await request.body()
+    body = await request.body()
     req = parse_request(tt.SaveWeightsForSamplerRequest, await request.json())
-    info = await run_in_threadpool(backend.model, req.model_id, owner)
+    info = await run_in_threadpool(backend.owners.model, req.model_id, owner)
     extra = None
     if req.path is None:
         session_id = model_session_id(req.model_id)
         seq = req.sampling_session_seq_id if req.sampling_session_seq_id is not None else req.seq_id
         extra = {"sampler_id": f"{session_id}:sample:{seq}", "base_model": info.base_model, "session_id": session_id}
     return _future(await _submit(
-        backend, owner, req.model_id, req.seq_id, "save_weights_for_sampler",
-        lambda: {"name": req.path, "ttl_seconds": req.ttl_seconds}, kind="save_weights_for_sampler", body=body, extra=extra,
+        backend, owner, req.model_id, req.seq_id, lambda: SaveWeightsForSamplerRequest.build(name=req.path, ttl_seconds=req.ttl_seconds),
+        kind="save_weights_for_sampler", body=body, extra=extra,
     ), req.model_id)
 
 
 @router.post("/load_weights")
-async def load_weights(request: Request, owner: str = Depends(require_owner)) -> dict:
+async def load_weights(request: Request, owner: str = Depends(require_owner), backend: Backend = Depends(get_backend)) -> dict:
     """Into an existing model (deprecated `load_state`), or into a new one (`create_training_client_from_state*`)."""
-    backend, body = _backend(request), await request.body()
+    body = await request.body()
     req = parse_request(tt.LoadWeightsRequest, await request.json())
     if req.model_id is not None:
-        await run_in_threadpool(backend.model, req.model_id, owner)
+        await run_in_threadpool(backend.owners.model, req.model_id, owner)
 
-        def payload() -> dict:
-            path, _ = backend.checkpoint(req.path, owner)
-            return {"path": path.uri(), "with_optimizer": req.optimizer}
+        def build() -> LoadStateRequest:
+            path, _ = backend.owners.checkpoint(req.path, owner)
+            return LoadStateRequest.build(path=path.uri(), with_optimizer=req.optimizer)
 
-        return _future(await _submit(backend, owner, req.model_id, req.seq_id, "load_state", payload, kind="load_weights", body=body), req.model_id)
+        return _future(await _submit(backend, owner, req.model_id, req.seq_id, build, kind="load_weights", body=body), req.model_id)
 
     if req.session_id is None or req.model_seq_id is None:
         raise InvalidRequestError("load_weights: give either model_id and seq_id, or session_id and model_seq_id")
-    await run_in_threadpool(backend.client_session, req.session_id, owner)
-    path, manifest = await run_in_threadpool(backend.checkpoint, req.path, owner)
+    await run_in_threadpool(backend.owners.client_session, req.session_id, owner)
+    path, manifest = await run_in_threadpool(backend.owners.checkpoint, req.path, owner)
     model_id = f"{req.session_id}:train:{req.model_seq_id}"
-    base_model = req.base_model or manifest.base_model
     lora = LoraConfig.model_validate(manifest.lora_config) if manifest.lora_config else LoraConfig()
+    create = CreateSessionRequest.build(session_id=model_id, base_model=req.base_model or manifest.base_model, lora=lora,
+                                        owner=owner, user_metadata=req.user_metadata, from_state=path.uri(),
+                                        with_optimizer=req.optimizer)
 
-    def create() -> dict:
-        backend.ops.create_session(
-            base_model, lora, session_id=model_id, owner=owner, user_metadata=req.user_metadata,
-            from_state=path.uri(), with_optimizer=req.optimizer, timeout=backend.settings.create_timeout_seconds,
-        )
+    def run() -> dict:
+        backend.create_model(create)
         return {"model_id": model_id, "path": path.uri("tinker"), "type": "load_weights"}
 
     await run_in_threadpool(backend.store.add_member, req.session_id, "models", model_id)
-    request_id = await run_in_threadpool(backend.run_local, owner, "load_weights", f"load_weights:{model_id}", create, body=body)
+    request_id = await run_in_threadpool(backend.local.run, owner, "load_weights", f"load_weights:{model_id}", run, body=body)
     return _future(request_id, model_id)
 
 
 @router.post("/save_weights_external")
-async def save_weights_external(request: Request, owner: str = Depends(require_owner)) -> dict:
-    backend, body = _backend(request), await request.body()
+async def save_weights_external(request: Request, owner: str = Depends(require_owner), backend: Backend = Depends(get_backend)) -> dict:
+    body = await request.body()
     req = parse_request(tt.SaveWeightsExternalRequest, await request.json())
-    await run_in_threadpool(backend.model, req.model_id, owner)
+    await run_in_threadpool(backend.owners.model, req.model_id, owner)
     error = InvalidRequestError(
         "save_weights_external is not supported by treadle; save_weights_for_sampler writes a PEFT adapter "
         "directory, and `treadle checkpoints export` writes a merged model"
     )
-    return _future(await run_in_threadpool(backend.refuse_op, owner, req.model_id, req.seq_id, error, body=body), req.model_id)
+    return _future(await run_in_threadpool(backend.seqs.refuse, owner, req.model_id, req.seq_id, error, body=body), req.model_id)
 
 
-async def _submit(backend: Backend, owner: str, model_id: str, seq_id: int | None, op: str, build_payload, **kwargs) -> str:
-    """Build the op's payload and publish it at seq_id; a request that cannot be translated takes its seq as a noop."""
+async def _submit(backend: Backend, owner: str, model_id: str, seq_id: int | None, build: Callable[[], OpRequest], **kwargs) -> str:
+    """Build the op's typed request and publish it at seq_id; a request that cannot be translated takes its seq as a noop."""
     def run() -> str:
         try:
-            payload = build_payload()
+            request = build()
         except TreadleError as exc:
             if exc.category != "user":
                 raise
-            return backend.refuse_op(owner, model_id, seq_id, exc, body=kwargs["body"])
-        except HTTPException as exc:  # a checkpoint that is not the caller's (404)
-            return backend.refuse_op(owner, model_id, seq_id, CheckpointNotFoundError(str(exc.detail)), body=kwargs["body"])
-        return backend.submit_op(owner, model_id, seq_id, op, payload, **kwargs)
+            return backend.seqs.refuse(owner, model_id, seq_id, exc, body=kwargs["body"])
+        return backend.seqs.submit(owner, model_id, seq_id, request, **kwargs)
 
     return await run_in_threadpool(run)

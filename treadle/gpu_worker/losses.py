@@ -9,7 +9,7 @@ Because every loss is a sum of per-token terms, a function here receives the tok
 micro-batch flattened into 1-D tensors, and summing micro-batch losses gives the batch loss exactly.
 
 Adding a loss: write the function, add a `LossSpec` row to `LOSSES` (its required inputs and its
-config defaults), add its name to `treadle.types.LOSS_FN_TYPES`, and add a hand-computed row to
+config defaults), add its name to `treadle.types.LossFnType` (a test pins that the two agree), and a hand-computed row to
 tests/test_losses.py.
 """
 

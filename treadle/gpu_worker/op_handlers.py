@@ -1,97 +1,139 @@
-"""One handler per op: what the worker does with a session's op, given its engine.
+"""One handler per session op: what the worker does with a typed request, given a small context.
 
-Each takes (ctx, engine, owned, env, payload): the executor (its checkpoint store and fencing), the
-engine serving the session, the session's ownership record, the op envelope and its payload, and
-returns the op's JSON result. Validation happens here, at the edge, before the engine is touched.
-Adding an op: its request type in `queue/ops.py`, a handler here, a TrainingClient method, a gateway
-route, a test row.
+A handler takes the op's request (already decoded from the journal into its class from
+`treadle.queue.ops`) and an `OpContext` (the engine serving the session, the session, the op's seq,
+the checkpoint store, the sampler cache and the fence), and returns the op's typed response. It never
+sees the sequencer or the worker. `HANDLERS` maps each request class to its handler; `handler_for`
+looks one up before anything runs, so an error inside a handler is reported as that error, never as
+an unknown op.
 """
 
 from __future__ import annotations
 
 import tempfile
+from dataclasses import dataclass
+from typing import Callable
 
-from treadle.errors import CheckpointExistsError
+from pydantic import BaseModel
+
+from treadle.errors import CheckpointExistsError, ServerError
+from treadle.gpu_worker.checkpoint_io import load_checkpoint
 from treadle.queue.ops import (
+    EmptyResponse,
     ForwardBackwardRequest,
+    ForwardRequest,
     LoadStateRequest,
+    NoopRequest,
+    OpRequest,
     OptimStepRequest,
-    SaveSamplerRequest,
     SaveStateRequest,
-    encode_forward_output,
-    parse_request,
+    SaveWeightsForSamplerRequest,
+    StopRequest,
+    op_request,
 )
+from treadle.queue.sessions import SessionRecord
+from treadle.storage.checkpoint_store import CheckpointStore
 from treadle.storage.paths import CheckpointPath
+from treadle.types import (
+    ForwardBackwardOutput,
+    LoadWeightsResponse,
+    OptimStepResponse,
+    SaveWeightsForSamplerResponse,
+    SaveWeightsResponse,
+)
 
 
-def forward(ctx, engine, owned, env, payload):
-    req = parse_request(ForwardBackwardRequest, payload, "forward")
-    fn = engine.forward_backward if env.op == "forward_backward" else engine.forward
-    out = fn(owned.record.session_id, req.datums(), req.loss_fn, req.loss_fn_config)
-    return encode_forward_output(out, engine.step(owned.record.session_id))
+@dataclass(frozen=True)
+class OpContext:
+    engine: "Engine"  # noqa: F821 - treadle.gpu_worker.engine.Engine; not imported to keep this module light
+    session: SessionRecord
+    seq: int
+    store: CheckpointStore
+    fence: Callable[[], None]  # raises if this worker lost the session's lease; called before every write
+    remember_sampler: Callable[[str, str], None]  # (sampler id, base model): the sampler cache's bookkeeping
+
+    @property
+    def session_id(self) -> str:
+        return self.session.session_id
 
 
-def optim_step(ctx, engine, owned, env, payload):
-    req = parse_request(OptimStepRequest, payload, "optim_step")
-    out = engine.optim_step(owned.record.session_id, req.adam_params)
-    return {"metrics": out.metrics or {}, "step": engine.step(owned.record.session_id)}
+Handler = Callable[[OpRequest, OpContext], BaseModel]
+HANDLERS: dict[type[OpRequest], Handler] = {}
 
 
-def save_state(ctx, engine, owned, env, payload):
-    req = parse_request(SaveStateRequest, payload, "save_state")
-    sid = owned.record.session_id
-    path = CheckpointPath(run_id=owned.record.run_id, kind="weights", name=req.name)
+def handles(request_cls: type[OpRequest]):
+    def register(fn: Handler) -> Handler:
+        HANDLERS[request_cls] = fn
+        return fn
+
+    return register
+
+
+def handler_for(op: str) -> Handler:
+    cls = op_request(op)
+    if cls not in HANDLERS:
+        raise ServerError(f"op: {op!r} has no handler on this worker (a newer client than worker?)")
+    return HANDLERS[cls]
+
+
+@handles(ForwardRequest)
+@handles(ForwardBackwardRequest)
+def forward(req: ForwardRequest, ctx: OpContext) -> ForwardBackwardOutput:
+    run = ctx.engine.forward_backward if req.stateful else ctx.engine.forward
+    out = run(ctx.session_id, req.data, req.loss_fn, req.loss_fn_config)
+    return out.model_copy(update={"metrics": {**out.metrics, "step:max": float(ctx.engine.step(ctx.session_id))}})
+
+
+@handles(OptimStepRequest)
+def optim_step(req: OptimStepRequest, ctx: OpContext) -> OptimStepResponse:
+    return ctx.engine.optim_step(ctx.session_id, req.adam_params)
+
+
+@handles(SaveStateRequest)
+def save_state(req: SaveStateRequest, ctx: OpContext) -> SaveWeightsResponse:
+    path = CheckpointPath(run_id=ctx.session.run_id, kind="weights", name=req.name)
     if not req.overwrite and ctx.store.exists(path):
         raise CheckpointExistsError(f"name: checkpoint {path.uri()} exists and overwrite=False")
     with tempfile.TemporaryDirectory(prefix="treadle-state-") as tmp:
-        engine.save_state(sid, tmp, include_optimizer=True)
-        ctx.fence(owned)
-        ctx.store.save(tmp, path, base_model=owned.record.base_model, lora_config=owned.record.lora.model_dump(),
-                        step=engine.step(sid), applied_seq=env.seq, ttl_seconds=req.ttl_seconds,
-                        user_metadata=req.user_metadata, overwrite=req.overwrite,
-                        extra={"base_model_path": engine.base_model})
-    return {"path": path.uri()}
+        ctx.engine.save_state(ctx.session_id, tmp, include_optimizer=True)
+        ctx.fence()
+        ctx.store.save(tmp, path, base_model=ctx.session.base_model, lora_config=ctx.session.lora.model_dump(),
+                       step=ctx.engine.step(ctx.session_id), applied_seq=ctx.seq, ttl_seconds=req.ttl_seconds,
+                       user_metadata=req.user_metadata, overwrite=req.overwrite,
+                       extra={"base_model_path": ctx.engine.base_model})
+    return SaveWeightsResponse(path=path.uri())
 
 
-def save_weights_for_sampler(ctx, engine, owned, env, payload):
-    req = parse_request(SaveSamplerRequest, payload, "save_weights_for_sampler")
-    sid = owned.record.session_id
+@handles(SaveWeightsForSamplerRequest)
+def save_weights_for_sampler(req: SaveWeightsForSamplerRequest, ctx: OpContext) -> SaveWeightsForSamplerResponse:
     ephemeral = req.name is None  # an empty name is a bad name, not a request for a generated one
-    name = f"ephemeral-{env.seq:08d}" if ephemeral else req.name
+    name = f"ephemeral-{ctx.seq:08d}" if ephemeral else req.name
     ttl = req.ttl_seconds or (24 * 3600 if ephemeral else None)
-    path = CheckpointPath(run_id=owned.record.run_id, kind="sampler_weights", name=name)
+    path = CheckpointPath(run_id=ctx.session.run_id, kind="sampler_weights", name=name)
     sampler_id = path.uri()
-    engine.snapshot_sampler(sid, sampler_id)
-    ctx.remember_sampler(sampler_id, owned.record.base_model)
+    ctx.engine.snapshot_sampler(ctx.session_id, sampler_id)
+    ctx.remember_sampler(sampler_id, ctx.session.base_model)
     with tempfile.TemporaryDirectory(prefix="treadle-sampler-") as tmp:
-        engine.save_sampler_weights(sampler_id, tmp)
+        ctx.engine.save_sampler_weights(sampler_id, tmp)
         if req.merge_weights:
-            from treadle.storage.merged_export import export_merged
+            from treadle.storage.merged_export import export_merged  # transformers' full model load: only when asked
 
-            export_merged(engine.base_model, tmp, f"{tmp}/merged")
-        ctx.fence(owned)
-        ctx.store.save(tmp, path, base_model=owned.record.base_model, lora_config=owned.record.lora.model_dump(),
-                        step=engine.step(sid), applied_seq=env.seq, ttl_seconds=ttl, overwrite=True,
-                        extra={"base_model_path": engine.base_model})
-    return {"path": sampler_id, "step": engine.step(sid)}
-
-
-def load_state(ctx, engine, owned, env, payload):
-    req = parse_request(LoadStateRequest, payload, "load_state")
-    ctx.load_state_into(engine, owned.record.session_id, req.path, req.with_optimizer)
-    return {"path": req.path, "step": engine.step(owned.record.session_id)}
+            export_merged(ctx.engine.base_model, tmp, f"{tmp}/merged")
+        ctx.fence()
+        ctx.store.save(tmp, path, base_model=ctx.session.base_model, lora_config=ctx.session.lora.model_dump(),
+                       step=ctx.engine.step(ctx.session_id), applied_seq=ctx.seq, ttl_seconds=ttl, overwrite=True,
+                       extra={"base_model_path": ctx.engine.base_model})
+    return SaveWeightsForSamplerResponse(path=sampler_id)
 
 
-def noop(ctx, engine, owned, env, payload):
-    return {}
+@handles(LoadStateRequest)
+def load_state(req: LoadStateRequest, ctx: OpContext) -> LoadWeightsResponse:
+    load_checkpoint(ctx.engine, ctx.store, ctx.session_id, req.path, req.with_optimizer)
+    return LoadWeightsResponse(path=req.path, model_id=ctx.session_id)
 
-HANDLERS = {
-    "forward": forward,
-    "forward_backward": forward,
-    "optim_step": optim_step,
-    "save_state": save_state,
-    "save_weights_for_sampler": save_weights_for_sampler,
-    "load_state": load_state,
-    "noop": noop,
-    "stop": noop,
-}
+
+@handles(NoopRequest)
+@handles(StopRequest)
+def nothing(req: OpRequest, ctx: OpContext) -> EmptyResponse:
+    """noop does nothing; stop's work (freeing the session) is the sequencer's, after the result is stored."""
+    return EmptyResponse()

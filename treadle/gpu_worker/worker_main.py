@@ -24,7 +24,6 @@ from treadle.queue import names
 from treadle.queue.celery_app import make_app
 from treadle.queue.lease import LeaseManager
 from treadle.queue.ops_client import connect_redis
-from treadle.queue.sessions import SessionRegistry
 from treadle.queue.workers import ServedModel, WorkerAnnouncement, WorkerRegistry
 from treadle.settings import ConnectionSettings
 
@@ -45,7 +44,6 @@ class WorkerConfig(BaseModel):
     lease_ttl_s: float = Field(default=15.0, gt=0.5, description="Session lease TTL: how soon another worker adopts a dead worker's sessions.")
     max_tokens_per_microbatch: int = Field(default=4096, ge=64, description="Token budget of one forward/backward micro-batch.")
     loglevel: str = Field(default="INFO", description="Log level.")
-    debug_slow_ops: list[str] = Field(default_factory=list, description="Fault injection for recovery tests: OP=SECONDS sleeps before each such op.")
 
 
 def parse_model_spec(spec: str) -> tuple[str, str]:
@@ -58,9 +56,13 @@ def parse_model_spec(spec: str) -> tuple[str, str]:
 
 class WorkerService:
     def __init__(self, config: WorkerConfig):
+        from treadle.gpu_worker.autosave import Autosaver
         from treadle.gpu_worker.celery_tasks import register_tasks
         from treadle.gpu_worker.engine import Engine
-        from treadle.gpu_worker.executor import OpExecutor
+        from treadle.gpu_worker.failover import Failover
+        from treadle.gpu_worker.hosting import SessionHost
+        from treadle.gpu_worker.sampling import SamplerCache, Sampling
+        from treadle.gpu_worker.sequencer import Sequencer
         from treadle.storage.checkpoint_store import CheckpointStore
 
         self.config = config
@@ -85,16 +87,19 @@ class WorkerService:
             log.info("loaded %s from %s in %.1f s", name, path, time.monotonic() - t0)
         self.app = make_app(broker, result)
         self.lease = LeaseManager(self.redis, self.hostname, ttl_ms=int(config.lease_ttl_s * 1000))
-        self.executor = OpExecutor(
-            hostname=self.hostname, engines=self.engines, redis=self.redis, app=self.app, store=self.store,
-            lease=self.lease, checkpoint_every=config.checkpoint_every,
-            checkpoint_interval_s=config.checkpoint_interval_s,
-            slow_ops={k: float(v) for k, v in (spec.split("=", 1) for spec in config.debug_slow_ops)},
+        device_lock = threading.RLock()
+        samplers = SamplerCache(lambda model: self.host.engine(model), self.store)
+        self.host = SessionHost(
+            hostname=self.hostname, engines=self.engines, redis=self.redis, store=self.store, lease=self.lease,
+            device_lock=device_lock, remember_sampler=samplers.remember,
             subscribe=self._subscribe, unsubscribe=self._unsubscribe,
         )
-        register_tasks(self.app, self.executor)
+        self.autosaver = Autosaver(self.host, checkpoint_every=config.checkpoint_every,
+                                   checkpoint_interval_s=config.checkpoint_interval_s)
+        sequencer = Sequencer(self.host, self.app, after_op=self.autosaver.after_op, reload=self.autosaver.reload)
+        self.failover = Failover(self.host, sequencer, self.autosaver, idle_unload_s=config.idle_unload_s)
+        register_tasks(self.app, sequencer, self.host, Sampling(samplers, device_lock))
         self.registry = WorkerRegistry(self.redis)
-        self.sessions = SessionRegistry(self.redis)
         self._stop = threading.Event()
         self._started_at = time.time()
 
@@ -115,8 +120,8 @@ class WorkerService:
     def _announce(self) -> None:
         self.registry.announce(WorkerAnnouncement(
             hostname=self.hostname, pid=os.getpid(), models=self.served, started_at=self._started_at,
-            sessions=sorted(self.executor.owned),
-            unloaded=sorted(sid for sid, o in self.executor.owned.items() if o.unloaded),
+            sessions=sorted(self.host.owned),
+            unloaded=sorted(sid for sid, o in self.host.owned.items() if o.unloaded),
         ))
 
     def _heartbeat_loop(self) -> None:
@@ -124,7 +129,7 @@ class WorkerService:
         while not self._stop.is_set():
             try:
                 self._announce()
-                for sid, owned in list(self.executor.owned.items()):
+                for sid, owned in list(self.host.owned.items()):
                     if not self.lease.renew(sid, owned.epoch):
                         log.warning("could not renew the lease of session %s", sid)
             except Exception:  # Redis restarting: keep trying, the leases have slack
@@ -135,13 +140,7 @@ class WorkerService:
         period = min(3.0, self.config.lease_ttl_s / 3)
         while not self._stop.is_set():
             try:
-                for record in self.sessions.all():
-                    if (record.status == "active" and record.worker and record.base_model in self.engines
-                            and record.session_id not in self.executor.owned
-                            and not self.lease.is_held(record.session_id)):
-                        self.executor.take_over(record.session_id)
-                if self.config.idle_unload_s:
-                    self.executor.unload_idle(self.config.idle_unload_s)
+                self.failover.caretaker_pass()
             except Exception:
                 log.warning("caretaker pass failed; retrying", exc_info=True)
             self._stop.wait(period)
@@ -182,11 +181,11 @@ class WorkerService:
 
     def _hand_over(self) -> None:
         """On a clean shutdown, checkpoint owned sessions and free their leases for another worker."""
-        for sid, owned in list(self.executor.owned.items()):
+        for sid, owned in list(self.host.owned.items()):
             try:
-                with self.executor.compute_lock:
+                with self.host.device_lock:
                     if not owned.unloaded:
-                        self.executor.auto_checkpoint(owned)
+                        self.autosaver.checkpoint(owned)
                     self.lease.release(sid, owned.epoch)
                 log.info("handed over session %s", sid)
             except Exception:

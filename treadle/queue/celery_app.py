@@ -1,6 +1,6 @@
 """The Celery app and its configuration, shared by the SDK (which only publishes) and the worker.
 
-Why each setting (see shared/reference/celery.md): JSON only, never pickle; one unacked message per
+Why each setting: JSON only, never pickle; one unacked message per
 worker (acks_late + prefetch 1) so a crash loses at most the op that was running, and treadle's own
 seq discipline restores order after a crash; the visibility timeout is far longer than any op, so
 kombu never redelivers a live op (failover is driven by the session lease instead); results live 7 days.
@@ -13,9 +13,6 @@ from celery import Celery
 VISIBILITY_TIMEOUT_S = 6 * 3600
 RESULT_EXPIRES_S = 7 * 24 * 3600
 
-OP_TASK = "treadle.op"
-SAMPLE_TASK = "treadle.sample"
-CREATE_SESSION_TASK = "treadle.create_session"
 
 
 def make_app(broker_url: str, result_url: str | None = None) -> Celery:

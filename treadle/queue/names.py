@@ -44,12 +44,8 @@ def lease_key(session_id: str) -> str:
 
 
 def journal_key(session_id: str) -> str:
-    """Hash seq -> op envelope (JSON) of every op not yet covered by a checkpoint."""
+    """Hash seq -> journal entry (op, time, request JSON) of every op not yet covered by a checkpoint."""
     return f"{PREFIX}:journal:{session_id}"
-
-
-def blob_key(name: str) -> str:
-    return f"{PREFIX}:blob:{name}"
 
 
 def tokenizer_key(base_model: str) -> str:

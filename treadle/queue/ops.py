@@ -1,97 +1,217 @@
-"""The typed payload of each op, shared by the publishing side (SDK, gateway) and the worker.
+"""The op contract: one typed request class per op, and the one table (`OPS`) everything derives from.
 
-Adding an op: a request type here (and its entry in OP_REQUESTS), a handler in
-`gpu_worker/op_handlers.py`, a method in `sdk/training_client.py`, a gateway route, a test row.
+Each request class says what its op is: its name (`op`), the response type its result decodes into
+(`response`), whether it changes session state (`stateful`: journaled until a checkpoint covers it,
+replayed after a crash), and which queue carries it (`route`: a session's ordered queue, or a base
+model's control queue). The SDK and the gateway build these requests; the worker decodes them once
+from the journal (or the message) and hands them to the handler registered for the class. The
+Celery task names (`treadle.op.<name>`), the SDK's decoders and the gateway's renderers all come
+from `OPS`, so adding an op is: a request class here (and its entry in `OPS`), a handler in
+`gpu_worker/op_handlers.py` (or `sampling.py`), an SDK method, a gateway route, a test row.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from treadle.errors import InvalidRequestError
-from treadle.types import AdamParams, Datum, LoraConfig, SamplingParams
+from treadle.types import (
+    WIRE,
+    AdamParams,
+    Datum,
+    ForwardBackwardOutput,
+    LoadWeightsResponse,
+    LoraConfig,
+    LossFnType,
+    OptimStepResponse,
+    SampleResponse,
+    SamplingParams,
+    SaveWeightsForSamplerResponse,
+    SaveWeightsResponse,
+)
+
+Route = Literal["session", "model"]
 
 
-class _OpRequest(BaseModel):
+class EmptyResponse(BaseModel):
+    """The result of an op that returns nothing (noop, stop)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+
+class CreateSessionResponse(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    session_id: str = Field(description="The new session's id.")
+    run_id: str = Field(description="The training run its checkpoints are filed under.")
+
+
+class OpRequest(BaseModel):
+    """Base of every op's request: unknown fields are an error; the class variables say what the op is."""
+
     model_config = ConfigDict(extra="forbid")
 
-
-class ForwardBackwardRequest(_OpRequest):
-    data: list[dict] = Field(description="Datums in wire form (Datum.to_wire()).")
-    loss_fn: str = Field(description="cross_entropy | importance_sampling | ppo | cispo | dro")
-    loss_fn_config: dict[str, float] | None = None
+    op: ClassVar[str]
+    response: ClassVar[type[BaseModel]]
+    stateful: ClassVar[bool] = False
+    route: ClassVar[Route] = "session"
 
     @classmethod
-    def build(cls, data: list[Datum], loss_fn: str, loss_fn_config: dict | None) -> "ForwardBackwardRequest":
-        return cls(data=[d.to_wire() for d in data], loss_fn=loss_fn, loss_fn_config=loss_fn_config)
+    def build(cls, **fields):
+        """The request from Python values; a bad field becomes an InvalidRequestError naming it."""
+        return parse_request(cls, fields, cls.op)
 
-    def datums(self) -> list[Datum]:
-        return [Datum.from_wire(w) for w in self.data]
+    def encode(self) -> bytes:
+        """JSON with tensors as raw bytes: what the journal (or a control message) holds."""
+        return self.model_dump_json(context=WIRE).encode()
+
+    @classmethod
+    def decode(cls, raw: bytes | str | dict):
+        """The request from its encoded form; a bad field becomes an InvalidRequestError naming it."""
+        if isinstance(raw, dict):
+            return parse_request(cls, raw, cls.op)
+        try:
+            return cls.model_validate_json(raw)
+        except ValidationError as exc:
+            raise InvalidRequestError(_describe(exc, cls.op)) from None
 
 
-class OptimStepRequest(_OpRequest):
-    adam_params: AdamParams = Field(default_factory=AdamParams)
+# ---------------------------------------------------------------- a session's ordered ops
 
 
-class SaveStateRequest(_OpRequest):
-    name: str
-    ttl_seconds: int | None = Field(default=None, ge=1)
-    overwrite: bool = False
-    user_metadata: dict | None = None
+class ForwardRequest(OpRequest):
+    op: ClassVar[str] = "forward"
+    response: ClassVar[type[BaseModel]] = ForwardBackwardOutput
+
+    data: list[Datum] = Field(description="The batch; model_input is tokens[:-1], target_tokens tokens[1:].")
+    loss_fn: LossFnType = Field(description="Built-in loss computed on the logprobs of target_tokens.")
+    loss_fn_config: dict[str, float] | None = Field(default=None, description="Loss parameters, e.g. clip thresholds.")
 
 
-class SaveSamplerRequest(_OpRequest):
+class ForwardBackwardRequest(ForwardRequest):
+    op: ClassVar[str] = "forward_backward"
+    stateful: ClassVar[bool] = True
+
+
+class OptimStepRequest(OpRequest):
+    op: ClassVar[str] = "optim_step"
+    response: ClassVar[type[BaseModel]] = OptimStepResponse
+    stateful: ClassVar[bool] = True
+
+    adam_params: AdamParams = Field(default_factory=AdamParams, description="AdamW hyperparameters of this step.")
+
+
+class SaveStateRequest(OpRequest):
+    op: ClassVar[str] = "save_state"
+    response: ClassVar[type[BaseModel]] = SaveWeightsResponse
+
+    name: str = Field(description="Checkpoint name: treadle://<run_id>/weights/<name>.")
+    ttl_seconds: int | None = Field(default=None, ge=1, description="Delete the checkpoint after this long (None: keep).")
+    overwrite: bool = Field(default=False, description="Replace a checkpoint of the same name.")
+    user_metadata: dict | None = Field(default=None, description="Stored with the checkpoint's manifest.")
+
+
+class SaveWeightsForSamplerRequest(OpRequest):
+    op: ClassVar[str] = "save_weights_for_sampler"
+    response: ClassVar[type[BaseModel]] = SaveWeightsForSamplerResponse
+
     name: str | None = Field(default=None, description="None: an ephemeral snapshot with a generated name.")
-    ttl_seconds: int | None = Field(default=None, ge=1)
+    ttl_seconds: int | None = Field(default=None, ge=1, description="Delete after this long (ephemeral default: a day).")
     merge_weights: bool = Field(default=False, description="Also write a merged model (SageMaker's spelling).")
 
 
-class LoadStateRequest(_OpRequest):
-    path: str
-    with_optimizer: bool = False
+class LoadStateRequest(OpRequest):
+    op: ClassVar[str] = "load_state"
+    response: ClassVar[type[BaseModel]] = LoadWeightsResponse
+    stateful: ClassVar[bool] = True
+
+    path: str = Field(description="A save_state checkpoint: treadle://<run_id>/weights/<name>.")
+    with_optimizer: bool = Field(default=False, description="Also restore Adam moments exactly (or fail).")
 
 
-class EmptyRequest(_OpRequest):
-    pass
+class NoopRequest(OpRequest):
+    """Takes a seq and does nothing: the gateway fills a seq it cannot translate with one."""
+
+    op: ClassVar[str] = "noop"
+    response: ClassVar[type[BaseModel]] = EmptyResponse
 
 
-class SampleRequest(_OpRequest):
+class StopRequest(OpRequest):
+    """Frees the session after every op before it; nothing runs after it."""
+
+    op: ClassVar[str] = "stop"
+    response: ClassVar[type[BaseModel]] = EmptyResponse
+
+
+# ---------------------------------------------------------------- a base model's control ops
+
+
+class SampleRequest(OpRequest):
+    op: ClassVar[str] = "sample"
+    response: ClassVar[type[BaseModel]] = SampleResponse
+    route: ClassVar[Route] = "model"
+
+    base_model: str = Field(description="The served base model; its workers sample.")
     model_path: str | None = Field(default=None, description="A sampler checkpoint path; None samples the base model.")
-    prompt: list[int]
-    num_samples: int = Field(default=1, ge=1, le=1024)
-    sampling_params: SamplingParams = Field(default_factory=SamplingParams)
-    include_prompt_logprobs: bool = False
-    topk_prompt_logprobs: int = Field(default=0, ge=0, le=100)
+    prompt: list[int] = Field(description="Prompt token ids.")
+    num_samples: int = Field(default=1, ge=1, le=1024, description="Independent samples of the prompt.")
+    sampling_params: SamplingParams = Field(default_factory=SamplingParams, description="How to sample.")
+    include_prompt_logprobs: bool = Field(default=False, description="Also return each prompt token's logprob.")
+    topk_prompt_logprobs: int = Field(default=0, ge=0, le=100, description="Also return the top-k per prompt position.")
 
 
-class CreateSessionRequest(_OpRequest):
-    session_id: str
-    base_model: str
-    lora: LoraConfig = Field(default_factory=LoraConfig)
-    owner: str | None = None
-    user_metadata: dict | None = None
-    from_state: str | None = None
-    with_optimizer: bool = False
+class CreateSessionRequest(OpRequest):
+    op: ClassVar[str] = "create_session"
+    response: ClassVar[type[BaseModel]] = CreateSessionResponse
+    route: ClassVar[Route] = "model"
+
+    session_id: str = Field(description="The new session's id (also its run id).")
+    base_model: str = Field(description="The served base model to train on.")
+    lora: LoraConfig = Field(default_factory=LoraConfig, description="The session's adapter.")
+    owner: str | None = Field(default=None, description="Who the session belongs to (the gateway's API key owner).")
+    user_metadata: dict | None = Field(default=None, description="Stored with the training run.")
+    from_state: str | None = Field(default=None, description="Start from this save_state checkpoint.")
+    with_optimizer: bool = Field(default=False, description="With from_state: restore Adam moments too.")
     checkpoint_every: int | None = Field(default=None, ge=0, description="Automatic checkpoint period in steps (None: the worker's).")
 
 
-OpName = Literal["forward", "forward_backward", "optim_step", "save_state", "save_weights_for_sampler", "load_state", "noop", "stop"]
+# ---------------------------------------------------------------- the table
 
-OP_REQUESTS: dict[str, type[_OpRequest]] = {
-    "forward": ForwardBackwardRequest,
-    "forward_backward": ForwardBackwardRequest,
-    "optim_step": OptimStepRequest,
-    "save_state": SaveStateRequest,
-    "save_weights_for_sampler": SaveSamplerRequest,
-    "load_state": LoadStateRequest,
-    "noop": EmptyRequest,
-    "stop": EmptyRequest,
+OPS: dict[str, type[OpRequest]] = {
+    cls.op: cls
+    for cls in (
+        ForwardRequest, ForwardBackwardRequest, OptimStepRequest, SaveStateRequest, SaveWeightsForSamplerRequest,
+        LoadStateRequest, NoopRequest, StopRequest, SampleRequest, CreateSessionRequest,
+    )
 }
 
-# Ops that change a session's state: journaled, and replayed after a crash.
-STATEFUL_OPS = {"forward_backward", "optim_step", "load_state"}
+OpName = Literal[tuple(OPS)]  # type: ignore[valid-type]
+
+TASK_PREFIX = "treadle.op."
+
+
+def task_name(op: str) -> str:
+    """The Celery task of an op, so Flower shows which op is running."""
+    return TASK_PREFIX + op
+
+
+def op_request(op: str) -> type[OpRequest]:
+    try:
+        return OPS[op]
+    except KeyError:
+        raise InvalidRequestError(f"op: unknown op {op!r}; known: {', '.join(OPS)}") from None
+
+
+def decode_result(value: dict):
+    """A stored result as its op's typed response (results record the op that produced them)."""
+    return op_request(value["op"]).response.model_validate(value)
+
+
+def encode_result(op: str, response: BaseModel) -> dict:
+    """A response as the JSON a result holds: tensors as raw bytes, and the op that produced it."""
+    return {**response.model_dump(mode="json", context=WIRE), "op": op}
 
 
 def parse_request(model: type[BaseModel], payload: dict, where: str = "request"):
@@ -99,31 +219,12 @@ def parse_request(model: type[BaseModel], payload: dict, where: str = "request")
     try:
         return model.model_validate(payload)
     except ValidationError as exc:
-        parts = []
-        for err in exc.errors()[:5]:
-            loc = ".".join(str(p) for p in err["loc"]) or where
-            parts.append(f"{loc}: {err['msg']} (got {err.get('input')!r:.80})")
-        raise InvalidRequestError("; ".join(parts)) from None
+        raise InvalidRequestError(_describe(exc, where)) from None
 
 
-# ------------------------------------------------------------------ results on the wire
-
-
-def encode_forward_output(out, step: int) -> dict:
-    """ForwardBackwardOutput -> JSON with tensors as raw bytes."""
-    return {
-        "loss_fn_output_type": out.loss_fn_output_type,
-        "loss_fn_outputs": [{k: v.to_wire() for k, v in o.items()} for o in out.loss_fn_outputs],
-        "metrics": {**out.metrics, "step:max": float(step)},
-        "step": step,
-    }
-
-
-def decode_forward_output(value: dict):
-    from treadle.types import ForwardBackwardOutput, TensorData
-
-    return ForwardBackwardOutput.model_construct(
-        loss_fn_output_type=value.get("loss_fn_output_type", "TensorData"),
-        loss_fn_outputs=[{k: TensorData.from_wire(v) for k, v in o.items()} for o in value["loss_fn_outputs"]],
-        metrics=value["metrics"],
-    )
+def _describe(exc: ValidationError, where: str) -> str:
+    parts = []
+    for err in exc.errors()[:5]:
+        loc = ".".join(str(p) for p in err["loc"]) or where
+        parts.append(f"{loc}: {err['msg']} (got {err.get('input')!r:.80})")
+    return "; ".join(parts)

@@ -22,21 +22,18 @@ from treadle.errors import (
     UnknownModelError,
 )
 from treadle.queue import names
-from treadle.queue.celery_app import CREATE_SESSION_TASK, OP_TASK, SAMPLE_TASK, make_app
-from treadle.queue.envelope import pack, store_blob
+from treadle.queue.celery_app import make_app
 from treadle.queue.journal import Journal
+from treadle.queue.ops import CreateSessionRequest, OpRequest, SampleRequest, task_name
 from treadle.queue.results import ResultStore
 from treadle.queue.sessions import SessionRecord, SessionRegistry
 from treadle.queue.workers import ServedModel, WorkerRegistry
-from treadle.types import LoraConfig
 
 CONNECT_TIMEOUT_S = 3.0
 # How long a pending op tolerates having no live worker for its model (a restart under a supervisor).
 NO_WORKER_GRACE_S = float(os.environ.get("TREADLE_NO_WORKER_GRACE_S", "120"))
 # How long result polling rides out a Redis outage (restart, failover) before giving up.
 REDIS_OUTAGE_TOLERANCE_S = 120.0
-
-SessionInfo = SessionRecord
 
 
 def connect_redis(url: str) -> "redis_lib.Redis":
@@ -55,13 +52,18 @@ def connect_redis(url: str) -> "redis_lib.Redis":
     return client
 
 
+def ring(app, session_id: str, seq: int, op: str) -> None:
+    """The doorbell of a journaled op: whoever owns the session runs it (and any before it)."""
+    app.send_task(task_name(op), args=[session_id, seq], queue=names.session_queue(session_id),
+                  task_id=names.future_id(session_id, seq), ignore_result=True)
+
+
 class OpsClient:
     def __init__(self, broker_url: str, result_url: str | None = None, storage_url: str | None = None):
         self.broker_url = broker_url
         self.result_url = result_url or broker_url
         self.storage_url = storage_url
         self.redis = connect_redis(broker_url)
-        self.result_redis = self.redis if self.result_url == broker_url else connect_redis(self.result_url)
         self.app = make_app(broker_url, self.result_url)
         self.results = ResultStore(self.app)
         self.sessions = SessionRegistry(self.redis)
@@ -97,48 +99,31 @@ class OpsClient:
             f"base_model: {base_model!r} is not served; served models: {', '.join(m.name for m in served)}"
         )
 
-    def create_session(
-        self,
-        base_model: str,
-        lora: LoraConfig,
-        *,
-        session_id: str | None = None,
-        owner: str | None = None,
-        user_metadata: dict | None = None,
-        from_state: str | None = None,
-        with_optimizer: bool = False,
-        checkpoint_every: int | None = None,
-        timeout: float = 300,
-    ) -> SessionRecord:
-        self.require_model(base_model)
-        session_id = session_id or uuid.uuid4().hex[:12]
-        payload = {
-            "session_id": session_id,
-            "base_model": base_model,
-            "lora": lora.model_dump(),
-            "owner": owner,
-            "user_metadata": user_metadata,
-            "from_state": from_state,
-            "with_optimizer": with_optimizer,
-            "checkpoint_every": checkpoint_every,
-        }
-        fid = f"create:{session_id}"
-        self.app.send_task(CREATE_SESSION_TASK, args=[payload], queue=names.model_queue(base_model), task_id=fid)
-        self.wait(fid, timeout=timeout, what=f"creating a session on {base_model!r}", base_model=base_model)
-        record = self.sessions.get(session_id)
+    def create_session(self, request: CreateSessionRequest, *, timeout: float = 300) -> SessionRecord:
+        """Ask a worker serving the model to create the session; returns its record once it exists."""
+        self.require_model(request.base_model)
+        fid = f"create:{request.session_id}"
+        self.app.send_task(task_name(request.op), args=[request.model_dump(mode="json")],
+                           queue=names.model_queue(request.base_model), task_id=fid)
+        self.wait(fid, timeout=timeout, what=f"creating a session on {request.base_model!r}", base_model=request.base_model)
+        record = self.sessions.get(request.session_id)
         if record is None:
-            raise SessionNotFoundError(f"session {session_id} vanished right after creation")
+            raise SessionNotFoundError(f"session {request.session_id} vanished right after creation")
         return record
+
+    @staticmethod
+    def new_session_id() -> str:
+        return uuid.uuid4().hex[:12]
 
     def session_info(self, session_id: str) -> SessionRecord | None:
         return self.sessions.get(session_id)
 
-    def stop_session(self, session_id: str) -> str:
-        return self.submit(session_id, "stop", {})
-
     # ------------------------------------------------------------ ops
-    def submit(self, session_id: str, op: str, payload: dict, seq: int | None = None) -> str:
-        """Publish one op of a session; returns its future id at once."""
+    def submit(self, session_id: str, request: OpRequest, seq: int | None = None) -> str:
+        """Publish one op of a session; returns its future id at once.
+
+        The journal gets the op's only copy; the message is a doorbell naming (session_id, seq).
+        """
         with self._publish_lock:
             if seq is None:
                 seq = self._retrying(lambda: int(self.redis.hincrby(names.session_key(session_id), "next_seq", 1)))
@@ -146,15 +131,15 @@ class OpsClient:
                 self._retrying(lambda: self._raise_next_seq(keys=[names.session_key(session_id)], args=[seq]))
             # Once the seq is taken, retry the publish with that same seq: a repeated message is
             # harmless (the worker dedupes by seq), a skipped seq would stall the session.
-            envelope = self._retrying(lambda: pack(self.redis, session_id, seq, op, payload))
             # Journal first, then ring the doorbell: a message lost between a worker's BRPOP and its
             # crash (kombu records `unacked` only after the pop) cannot lose the op itself.
-            self._retrying(lambda: self.journal.record(envelope))
-            self._retrying(lambda: self.app.send_task(
-                OP_TASK, args=[envelope.model_dump(mode="json")], queue=names.session_queue(session_id),
-                task_id=envelope.future_id, ignore_result=True,
-            ))
-        return envelope.future_id
+            self._retrying(lambda: self.journal.record(session_id, seq, request))
+            fid = names.future_id(session_id, seq)
+            self._retrying(lambda: self.ring(session_id, seq, request.op))
+        return fid
+
+    def ring(self, session_id: str, seq: int, op: str) -> None:
+        ring(self.app, session_id, seq, op)
 
     def _retrying(self, fn):
         """Run a Redis call, riding out an outage (restart, failover) with bounded backoff."""
@@ -168,14 +153,11 @@ class OpsClient:
                 time.sleep(delay)
                 delay = min(delay * 2, 5.0)
 
-    def submit_sample(self, base_model: str, payload: dict) -> str:
+    def submit_sample(self, request: SampleRequest) -> str:
+        """Publish a sample request to its base model's control queue; the message is its only copy."""
         fid = f"sample:{uuid.uuid4().hex}"
-        body = {"base_model": base_model}
-        if len(payload.get("prompt", [])) < 8192:
-            body["payload"] = payload
-        else:
-            body["payload_ref"] = store_blob(self.redis, payload)
-        self.app.send_task(SAMPLE_TASK, args=[body], queue=names.model_queue(base_model), task_id=fid, ignore_result=True)
+        self.app.send_task(task_name(request.op), args=[request.model_dump(mode="json")],
+                           queue=names.model_queue(request.base_model), task_id=fid, ignore_result=True)
         return fid
 
     def tokenizer_files(self, base_model: str) -> dict[str, bytes]:

@@ -58,12 +58,6 @@ class SessionRegistry:
     def update(self, session_id: str, **fields) -> None:
         self.redis.hset(names.session_key(session_id), mapping=self._encode(fields))
 
-    def applied(self, session_id: str) -> int:
-        return int(self.redis.hget(names.session_key(session_id), "applied") or 0)
-
-    def touch(self, session_id: str) -> None:
-        self.redis.hset(names.session_key(session_id), "last_activity", repr(time.time()))
-
     def all(self) -> list[SessionRecord]:
         out = []
         for key in self.redis.scan_iter(names.SESSION_PATTERN, count=500):

@@ -16,20 +16,19 @@ class SamplingClient:
     def sample(self, prompt: ModelInput, num_samples: int = 1, sampling_params: SamplingParams | None = None,
                include_prompt_logprobs: bool = False, topk_prompt_logprobs: int = 0) -> APIFuture[SampleResponse]:
         """Sequences with per-token logprobs of the distribution actually sampled from, and a stop reason."""
-        req = SampleRequest(
-            model_path=self.model_path, prompt=prompt.to_ints(), num_samples=num_samples,
+        req = SampleRequest.build(
+            base_model=self._base_model, model_path=self.model_path, prompt=prompt.to_ints(), num_samples=num_samples,
             sampling_params=sampling_params or SamplingParams(),
             include_prompt_logprobs=include_prompt_logprobs, topk_prompt_logprobs=topk_prompt_logprobs,
         )
-        fid = self._ops.submit_sample(self._base_model, req.model_dump(mode="json"))
-        return APIFuture(self._ops, fid, SampleResponse.model_validate, base_model=self._base_model)
+        return APIFuture(self._ops, self._ops.submit_sample(req), SampleResponse.model_validate, base_model=self._base_model)
 
     def compute_logprobs(self, prompt: ModelInput) -> APIFuture[list[float | None]]:
         """Logprob of each prompt token given the ones before it; entry 0 is None."""
-        req = SampleRequest(model_path=self.model_path, prompt=prompt.to_ints(), num_samples=1,
-                            sampling_params=SamplingParams(max_tokens=1), include_prompt_logprobs=True)
-        fid = self._ops.submit_sample(self._base_model, req.model_dump(mode="json"))
-        return APIFuture(self._ops, fid, lambda v: SampleResponse.model_validate(v).prompt_logprobs, base_model=self._base_model)
+        req = SampleRequest.build(base_model=self._base_model, model_path=self.model_path, prompt=prompt.to_ints(),
+                                  num_samples=1, sampling_params=SamplingParams(max_tokens=1), include_prompt_logprobs=True)
+        return APIFuture(self._ops, self._ops.submit_sample(req), lambda v: SampleResponse.model_validate(v).prompt_logprobs,
+                         base_model=self._base_model)
 
     def get_tokenizer(self):
         from treadle.sdk.tokenizer import load_tokenizer

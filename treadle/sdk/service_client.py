@@ -9,10 +9,12 @@ start one; it does not start servers behind your back.
 from __future__ import annotations
 
 from treadle.errors import BrokerUnavailableError
+from treadle.queue.ops import CreateSessionRequest, decode_result
 from treadle.queue.ops_client import OpsClient
+from treadle.queue.sessions import SessionRecord
 from treadle.sdk.futures import APIFuture
 from treadle.sdk.sampling_client import SamplingClient
-from treadle.sdk.training_client import TrainingClient
+from treadle.sdk.training_client import TrainingClient, TrainingSession
 from treadle.settings import ConnectionSettings
 from treadle.types import LoraConfig, ServerCapabilities, SupportedModel
 
@@ -56,9 +58,8 @@ class ServiceClient:
         this session; automatic checkpoints bound how much a crash has to replay.
         """
         lora = LoraConfig(rank=rank, alpha=alpha, seed=seed, train_mlp=train_mlp, train_attn=train_attn, train_unembed=train_unembed)
-        record = self.ops.create_session(base_model, lora, user_metadata=user_metadata or self.user_metadata,
-                                         checkpoint_every=checkpoint_every)
-        return TrainingClient(self.ops, record)
+        return self._create(base_model=base_model, lora=lora, user_metadata=user_metadata or self.user_metadata,
+                            checkpoint_every=checkpoint_every)
 
     def create_training_client_from_state(self, path: str, user_metadata: dict | None = None) -> TrainingClient:
         """A new session from a save_state checkpoint: its weights, with a fresh optimizer."""
@@ -71,9 +72,13 @@ class ServiceClient:
     def _from_state(self, path: str, *, with_optimizer: bool, user_metadata: dict | None) -> TrainingClient:
         manifest = self.create_rest_client().manifest(path)
         lora = LoraConfig.model_validate(manifest.lora_config) if manifest.lora_config else LoraConfig()
-        record = self.ops.create_session(manifest.base_model, lora, from_state=path, with_optimizer=with_optimizer,
-                                         user_metadata=user_metadata or self.user_metadata)
-        return TrainingClient(self.ops, record)
+        return self._create(base_model=manifest.base_model, lora=lora, from_state=path, with_optimizer=with_optimizer,
+                            user_metadata=user_metadata or self.user_metadata)
+
+    def _create(self, **fields) -> TrainingClient:
+        record: SessionRecord = self.ops.create_session(CreateSessionRequest.build(session_id=self.ops.new_session_id(), **fields))
+        return TrainingClient(self.ops, TrainingSession(session_id=record.session_id, run_id=record.run_id,
+                                                        base_model=record.base_model, lora=record.lora))
 
     # ------------------------------------------------------------ sampling and REST
     def create_sampling_client(self, model_path: str | None = None, base_model: str | None = None) -> SamplingClient:
@@ -90,7 +95,8 @@ class ServiceClient:
         return RestClient(self.settings.storage_url)
 
     def future(self, future_id: str) -> APIFuture:
-        return APIFuture(self.ops, future_id, lambda v: v)
+        """Resolve any op by id, as the typed response of the op that produced it."""
+        return APIFuture(self.ops, future_id, decode_result)
 
     # ------------------------------------------------------------ async twins
     async def create_lora_training_client_async(self, base_model: str, **kwargs) -> TrainingClient:

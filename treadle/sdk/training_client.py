@@ -7,17 +7,21 @@ submitted, so `optim_step` may be submitted before the `forward_backward` result
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
+from treadle.errors import SessionNotFoundError
 from treadle.queue.ops import (
     ForwardBackwardRequest,
+    ForwardRequest,
     LoadStateRequest,
+    OpRequest,
     OptimStepRequest,
-    SaveSamplerRequest,
     SaveStateRequest,
-    decode_forward_output,
+    SaveWeightsForSamplerRequest,
+    StopRequest,
+    decode_result,
 )
-from treadle.queue.sessions import SessionRecord
 from treadle.sdk.futures import APIFuture
 from treadle.types import (
     AdamParams,
@@ -25,6 +29,7 @@ from treadle.types import (
     ForwardBackwardOutput,
     GetInfoResponse,
     LoadWeightsResponse,
+    LoraConfig,
     ModelData,
     OptimStepResponse,
     SaveWeightsForSamplerResponse,
@@ -34,47 +39,49 @@ from treadle.types import (
 LossFn = Callable[[list[Datum], list[Any]], tuple[Any, dict[str, float]]]
 
 
-def _optim_response(value: dict) -> OptimStepResponse:
-    metrics = dict(value.get("metrics") or {})
-    metrics.setdefault("step:max", float(value.get("step", 0)))
-    return OptimStepResponse(metrics=metrics)
+@dataclass(frozen=True)
+class TrainingSession:
+    """What a training client is bound to: the session on the worker and the run its checkpoints go under."""
+
+    session_id: str
+    run_id: str
+    base_model: str
+    lora: LoraConfig
 
 
 class TrainingClient:
-    def __init__(self, ops, record: SessionRecord):
+    def __init__(self, ops, session: TrainingSession):
         self._ops = ops
-        self._record = record
+        self.session = session
         self._stopped = False
 
     # ------------------------------------------------------------ identity
     @property
     def session_id(self) -> str:
-        return self._record.session_id
+        return self.session.session_id
 
     @property
     def run_id(self) -> str:
-        return self._record.run_id
+        return self.session.run_id
 
     @property
     def base_model(self) -> str:
-        return self._record.base_model
+        return self.session.base_model
 
-    def _submit(self, op: str, request, decode) -> APIFuture:
+    def _submit(self, request: OpRequest, decode: Callable[[dict], Any] | None = None) -> APIFuture:
         if self._stopped:
-            from treadle.errors import SessionNotFoundError
-
             raise SessionNotFoundError(f"session {self.session_id} was stopped; create a new training client")
-        fid = self._ops.submit(self.session_id, op, request.model_dump(mode="json"))
-        return APIFuture(self._ops, fid, decode, base_model=self.base_model)
+        fid = self._ops.submit(self.session_id, request)
+        return APIFuture(self._ops, fid, decode or request.response.model_validate, base_model=self.base_model)
 
     # ------------------------------------------------------------ training ops
     def forward(self, data: Sequence[Datum], loss_fn: str = "cross_entropy", loss_fn_config: dict | None = None) -> APIFuture[ForwardBackwardOutput]:
         """Per-token logprobs and the loss, without gradients."""
-        return self._submit("forward", ForwardBackwardRequest.build(_datums(data), loss_fn, loss_fn_config), decode_forward_output)
+        return self._submit(ForwardRequest.build(data=_datums(data), loss_fn=loss_fn, loss_fn_config=loss_fn_config))
 
     def forward_backward(self, data: Sequence[Datum], loss_fn: str, loss_fn_config: dict | None = None) -> APIFuture[ForwardBackwardOutput]:
         """Adds this batch's gradients to the session's accumulated gradients (summed over tokens)."""
-        return self._submit("forward_backward", ForwardBackwardRequest.build(_datums(data), loss_fn, loss_fn_config), decode_forward_output)
+        return self._submit(ForwardBackwardRequest.build(data=_datums(data), loss_fn=loss_fn, loss_fn_config=loss_fn_config))
 
     def forward_backward_custom(self, data: Sequence[Datum], loss_fn: LossFn) -> APIFuture[ForwardBackwardOutput]:
         """A loss computed here, on the client, from the worker's logprobs (needs torch locally).
@@ -101,31 +108,28 @@ class TrainingClient:
         user_metrics["loss:sum"] = float(loss.detach())
 
         def decode(value: dict) -> ForwardBackwardOutput:
-            out = decode_forward_output(value)
+            out = ForwardBackwardOutput.model_validate(value)
             return out.model_copy(update={"metrics": {**out.metrics, **user_metrics}})
 
-        return self._submit("forward_backward", ForwardBackwardRequest.build(weighted, "cross_entropy", None), decode)
+        return self._submit(ForwardBackwardRequest.build(data=weighted, loss_fn="cross_entropy"), decode)
 
     def optim_step(self, adam_params: AdamParams | None = None) -> APIFuture[OptimStepResponse]:
         """Applies the accumulated gradients with AdamW, then clears them."""
-        return self._submit("optim_step", OptimStepRequest(adam_params=adam_params or AdamParams()), _optim_response)
+        return self._submit(OptimStepRequest.build(adam_params=adam_params or AdamParams()))
 
     # ------------------------------------------------------------ weights and state
     def save_state(self, name: str, ttl_seconds: int | None = None, overwrite: bool = False,
                    user_metadata: dict | None = None) -> APIFuture[SaveWeightsResponse]:
         """Adapter + optimizer state, as treadle://<run_id>/weights/<name>."""
-        req = SaveStateRequest(name=name, ttl_seconds=ttl_seconds, overwrite=overwrite, user_metadata=user_metadata)
-        return self._submit("save_state", req, lambda v: SaveWeightsResponse(path=v["path"]))
+        return self._submit(SaveStateRequest.build(name=name, ttl_seconds=ttl_seconds, overwrite=overwrite, user_metadata=user_metadata))
 
     def load_state(self, path: str) -> APIFuture[LoadWeightsResponse]:
         """Loads the weights of a save_state checkpoint and resets the optimizer."""
-        return self._submit("load_state", LoadStateRequest(path=path, with_optimizer=False),
-                            lambda v: LoadWeightsResponse(path=v["path"], model_id=self.session_id))
+        return self._submit(LoadStateRequest.build(path=path, with_optimizer=False))
 
     def load_state_with_optimizer(self, path: str) -> APIFuture[LoadWeightsResponse]:
         """Loads weights and Adam moments exactly (or fails loudly)."""
-        return self._submit("load_state", LoadStateRequest(path=path, with_optimizer=True),
-                            lambda v: LoadWeightsResponse(path=v["path"], model_id=self.session_id))
+        return self._submit(LoadStateRequest.build(path=path, with_optimizer=True))
 
     def save_weights_for_sampler(self, name: str | None = None, ttl_seconds: int | None = None,
                                  merge_weights: bool = False) -> APIFuture[SaveWeightsForSamplerResponse]:
@@ -133,8 +137,7 @@ class TrainingClient:
 
         `merge_weights=True` (SageMaker's spelling) also stores a merged model under `merged/`.
         """
-        req = SaveSamplerRequest(name=name, ttl_seconds=ttl_seconds, merge_weights=merge_weights)
-        return self._submit("save_weights_for_sampler", req, lambda v: SaveWeightsForSamplerResponse(path=v["path"]))
+        return self._submit(SaveWeightsForSamplerRequest.build(name=name, ttl_seconds=ttl_seconds, merge_weights=merge_weights))
 
     def save_weights_and_get_sampling_client(self, name: str | None = None):
         """Snapshot the adapter (ephemeral unless named) and return a SamplingClient bound to it."""
@@ -151,7 +154,7 @@ class TrainingClient:
         return GetInfoResponse(
             model_id=self.session_id,
             model_data=ModelData(arch=None, model_name=self.base_model, tokenizer_id=self.base_model),
-            is_lora=True, lora_rank=self._record.lora.rank, model_name=self.base_model,
+            is_lora=True, lora_rank=self.session.lora.rank, model_name=self.base_model,
         )
 
     def get_tokenizer(self):
@@ -161,13 +164,13 @@ class TrainingClient:
 
     def future(self, future_id: str) -> APIFuture:
         """Resolve any op of this session by id (e.g. after restarting the client)."""
-        return APIFuture(self._ops, future_id, _decode_any, base_model=self.base_model)
+        return APIFuture(self._ops, future_id, decode_result, base_model=self.base_model)
 
     # ------------------------------------------------------------ lifecycle
     def stop(self) -> None:
         """Frees the session's adapter on the worker (after every op already submitted)."""
         if not self._stopped:
-            APIFuture(self._ops, self._ops.stop_session(self.session_id), lambda v: v).result()
+            self._submit(StopRequest()).result()
             self._stopped = True
 
     def __enter__(self) -> "TrainingClient":
@@ -209,17 +212,3 @@ class TrainingClient:
 def _datums(data: Sequence[Datum]) -> list[Datum]:
     return [d if isinstance(d, Datum) else Datum.model_validate(d) for d in data]
 
-
-_DECODERS = {
-    "forward": decode_forward_output,
-    "forward_backward": decode_forward_output,
-    "optim_step": _optim_response,
-    "save_state": lambda v: SaveWeightsResponse(path=v["path"]),
-    "save_weights_for_sampler": lambda v: SaveWeightsForSamplerResponse(path=v["path"]),
-    "load_state": lambda v: LoadWeightsResponse(path=v["path"]),
-}
-
-
-def _decode_any(value: dict):
-    """Decode a result by the op that produced it (results record their op)."""
-    return _DECODERS.get(value.get("op"), lambda v: v)(value)

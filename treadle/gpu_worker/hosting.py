@@ -1,0 +1,166 @@
+"""Session hosting: the sessions this worker owns, and how one is created, rebuilt and released.
+
+A session is owned while this worker holds its lease (with a fencing epoch). Its engine state can
+always be rebuilt from the registry: the last automatic checkpoint, then the journal's stateful ops
+after it, replayed with the same handlers that ran them the first time. That is how a session is
+adopted after a crash, reloaded after idle unloading, and created from a saved state.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from concurrent.futures import Future
+from typing import Callable
+
+from treadle.errors import ServerError, SessionLostError, TreadleError, UnknownModelError
+from treadle.gpu_worker.checkpoint_io import load_checkpoint
+from treadle.gpu_worker.op_handlers import OpContext, handler_for
+from treadle.queue import names
+from treadle.queue.journal import Journal
+from treadle.queue.lease import LeaseManager
+from treadle.queue.ops import CreateSessionRequest, CreateSessionResponse
+from treadle.queue.sessions import SessionRecord, SessionRegistry
+from treadle.storage.checkpoint_store import CheckpointStore
+
+log = logging.getLogger("treadle.worker")
+
+
+@dataclass
+class OwnedSession:
+    record: SessionRecord
+    epoch: int
+    applied: int
+    unloaded: bool = False
+    # Highest seq whose doorbell this worker has heard: a doorbell runs the ops up to it, so one
+    # session's backlog does not run inside a single Celery task while other sessions wait.
+    max_seen: int = 0
+    last_checkpoint_at: float = field(default_factory=time.monotonic)
+    pending_upload: Future | None = None
+
+    @property
+    def session_id(self) -> str:
+        return self.record.session_id
+
+
+class SessionHost:
+    def __init__(self, *, hostname: str, engines: dict, redis, store: CheckpointStore, lease: LeaseManager,
+                 device_lock: threading.RLock, remember_sampler: Callable[[str, str], None],
+                 subscribe: Callable[[str], None], unsubscribe: Callable[[str], None]):
+        self.hostname = hostname
+        self.engines = engines
+        self.store = store
+        self.lease = lease
+        self.device_lock = device_lock  # one op at a time on an engine: the op loop, recovery, unloading
+        self.journal = Journal(redis)
+        self.registry = SessionRegistry(redis)
+        self.owned: dict[str, OwnedSession] = {}
+        self._remember_sampler = remember_sampler
+        self.subscribe = subscribe
+        self.unsubscribe = unsubscribe
+
+    def engine(self, base_model: str):
+        try:
+            return self.engines[base_model]
+        except KeyError:
+            raise UnknownModelError(f"base_model: {base_model!r} is not served by worker {self.hostname}; "
+                                    f"it serves {', '.join(self.engines)}") from None
+
+    def context(self, owned: OwnedSession, seq: int) -> OpContext:
+        return OpContext(engine=self.engine(owned.record.base_model), session=owned.record, seq=seq, store=self.store,
+                         fence=lambda: self.fence(owned), remember_sampler=self._remember_sampler)
+
+    def fence(self, owned: OwnedSession) -> None:
+        if owned.epoch >= 0 and not self.lease.holds(owned.session_id, owned.epoch):
+            raise ServerError(f"session {owned.session_id}: this worker lost its lease; not writing")
+
+    # ------------------------------------------------------------ create
+    def create(self, req: CreateSessionRequest) -> CreateSessionResponse:
+        engine = self.engine(req.base_model)
+        # A fixed seed makes the adapter's initialisation replayable after a crash.
+        lora = req.lora if req.lora.seed is not None else req.lora.model_copy(update={"seed": int.from_bytes(os.urandom(4), "little")})
+        record = SessionRecord(
+            session_id=req.session_id, run_id=req.session_id, base_model=req.base_model, lora=lora, owner=req.owner,
+            user_metadata=req.user_metadata, checkpoint=req.from_state, checkpoint_seq=0,
+            checkpoint_with_optimizer=req.with_optimizer, checkpoint_every=req.checkpoint_every,
+        )
+        if not self.registry.create(record):
+            existing = self.registry.get(req.session_id)
+            if existing is not None and req.session_id in self.owned:
+                return CreateSessionResponse(session_id=existing.session_id, run_id=existing.run_id)  # a redelivered create
+            raise ServerError(f"session_id: {req.session_id!r} already exists")
+        epoch = self.lease.acquire(req.session_id)
+        if epoch is None:
+            raise ServerError(f"session {req.session_id}: could not take its lease")
+        with self.device_lock:
+            try:
+                if req.from_state:
+                    manifest = load_checkpoint(engine, self.store, req.session_id, req.from_state, req.with_optimizer)
+                    if manifest.lora_config:
+                        record.lora = record.lora.model_validate(manifest.lora_config)
+                        self.registry.update(req.session_id, lora=record.lora)
+                else:
+                    engine.create_session(req.session_id, lora)
+            except Exception:
+                # A record left behind would look like an orphan that every caretaker adopts (and fails to load).
+                self.registry.delete(req.session_id)
+                self.lease.release(req.session_id, epoch)
+                raise
+            self.owned[req.session_id] = OwnedSession(record=record, epoch=epoch, applied=0)
+        self.store.put_run(record.run_id, {
+            "training_run_id": record.run_id, "base_model": record.base_model, "lora_rank": record.lora.rank,
+            "lora_config": record.lora.model_dump(), "created_at": record.created_at,
+            "owner": record.owner, "user_metadata": record.user_metadata,
+        })
+        self.subscribe(names.session_queue(req.session_id))
+        log.info("session %s created on %s (epoch %d)", req.session_id, req.base_model, epoch)
+        return CreateSessionResponse(session_id=record.session_id, run_id=record.run_id)
+
+    # ------------------------------------------------------------ rebuild
+    def rebuild(self, record: SessionRecord) -> dict:
+        """Engine state of a session at `record.applied`: last checkpoint, then the journal replayed."""
+        engine = self.engine(record.base_model)
+        if engine.has_session(record.session_id):
+            engine.drop_session(record.session_id)
+        t0 = time.monotonic()
+        if record.checkpoint:
+            load_checkpoint(engine, self.store, record.session_id, record.checkpoint, record.checkpoint_with_optimizer)
+        else:
+            engine.create_session(record.session_id, record.lora)
+        t1 = time.monotonic()
+        replaying = OwnedSession(record=record, epoch=-1, applied=record.checkpoint_seq)
+        for seq in range(record.checkpoint_seq + 1, record.applied + 1):
+            entry = self.journal.get(record.session_id, seq)
+            if entry is None:
+                raise SessionLostError(f"session {record.session_id}: op {seq} is neither checkpointed nor journaled")
+            if entry.stateful:
+                try:
+                    handler_for(entry.op)(entry.request(), self.context(replaying, seq))
+                except TreadleError:
+                    pass  # it failed the first time too, and left no state behind
+            replaying.applied = seq
+        return {"load_s": t1 - t0, "replay_s": time.monotonic() - t1, "replayed_ops": record.applied - record.checkpoint_seq}
+
+    # ------------------------------------------------------------ release
+    def release(self, session_id: str, *, drop_lease: bool) -> None:
+        owned = self.owned.pop(session_id, None)
+        if owned is None:
+            return
+        self.unsubscribe(names.session_queue(session_id))
+        engine = self.engine(owned.record.base_model)
+        if engine.has_session(session_id):
+            engine.drop_session(session_id)
+        if drop_lease:
+            self.lease.release(session_id, owned.epoch)
+
+    def finish(self, session_id: str) -> None:
+        """After a stop op: free the session for good."""
+        # Marked stopped first, so that no caretaker adopts the session once its lease is gone.
+        self.registry.update(session_id, status="stopped")
+        self.release(session_id, drop_lease=True)
+        # Nothing will replay a stopped session: free its journal, keep its record a week.
+        self.journal.drop(session_id)
+        self.registry.redis.expire(names.session_key(session_id), 7 * 24 * 3600)

@@ -1,0 +1,67 @@
+"""Sampling entry points: `sample` (and compute_logprobs, a sample request for prompt logprobs only).
+
+Sampling a frozen snapshot needs no session ordering, so requests come on the base model's control
+queue, not a session's, and any worker serving the model answers. Snapshots made on this worker stay
+in memory (`SamplerCache`, least recently used first out); others are loaded from the checkpoint
+store on first use.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from typing import Callable
+
+from treadle.gpu_worker.checkpoint_io import load_sampler
+from treadle.queue.ops import SampleRequest
+from treadle.storage.checkpoint_store import CheckpointStore
+from treadle.storage.paths import CheckpointPath
+from treadle.types import ModelInput, SampleResponse
+
+# In-memory sampler snapshots kept per worker; older ones are reloaded from the store on demand.
+MAX_CACHED_SAMPLERS = 8
+
+
+class SamplerCache:
+    """Which sampler snapshots are loaded on which engine; evicts the least recently used."""
+
+    def __init__(self, engine_for: Callable[[str], object], store: CheckpointStore, limit: int = MAX_CACHED_SAMPLERS):
+        self._engine_for = engine_for
+        self._store = store
+        self._limit = limit
+        self._loaded: OrderedDict[str, str] = OrderedDict()  # sampler id -> base model
+
+    def remember(self, sampler_id: str, base_model: str) -> None:
+        self._loaded[sampler_id] = base_model
+        self._loaded.move_to_end(sampler_id)
+        while len(self._loaded) > self._limit:
+            old, model = self._loaded.popitem(last=False)
+            self._engine_for(model).drop_sampler(old)
+
+    def engine_and_sampler(self, base_model: str, model_path: str | None):
+        """The engine to sample on and the sampler id on it (None: the base model), loading it if needed."""
+        if model_path is None:
+            return self._engine_for(base_model), None
+        sampler_id = CheckpointPath.parse(model_path).uri()
+        if sampler_id in self._loaded:
+            self._loaded.move_to_end(sampler_id)
+            return self._engine_for(self._loaded[sampler_id]), sampler_id
+        owner_model = self._store.manifest(CheckpointPath.parse(sampler_id)).base_model
+        engine = self._engine_for(owner_model)
+        load_sampler(engine, self._store, sampler_id)
+        self.remember(sampler_id, owner_model)
+        return engine, sampler_id
+
+
+class Sampling:
+    def __init__(self, cache: SamplerCache, device_lock: threading.RLock):
+        self.cache = cache
+        self.device_lock = device_lock
+
+    def sample(self, req: SampleRequest) -> SampleResponse:
+        with self.device_lock:
+            engine, sampler_id = self.cache.engine_and_sampler(req.base_model, req.model_path)
+            return engine.sample(
+                sampler_id, ModelInput.from_ints(req.prompt), req.num_samples, req.sampling_params,
+                include_prompt_logprobs=req.include_prompt_logprobs, topk_prompt_logprobs=req.topk_prompt_logprobs,
+            )

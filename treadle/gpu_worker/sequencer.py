@@ -1,0 +1,93 @@
+"""The ordered sequencer: runs each session's ops strictly in seq order, from the journal.
+
+Celery delivers at least once and, after a crash, out of order. So the sequencer never trusts
+delivery order: a doorbell (`session_id`, `seq`) only says "the journal has ops up to seq"; the
+sequencer then runs `applied+1, applied+2, ...` for as long as the journal has them. An op that
+arrives early waits in the journal for its predecessor; a redelivered doorbell finds its seq applied
+and its result already stored. Before each op it checks that this worker still holds the session's
+lease (fencing), and results are stored under the op's future id, whichever doorbell ran it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Callable
+
+from celery import Celery
+
+from treadle.errors import ServerError, SessionNotFoundError, TreadleError
+from treadle.gpu_worker.hosting import OwnedSession, SessionHost
+from treadle.gpu_worker.op_handlers import handler_for
+from treadle.queue import names
+from treadle.queue.journal import JournalEntry
+from treadle.queue.ops import OpRequest, encode_result
+from treadle.queue.ops_client import ring
+from treadle.queue.results import ResultStore
+
+log = logging.getLogger("treadle.worker")
+
+
+class Sequencer:
+    def __init__(self, host: SessionHost, app: Celery, *, after_op: Callable[[OwnedSession, str], None],
+                 reload: Callable[[OwnedSession], None]):
+        self.host = host
+        self.app = app
+        self.results = ResultStore(app)
+        self._after_op = after_op  # automatic checkpoints
+        self._reload = reload  # an idle-unloaded session comes back before its next op
+
+    def on_doorbell(self, session_id: str, seq: int) -> None:
+        with self.host.device_lock:
+            owned = self.host.owned.get(session_id)
+            if owned is None:
+                self._not_ours(session_id, seq)
+                return
+            owned.max_seen = max(owned.max_seen, seq)
+            self.drain(session_id)
+
+    def drain(self, session_id: str) -> None:
+        """Run every op of the session that is next in line, in seq order."""
+        owned = self.host.owned[session_id]
+        while owned.applied < owned.max_seen:
+            entry = self.host.journal.get(session_id, owned.applied + 1)
+            if entry is None:
+                return
+            if not self.host.lease.holds(session_id, owned.epoch):
+                log.warning("lost the lease of session %s; handing it over", session_id)
+                self.host.release(session_id, drop_lease=False)
+                self._not_ours(session_id, entry.seq)
+                return
+            if owned.unloaded:
+                self._reload(owned)
+            self._run(owned, entry)
+            if entry.op == "stop":
+                self.host.finish(session_id)
+                return
+
+    def _run(self, owned: OwnedSession, entry: JournalEntry) -> None:
+        try:
+            handler = handler_for(entry.op)
+            request: OpRequest = entry.request()
+            response = handler(request, self.host.context(owned, entry.seq))
+            self.results.store_ok(entry.future_id, encode_result(entry.op, response))
+        except TreadleError as exc:
+            self.results.store_error(entry.future_id, exc)
+        except Exception as exc:
+            log.exception("op %s of session %s failed", entry.op, entry.session_id)
+            self.results.store_error(entry.future_id, ServerError(f"{entry.op} failed on the worker: {type(exc).__name__}: {exc}"))
+        owned.applied = entry.seq
+        self.host.registry.update(entry.session_id, applied=entry.seq, last_activity=time.time())
+        self._after_op(owned, entry.op)
+
+    def _not_ours(self, session_id: str, seq: int) -> None:
+        """A doorbell for a session this worker does not own: answer if the session is gone, else pass it on."""
+        record = self.host.registry.get(session_id)
+        fid = names.future_id(session_id, seq)
+        if record is None or record.status != "active":
+            if not self.results.is_done(fid):
+                self.results.store_error(fid, SessionNotFoundError(f"session {session_id} does not exist or was stopped"))
+            return
+        entry = self.host.journal.get(session_id, seq)
+        if entry is not None:  # the journal holds the op; a fresh doorbell reaches whoever owns (or will own) it
+            ring(self.app, session_id, seq, entry.op)
