@@ -73,6 +73,14 @@ class ConflictError(UserError):
     """The request reuses an id (a Tinker seq_id) that an earlier, different request took (409)."""
 
 
+class QuotaExceededError(UserError):
+    """The owner already runs as many training sessions as its quota allows (HTTP 429 at the gateway)."""
+
+
+class SessionExpiredError(UserError):
+    """The session sat idle past the workers' TTL: it was checkpointed and stopped; the message names the path."""
+
+
 class IntegrityError(ServerError):
     """A stored file does not match the sha256 recorded in its manifest."""
 
@@ -102,7 +110,7 @@ _REGISTRY: dict[str, type[TreadleError]] = {
     for cls in [
         TreadleError, UserError, ServerError, InvalidRequestError, UnknownModelError,
         CheckpointNotFoundError, CheckpointExistsError, InvalidCheckpointNameError,
-        SessionNotFoundError, NotFoundError, ConflictError, IntegrityError, StorageError, BrokerUnavailableError,
+        SessionNotFoundError, NotFoundError, ConflictError, QuotaExceededError, SessionExpiredError, IntegrityError, StorageError, BrokerUnavailableError,
         NoWorkerError, SessionLostError, FutureTimeoutError,
     ]
 }
