@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from mlflow import MlflowClient
 from pydantic import BaseModel
 
@@ -28,8 +29,14 @@ def _expected(rows: list[dict]) -> dict[str, list[tuple[int, float]]]:
     return {k: [(r["step"], float(r[k])) for r in rows if k in r] for k in keys}
 
 
-def test_dpo_run_in_mlflow_equals_metrics_jsonl_and_registers_every_checkpoint(service_client, tmp_path):
-    uri = f"sqlite:///{tmp_path}/mlflow.db"
+@pytest.fixture(scope="module")
+def tracking_uri(tmp_path_factory) -> str:
+    """One sqlite-backed store (tracking and registry) for the module: creating its tables takes seconds."""
+    return f"sqlite:///{tmp_path_factory.mktemp('mlflow')}/mlflow.db"
+
+
+def test_dpo_run_in_mlflow_equals_metrics_jsonl_and_registers_every_checkpoint(service_client, tmp_path, tracking_uri):
+    uri = tracking_uri
     heldout = write_jsonl(str(tmp_path / "pairs.jsonl"), arithmetic_pairs(4, max_operand=3))
     cfg = dpo.Config(base_model="tiny", log_dir=str(tmp_path / "dpo-run"), pairs=8, heldout_path=heldout, heldout_pairs=2,
                      max_operand=3, steps=4, batch_size=4, beta=0.5, learning_rate=5e-3, lora_rank=4, max_tokens=3,
@@ -62,8 +69,8 @@ class _Cfg(BaseModel):
     lr: float = 0.1
 
 
-def test_a_resumed_run_is_a_new_mlflow_run_that_equals_the_rewound_metrics(tmp_path):
-    uri = f"sqlite:///{tmp_path}/mlflow.db"
+def test_a_resumed_run_is_a_new_mlflow_run_that_equals_the_rewound_metrics(tmp_path, tracking_uri):
+    uri = tracking_uri
     first = RunLog(str(tmp_path / "run"), _Cfg(), mlflow_experiment="resume", mlflow_tracking_uri=uri)
     for step in range(4):
         first.log_metrics(step, {"loss": 1.0 / (step + 1)})

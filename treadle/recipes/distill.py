@@ -19,24 +19,23 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
-from pydantic import BaseModel, Field
+from pydantic import Field
 from tqdm import tqdm
 
 from treadle import AdamParams, Datum, ModelInput, SamplingParams, ServiceClient
 from treadle.recipes.cli import parse_config
 from treadle.recipes.datums import rl_datum
 from treadle.recipes.evaluation import evaluate_problems, prompt_messages
-from treadle.recipes.math_tasks import arithmetic_heldout, arithmetic_problem_at
-from treadle.recipes.plot import plot_metrics
-from treadle.recipes.preference import eval_part
+from treadle.recipes.math_tasks import Problem, arithmetic_heldout, arithmetic_problem_at
+from treadle.recipes.preference import RunResult, finish_run
 from treadle.recipes.rendering import render_generation_prompt
-from treadle.recipes.run_log import RunLog, resume_or_create
+from treadle.recipes.run_log import RunConfig, RunLog, is_due, resume_or_create
 
 
-class Config(BaseModel):
+class Config(RunConfig):
     """On-policy distillation of a teacher into a LoRA student, through the treadle SDK."""
 
     base_model: str = Field(default="SmolLM2-135M-Instruct", description="The student's base model.")
@@ -61,19 +60,6 @@ class Config(BaseModel):
     arithmetic_eval: bool = Field(default=True, description="Arithmetic: also measure greedy held-out accuracy.")
     eval_every: int = Field(default=5, ge=0, description="Held-out eval every N steps (0: only before and after).")
     save_every: int = Field(default=10, ge=1, description="save_state every N steps (and at the end).")
-    resume: bool = Field(default=False, description="Continue from the last checkpoint in log_dir's checkpoints.jsonl.")
-    mlflow_experiment: str | None = Field(default=None, description="Also log to this MLflow experiment (needs mlflow).")
-    mlflow_tracking_uri: str | None = Field(default=None, description="MLflow store, e.g. sqlite:///mlflow.db (None: MLFLOW_TRACKING_URI or ./mlruns).")
-    registered_model_name: str | None = Field(default=None, description="Register every saved checkpoint as a version of this MLflow model.")
-
-
-@dataclass
-class RunResult:
-    eval_before: dict[str, float]
-    eval_after: dict[str, float]
-    final_state_path: str
-    metrics_path: str
-    png_path: str
 
 
 @dataclass
@@ -110,28 +96,33 @@ def mean_token_kl(scored: Sequence[Scored]) -> float:
     return float(np.concatenate([s.student - s.teacher for s in scored]).mean())
 
 
+def prompt_source(cfg: Config) -> tuple[Callable[[int], str], list[str], list[Problem]]:
+    """Training prompt by index (random access, so a resumed run continues the stream), held-out prompts, their problems."""
+    if cfg.prompts_path:
+        with open(cfg.prompts_path) as f:
+            questions = [json.loads(line)["prompt"] for line in f if line.strip()]
+        if len(questions) <= cfg.eval_prompts:
+            raise ValueError(f"eval_prompts={cfg.eval_prompts} leaves no training prompt out of {len(questions)} in {cfg.prompts_path}")
+        train = questions[: -cfg.eval_prompts]
+        return (lambda i: train[i % len(train)]), questions[-cfg.eval_prompts:], []
+    problems = arithmetic_heldout(cfg.eval_prompts, cfg.max_operand)
+    return (lambda i: arithmetic_problem_at(cfg.seed, i, cfg.max_operand).question), [p.question for p in problems], problems
+
+
 def main(cfg: Config, service: ServiceClient | None = None) -> RunResult:
     service = service or ServiceClient()
-    log = RunLog(cfg.log_dir, cfg, cfg.resume, cfg.mlflow_experiment, mlflow_tracking_uri=cfg.mlflow_tracking_uri,
-                 registered_model_name=cfg.registered_model_name)
+    log = RunLog.for_config(cfg)
     training, start_step = resume_or_create(service, log, cfg.resume, cfg.base_model, cfg.lora_rank, cfg.seed)
     tokenizer = training.get_tokenizer()
     teacher = (service.create_sampling_client(model_path=cfg.teacher_path) if cfg.teacher_path
                else service.create_sampling_client(base_model=cfg.teacher_model or cfg.base_model))
 
     # ---------------------------------------------------------------- prompts: a stream by index, and a fixed held-out set
-    if cfg.prompts_path:
-        with open(cfg.prompts_path) as f:
-            questions = [json.loads(line)["prompt"] for line in f if line.strip()]
-        if len(questions) <= cfg.eval_prompts:
-            raise ValueError(f"eval_prompts={cfg.eval_prompts} leaves no training prompt out of {len(questions)} in {cfg.prompts_path}")
-        heldout_questions, train_questions, problems = questions[-cfg.eval_prompts:], questions[:-cfg.eval_prompts], []
-        question_at = lambda i: train_questions[i % len(train_questions)]  # noqa: E731
-    else:
-        problems = arithmetic_heldout(cfg.eval_prompts, cfg.max_operand)
-        heldout_questions = [p.question for p in problems]
-        question_at = lambda i: arithmetic_problem_at(cfg.seed, i, cfg.max_operand).question  # noqa: E731
-    render = lambda q: render_generation_prompt(tokenizer, prompt_messages(q, cfg.system_prompt))  # noqa: E731
+    question_at, heldout_questions, problems = prompt_source(cfg)
+
+    def render(question: str) -> list[int]:
+        return render_generation_prompt(tokenizer, prompt_messages(question, cfg.system_prompt))
+
     heldout_prompts = [render(q) for q in heldout_questions]
 
     def evaluate(step: int) -> dict[str, float]:
@@ -166,23 +157,17 @@ def main(cfg: Config, service: ServiceClient | None = None) -> RunResult:
         fwd_bwd.result(), optim.result()
         metrics = {"kl/student_teacher": mean_token_kl(scored), "tokens": sum(len(s.tokens) for s in scored),
                    "time/sample_and_score": sampled - started, "time/step": time.monotonic() - started}
-        if step == cfg.steps or (cfg.eval_every and step % cfg.eval_every == 0):
+        if is_due(step, cfg.eval_every, cfg.steps):
             metrics.update(evaluate(step))
-        if step % cfg.save_every == 0 or step == cfg.steps:
-            final_state_path = training.save_state(f"step-{step:06d}").result().path
-            log.record_checkpoint(f"step-{step:06d}", step, final_state_path)
+        if is_due(step, cfg.save_every, cfg.steps):
+            final_state_path = log.save_checkpoint(training, step)
         log.log_metrics(step, metrics)
         progress.set_postfix(kl=f"{metrics['kl/student_teacher']:.3f}")
 
     # ---------------------------------------------------------------- curve and summary
-    png_path = plot_metrics(log.metrics_path, f"{log.log_dir}/curve.png",
-                            ["kl/student_teacher", "eval/kl_student_teacher", "eval/accuracy"], title=f"distillation ({cfg.base_model})")
-    log.close()
-    evals = [row for row in log.metrics() if "eval/kl_student_teacher" in row]
-    return RunResult(eval_part(evals[0]), eval_part(evals[-1]), final_state_path, log.metrics_path, png_path)
+    return finish_run(log, final_state_path, ["kl/student_teacher", "eval/kl_student_teacher", "eval/accuracy"],
+                      f"distillation ({cfg.base_model})", "eval/kl_student_teacher")
 
 
 if __name__ == "__main__":
-    result = main(parse_config(Config, prog="python -m treadle.recipes.distill"))
-    print(f"held-out before: {result.eval_before}\nheld-out after:  {result.eval_after}\n"
-          f"metrics: {result.metrics_path}\ncurve:   {result.png_path}\nstate:   {result.final_state_path}")
+    print(main(parse_config(Config, prog="python -m treadle.recipes.distill")).summary())

@@ -16,23 +16,21 @@ reward accuracy and margin on held-out pairs and, on the arithmetic task, greedy
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 
-from pydantic import BaseModel, Field
+from pydantic import Field
 from tqdm import tqdm
 
 from treadle import AdamParams, ServiceClient
 from treadle.recipes.cli import parse_config
 from treadle.recipes.math_tasks import arithmetic_heldout
-from treadle.recipes.plot import plot_metrics
-from treadle.recipes.preference import eval_part, heldout_metrics, render_pairs
+from treadle.recipes.preference import RunResult, finish_run, heldout_metrics, render_pairs
 from treadle.recipes.preference_data import arithmetic_pairs, load_pairs
 from treadle.recipes.preference_losses import dpo_on_pairs, forward_backward_with_loss
-from treadle.recipes.run_log import RunLog, resume_or_create
+from treadle.recipes.run_log import RunConfig, RunLog, is_due, resume_or_create
 from treadle.recipes.sft import batch_indices
 
 
-class Config(BaseModel):
+class Config(RunConfig):
     """DPO from preference pairs, the loss on the client, through the treadle SDK."""
 
     base_model: str = Field(default="SmolLM2-135M-Instruct", description="Base model served by the workers (also the reference).")
@@ -55,25 +53,11 @@ class Config(BaseModel):
     stop: list[str] = Field(default_factory=lambda: ["\n"], description="Accuracy eval: stop strings.")
     eval_every: int = Field(default=5, ge=0, description="Held-out eval every N steps (0: only before and after).")
     save_every: int = Field(default=10, ge=1, description="save_state every N steps (and at the end).")
-    resume: bool = Field(default=False, description="Continue from the last checkpoint in log_dir's checkpoints.jsonl.")
-    mlflow_experiment: str | None = Field(default=None, description="Also log to this MLflow experiment (needs mlflow).")
-    mlflow_tracking_uri: str | None = Field(default=None, description="MLflow store, e.g. sqlite:///mlflow.db (None: MLFLOW_TRACKING_URI or ./mlruns).")
-    registered_model_name: str | None = Field(default=None, description="Register every saved checkpoint as a version of this MLflow model.")
-
-
-@dataclass
-class RunResult:
-    eval_before: dict[str, float]
-    eval_after: dict[str, float]
-    final_state_path: str
-    metrics_path: str
-    png_path: str
 
 
 def main(cfg: Config, service: ServiceClient | None = None) -> RunResult:
     service = service or ServiceClient()
-    log = RunLog(cfg.log_dir, cfg, cfg.resume, cfg.mlflow_experiment, mlflow_tracking_uri=cfg.mlflow_tracking_uri,
-                 registered_model_name=cfg.registered_model_name)
+    log = RunLog.for_config(cfg)
     training, start_step = resume_or_create(service, log, cfg.resume, cfg.base_model, cfg.lora_rank, cfg.seed)
     tokenizer = training.get_tokenizer()
 
@@ -105,23 +89,17 @@ def main(cfg: Config, service: ServiceClient | None = None) -> RunResult:
         optim = training.optim_step(AdamParams(learning_rate=cfg.learning_rate, eps=1e-8))
         fwd_bwd.result(), optim.result()
         metrics = {**result.metrics, "time/step": time.monotonic() - started}
-        if step == cfg.steps or (cfg.eval_every and step % cfg.eval_every == 0):
+        if is_due(step, cfg.eval_every, cfg.steps):
             metrics.update(evaluate(step))
-        if step % cfg.save_every == 0 or step == cfg.steps:
-            final_state_path = training.save_state(f"step-{step:06d}").result().path
-            log.record_checkpoint(f"step-{step:06d}", step, final_state_path)
+        if is_due(step, cfg.save_every, cfg.steps):
+            final_state_path = log.save_checkpoint(training, step)
         log.log_metrics(step, metrics)
         progress.set_postfix(loss=f"{result.loss:.3f}", acc=f"{result.metrics['dpo/accuracy']:.2f}")
 
     # ---------------------------------------------------------------- curve and summary
-    png_path = plot_metrics(log.metrics_path, f"{log.log_dir}/curve.png",
-                            ["dpo/loss", "dpo/accuracy", "eval/reward_accuracy", "eval/accuracy"], title=f"DPO ({cfg.base_model})")
-    log.close()
-    evals = [row for row in log.metrics() if "eval/reward_accuracy" in row]
-    return RunResult(eval_part(evals[0]), eval_part(evals[-1]), final_state_path, log.metrics_path, png_path)
+    return finish_run(log, final_state_path, ["dpo/loss", "dpo/accuracy", "eval/reward_accuracy", "eval/accuracy"],
+                      f"DPO ({cfg.base_model})", "eval/reward_accuracy")
 
 
 if __name__ == "__main__":
-    result = main(parse_config(Config, prog="python -m treadle.recipes.dpo"))
-    print(f"held-out before: {result.eval_before}\nheld-out after:  {result.eval_after}\n"
-          f"metrics: {result.metrics_path}\ncurve:   {result.png_path}\nstate:   {result.final_state_path}")
+    print(main(parse_config(Config, prog="python -m treadle.recipes.dpo")).summary())

@@ -1,40 +1,40 @@
 """KTO from binary feedback: unpaired (prompt, completion, desirable?) examples, the loss on the client.
 
 No pairs are needed, only a thumbs up or down per completion. Each step's batch is scored by the
-policy in one `forward` together with its mismatched pairs (prompt i with completion i+1 of the
-batch, as in the KTO paper), whose log-ratio to the reference estimates the KL reference point z0
-(floored at 0, no gradient). The KTO loss and its exact gradient are computed here with numpy and
-sent back as a cross_entropy `forward_backward` on the batch's own examples, then `optim_step`.
+policy in one `forward` together with its mismatched pairs (each prompt with another example's
+completion, as in the KTO paper; the partner is fixed once, as TRL's KL dataset is), whose
+log-ratio to the reference estimates the KL reference point z0 (floored at 0, no gradient). The
+KTO loss and its exact gradient are computed here with numpy and sent back as a cross_entropy
+`forward_backward` on the batch's own examples, then `optim_step`.
 
-Reference logprobs come from the frozen base model's sampler, once per completion (the mismatched
-pairs when first seen, then cached). By default the examples are the arithmetic task's, labelled by
-its grader; `--data_path` takes any JSONL of `{"prompt", "completion", "label"}`. Held-out metrics
-are DPO's: implicit-reward accuracy on held-out pairs and greedy arithmetic accuracy.
+Reference logprobs come from the frozen base model's sampler, once per completion, before training.
+By default the examples are the arithmetic task's, labelled by its grader; `--data_path` takes any
+JSONL of `{"prompt", "completion", "label"}`. Held-out metrics are DPO's: implicit-reward accuracy
+on held-out pairs and greedy arithmetic accuracy.
 
     python -m treadle.recipes.kto --base_model SmolLM2-135M-Instruct --steps 20 --log_dir runs/kto
 """
 
 from __future__ import annotations
 
+import random
 import time
-from dataclasses import dataclass
 
 import numpy as np
-from pydantic import BaseModel, Field
+from pydantic import Field
 from tqdm import tqdm
 
 from treadle import AdamParams, ServiceClient
 from treadle.recipes.cli import parse_config
 from treadle.recipes.math_tasks import arithmetic_heldout
-from treadle.recipes.plot import plot_metrics
-from treadle.recipes.preference import completion_datum, eval_part, heldout_metrics, reference_logprobs, render_pairs
+from treadle.recipes.preference import RunResult, completion_datum, finish_run, heldout_metrics, reference_logprobs, render_pairs
 from treadle.recipes.preference_data import arithmetic_kto_examples, arithmetic_pairs, load_kto_examples, load_pairs
 from treadle.recipes.preference_losses import forward_backward_with_loss, kto_on_batch
-from treadle.recipes.run_log import RunLog, resume_or_create
+from treadle.recipes.run_log import RunConfig, RunLog, is_due, resume_or_create
 from treadle.recipes.sft import batch_indices
 
 
-class Config(BaseModel):
+class Config(RunConfig):
     """KTO from desirable / undesirable labels, the loss on the client, through the treadle SDK."""
 
     base_model: str = Field(default="SmolLM2-135M-Instruct", description="Base model served by the workers (also the reference).")
@@ -49,7 +49,7 @@ class Config(BaseModel):
     system_prompt: str | None = Field(default=None, description="System message (None: the chat template's default).")
     seed: int = Field(default=0, description="Seed of the data, the batch order and the LoRA init.")
     steps: int = Field(default=20, ge=1, description="Optimizer steps.")
-    batch_size: int = Field(default=16, ge=2, description="Examples per step (the mismatched pairs need at least 2).")
+    batch_size: int = Field(default=16, ge=1, description="Examples per step.")
     beta: float = Field(default=0.1, gt=0.0, description="KTO beta: the strength of the implicit KL to the reference.")
     desirable_weight: float = Field(default=1.0, gt=0.0, description="lambda_D: weight of desirable examples.")
     undesirable_weight: float = Field(default=1.0, gt=0.0, description="lambda_U: weight of undesirable examples.")
@@ -59,25 +59,11 @@ class Config(BaseModel):
     stop: list[str] = Field(default_factory=lambda: ["\n"], description="Accuracy eval: stop strings.")
     eval_every: int = Field(default=5, ge=0, description="Held-out eval every N steps (0: only before and after).")
     save_every: int = Field(default=10, ge=1, description="save_state every N steps (and at the end).")
-    resume: bool = Field(default=False, description="Continue from the last checkpoint in log_dir's checkpoints.jsonl.")
-    mlflow_experiment: str | None = Field(default=None, description="Also log to this MLflow experiment (needs mlflow).")
-    mlflow_tracking_uri: str | None = Field(default=None, description="MLflow store, e.g. sqlite:///mlflow.db (None: MLFLOW_TRACKING_URI or ./mlruns).")
-    registered_model_name: str | None = Field(default=None, description="Register every saved checkpoint as a version of this MLflow model.")
-
-
-@dataclass
-class RunResult:
-    eval_before: dict[str, float]
-    eval_after: dict[str, float]
-    final_state_path: str
-    metrics_path: str
-    png_path: str
 
 
 def main(cfg: Config, service: ServiceClient | None = None) -> RunResult:
     service = service or ServiceClient()
-    log = RunLog(cfg.log_dir, cfg, cfg.resume, cfg.mlflow_experiment, mlflow_tracking_uri=cfg.mlflow_tracking_uri,
-                 registered_model_name=cfg.registered_model_name)
+    log = RunLog.for_config(cfg)
     training, start_step = resume_or_create(service, log, cfg.resume, cfg.base_model, cfg.lora_rank, cfg.seed)
     tokenizer = training.get_tokenizer()
 
@@ -88,18 +74,18 @@ def main(cfg: Config, service: ServiceClient | None = None) -> RunResult:
                else arithmetic_pairs(cfg.heldout_pairs, cfg.seed, heldout=True, max_operand=cfg.max_operand))
     reference = service.create_sampling_client(base_model=cfg.base_model)
     datums = [completion_datum(tokenizer, e.prompt, e.completion, cfg.system_prompt) for e in examples]
-    ref = reference_logprobs(reference, datums)
+    # Each prompt's mismatched completion is another example's, fixed once (a seeded derangement), so
+    # its reference logprob too is computed once; the batch's z0 averages its examples' pairs.
+    order = list(range(len(examples)))
+    random.Random(cfg.seed).shuffle(order)
+    partner = {order[k]: order[(k + 1) % len(order)] for k in range(len(order))}
+    mismatched = [completion_datum(tokenizer, e.prompt, examples[partner[i]].completion, cfg.system_prompt)
+                  for i, e in enumerate(examples)]
+    ref = reference_logprobs(reference, [*datums, *mismatched])
+    ref, ref_mismatched = ref[: len(datums)], ref[len(datums):]
     desirable = np.array([e.label for e in examples])
     heldout_pairs = render_pairs(tokenizer, reference, heldout, cfg.system_prompt)
     problems = arithmetic_heldout(cfg.heldout_pairs, cfg.max_operand) if cfg.arithmetic_eval else []
-    mismatched: dict[tuple[int, int], tuple] = {}  # (prompt of example i, completion of example j) -> (datum, ref logprob)
-
-    def mismatched_pairs(keys: list[tuple[int, int]]) -> list[tuple]:
-        new = [k for k in keys if k not in mismatched]
-        new_datums = [completion_datum(tokenizer, examples[i].prompt, examples[j].completion, cfg.system_prompt) for i, j in new]
-        for key, datum, logprob in zip(new, new_datums, reference_logprobs(reference, new_datums)):
-            mismatched[key] = (datum, logprob)
-        return [mismatched[k] for k in keys]
 
     def evaluate(step: int) -> dict[str, float]:
         return heldout_metrics(training, tokenizer, log, step, heldout_pairs, cfg.beta, problems,
@@ -114,31 +100,24 @@ def main(cfg: Config, service: ServiceClient | None = None) -> RunResult:
     for step in progress:
         started = time.monotonic()
         indices = batch_indices(step, cfg.batch_size, len(examples), cfg.seed)
-        kl_pairs = mismatched_pairs([(i, indices[(k + 1) % len(indices)]) for k, i in enumerate(indices)])
-        loss_fn = kto_on_batch(ref[indices], desirable[indices], np.array([r for _, r in kl_pairs]), cfg.beta,
+        loss_fn = kto_on_batch(ref[indices], desirable[indices], ref_mismatched[indices], cfg.beta,
                                cfg.desirable_weight, cfg.undesirable_weight)
-        batch = [datums[i] for i in indices] + [d for d, _ in kl_pairs]
+        batch = [datums[i] for i in indices] + [mismatched[i] for i in indices]
         fwd_bwd, result = forward_backward_with_loss(training, batch, loss_fn, n_trained=len(indices))
         optim = training.optim_step(AdamParams(learning_rate=cfg.learning_rate, eps=1e-8))
         fwd_bwd.result(), optim.result()
         metrics = {**result.metrics, "desirable_share": float(desirable[indices].mean()), "time/step": time.monotonic() - started}
-        if step == cfg.steps or (cfg.eval_every and step % cfg.eval_every == 0):
+        if is_due(step, cfg.eval_every, cfg.steps):
             metrics.update(evaluate(step))
-        if step % cfg.save_every == 0 or step == cfg.steps:
-            final_state_path = training.save_state(f"step-{step:06d}").result().path
-            log.record_checkpoint(f"step-{step:06d}", step, final_state_path)
+        if is_due(step, cfg.save_every, cfg.steps):
+            final_state_path = log.save_checkpoint(training, step)
         log.log_metrics(step, metrics)
         progress.set_postfix(loss=f"{result.loss:.3f}", kl=f"{result.metrics['kto/kl']:.3f}")
 
     # ---------------------------------------------------------------- curve and summary
-    png_path = plot_metrics(log.metrics_path, f"{log.log_dir}/curve.png",
-                            ["kto/loss", "kto/kl", "eval/reward_accuracy", "eval/accuracy"], title=f"KTO ({cfg.base_model})")
-    log.close()
-    evals = [row for row in log.metrics() if "eval/reward_accuracy" in row]
-    return RunResult(eval_part(evals[0]), eval_part(evals[-1]), final_state_path, log.metrics_path, png_path)
+    return finish_run(log, final_state_path, ["kto/loss", "kto/kl", "eval/reward_accuracy", "eval/accuracy"],
+                      f"KTO ({cfg.base_model})", "eval/reward_accuracy")
 
 
 if __name__ == "__main__":
-    result = main(parse_config(Config, prog="python -m treadle.recipes.kto"))
-    print(f"held-out before: {result.eval_before}\nheld-out after:  {result.eval_after}\n"
-          f"metrics: {result.metrics_path}\ncurve:   {result.png_path}\nstate:   {result.final_state_path}")
+    print(main(parse_config(Config, prog="python -m treadle.recipes.kto")).summary())

@@ -23,7 +23,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Literal
 
-from pydantic import BaseModel, Field
+from pydantic import Field
 from tqdm import tqdm
 
 from treadle import AdamParams, ModelInput, SamplingParams, ServiceClient
@@ -35,10 +35,10 @@ from treadle.recipes.math_tasks import Problem, arithmetic_heldout, arithmetic_p
 from treadle.recipes.off_policy import Group, SampledCompletion, StalePolicy, staleness, staleness_action
 from treadle.recipes.plot import plot_metrics
 from treadle.recipes.rendering import render_generation_prompt
-from treadle.recipes.run_log import RunLog
+from treadle.recipes.run_log import RunConfig, RunLog
 
 
-class Config(BaseModel):
+class Config(RunConfig):
     """GRPO on arithmetic word problems or GSM8K, through the treadle SDK."""
 
     base_model: str = Field(default="SmolLM2-135M-Instruct", description="Base model served by the workers.")
@@ -64,14 +64,10 @@ class Config(BaseModel):
     eval_every: int = Field(default=5, ge=0, description="Held-out eval every N steps (0: only before and after).")
     eval_problems: int = Field(default=50, ge=1, description="Size of the fixed held-out set.")
     save_every: int = Field(default=5, ge=1, description="save_state every N steps (and at the end).")
-    resume: bool = Field(default=False, description="Continue from the last checkpoint in log_dir's checkpoints.jsonl.")
     mode: Literal["sync", "async"] = Field(default="sync", description="On-policy steps, or off-policy with rollouts in flight.")
     async_groups_in_flight: int = Field(default=16, ge=1, description="Async: groups being sampled at any time.")
     max_steps_off_policy: int = Field(default=1, ge=0, description="Async: staleness limit of a group, in steps.")
     stale_policy: StalePolicy = Field(default="requeue", description="Async: what happens to a staler group.")
-    mlflow_experiment: str | None = Field(default=None, description="Also log to this MLflow experiment (needs mlflow).")
-    mlflow_tracking_uri: str | None = Field(default=None, description="MLflow store, e.g. sqlite:///mlflow.db (None: MLFLOW_TRACKING_URI or ./mlruns).")
-    registered_model_name: str | None = Field(default=None, description="Register every saved checkpoint as a version of this MLflow model.")
 
 
 @dataclass
@@ -96,8 +92,7 @@ def problem_source(cfg: Config):
 
 def main(cfg: Config, service: ServiceClient | None = None) -> RunResult:
     service = service or ServiceClient()
-    log = RunLog(cfg.log_dir, cfg, cfg.resume, cfg.mlflow_experiment, mlflow_tracking_uri=cfg.mlflow_tracking_uri,
-                 registered_model_name=cfg.registered_model_name)
+    log = RunLog.for_config(cfg)
     problem_at, heldout = problem_source(cfg)
     first_line_only = cfg.task == "arithmetic"  # GSM8K answers come after a chain of thought
 

@@ -1,4 +1,5 @@
-"""The pieces DPO and KTO share: completion datums, cached reference logprobs, held-out pair metrics.
+"""The pieces DPO and KTO share: completion datums, cached reference logprobs, held-out pair metrics
+(and, with distillation, the end of a run: the curve and the summary).
 
 A completion is rendered as the conversation [system?, user: prompt, assistant: completion] with the
 tokenizer's chat template, and only the assistant turn (its end-of-turn token included) is weighted,
@@ -18,6 +19,7 @@ import numpy as np
 from treadle.recipes.datums import supervised_datum
 from treadle.recipes.evaluation import evaluate_problems, prompt_messages
 from treadle.recipes.math_tasks import Problem
+from treadle.recipes.plot import plot_metrics
 from treadle.recipes.preference_data import PreferencePair
 from treadle.recipes.preference_losses import dpo_loss, sequence_logprobs
 from treadle.recipes.rendering import render_conversation
@@ -98,3 +100,26 @@ def heldout_metrics(training: Any, tokenizer: Any, log: RunLog, step: int, heldo
 def eval_part(row: dict) -> dict[str, float]:
     """The held-out metrics of a metrics.jsonl row."""
     return {k: v for k, v in row.items() if k.startswith("eval/")}
+
+
+@dataclass
+class RunResult:
+    """What a preference or distillation run returns: its first and last held-out metrics, and where things are."""
+
+    eval_before: dict[str, float]
+    eval_after: dict[str, float]
+    final_state_path: str
+    metrics_path: str
+    png_path: str
+
+    def summary(self) -> str:
+        return (f"held-out before: {self.eval_before}\nheld-out after:  {self.eval_after}\n"
+                f"metrics: {self.metrics_path}\ncurve:   {self.png_path}\nstate:   {self.final_state_path}")
+
+
+def finish_run(log: RunLog, final_state_path: str, curve: list[str], title: str, eval_key: str) -> RunResult:
+    """Plot `curve`, close the log (and its MLflow run), and sum the run up from its eval rows (those with `eval_key`)."""
+    png_path = plot_metrics(log.metrics_path, f"{log.log_dir}/curve.png", curve, title=title)
+    log.close()
+    evals = [row for row in log.metrics() if eval_key in row]
+    return RunResult(eval_part(evals[0]), eval_part(evals[-1]), final_state_path, log.metrics_path, png_path)

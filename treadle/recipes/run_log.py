@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 from treadle.recipes.mlflow_log import MlflowRun
 
@@ -57,6 +57,15 @@ def append_jsonl(path: str, row: dict) -> None:
         os.fsync(f.fileno())
 
 
+class RunConfig(BaseModel):
+    """The fields every recipe's config shares: resuming, and the MLflow mirror of its logs."""
+
+    resume: bool = Field(default=False, description="Continue from the last checkpoint in log_dir's checkpoints.jsonl.")
+    mlflow_experiment: str | None = Field(default=None, description="Also log to this MLflow experiment (needs mlflow).")
+    mlflow_tracking_uri: str | None = Field(default=None, description="MLflow store, e.g. sqlite:///mlflow.db (None: MLFLOW_TRACKING_URI or ./mlruns).")
+    registered_model_name: str | None = Field(default=None, description="Register every saved checkpoint as a version of this MLflow model.")
+
+
 class RunLog:
     """Append-only logs of one run in `log_dir`, mirrored to MLflow when `mlflow_experiment` is set."""
 
@@ -79,6 +88,12 @@ class RunLog:
                                      mlflow_tracking_uri, registered_model_name)
         # Checkpoints wait here until their step's metrics are logged, so their registry tags carry them.
         self._unregistered: list[tuple[str, int, str]] = []
+
+    @classmethod
+    def for_config(cls, cfg: Any) -> "RunLog":
+        """The log of a recipe whose config has `log_dir` and the RunConfig fields."""
+        return cls(cfg.log_dir, cfg, cfg.resume, cfg.mlflow_experiment, mlflow_tracking_uri=cfg.mlflow_tracking_uri,
+                   registered_model_name=cfg.registered_model_name)
 
     # ------------------------------------------------------------ metrics
     def log_metrics(self, step: int, metrics: dict[str, float]) -> None:
@@ -111,6 +126,13 @@ class RunLog:
             if step <= up_to_step:
                 self._mlflow.register_checkpoint(path, step, kind, metrics)
         self._unregistered = [c for c in self._unregistered if c[1] > up_to_step]
+
+    def save_checkpoint(self, training: Any, step: int) -> str:
+        """save_state as `step-NNNNNN` (training state and optimizer), recorded as the resume point after `step`."""
+        name = f"step-{step:06d}"
+        path = training.save_state(name).result().path
+        self.record_checkpoint(name, step, path)
+        return path
 
     def checkpoints(self) -> list[CheckpointRecord]:
         return [CheckpointRecord(**row) for row in _read_jsonl(self.checkpoints_path)]
@@ -154,3 +176,8 @@ def resume_or_create(service: Any, log: RunLog, resume: bool, base_model: str, l
     log.rewind_to(last.step)
     print(f"resuming from {last.state_path} after step {last.step}")
     return service.create_training_client_from_state_with_optimizer(last.state_path), last.step + 1
+
+
+def is_due(step: int, every: int, last_step: int) -> bool:
+    """Whether a periodic action (eval, save) runs after `step`: every `every` steps (0: never) and after the last."""
+    return step == last_step or bool(every and step % every == 0)

@@ -17,7 +17,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Literal
 
-from pydantic import BaseModel, Field
+from pydantic import Field
 from tqdm import tqdm
 
 from treadle import AdamParams, ServiceClient
@@ -27,10 +27,10 @@ from treadle.recipes.datums import supervised_datum
 from treadle.recipes.plot import plot_metrics
 from treadle.recipes.packing import pack_conversations
 from treadle.recipes.rendering import RenderedConversation, render_conversation
-from treadle.recipes.run_log import RunLog
+from treadle.recipes.run_log import RunConfig, RunLog
 
 
-class Config(BaseModel):
+class Config(RunConfig):
     """Chat SFT with an assistant-only loss mask, pipelined through the treadle SDK."""
 
     base_model: str = Field(default="SmolLM2-135M-Instruct", description="Base model served by the workers.")
@@ -51,10 +51,6 @@ class Config(BaseModel):
     submit_ahead: int = Field(default=1, ge=0, description="Steps enqueued before the oldest result is read.")
     eval_every: int = Field(default=5, ge=0, description="Held-out loss every N steps (0: only before and after).")
     save_every: int = Field(default=10, ge=1, description="save_state every N steps (and at the end).")
-    resume: bool = Field(default=False, description="Continue from the last checkpoint in log_dir's checkpoints.jsonl.")
-    mlflow_experiment: str | None = Field(default=None, description="Also log to this MLflow experiment (needs mlflow).")
-    mlflow_tracking_uri: str | None = Field(default=None, description="MLflow store, e.g. sqlite:///mlflow.db (None: MLFLOW_TRACKING_URI or ./mlruns).")
-    registered_model_name: str | None = Field(default=None, description="Register every saved checkpoint as a version of this MLflow model.")
 
 
 @dataclass
@@ -92,8 +88,7 @@ def batch_indices(step: int, batch_size: int, n: int, seed: int) -> list[int]:
 
 def main(cfg: Config, service: ServiceClient | None = None) -> RunResult:
     service = service or ServiceClient()
-    log = RunLog(cfg.log_dir, cfg, cfg.resume, cfg.mlflow_experiment, mlflow_tracking_uri=cfg.mlflow_tracking_uri,
-                 registered_model_name=cfg.registered_model_name)
+    log = RunLog.for_config(cfg)
 
     # ---------------------------------------------------------------- session (fresh or resumed)
     last = log.last_checkpoint() if cfg.resume else None
