@@ -55,3 +55,26 @@ def rl_datum(prompt: Sequence[int], completion: Sequence[int], sampler_logprobs:
             "advantages": advantages,
         },
     )
+
+
+def multi_turn_rl_datum(pieces: Sequence[tuple[Sequence[int], Sequence[float] | None]], advantage: float) -> Datum:
+    """An RL datum of a multi-turn episode, from its pieces in order.
+
+    A piece is `(tokens, sampler_logprobs)` for tokens the model sampled (they get the advantage and
+    their logprobs) or `(tokens, None)` for context it did not write: the prompt, a tool's result,
+    turn markers. Those get advantage 0, so only the model's own tokens carry loss weight.
+    """
+    tokens: list[int] = []
+    logprobs: list[float] = []
+    advantages: list[float] = []
+    for i, (piece, sampled) in enumerate(pieces):
+        if sampled is not None and len(sampled) != len(piece):
+            raise ValueError(f"piece {i} has {len(piece)} tokens but {len(sampled)} sampler logprobs")
+        tokens += piece
+        logprobs += list(sampled) if sampled is not None else [0.0] * len(piece)
+        advantages += [advantage if sampled is not None else 0.0] * len(piece)
+    if len(tokens) < 2 or pieces[0][1] is not None:
+        raise ValueError(f"a multi-turn datum starts with context the model did not write and has >= 2 tokens, got {len(tokens)}")
+    targets = {"target_tokens": np.asarray(tokens[1:], dtype=np.int64), "logprobs": np.asarray(logprobs[1:], np.float32),
+               "advantages": np.asarray(advantages[1:], np.float32)}
+    return Datum(model_input=ModelInput.from_ints(tokens[:-1]), loss_fn_inputs=targets)

@@ -83,3 +83,36 @@ def render_conversation(tokenizer: Any, messages: Sequence[Message], train_on: s
             mask += [weight] * len(ids)
         done = full
     return RenderedConversation(tokens=tokens, mask=mask)
+
+
+def tool_message(tokenizer: Any, name: str, content: str) -> Message:
+    """A tool result as the chat template renders it: role `tool` if the template shows that role's
+    content, else (a template without tool support) a user message that says which tool answered."""
+    probe = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}, {"role": "tool", "name": name, "content": "\x1fprobe"}]
+    try:
+        supported = "\x1fprobe" in _text(tokenizer, probe, add_generation_prompt=True)
+    except Exception:  # jinja raises its own TemplateError (e.g. "roles must alternate") for unknown roles
+        supported = False
+    if supported:
+        return {"role": "tool", "name": name, "content": content}
+    return {"role": "user", "content": f"[{name} result]\n{content}"}
+
+
+def render_continuation(tokenizer: Any, messages: Sequence[Message], reply: str, reply_tokens_end_turn: bool,
+                        new_messages: Sequence[Message]) -> list[int]:
+    """Tokens that follow a sampled assistant `reply` to make the next generation prompt.
+
+    They are the rest of the reply's turn (its end-of-turn marker, unless the sampled tokens already
+    end with it), then `new_messages` (a tool result, say), then the assistant header, all rendered
+    by the chat template. The sampled tokens themselves are kept as sampled, so the next prompt is
+    exactly what the model saw and wrote, and training on it trains on the tokens of inference.
+    """
+    before = _text(tokenizer, messages, add_generation_prompt=True) + reply
+    after = _text(tokenizer, [*messages, {"role": "assistant", "content": reply}, *new_messages], add_generation_prompt=True)
+    rest = _extension(before, after, "the message after the sampled reply")
+    if reply_tokens_end_turn:
+        end = tokenizer.eos_token
+        if not rest.startswith(end):
+            raise ValueError(f"the template does not close an assistant turn with the end token {end!r}: it continues with {rest[:40]!r}")
+        rest = rest[len(end):]
+    return _encode(tokenizer, rest)

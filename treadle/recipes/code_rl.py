@@ -1,0 +1,302 @@
+"""RL on programming problems: the model writes Python, a sandbox runs it on unit tests, GRPO trains.
+
+Each group samples `group_size` answers to one problem; an answer's reward is 1 if the code in its
+last ```python block passes every test, 0 if not, -0.1 if it has no code block. With `--max_turns 2`
+the first answer's code is a call to the `check_solution` tool: it runs on the problem's first
+`public_tests` tests, the report comes back as a tool message rendered by the tokenizer's own chat
+template (role `tool`; a template without one gets a user message), and the model answers again;
+the second answer is graded. The datum is the whole episode, with loss weight only on the tokens
+the model sampled. Rewards are centred per group and trained with `cispo` (default), `ppo` or
+`importance_sampling`; a group's forward_backward is submitted as soon as it is graded.
+
+`num_rollout_workers` threads run episodes (sampling and sandboxing). `--mode async` keeps them busy
+while the trainer steps, so a group may come from a policy some steps old: up to
+`max_steps_off_policy` it is used (the importance ratio corrects the gap), staler ones are requeued
+or discarded. Held-out problems are answered greedily every `eval_every` steps; `--resume`
+continues the problem stream from the last checkpoint.
+
+    python -m treadle.recipes.code_rl --base_model SmolLM2-135M-Instruct --max_turns 2 --log_dir runs/code_rl
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field
+from tqdm import tqdm
+
+from treadle import AdamParams, ModelInput, SamplingParams, ServiceClient
+from treadle.recipes.advantages import group_advantages, is_informative
+from treadle.recipes.cli import parse_config
+from treadle.recipes.code_tasks import (CodeProblem, Grade, check_solution_report, extract_code, grade, load_code_problems,
+                                        problem_prompt, run_tests, split_problems)
+from treadle.recipes.datums import multi_turn_rl_datum
+from treadle.recipes.evaluation import prompt_messages
+from treadle.recipes.off_policy import StalePolicy, staleness, staleness_action
+from treadle.recipes.plot import plot_metrics
+from treadle.recipes.rendering import render_continuation, render_generation_prompt, tool_message
+from treadle.recipes.run_log import RunLog
+from treadle.recipes.sandbox import Limits, LocalSandbox, Sandbox
+
+
+class Config(BaseModel):
+    """GRPO on programming problems graded in a sandbox, with an optional check_solution tool turn."""
+
+    base_model: str = Field(default="SmolLM2-135M-Instruct", description="Base model served by the workers.")
+    log_dir: str = Field(default="runs/code_rl", description="Where metrics.jsonl, rollouts.jsonl, samples and the PNG go.")
+    problems_path: str | None = Field(default=None, description="JSONL/JSON of problems (offline set, DeepCoder, TACO or LiveCodeBench rows); None: the offline set.")
+    heldout_fraction: float = Field(default=0.25, gt=0.0, lt=1.0, description="Share of problems held out (by a hash of the name).")
+    eval_problems: int = Field(default=100, ge=1, description="Most held-out problems evaluated.")
+    system_prompt: str | None = Field(default=None, description="System message (None: the chat template's default).")
+    seed: int = Field(default=0, description="Seed of the problem order, the sampler and the LoRA init.")
+    steps: int = Field(default=20, ge=1, description="Optimizer steps.")
+    groups_per_batch: int = Field(default=8, ge=1, description="Problems (groups) per step.")
+    group_size: int = Field(default=8, ge=2, description="Answers sampled per problem.")
+    max_turns: int = Field(default=1, ge=1, le=2, description="1: answer once; 2: check_solution on the first answer, then answer again.")
+    public_tests: int = Field(default=2, ge=1, description="Tests that check_solution runs (the first ones; grading runs all).")
+    max_tokens: int = Field(default=256, ge=1, description="Most tokens per answer (per turn).")
+    max_context: int = Field(default=2048, ge=2, description="Most tokens of a second-turn prompt plus its answer; longer episodes end after the first answer.")
+    temperature: float = Field(default=1.0, gt=0.0, description="Sampling temperature of rollouts.")
+    lora_rank: int = Field(default=16, ge=1, description="LoRA rank (alpha is 2 x rank).")
+    learning_rate: float = Field(default=1e-4, gt=0.0, description="AdamW learning rate.")
+    loss_fn: Literal["cispo", "ppo", "importance_sampling"] = Field(default="cispo", description="Policy loss.")
+    normalize_std: bool = Field(default=False, description="Divide group advantages by the group's reward std.")
+    no_code_reward: float = Field(default=-0.1, le=0.0, description="Reward of an answer without a code block.")
+    init_state: str | None = Field(default=None, description="Start from this save_state checkpoint's weights (e.g. after SFT).")
+    eval_every: int = Field(default=5, ge=0, description="Held-out eval every N steps (0: only before and after).")
+    save_every: int = Field(default=5, ge=1, description="save_state every N steps (and at the end).")
+    resume: bool = Field(default=False, description="Continue from the last checkpoint in log_dir's checkpoints.jsonl.")
+    mode: Literal["sync", "async"] = Field(default="sync", description="On-policy steps, or rollouts kept running while training.")
+    num_rollout_workers: int = Field(default=8, ge=1, description="Episodes (groups) being sampled and graded at once.")
+    max_steps_off_policy: int = Field(default=1, ge=0, description="Async: staleness limit of a group, in steps.")
+    stale_policy: StalePolicy = Field(default="requeue", description="Async: what happens to a staler group.")
+    sandbox_workers: int = Field(default=4, ge=1, le=64, description="Sandboxed programs running at once.")
+    sandbox_cpu_seconds: int = Field(default=2, ge=1, le=600, description="CPU-time limit of one test run.")
+    sandbox_wall_seconds: float = Field(default=5.0, gt=0.0, le=600.0, description="Wall-time limit of one test run.")
+    mlflow_experiment: str | None = Field(default=None, description="Also log to this MLflow experiment (needs mlflow).")
+
+
+@dataclass
+class RunResult:
+    eval_before: float
+    eval_after: float
+    final_state_path: str
+    metrics_path: str
+    png_path: str
+
+
+@dataclass
+class Attempt:
+    """One sampled episode: its token pieces (sampled or context) and the grade of its final answer."""
+
+    pieces: list[tuple[list[int], list[float] | None]]
+    answer: str
+    grade: Grade
+    first_answer: str | None = None
+    tool_report: str | None = None
+
+
+@dataclass
+class CodeGroup:
+    problem_index: int
+    problem: CodeProblem
+    attempts: list[Attempt]
+    policy_version: int
+
+
+@dataclass
+class ProblemStream:
+    """Training problem indices to sample next: requeued ones first, then the stream from `cursor`."""
+
+    cursor: int = 0
+    pending: deque = field(default_factory=deque)
+
+    def next_index(self) -> int:
+        if self.pending:
+            return self.pending.popleft()
+        self.cursor += 1
+        return self.cursor - 1
+
+
+def problem_at(train: list[CodeProblem], seed: int, index: int) -> CodeProblem:
+    """Problem `index` of the stream: each pass over the set in its own seeded order (random access, for --resume)."""
+    order = list(range(len(train)))
+    random.Random(f"{seed}:{index // len(train)}").shuffle(order)
+    return train[order[index % len(train)]]
+
+
+def run_episodes(sampler: Any, tokenizer: Any, sandbox: Sandbox, problem: CodeProblem, cfg: Config, n: int,
+                 params: SamplingParams) -> list[Attempt]:
+    """`n` episodes of one problem: sample, (2 turns) check_solution and sample again, grade."""
+    messages = prompt_messages(problem_prompt(problem, cfg.max_turns), cfg.system_prompt)
+    prompt = render_generation_prompt(tokenizer, messages)
+    first = sampler.sample(ModelInput.from_ints(prompt), n, params).result().sequences
+    episodes, second = [], []
+    for seq in first:
+        text = tokenizer.decode(seq.tokens, skip_special_tokens=True)
+        pieces = [(prompt, None), (list(seq.tokens), list(seq.logprobs))]
+        code = extract_code(text) if cfg.max_turns == 2 else None
+        if code is None:  # one turn, or no code to check: the first answer is final
+            episodes.append((pieces, text, None, None))
+            second.append(None)
+            continue
+        report = check_solution_report(run_tests(sandbox, problem, code, problem.tests[: cfg.public_tests], stop_at_failure=False))
+        ended = seq.stop_reason == "stop" and bool(seq.tokens) and seq.tokens[-1] == tokenizer.eos_token_id
+        after = render_continuation(tokenizer, messages, text, ended, [tool_message(tokenizer, "check_solution", report)])
+        if len(prompt) + len(seq.tokens) + len(after) + cfg.max_tokens > cfg.max_context:
+            episodes.append((pieces, text, None, None))  # no room for a second answer: the first is final
+            second.append(None)
+            continue
+        pieces.append((after, None))
+        episodes.append((pieces, None, text, report))
+        second.append(sampler.sample(ModelInput.from_ints([*prompt, *seq.tokens, *after]), 1, params))
+    attempts = []
+    for (pieces, text, first_text, report), future in zip(episodes, second):
+        if future is not None:
+            seq = future.result().sequences[0]
+            pieces.append((list(seq.tokens), list(seq.logprobs)))
+            text = tokenizer.decode(seq.tokens, skip_special_tokens=True)
+        attempts.append(Attempt(pieces, text, grade(sandbox, problem, text, cfg.no_code_reward), first_text, report))
+    return attempts
+
+
+def sample_group(sampler: Any, version: int, index: int, problem: CodeProblem, tokenizer: Any, sandbox: Sandbox, cfg: Config) -> CodeGroup:
+    params = SamplingParams(max_tokens=cfg.max_tokens, temperature=cfg.temperature, seed=cfg.seed * 1_000_003 + index * 7919 + version)
+    return CodeGroup(index, problem, run_episodes(sampler, tokenizer, sandbox, problem, cfg, cfg.group_size, params), version)
+
+
+def evaluate(sampler: Any, tokenizer: Any, sandbox: Sandbox, heldout: list[CodeProblem], cfg: Config, workers: ThreadPoolExecutor,
+             log: RunLog, step: int) -> dict[str, float]:
+    """Greedy held-out pass rate (one episode per problem, the same number of turns as training)."""
+    started = time.monotonic()
+    greedy = SamplingParams(max_tokens=cfg.max_tokens, temperature=1.0, top_k=1, seed=0)
+    futures = [workers.submit(run_episodes, sampler, tokenizer, sandbox, p, cfg, 1, greedy) for p in heldout]
+    attempts = [f.result()[0] for f in tqdm(futures, desc=f"eval @ step {step}", leave=False)]
+    for problem, a in zip(heldout, attempts):
+        log.append("eval_samples.jsonl", step, {"problem": problem.name, "reward": a.grade.reward, "answer": a.answer,
+                                                "first_answer": a.first_answer, "tool_report": a.tool_report})
+    return {"eval/pass_rate": sum(a.grade.passed for a in attempts) / len(attempts),
+            "eval/reward_mean": sum(a.grade.reward for a in attempts) / len(attempts),
+            "eval/has_code": sum(a.grade.has_code for a in attempts) / len(attempts), "time/eval": time.monotonic() - started}
+
+
+def main(cfg: Config, service: ServiceClient | None = None, sandbox: Sandbox | None = None) -> RunResult:
+    service = service or ServiceClient()
+    sandbox = sandbox or LocalSandbox(Limits(cpu_seconds=cfg.sandbox_cpu_seconds, wall_seconds=cfg.sandbox_wall_seconds),
+                                      pool_size=cfg.sandbox_workers)
+    log = RunLog(cfg.log_dir, cfg, cfg.resume, cfg.mlflow_experiment)
+    train, heldout = split_problems(load_code_problems(cfg.problems_path), cfg.heldout_fraction)
+    heldout = heldout[: cfg.eval_problems]
+
+    # ---------------------------------------------------------------- session (fresh, from init_state, or resumed)
+    last = log.last_checkpoint() if cfg.resume else None
+    if last is not None:
+        training = service.create_training_client_from_state_with_optimizer(last.state_path)
+        start_step, stream = last.step + 1, ProblemStream(last.extra["cursor"], deque(last.extra["pending"]))
+        log.rewind_to(last.step)
+        print(f"resuming from {last.state_path} after step {last.step}")
+    else:
+        training = (service.create_training_client_from_state(cfg.init_state) if cfg.init_state else
+                    service.create_lora_training_client(cfg.base_model, rank=cfg.lora_rank, alpha=2 * cfg.lora_rank, seed=cfg.seed))
+        start_step, stream = 1, ProblemStream()
+        log.rewind_to(-1)  # --resume before the first checkpoint: start over
+    tokenizer = training.get_tokenizer()
+    if cfg.max_turns == 2:
+        print(f"check_solution results are rendered as role {tool_message(tokenizer, 'check_solution', '')['role']!r} messages")
+    sampler, version = training.save_weights_and_get_sampling_client(), start_step - 1
+    workers = ThreadPoolExecutor(max_workers=cfg.num_rollout_workers, thread_name_prefix="rollout")
+    in_flight: deque = deque()  # (problem index, policy version, future of a CodeGroup), oldest first
+
+    if start_step == 1:
+        log.log_metrics(0, evaluate(sampler, tokenizer, sandbox, heldout, cfg, workers, log, 0))
+    final_state_path = last.state_path if last is not None else ""
+    progress = tqdm(range(start_step, cfg.steps + 1), desc="code RL", initial=start_step - 1, total=cfg.steps)
+    for step in progress:
+        step_started = time.monotonic()
+        # ------------------------------------------------------------ stream graded groups into forward_backward
+        fwd_futures, attempts_used, used, sample_wait, tokens, stalenesses = [], [], 0, 0.0, 0, []
+        counts = {"use": 0, "requeue": 0, "discard": 0, "skipped": 0}
+        while used < cfg.groups_per_batch:
+            # sync: exactly this step's groups, all from the current policy; async: keep every worker busy
+            target = cfg.groups_per_batch - used if cfg.mode == "sync" else cfg.num_rollout_workers
+            while len(in_flight) < target:
+                index = stream.next_index()
+                problem = problem_at(train, cfg.seed, index)
+                in_flight.append((index, version, workers.submit(sample_group, sampler, version, index, problem, tokenizer, sandbox, cfg)))
+            waited = time.monotonic()
+            index, sampled_by, future = in_flight.popleft()
+            group = future.result()
+            sample_wait += time.monotonic() - waited
+            action = staleness_action(sampled_by, version, cfg.max_steps_off_policy, cfg.stale_policy)
+            counts[action] += 1
+            rewards = [a.grade.reward for a in group.attempts]
+            log.append("rollouts.jsonl", step, {
+                "problem_index": index, "problem": group.problem.name, "policy_version": sampled_by, "trained_at_version": version,
+                "staleness": staleness(sampled_by, version), "action": action, "rewards": rewards,
+                "second_turns": sum(a.tool_report is not None for a in group.attempts)})
+            if action == "requeue":
+                stream.pending.append(index)
+            if action != "use":
+                continue
+            used += 1
+            stalenesses.append(staleness(sampled_by, version))
+            attempts_used += group.attempts
+            for a in group.attempts:
+                log.append("samples.jsonl", step, {"problem": group.problem.name, "reward": a.grade.reward, "answer": a.answer,
+                                                   "first_answer": a.first_answer, "tool_report": a.tool_report})
+            advantages = group_advantages(rewards, cfg.normalize_std)
+            if not is_informative(advantages):
+                counts["skipped"] += 1
+                continue
+            datums = [multi_turn_rl_datum(a.pieces, adv) for a, adv in zip(group.attempts, advantages)]
+            tokens += sum(d.model_input.length for d in datums)
+            fwd_futures.append(training.forward_backward(datums, cfg.loss_fn))
+        optim_future = training.optim_step(AdamParams(learning_rate=cfg.learning_rate, eps=1e-8)) if fwd_futures else None
+
+        # ------------------------------------------------------------ results, new snapshot
+        waited = time.monotonic()
+        loss = sum(f.result().metrics.get("loss:sum", 0.0) for f in fwd_futures)
+        if optim_future is not None:
+            optim_future.result()
+        sampler, version = training.save_weights_and_get_sampling_client(), step
+        n = len(attempts_used)
+        metrics = {
+            "reward/mean": sum(a.grade.reward for a in attempts_used) / n, "accuracy/train": sum(a.grade.passed for a in attempts_used) / n,
+            "format/has_code": sum(a.grade.has_code for a in attempts_used) / n,
+            "turns/second_turn": sum(a.tool_report is not None for a in attempts_used) / n,
+            "loss:sum": loss, "tokens": tokens, "groups/used": used, "groups/skipped_uniform": counts["skipped"],
+            "groups/requeued": counts["requeue"], "groups/discarded": counts["discard"],
+            "async/staleness_max": max(stalenesses), "async/staleness_mean": sum(stalenesses) / len(stalenesses),
+            "time/sample_wait": sample_wait, "time/train_wait": time.monotonic() - waited,
+        }
+        if step == cfg.steps or (cfg.eval_every and step % cfg.eval_every == 0):
+            metrics.update(evaluate(sampler, tokenizer, sandbox, heldout, cfg, workers, log, step))
+        # ------------------------------------------------------------ checkpoint with the loop position
+        if step % cfg.save_every == 0 or step == cfg.steps:
+            final_state_path = training.save_state(f"step-{step:06d}").result().path
+            # Groups still in flight are not part of the state: on resume their problems are sampled again.
+            extra = {"cursor": stream.cursor, "pending": [*stream.pending, *(g[0] for g in in_flight)]}
+            log.record_checkpoint(f"step-{step:06d}", step, final_state_path, extra)
+        metrics["time/step"] = time.monotonic() - step_started
+        log.log_metrics(step, metrics)
+        progress.set_postfix(reward=f"{metrics['reward/mean']:.2f}", eval=f"{metrics.get('eval/pass_rate', float('nan')):.2f}")
+    workers.shutdown(wait=False, cancel_futures=True)
+
+    # -------------------------------------------------------------------- curve and summary
+    png_path = plot_metrics(log.metrics_path, f"{log.log_dir}/curve.png", ["reward/mean", "accuracy/train", "eval/pass_rate"],
+                            title=f"code RL, {cfg.max_turns} turn(s) ({cfg.base_model})")
+    log.close()
+    evals = [row["eval/pass_rate"] for row in log.metrics() if "eval/pass_rate" in row]
+    return RunResult(eval_before=evals[0], eval_after=evals[-1], final_state_path=final_state_path,
+                     metrics_path=log.metrics_path, png_path=png_path)
+
+
+if __name__ == "__main__":
+    result = main(parse_config(Config, prog="python -m treadle.recipes.code_rl"))
+    print(f"held-out pass rate {result.eval_before:.3f} -> {result.eval_after:.3f}\n"
+          f"metrics: {result.metrics_path}\ncurve:   {result.png_path}\nstate:   {result.final_state_path}")
