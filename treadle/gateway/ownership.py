@@ -69,6 +69,19 @@ class Ownership:
                 raise not_found("checkpoint", path) from None
             raise
 
+    def readable_checkpoint(self, path: str, owner: str) -> tuple[CheckpointPath, Manifest]:
+        """One of the owner's checkpoints, or anyone's published one; 404 otherwise. Writes use `checkpoint`."""
+        parsed = parse_path(path)
+        try:
+            manifest = self.checkpoints().manifest(parsed)
+        except TreadleError as exc:
+            if exc.category == "user":
+                raise not_found("checkpoint", path) from None
+            raise
+        if manifest.public:
+            return parsed, manifest
+        return self.checkpoint(path, owner)
+
     def checkpoints(self) -> CheckpointStore:
         if self._checkpoints is None:
             raise InvalidRequestError("storage_url: this gateway has none, so it cannot list or read checkpoints")
@@ -94,7 +107,7 @@ class Ownership:
     def sampling_target(self, owner: str, base_model: str | None, model_path: str | None) -> tuple[str, str | None]:
         """(base model, treadle sampler path) of a sampling target: a checkpoint of the owner's, or a served base model."""
         if model_path is not None:
-            path, manifest = self.checkpoint(model_path, owner)
+            path, manifest = self.readable_checkpoint(model_path, owner)
             return manifest.base_model, path.uri()
         if base_model is None:
             raise InvalidRequestError("base_model: give base_model or model_path to sample from")

@@ -1,8 +1,9 @@
 """RestClient endpoints: training runs, checkpoints, weights info, sessions. Only the caller's own are visible.
 
 A Tinker training run is a treadle run (id = the model id); its checkpoints are the store's manifests,
-served with `tinker://` paths. Endpoints treadle has no counterpart for (publishing, signed download
-URLs, billing, projects) are left undefined, so the SDK gets a plain 404.
+served with `tinker://` paths. Changes to checkpoints (TTL, publishing, copies, download URLs) are in
+`routes_checkpoints.py`; usage, search and traces in `routes_usage.py`. Endpoints treadle has no
+counterpart for (projects, audit log, identity) are left undefined, so the SDK gets a plain 404.
 """
 
 from __future__ import annotations
@@ -31,11 +32,11 @@ def _strings(metadata: dict | None) -> dict[str, str] | None:
 def checkpoint_json(manifest: Manifest) -> dict:
     return {
         "checkpoint_id": f"{manifest.kind}/{manifest.name}",
-        "checkpoint_type": "training" if manifest.kind == "weights" else "sampler",
+        "checkpoint_type": {"weights": "training", "sampler_weights": "sampler"}.get(manifest.kind, "external"),
         "time": _time(manifest.created_at),
         "tinker_path": manifest.path.uri("tinker"),
         "size_bytes": manifest.size_bytes,
-        "public": False,
+        "public": manifest.public,
         "user_metadata": _strings(manifest.user_metadata) or None,
         "expires_at": _time(manifest.expires_at),
     }
@@ -131,7 +132,7 @@ async def weights_info(request: Request, owner: str = Depends(require_owner), ba
     tinker_path = body.get("tinker_path") if isinstance(body, dict) else None
     if not isinstance(tinker_path, str):
         raise not_found("checkpoint", str(tinker_path))
-    _, manifest = await run_in_threadpool(backend.owners.checkpoint, tinker_path, owner)
+    _, manifest = await run_in_threadpool(backend.owners.readable_checkpoint, tinker_path, owner)
     lora = manifest.lora_config or {}
     return {
         "base_model": manifest.base_model,

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path, PurePosixPath
@@ -213,6 +214,35 @@ class CheckpointStore:
                         continue  # deleted meanwhile by someone else
                     removed.append(manifest.path)
         return removed
+
+    # -- changes after the save ----------------------------------------------------------------------
+    def file_key(self, path: CheckpointPath | str, name: str) -> str:
+        """The blob key of one file of a checkpoint (for signed download URLs)."""
+        return f"{_as_path(path).key_prefix}/{name}"
+
+    def _rewrite_manifest(self, path: CheckpointPath | str, **changes) -> Manifest:
+        path = _as_path(path)
+        manifest = self.manifest(path).model_copy(update=changes)
+        self.blobs.put_bytes(self._manifest_key(path), manifest.model_dump_json(indent=2).encode())
+        return manifest
+
+    def set_ttl(self, path: CheckpointPath | str, ttl_seconds: int | None, now: float | None = None) -> Manifest:
+        """The checkpoint expires `ttl_seconds` from now (None: never)."""
+        if ttl_seconds is not None and ttl_seconds <= 0:
+            raise InvalidRequestError(f"ttl_seconds must be a positive number of seconds or None, got {ttl_seconds}")
+        now = time.time() if now is None else now
+        return self._rewrite_manifest(path, ttl_seconds=ttl_seconds, expires_at=None if ttl_seconds is None else now + ttl_seconds)
+
+    def set_public(self, path: CheckpointPath | str, public: bool) -> Manifest:
+        return self._rewrite_manifest(path, public=public)
+
+    def copy(self, source: CheckpointPath | str, dest: CheckpointPath | str, *, ttl_seconds: int | None = None) -> Manifest:
+        """A new checkpoint with the source's files (verified on the way) and metadata; never public."""
+        with tempfile.TemporaryDirectory(prefix="treadle-copy-") as tmp:
+            manifest = self.load(source, tmp)
+            return self.save(tmp, dest, base_model=manifest.base_model, lora_config=manifest.lora_config,
+                             step=manifest.step, ttl_seconds=ttl_seconds, user_metadata=manifest.user_metadata,
+                             extra={**manifest.extra, "copied_from": _as_path(source).uri()})
 
     # -- runs ----------------------------------------------------------------------------------------
     def put_run(self, run_id: str, info: dict) -> None:

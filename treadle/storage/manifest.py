@@ -31,7 +31,7 @@ class Manifest(BaseModel):
 
     format_version: int = Field(1, description="Manifest layout version.")
     run_id: str = Field(description="The run the checkpoint belongs to.")
-    kind: CheckpointKind = Field(description="'weights' (training state) or 'sampler_weights' (adapter only).")
+    kind: CheckpointKind = Field(description="'weights' (training state), 'sampler_weights' or 'external_weights' (adapter only).")
     name: str = Field(description="The checkpoint's name.")
     base_model: str = Field(description="Base model the adapter was trained on (HF id or path).")
     lora_config: dict | None = Field(None, description="LoRA config of the adapter (rank, alpha, targets...).")
@@ -41,6 +41,7 @@ class Manifest(BaseModel):
     ttl_seconds: int | None = Field(None, description="Lifetime in seconds; None keeps it forever.")
     expires_at: float | None = Field(None, description="created_at + ttl_seconds, Unix seconds; None never expires.")
     user_metadata: dict = Field(default_factory=dict, description="Free-form metadata given by the user.")
+    public: bool = Field(False, description="Published: readable (never writable) by every owner.")
     extra: dict = Field(default_factory=dict, description="Free-form metadata given by treadle (engine, RNG info...).")
     files: dict[str, FileEntry] = Field(default_factory=dict, description="Relative POSIX path -> hash and size.")
 

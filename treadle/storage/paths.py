@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from treadle.errors import InvalidCheckpointNameError
 
-CheckpointKind = Literal["weights", "sampler_weights"]
+CheckpointKind = Literal["weights", "sampler_weights", "external_weights"]
 KINDS: tuple[str, ...] = get_args(CheckpointKind)
 SCHEMES = ("treadle", "tinker")
 MAX_NAME_CHARS = 128
@@ -60,7 +60,8 @@ class CheckpointPath(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     run_id: str = Field(description="The training run (session) the checkpoint belongs to.")
-    kind: CheckpointKind = Field(description="'weights': full training state; 'sampler_weights': adapter only.")
+    kind: CheckpointKind = Field(description="'weights': full training state; 'sampler_weights': adapter only; "
+                                 "'external_weights': an adapter exported for download (files maybe age-encrypted).")
     name: str = Field(description="The checkpoint's name within the run and kind.")
 
     @field_validator("run_id", mode="before")

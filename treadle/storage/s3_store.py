@@ -184,6 +184,12 @@ class S3Store:
             for common in page.get("CommonPrefixes", [])
         )
 
+    def presigned_get(self, key: str, expires_s: int) -> str:
+        """A SigV4 presigned GET URL of `key`, valid for `expires_s` seconds (no credentials needed to use it)."""
+        with self._errors("presign", key):
+            return self.client.generate_presigned_url("get_object", Params={"Bucket": self.bucket, "Key": self._key(key)},
+                                                      ExpiresIn=int(expires_s))
+
     def delete(self, key: str) -> None:
         with self._errors("delete", key):
             self.client.delete_object(Bucket=self.bucket, Key=self._key(key))
