@@ -15,7 +15,7 @@ import pytest
 from treadle.recipes import dpo, kto
 from treadle.recipes.math_tasks import grade, is_heldout
 from treadle.recipes.preference_data import arithmetic_kto_examples, arithmetic_pairs, write_jsonl
-from treadle.recipes.preference import completion_datum, reference_logprobs
+from treadle.recipes.preference import completion_datum, reference_logprobs, reference_scorer
 from treadle.recipes.preference_losses import dpo_loss, dpo_on_pairs, forward_backward_with_loss, kto_loss, kto_reference_point
 
 
@@ -95,6 +95,16 @@ def test_arithmetic_preference_data_is_labelled_by_the_grader():
 def _rows(path) -> list[dict]:
     with open(path) as f:
         return [json.loads(line) for line in f]
+
+
+def test_forward_reference_equals_the_base_models_sampler(service_client):
+    tokenizer = service_client.create_lora_training_client("tiny", rank=1).get_tokenizer()
+    pairs = arithmetic_pairs(3, max_operand=3)
+    datums = [completion_datum(tokenizer, p.prompt, c, None) for p in pairs for c in (p.chosen, p.rejected)]
+    from_sampler = reference_scorer(service_client, "tiny", "sampler")(datums)
+    from_forward = reference_scorer(service_client, "tiny", "forward")(datums)
+    assert np.all(from_sampler < 0)
+    np.testing.assert_allclose(from_forward, from_sampler, rtol=1e-5, atol=1e-4)
 
 
 def test_dpo_recipe_learns_the_preference_on_the_tiny_model(service_client, tmp_path):

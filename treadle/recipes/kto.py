@@ -27,7 +27,9 @@ from tqdm import tqdm
 from treadle import AdamParams, ServiceClient
 from treadle.recipes.cli import parse_config
 from treadle.recipes.math_tasks import arithmetic_heldout
-from treadle.recipes.preference import RunResult, completion_datum, finish_run, heldout_metrics, reference_logprobs, render_pairs
+from treadle.recipes.preference import (
+    ReferenceSource, RunResult, completion_datum, finish_run, heldout_metrics, reference_scorer, render_pairs,
+)
 from treadle.recipes.preference_data import arithmetic_kto_examples, arithmetic_pairs, load_kto_examples, load_pairs
 from treadle.recipes.preference_losses import forward_backward_with_loss, kto_on_batch
 from treadle.recipes.run_log import RunConfig, RunLog, is_due, resume_or_create
@@ -50,6 +52,7 @@ class Config(RunConfig):
     seed: int = Field(default=0, description="Seed of the data, the batch order and the LoRA init.")
     steps: int = Field(default=20, ge=1, description="Optimizer steps.")
     batch_size: int = Field(default=16, ge=1, description="Examples per step.")
+    reference: ReferenceSource = Field(default="sampler", description="Reference logprobs: the base model's sampler, or a fresh adapter's batched forward.")
     beta: float = Field(default=0.1, gt=0.0, description="KTO beta: the strength of the implicit KL to the reference.")
     desirable_weight: float = Field(default=1.0, gt=0.0, description="lambda_D: weight of desirable examples.")
     undesirable_weight: float = Field(default=1.0, gt=0.0, description="lambda_U: weight of undesirable examples.")
@@ -72,7 +75,7 @@ def main(cfg: Config, service: ServiceClient | None = None) -> RunResult:
                 else arithmetic_kto_examples(cfg.examples, cfg.seed, cfg.desirable_fraction, cfg.max_operand))
     heldout = (load_pairs(cfg.heldout_path) if cfg.heldout_path
                else arithmetic_pairs(cfg.heldout_pairs, cfg.seed, heldout=True, max_operand=cfg.max_operand))
-    reference = service.create_sampling_client(base_model=cfg.base_model)
+    reference = reference_scorer(service, cfg.base_model, cfg.reference)
     datums = [completion_datum(tokenizer, e.prompt, e.completion, cfg.system_prompt) for e in examples]
     # Each prompt's mismatched completion is another example's, fixed once (a seeded derangement), so
     # its reference logprob too is computed once; the batch's z0 averages its examples' pairs.
@@ -81,7 +84,7 @@ def main(cfg: Config, service: ServiceClient | None = None) -> RunResult:
     partner = {order[k]: order[(k + 1) % len(order)] for k in range(len(order))}
     mismatched = [completion_datum(tokenizer, e.prompt, examples[partner[i]].completion, cfg.system_prompt)
                   for i, e in enumerate(examples)]
-    ref = reference_logprobs(reference, [*datums, *mismatched])
+    ref = reference([*datums, *mismatched])
     ref, ref_mismatched = ref[: len(datums)], ref[len(datums):]
     desirable = np.array([e.label for e in examples])
     heldout_pairs = render_pairs(tokenizer, reference, heldout, cfg.system_prompt)
