@@ -73,7 +73,7 @@ def collect_status(redis, include_stopped: bool = False) -> StatusReport:
     meter = Meter(redis)
     workers = {
         w.hostname: WorkerStatus(hostname=w.hostname, alive=True, pid=w.pid, models=[m.name for m in w.models],
-                                 sessions=w.sessions, unloaded=w.unloaded, uptime_s=now - w.started_at)
+                                 sessions=w.sessions, unloaded=w.unloaded, uptime_s=now - w.started_at, memory=w.memory)
         for w in WorkerRegistry(redis).live_workers()
     }
     sessions = []

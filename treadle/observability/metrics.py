@@ -10,6 +10,8 @@ are current even when no op runs.
 
 from __future__ import annotations
 
+import os
+import sys
 from typing import Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
@@ -39,6 +41,17 @@ CHECKPOINT_SECONDS = Histogram("treadle_checkpoint_seconds", "Seconds to write o
                                ["kind"], buckets=_OP_BUCKETS, registry=REGISTRY)
 CHECKPOINT_BYTES = Counter("treadle_checkpoint_bytes", "Bytes of checkpoints written (auto | state | sampler).", ["kind"],
                            registry=REGISTRY)
+
+
+def memory_in_use() -> dict[str, int]:
+    """Bytes this process holds: its resident set, and what torch allocated on each CUDA device."""
+    with open("/proc/self/statm") as f:
+        memory = {"rss": int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")}
+    torch = sys.modules.get("torch")  # only a worker has it loaded; never import it here
+    if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+        for index in range(torch.cuda.device_count()):
+            memory[f"cuda:{index}"] = int(torch.cuda.memory_allocated(index))
+    return memory
 
 
 def observe_op(op: str, base_model: str, seconds: float, outcome: str = "ok", usage: OpUsage | None = None) -> None:

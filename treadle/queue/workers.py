@@ -25,6 +25,7 @@ class WorkerAnnouncement(BaseModel):
     started_at: float
     sessions: list[str] = []
     unloaded: list[str] = []
+    memory: dict[str, int] = {}  # bytes in use: "rss", and "cuda:<i>" per device the worker allocated on
 
 
 class WorkerRegistry:

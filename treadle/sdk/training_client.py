@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from treadle.errors import SessionNotFoundError
+from treadle.metering import Meter, Usage
 from treadle.queue.ops import (
     ForwardBackwardRequest,
     ForwardRequest,
@@ -162,6 +163,11 @@ class TrainingClient:
 
         return load_tokenizer(self._ops, self.base_model)
 
+    def get_usage(self) -> Usage:
+        """What this session's finished ops consumed, as the workers metered them (each op counted once,
+        across failovers): prefill, sampled and trained tokens, compute seconds, ops."""
+        return Meter(self._ops.redis).session_usage(self.session_id)
+
     def future(self, future_id: str) -> APIFuture:
         """Resolve any op of this session by id (e.g. after restarting the client)."""
         return APIFuture(self._ops, future_id, decode_result, base_model=self.base_model)
@@ -203,6 +209,9 @@ class TrainingClient:
 
     async def save_weights_for_sampler_async(self, name=None, ttl_seconds=None, merge_weights=False):
         return self.save_weights_for_sampler(name, ttl_seconds, merge_weights)
+
+    async def get_usage_async(self) -> Usage:
+        return self.get_usage()
 
     async def save_weights_and_get_sampling_client_async(self, name=None):
         path = (await self.save_weights_for_sampler(name)).path

@@ -1,0 +1,69 @@
+"""What each op consumed, counted once: metering (durable, per session and owner) and the worker's metrics.
+
+Tokens count what the loop sent, never padding: `forward_backward` trains the input tokens of its
+datums, `forward` prefills them, `sample` prefills its prompt once and samples what it returns (every
+sequence's tokens). Other ops (optim_step, checkpoints) cost only compute seconds.
+
+The sequencer calls `op_finished` after an op's handler and before its result is stored and its seq
+applied. A worker killed in between leaves the seq unapplied, so the op runs again on the adopting
+worker, whose record of the same `(session, seq)` the meter ignores: the op is counted once either way.
+Ops a rebuild replays (seq at or below applied) were counted when they first ran and are not seen here.
+
+Control ops are keyed by their task id, which a redelivery keeps. A sample is billed to the session
+whose snapshot it samples (a run's id is its session's id) and that session's owner; a sample of the
+bare base model to `base:<model>` and the `sdk` owner. Batched sampling shares each decode step among
+the requests in the batch, so a sample's compute_s is its time in the scheduler, not an exclusive share.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from pydantic import BaseModel
+
+from treadle.metering import SDK_OWNER, Meter, OpUsage
+from treadle.observability import metrics
+from treadle.queue.ops import CreateSessionRequest, ForwardRequest, OpRequest, SampleRequest
+from treadle.queue.sessions import SessionRegistry
+from treadle.storage.paths import CheckpointPath
+from treadle.types import SampleResponse
+
+log = logging.getLogger("treadle.worker")
+
+
+def token_counts(request: OpRequest, response: BaseModel | None) -> dict[str, int]:
+    if isinstance(request, ForwardRequest):  # and ForwardBackwardRequest, its subclass
+        tokens = sum(d.model_input.length for d in request.data)
+        return {"trained_tokens": tokens} if request.stateful else {"prefill_tokens": tokens}
+    if isinstance(request, SampleRequest) and isinstance(response, SampleResponse):
+        return {"prefill_tokens": len(request.prompt), "sampled_tokens": sum(len(s.tokens) for s in response.sequences)}
+    return {}
+
+
+class UsageRecorder:
+    def __init__(self, redis):
+        self.meter = Meter(redis)
+
+    def op_finished(self, *, session_id: str, op_id: str, request: OpRequest, response: BaseModel | None,
+                    owner: str | None, base_model: str, seconds: float, outcome: str) -> None:
+        """Meter a successful op and observe every op. `outcome`: ok | user_error | server_error."""
+        usage = OpUsage(session_id=session_id, op_id=op_id, op=request.op, owner=owner or SDK_OWNER,
+                        base_model=base_model, compute_s=seconds,
+                        **(token_counts(request, response) if outcome == "ok" else {}))
+        if outcome == "ok" and not self.meter.record(usage):
+            log.info("usage of %s op %s was recorded before (a replay or redelivery): not counted again", session_id, op_id)
+        metrics.observe_op(request.op, base_model, seconds, outcome, usage if outcome == "ok" else None)
+
+    def control_op_finished(self, sessions: SessionRegistry, future_id: str, request: OpRequest,
+                            response: BaseModel | None, seconds: float, outcome: str) -> None:
+        """The same for an op of a base model's control queue (create_session, sample)."""
+        if isinstance(request, CreateSessionRequest):
+            session_id, owner = request.session_id, request.owner
+        elif isinstance(request, SampleRequest) and request.model_path is not None:
+            session_id = CheckpointPath.parse(request.model_path).run_id
+            record = sessions.get(session_id)
+            owner = record.owner if record is not None else None
+        else:
+            session_id, owner = f"base:{request.base_model}", None
+        self.op_finished(session_id=session_id, op_id=future_id, request=request, response=response, owner=owner,
+                         base_model=request.base_model, seconds=seconds, outcome=outcome)
