@@ -38,6 +38,7 @@ class WorkerConfig(BaseModel):
     hostname: str | None = Field(default=None, description="Celery node name (default: treadle-<random>@<host>).")
     device: str | None = Field(default=None, description="cpu, cuda, cuda:1, ... (default: what Accelerate picks).")
     dtype: str | None = Field(default=None, description="float32 or bfloat16 (default: bf16 on CUDA, fp32 on CPU).")
+    devices: int = Field(default=1, ge=1, le=64, description="Ranks of this worker's device group (data parallel, one process each: cuda:0..N-1, or N CPU processes); rank 0 consumes the queues.")
     checkpoint_every: int = Field(default=10, ge=0, description="Checkpoint each session every N optimizer steps (0: never).")
     checkpoint_interval_s: float = Field(default=0.0, ge=0.0, description="Also checkpoint a session when this many seconds passed since its last one (0: off).")
     idle_unload_s: float = Field(default=1800.0, ge=0.0, description="Checkpoint and unload a session after this many idle seconds, freeing accelerator memory; it reloads on its next op (0: never).")
@@ -77,14 +78,22 @@ class WorkerService:
         self.store = CheckpointStore.from_url(storage)
         self.engines = {}
         self.served: list[ServedModel] = []
+        group = None
+        if config.devices > 1:  # the followers load their models while this process loads its own
+            from treadle.gpu_worker.device_group import DeviceGroup
+
+            group = DeviceGroup(config)
+            group.spawn()
         for spec in config.model:
             name, path = parse_model_spec(spec)
             t0 = time.monotonic()
-            engine = Engine(path, device=config.device, dtype=config.dtype,
+            engine = Engine(path, device=group.device if group else config.device, dtype=config.dtype,
                             max_tokens_per_microbatch=config.max_tokens_per_microbatch)
             self.engines[name] = engine
             self.served.append(ServedModel(name=name, path=path, max_seq_len=engine.max_seq_len, vocab_size=engine.vocab_size))
             log.info("loaded %s from %s in %.1f s", name, path, time.monotonic() - t0)
+        if group:
+            self.engines = group.join(self.engines)
         self.app = make_app(broker, result)
         self.lease = LeaseManager(self.redis, self.hostname, ttl_ms=int(config.lease_ttl_s * 1000))
         device_lock = threading.RLock()

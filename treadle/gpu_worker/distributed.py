@@ -1,0 +1,167 @@
+"""Data parallelism over a device group: `GroupEngine` on rank 0, `execute` on the other ranks.
+
+Strategy: replicated data parallelism, DDP's semantics written out by hand. Every rank holds the
+whole base model and a replica of every session (adapter, AdamW moments, pending gradients); a
+`forward_backward` batch is split into contiguous shards of about equal token counts, one per rank;
+each rank runs the engine's own forward/backward on its shard, and the new gradients are summed
+(`all_reduce(SUM)`, one flat buffer per call) into every replica's pending gradients. treadle's losses
+are sums over tokens, so the summed shard gradients are the whole batch's gradient, as on one device,
+and so is the loss (the sum of the shard losses). `optim_step` then runs on every rank on identical
+gradients: clipping sees the global norm, and the replicas stay identical, so rank 0's copy is the
+session. Not torch's DDP or FSDP2: both wrap one module with a fixed set of trainable parameters, while
+a treadle engine adds, switches and removes LoRA adapters per session on one shared PeftModel.
+
+What runs where: session lifecycle, training and `load_state` run on every rank (rank 0 first for
+the calls that can be refused, so a refused request reaches no follower); `save_state` writes rank 0's
+replica, the same PEFT adapter and optimizer files as a one-device worker; sampling, samplers and
+every other read run on rank 0 alone (on its full replica; the other ranks hold no samplers).
+"""
+
+from __future__ import annotations
+
+import secrets
+import threading
+
+import torch
+import torch.distributed as dist
+
+from treadle.gpu_worker.validation import check_loss, prepare_data
+from treadle.queue.ops import ForwardBackwardRequest, ForwardRequest, OptimStepRequest
+from treadle.types import WIRE, AdamParams, Datum, ForwardBackwardOutput, LoraConfig, OptimStepResponse
+
+_RUNS = {cls.op: cls for cls in (ForwardRequest, ForwardBackwardRequest)}
+
+
+def split_by_tokens(lengths: list[int], ranks: int) -> list[list[int]]:
+    """Contiguous shards of datum indices, one per rank, of about equal token counts (a datum whole).
+
+    A datum goes to the rank whose share of the batch's tokens holds the datum's midpoint.
+    """
+    shards: list[list[int]] = [[] for _ in range(ranks)]
+    total, start = sum(lengths), 0
+    for index, length in enumerate(lengths):
+        shards[min(ranks - 1, int(ranks * (start + length / 2) / total))].append(index)
+        start += length
+    return shards
+
+
+def run_shard(engine, session_id: str, request: ForwardRequest) -> ForwardBackwardOutput | None:
+    """This rank's share of a data-parallel forward(_backward); gradients summed over all ranks after."""
+    if not request.stateful:
+        return engine.forward(session_id, request.data, request.loss_fn, request.loss_fn_config) if request.data else None
+    # The session's adapter parameters, as its optimizer holds them (the engine has no public accessor).
+    params = engine._session(session_id).optimizer.params
+    # The call's gradients are computed apart from the pending ones, so that only they are summed.
+    pending = {name: p.grad for name, p in params.items()}
+    for p in params.values():
+        p.grad = None
+    out = None
+    if request.data:  # a rank with no datum still takes part in the sum
+        out = engine.forward_backward(session_id, request.data, request.loss_fn, request.loss_fn_config)
+    flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params.values()])
+    dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+    offset = 0
+    for name, p in params.items():
+        grad = flat[offset:offset + p.numel()].view_as(p)
+        offset += p.numel()
+        p.grad = grad.clone() if pending[name] is None else pending[name] + grad
+    return out
+
+
+def execute(engines: dict, call: dict) -> dict:
+    """A follower runs one call from rank 0 on its replica; the answer is what rank 0 gathers."""
+    engine, session_id, name = engines[call["model"]], call["session_id"], call["call"]
+    if name in _RUNS:
+        out = run_shard(engine, session_id, _RUNS[name].decode(call["request"]))
+        return {"output": out.model_dump(mode="json", context=WIRE) if out is not None else None}
+    if name == "optim_step":
+        engine.optim_step(session_id, OptimStepRequest.decode(call["request"]).adam_params)
+    elif name == "create_session":
+        engine.create_session(session_id, LoraConfig.model_validate(call["lora"]))
+    elif name == "drop_session":
+        engine.drop_session(session_id)
+    elif name == "load_state":
+        # Every rank is on one host, so a follower reads the directory rank 0 holds open for the call.
+        engine.load_state(session_id, call["directory"], with_optimizer=call["with_optimizer"])
+    else:
+        raise ValueError(f"call: unknown {name!r}")
+    return {}
+
+
+class GroupEngine:
+    """Rank 0's engine in a device group: replicates session state, splits training batches.
+
+    Anything not defined here (sampling, samplers, save_state, step, limits, the tokenizer) is rank 0's
+    own engine's, through `__getattr__`.
+    """
+
+    def __init__(self, local, model: str, group):
+        self._local = local
+        self._model = model
+        self._group = group
+        self.ranks = group.size
+        # Calls reach the followers in the order rank 0 runs them.
+        self._lock = threading.RLock()
+
+    def __getattr__(self, name: str):
+        return getattr(self._local, name)
+
+    def _replicate(self, name: str, session_id: str, **fields) -> None:
+        message = {"call": name, "model": self._model, "session_id": session_id, **fields}
+        self._group.call([message] * (self.ranks - 1))
+
+    # ------------------------------------------------------------ sessions
+
+    def create_session(self, session_id: str, lora: LoraConfig) -> None:
+        if lora.seed is None:  # every replica must start from the same initialisation
+            lora = lora.model_copy(update={"seed": secrets.randbits(31)})
+        with self._lock:
+            self._local.create_session(session_id, lora)
+            self._replicate("create_session", session_id, lora=lora.model_dump(mode="json"))
+
+    def drop_session(self, session_id: str) -> None:
+        with self._lock:
+            self._local.drop_session(session_id)
+            self._replicate("drop_session", session_id)
+
+    def load_state(self, session_id: str, directory: str, *, with_optimizer: bool) -> None:
+        with self._lock:
+            self._local.load_state(session_id, directory, with_optimizer=with_optimizer)
+            self._replicate("load_state", session_id, directory=str(directory), with_optimizer=with_optimizer)
+
+    # ------------------------------------------------------------ training
+
+    def forward(self, session_id: str, data: list[Datum], loss_fn: str, loss_fn_config: dict | None = None) -> ForwardBackwardOutput:
+        return self._data_parallel(ForwardRequest, session_id, data, loss_fn, loss_fn_config)
+
+    def forward_backward(self, session_id: str, data: list[Datum], loss_fn: str, loss_fn_config: dict | None = None) -> ForwardBackwardOutput:
+        return self._data_parallel(ForwardBackwardRequest, session_id, data, loss_fn, loss_fn_config)
+
+    def _data_parallel(self, request_cls: type[ForwardRequest], session_id: str, data: list[Datum], loss_fn: str,
+                       loss_fn_config: dict | None) -> ForwardBackwardOutput:
+        with self._lock:
+            # The whole batch is checked here, before any rank runs: a refused request changes no replica.
+            self._local.step(session_id)  # raises for an unknown session
+            check_loss(loss_fn, loss_fn_config)
+            prepared = prepare_data(data, loss_fn, max_seq_len=self._local.max_seq_len, vocab_size=self._local.vocab_size)
+            shards = [request_cls(data=[data[i] for i in shard], loss_fn=loss_fn, loss_fn_config=loss_fn_config)
+                      for shard in split_by_tokens([d.length for d in prepared], self.ranks)]
+            try:
+                self._group.send([{"call": request_cls.op, "model": self._model, "session_id": session_id,
+                                   "request": shard.encode().decode()} for shard in shards[1:]])
+                outputs = [run_shard(self._local, session_id, shards[0])]
+                outputs += [ForwardBackwardOutput.model_validate(r["output"]) if r["output"] else None
+                            for r in self._group.receive()]
+            except Exception as exc:  # a rank failed mid-call: the replicas can no longer be trusted
+                self._group.fail(f"{request_cls.op} on session {session_id}: {exc!r}")
+            done = [out for out in outputs if out is not None]
+            return ForwardBackwardOutput(
+                loss_fn_outputs=[o for out in done for o in out.loss_fn_outputs],
+                metrics={"loss:sum": sum(out.metrics["loss:sum"] for out in done)},
+            )
+
+    def optim_step(self, session_id: str, params: AdamParams) -> OptimStepResponse:
+        with self._lock:
+            response = self._local.optim_step(session_id, params)
+            self._replicate("optim_step", session_id, request=OptimStepRequest(adam_params=params).encode().decode())
+            return response
