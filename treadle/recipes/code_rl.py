@@ -9,11 +9,10 @@ the second answer is graded. The datum is the whole episode, with loss weight on
 the model sampled. Rewards are centred per group and trained with `cispo` (default), `ppo` or
 `importance_sampling`; a group's forward_backward is submitted as soon as it is graded.
 
-`num_rollout_workers` threads run episodes (sampling and sandboxing). `--mode async` keeps them busy
-while the trainer steps, so a group may come from a policy some steps old: up to
-`max_steps_off_policy` it is used (the importance ratio corrects the gap), staler ones are requeued
-or discarded. Held-out problems are answered greedily every `eval_every` steps; `--resume`
-continues the problem stream from the last checkpoint.
+`num_rollout_workers` threads run episodes (sampling and sandboxing). `--mode async` keeps them busy while the
+trainer steps, so a group may come from a policy some steps old: up to `max_steps_off_policy` it is used (the
+importance ratio corrects the gap), staler ones are requeued or discarded. Held-out problems are answered
+greedily every `eval_every` steps; `--resume` continues the problem stream from the last checkpoint.
 
     python -m treadle.recipes.code_rl --base_model SmolLM2-135M-Instruct --max_turns 2 --log_dir runs/code_rl
 """
@@ -170,8 +169,7 @@ def sample_group(sampler: Any, version: int, index: int, problem: CodeProblem, t
     return CodeGroup(index, problem, run_episodes(sampler, tokenizer, sandbox, problem, cfg, cfg.group_size, params), version)
 
 
-def evaluate(sampler: Any, tokenizer: Any, sandbox: Sandbox, heldout: list[CodeProblem], cfg: Config, workers: ThreadPoolExecutor,
-             log: RunLog, step: int) -> dict[str, float]:
+def evaluate(sampler, tokenizer, sandbox: Sandbox, heldout: list[CodeProblem], cfg: Config, workers, log: RunLog, step: int) -> dict:
     """Greedy held-out pass rate (one episode per problem, the same number of turns as training)."""
     started = time.monotonic()
     greedy = SamplingParams(max_tokens=cfg.max_tokens, temperature=1.0, top_k=1, seed=0)
