@@ -189,7 +189,7 @@ class DeviceGroup:
 def follower_main(spec: dict) -> None:
     from treadle.gpu_worker.distributed import execute
     from treadle.gpu_worker.engine import Engine
-    from treadle.gpu_worker.worker_main import parse_model_spec
+    from treadle.queue.workers import parse_model_spec
 
     rank = spec["rank"]
     logging.basicConfig(level=spec["loglevel"], format=f"%(asctime)s %(levelname)s rank{rank} %(name)s: %(message)s")

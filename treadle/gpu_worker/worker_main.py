@@ -24,7 +24,7 @@ from treadle.queue import names
 from treadle.queue.celery_app import make_app
 from treadle.queue.lease import LeaseManager
 from treadle.queue.ops_client import connect_redis
-from treadle.queue.workers import ServedModel, WorkerAnnouncement, WorkerRegistry
+from treadle.queue.workers import ServedModel, WorkerAnnouncement, WorkerRegistry, parse_model_spec
 from treadle.settings import ConnectionSettings
 
 log = logging.getLogger("treadle.worker")
@@ -45,14 +45,6 @@ class WorkerConfig(BaseModel):
     lease_ttl_s: float = Field(default=15.0, gt=0.5, description="Session lease TTL: how soon another worker adopts a dead worker's sessions.")
     max_tokens_per_microbatch: int = Field(default=4096, ge=64, description="Token budget of one forward/backward micro-batch.")
     loglevel: str = Field(default="INFO", description="Log level.")
-
-
-def parse_model_spec(spec: str) -> tuple[str, str]:
-    """`NAME=DIR` -> (NAME, DIR); a bare id or dir is served under its own name."""
-    if "=" in spec:
-        name, path = spec.split("=", 1)
-        return name, path
-    return spec, spec
 
 
 class WorkerService:

@@ -54,3 +54,11 @@ class WorkerRegistry:
 
     def is_alive(self, hostname: str) -> bool:
         return bool(self.redis.exists(names.worker_key(hostname)))
+
+
+def parse_model_spec(spec: str) -> tuple[str, str]:
+    """`NAME=DIR` -> (NAME, DIR); a bare id or dir is served under its own name."""
+    if "=" in spec:
+        name, path = spec.split("=", 1)
+        return name, path
+    return spec, spec
