@@ -14,7 +14,9 @@ import logging
 import time
 from typing import Callable
 
+import redis as redis_lib
 from celery import Celery
+from kombu import exceptions as kombu_errors
 
 from treadle.errors import ServerError, SessionNotFoundError, TreadleError
 from treadle.gpu_worker.hosting import OwnedSession, SessionHost
@@ -70,14 +72,20 @@ class Sequencer:
             handler = handler_for(entry.op)
             request: OpRequest = entry.request()
             response = handler(request, self.host.context(owned, entry.seq))
-            self.results.store_ok(entry.future_id, encode_result(entry.op, response))
+            store = lambda: self.results.store_ok(entry.future_id, encode_result(entry.op, response))  # noqa: E731
         except TreadleError as exc:
-            self.results.store_error(entry.future_id, exc)
+            error = exc  # `exc` is unbound once the except clause ends; the store below runs after it
+            store = lambda: self.results.store_error(entry.future_id, error)  # noqa: E731
         except Exception as exc:
             log.exception("op %s of session %s failed", entry.op, entry.session_id)
-            self.results.store_error(entry.future_id, ServerError(f"{entry.op} failed on the worker: {type(exc).__name__}: {exc}"))
+            error = ServerError(f"{entry.op} failed on the worker: {type(exc).__name__}: {exc}")
+            store = lambda: self.results.store_error(entry.future_id, error)  # noqa: E731
+        # The op has changed the engine: it counts as applied now, whatever Redis does next. Were Redis
+        # down while the result is stored, a redelivered doorbell must find the seq applied, or the op
+        # would run twice (gradients added twice).
         owned.applied = entry.seq
-        self.host.registry.update(entry.session_id, applied=entry.seq, last_activity=time.time())
+        _through_outages(store)
+        _through_outages(lambda: self.host.registry.update(entry.session_id, applied=entry.seq, last_activity=time.time()))
         self._after_op(owned, entry.op)
 
     def _not_ours(self, session_id: str, seq: int) -> None:
@@ -91,3 +99,20 @@ class Sequencer:
         entry = self.host.journal.get(session_id, seq)
         if entry is not None:  # the journal holds the op; a fresh doorbell reaches whoever owns (or will own) it
             ring(self.app, session_id, seq, entry.op)
+
+
+REDIS_OUTAGE_TOLERANCE_S = 300.0
+
+
+def _through_outages(write) -> None:
+    """Run a Redis write, retrying through a Redis restart (bounded backoff, then give up loudly)."""
+    delay, since = 0.1, time.monotonic()
+    while True:
+        try:
+            return write()
+        except (redis_lib.ConnectionError, redis_lib.TimeoutError, OSError, kombu_errors.OperationalError):
+            if time.monotonic() - since > REDIS_OUTAGE_TOLERANCE_S:
+                raise
+            log.warning("Redis unavailable while storing a result; retrying in %.1f s", delay)
+            time.sleep(delay)
+            delay = min(delay * 2, 5.0)
