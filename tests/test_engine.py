@@ -12,7 +12,7 @@ from treadle.errors import CheckpointNotFoundError, InvalidRequestError, Session
 from treadle.gpu_worker.engine import Engine
 from treadle.storage.merged_export import export_merged
 from treadle.testing.tiny_model import build_tiny_model
-from treadle.types import AdamParams, Datum, LoraConfig, ModelInput, SamplingParams
+from treadle.types import AdamParams, Datum, EncodedTextChunk, LoraConfig, ModelInput, SamplingParams
 
 LORA = LoraConfig(rank=8, alpha=16, seed=0)
 ADAM = AdamParams(learning_rate=3e-3)
@@ -501,7 +501,8 @@ def test_bad_sample_requests(engine):
     with pytest.raises(InvalidRequestError, match="sampling_params.max_tokens: prompt length 500 \\+ max_tokens 20 exceeds"):
         engine.sample(None, ModelInput.from_ints([5] * 500), 1, SamplingParams(max_tokens=20))
     with pytest.raises(InvalidRequestError, match=r"prompt.tokens\[1\]: token id -3 outside vocabulary"):
-        engine.sample(None, ModelInput.from_ints([5, -3]), 1, SamplingParams(max_tokens=2))
+        # The client refuses a negative id when the input is built; the engine checks again, for raw callers.
+        engine.sample(None, ModelInput(chunks=[EncodedTextChunk.model_construct(tokens=[5, -3])]), 1, SamplingParams(max_tokens=2))
     with pytest.raises(InvalidRequestError, match=r"sampling_params.stop\[0\]: token id 100000"):
         engine.sample(None, ModelInput.from_ints([5]), 1, SamplingParams(max_tokens=2, stop=[100000]))
     assert len(engine.compute_logprobs(None, too_long)) == engine.max_seq_len  # a full-length prompt can be scored

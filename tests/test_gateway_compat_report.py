@@ -30,7 +30,6 @@ _NO_ACCOUNTS = "treadle has no accounts service: no organisations, projects, bil
 UNSUPPORTED = {
     "ServiceClient.copy_weights": "copying a checkpoint into another run is not implemented",
     "ServiceClient.create_custom_loss": "server-side (uploaded) losses are not supported; forward_backward_custom runs the loss client-side and works",
-    "TrainingClient.save_weights_external": _NO_EXPORT,
     "RestClient.copy_weights": "copying a checkpoint into another run or project is not implemented",
     "RestClient.get_external_weights_urls": _NO_EXPORT,
     "RestClient.publish_checkpoint_from_tinker_path": "checkpoints are private to their owner; there is no public sharing",

@@ -77,6 +77,10 @@ class QuotaExceededError(UserError):
     """The owner already runs as many training sessions as its quota allows (HTTP 429 at the gateway)."""
 
 
+class SessionStoppedError(SessionNotFoundError):
+    """The session was stopped (or a stop is queued): nothing can run on it after the stop."""
+
+
 class SessionExpiredError(UserError):
     """The session sat idle past the workers' TTL: it was checkpointed and stopped; the message names the path."""
 
@@ -110,7 +114,7 @@ _REGISTRY: dict[str, type[TreadleError]] = {
     for cls in [
         TreadleError, UserError, ServerError, InvalidRequestError, UnknownModelError,
         CheckpointNotFoundError, CheckpointExistsError, InvalidCheckpointNameError,
-        SessionNotFoundError, NotFoundError, ConflictError, QuotaExceededError, SessionExpiredError, IntegrityError, StorageError, BrokerUnavailableError,
+        SessionNotFoundError, SessionStoppedError, NotFoundError, ConflictError, QuotaExceededError, SessionExpiredError, IntegrityError, StorageError, BrokerUnavailableError,
         NoWorkerError, SessionLostError, FutureTimeoutError,
     ]
 }

@@ -13,7 +13,7 @@ import base64
 import binascii
 import math
 import typing
-from typing import Any, Literal, Sequence
+from typing import Annotated, Any, Literal, Sequence
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_serializer, model_validator
@@ -34,6 +34,7 @@ __all__ = [
     "SampleResponse",
     "SampledSequence",
     "SamplingParams",
+    "SaveWeightsExternalResponse",
     "SaveWeightsForSamplerResponse",
     "SaveWeightsResponse",
     "ServerCapabilities",
@@ -42,19 +43,40 @@ __all__ = [
     "TensorData",
     "TrainingRun",
     "WeightsInfo",
+    "LOSS_CONFIGS",
     "LOSS_FN_TYPES",
+    "CISPOConfig",
+    "DROConfig",
+    "GSPOConfig",
+    "LossConfig",
+    "PPOConfig",
+    "UNSERVED_LOSSES",
 ]
 
-LossFnType = Literal["cross_entropy", "importance_sampling", "ppo", "cispo", "dro"]
+LossFnType = Literal["cross_entropy", "importance_sampling", "ppo", "cispo", "dro", "gspo"]
 LOSS_FN_TYPES: tuple[str, ...] = typing.get_args(LossFnType)
+# Tinker's other loss names, which treadle refuses with these reasons (a clear error, never a guess).
+UNSERVED_LOSSES: dict[str, str] = {
+    "stable_reinforce": "its objective is not published, and treadle will not train on a guess under its name; "
+    "use importance_sampling, cispo, ppo or gspo instead (the cookbook's rl_loop takes loss_fn=importance_sampling, cispo or gspo)",
+    "custom": "uploaded (server-side) losses are not supported; use forward_backward_custom, which runs the loss on the client",
+}
 StopReason = Literal["stop", "length"]
 DType = Literal["int64", "float32"]
 
 
 class _Request(BaseModel):
-    """Base of everything a client sends: unknown fields are an error, not silently dropped."""
+    """Base of everything a client sends: unknown fields are an error, not silently dropped, and NaN
+    or infinity in a number is an error here, naming the field (JSON would turn it into null)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+
+# Token ids and seeds: what torch and the tokenizers accept. torch takes seeds below 2**64; the
+# margin leaves room for the per-row offsets a sampler adds to a request's seed.
+TokenId = Annotated[int, Field(ge=0, lt=2**31)]
+SEED_MAX = 2**63 - 1
+MAX_TOKENS_PER_SEQUENCE = 2**20
 
 
 class _Response(BaseModel):
@@ -67,7 +89,7 @@ class _Response(BaseModel):
 
 
 class EncodedTextChunk(_Request):
-    tokens: list[int] = Field(description="Token ids of this chunk.")
+    tokens: list[TokenId] = Field(max_length=MAX_TOKENS_PER_SEQUENCE, description="Token ids of this chunk.")
     type: Literal["encoded_text"] = "encoded_text"
 
     @property
@@ -249,12 +271,23 @@ class Datum(_Request):
 class SamplingParams(_Request):
     """How to sample. `top_k=1` is greedy; `seed` makes a request reproducible."""
 
-    max_tokens: int | None = Field(default=None, ge=1, description="Most new tokens per sequence (None: up to the context limit).")
-    seed: int | None = Field(default=None, description="Random seed; the same seed gives the same tokens.")
-    stop: str | list[str] | list[int] | None = Field(default=None, description="Stop strings or stop token ids.")
-    temperature: float = Field(default=1.0, ge=0.0, description="Softmax temperature; 0 means greedy.")
-    top_k: int = Field(default=-1, ge=-1, description="Keep the k most likely tokens; -1 keeps all.")
+    max_tokens: int | None = Field(default=None, ge=1, le=MAX_TOKENS_PER_SEQUENCE,
+                                   description="Most new tokens per sequence (None: up to the context limit).")
+    seed: int | None = Field(default=None, ge=0, le=SEED_MAX, description="Random seed; the same seed gives the same tokens.")
+    stop: str | list[str] | list[TokenId] | None = Field(default=None, description="Stop strings or stop token ids (at most 64).")
+    temperature: float = Field(default=1.0, ge=0.0, le=100.0, description="Softmax temperature; 0 means greedy.")
+    top_k: int = Field(default=-1, ge=-1, le=2**31 - 1, description="Keep the k most likely tokens; -1 keeps all.")
     top_p: float = Field(default=1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_within_limits(cls, value):
+        if isinstance(value, list) and len(value) > 64:
+            raise ValueError(f"{len(value)} stop sequences; at most 64")
+        strings = [value] if isinstance(value, str) else [v for v in value or [] if isinstance(v, str)]
+        if any(len(v) > 1024 for v in strings):
+            raise ValueError("a stop string is longer than 1024 characters")
+        return value
 
     @field_validator("top_k")
     @classmethod
@@ -277,20 +310,64 @@ class SamplingParams(_Request):
 class AdamParams(_Request):
     """AdamW hyperparameters of one `optim_step` (identical to `torch.optim.AdamW`, decoupled decay)."""
 
-    learning_rate: float = Field(default=1e-4, ge=0.0, description="Step size.")
+    learning_rate: float = Field(default=1e-4, ge=0.0, le=10.0, description="Step size.")
     beta1: float = Field(default=0.9, ge=0.0, lt=1.0, description="First-moment decay.")
     beta2: float = Field(default=0.95, ge=0.0, lt=1.0, description="Second-moment decay.")
-    eps: float = Field(default=1e-12, gt=0.0, description="Denominator epsilon.")
-    weight_decay: float = Field(default=0.0, ge=0.0, description="Decoupled weight decay.")
-    grad_clip_norm: float = Field(default=0.0, ge=0.0, description="Clip the global grad norm to this; 0 is off.")
+    eps: float = Field(default=1e-12, gt=0.0, le=1.0, description="Denominator epsilon.")
+    weight_decay: float = Field(default=0.0, ge=0.0, le=1.0, description="Decoupled weight decay.")
+    grad_clip_norm: float = Field(default=0.0, ge=0.0, le=1e6, description="Clip the global grad norm to this; 0 is off.")
+
+
+class LossConfig(_Request):
+    """A loss's parameters (`loss_fn_config`); the base takes none, like cross_entropy and importance_sampling."""
+
+
+class _ClipConfig(LossConfig):
+    clip_low_threshold: float
+    clip_high_threshold: float
+
+    @model_validator(mode="after")
+    def _ordered(self) -> "_ClipConfig":
+        if self.clip_low_threshold >= self.clip_high_threshold:
+            raise ValueError(f"loss_fn_config.clip_low_threshold: {self.clip_low_threshold} must be below "
+                             f"clip_high_threshold {self.clip_high_threshold}")
+        return self
+
+
+class PPOConfig(_ClipConfig):
+    clip_low_threshold: float = Field(default=0.8, gt=0.0, le=1.0, description="Lower bound of the clipped ratio.")
+    clip_high_threshold: float = Field(default=1.2, ge=1.0, le=100.0, description="Upper bound of the clipped ratio.")
+
+
+class CISPOConfig(_ClipConfig):
+    clip_low_threshold: float = Field(default=0.0, ge=0.0, le=1.0, description="Lower bound of the ratio weight.")
+    clip_high_threshold: float = Field(default=4.0, gt=0.0, le=1000.0, description="Upper bound of the ratio weight.")
+
+
+class DROConfig(LossConfig):
+    # Tinker documents beta without a default; 0.05 is the value of its examples.
+    beta: float = Field(default=0.05, gt=0.0, le=1e4, description="Weight of the quadratic pull towards the sampler's logprobs.")
+
+
+class GSPOConfig(_ClipConfig):
+    # In ratio space like ppo's; the defaults are the GSPO paper's clip ranges (3e-4 below, 4e-4 above).
+    clip_low_threshold: float = Field(default=1.0 - 3e-4, gt=0.0, le=1.0, description="Lower bound of the clipped sequence ratio.")
+    clip_high_threshold: float = Field(default=1.0 + 4e-4, ge=1.0, le=100.0, description="Upper bound of the clipped sequence ratio.")
+
+
+# Every built-in loss's parameters, with defaults and bounds; the worker's losses take their defaults from here.
+LOSS_CONFIGS: dict[str, type[LossConfig]] = {
+    "cross_entropy": LossConfig, "importance_sampling": LossConfig, "ppo": PPOConfig, "cispo": CISPOConfig,
+    "dro": DROConfig, "gspo": GSPOConfig,
+}
 
 
 class LoraConfig(_Request):
     """The LoRA adapter of a training session."""
 
     rank: int = Field(default=32, ge=1, le=1024, description="LoRA rank r.")
-    alpha: float = Field(default=32.0, gt=0.0, description="LoRA alpha (scale = alpha / rank).")
-    seed: int | None = Field(default=None, description="Seed of the adapter's initialisation.")
+    alpha: float = Field(default=32.0, gt=0.0, le=1e6, description="LoRA alpha (scale = alpha / rank).")
+    seed: int | None = Field(default=None, ge=0, le=SEED_MAX, description="Seed of the adapter's initialisation.")
     train_mlp: bool = Field(default=True, description="Adapt the MLP projections.")
     train_attn: bool = Field(default=True, description="Adapt the attention projections.")
     train_unembed: bool = Field(default=True, description="Adapt the output embedding (lm_head).")
@@ -343,6 +420,11 @@ class SaveWeightsResponse(_Response):
 class SaveWeightsForSamplerResponse(_Response):
     path: str | None = Field(default=None, description="treadle://<run_id>/sampler_weights/<name> (named form).")
     sampling_session_id: str | None = Field(default=None, description="Ephemeral sampler id (unnamed form).")
+
+
+class SaveWeightsExternalResponse(_Response):
+    path: str = Field(description="treadle://<run_id>/external_weights/<name>: files to download with signed URLs.")
+    size_bytes: int | None = Field(default=None, description="Bytes stored (ciphertext when encrypted).")
 
 
 class LoadWeightsResponse(_Response):

@@ -24,6 +24,7 @@ from treadle.queue.ops import (
     OpRequest,
     OptimStepRequest,
     SaveStateRequest,
+    SaveWeightsExternalRequest,
     SaveWeightsForSamplerRequest,
     parse_request,
 )
@@ -151,7 +152,7 @@ async def load_weights(request: Request, owner: str = Depends(require_owner), ba
     if req.session_id is None or req.model_seq_id is None:
         raise InvalidRequestError("load_weights: give either model_id and seq_id, or session_id and model_seq_id")
     await run_in_threadpool(backend.owners.client_session, req.session_id, owner)
-    path, manifest = await run_in_threadpool(backend.owners.checkpoint, req.path, owner)
+    path, manifest = await run_in_threadpool(backend.owners.readable_checkpoint, req.path, owner)
     model_id = f"{req.session_id}:train:{req.model_seq_id}"
     lora = LoraConfig.model_validate(manifest.lora_config) if manifest.lora_config else LoraConfig()
     create = CreateSessionRequest.build(session_id=model_id, base_model=req.base_model or manifest.base_model, lora=lora,
@@ -169,14 +170,16 @@ async def load_weights(request: Request, owner: str = Depends(require_owner), ba
 
 @router.post("/save_weights_external")
 async def save_weights_external(request: Request, owner: str = Depends(require_owner), backend: Backend = Depends(get_backend)) -> dict:
+    """The adapter as downloadable files under tinker://<model_id>/external_weights/<name> (maybe age-encrypted)."""
     body = await request.body()
     req = parse_request(tt.SaveWeightsExternalRequest, await request.json())
     await run_in_threadpool(backend.owners.model, req.model_id, owner)
-    error = InvalidRequestError(
-        "save_weights_external is not supported by treadle; save_weights_for_sampler writes a PEFT adapter "
-        "directory, and `treadle checkpoints export` writes a merged model"
-    )
-    return _future(await run_in_threadpool(backend.seqs.refuse, owner, req.model_id, req.seq_id, error, body=body), req.model_id)
+    return _future(await _submit(
+        backend, owner, req.model_id, req.seq_id,
+        lambda: SaveWeightsExternalRequest.build(name=req.path, ttl_seconds=req.ttl_seconds,
+                                                 age_encryption_recipients=req.age_encryption_recipients),
+        kind="save_weights_external", body=body,
+    ), req.model_id)
 
 
 async def _submit(backend: Backend, owner: str, model_id: str, seq_id: int | None, build: Callable[[], OpRequest], **kwargs) -> str:

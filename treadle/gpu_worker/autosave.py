@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from treadle.errors import TreadleError
 from treadle.gpu_worker.hosting import OwnedSession, SessionHost
+from treadle.observability import metrics
 from treadle.storage.paths import CheckpointPath
 
 log = logging.getLogger("treadle.worker")
@@ -60,9 +61,11 @@ class Autosaver:
             try:
                 if not host.lease.holds(sid, owned.epoch):
                     return None
-                host.store.save(tmp, path, base_model=owned.record.base_model, lora_config=owned.record.lora.model_dump(),
-                                step=step, applied_seq=applied, overwrite=True, ttl_seconds=AUTO_CHECKPOINT_TTL_S,
-                                extra={"automatic": True, "base_model_path": engine.base_model})
+                started = time.monotonic()
+                manifest = host.store.save(tmp, path, base_model=owned.record.base_model, lora_config=owned.record.lora.model_dump(),
+                                           step=step, applied_seq=applied, overwrite=True, ttl_seconds=AUTO_CHECKPOINT_TTL_S,
+                                           extra={"automatic": True, "base_model_path": engine.base_model})
+                metrics.observe_checkpoint("auto", time.monotonic() - started, manifest.size_bytes)
                 previous = host.registry.get(sid)
                 host.registry.update(sid, checkpoint=path.uri(), checkpoint_seq=applied, checkpoint_with_optimizer=True)
                 host.journal.trim(sid, applied)

@@ -3,11 +3,17 @@
 A session op's message is a doorbell naming (session_id, seq): the sequencer reads the op from the
 journal and stores its result itself (tasks ignore their own results), because an early op may be
 run by a later doorbell. A control op's message (create_session, sample) carries its request.
+A control handler may answer with a future (sampling does): its result is stored when it resolves,
+and the task returns at once, so the pool thread is free for the next message meanwhile. (A sample
+in progress when the worker dies is then lost rather than redelivered; the client's wait on it
+is bounded by its own timeout.)
 """
 
 from __future__ import annotations
 
 import logging
+import time
+from concurrent.futures import Future
 from typing import Callable
 
 from celery import Celery
@@ -17,15 +23,16 @@ from treadle.errors import ServerError, TreadleError
 from treadle.gpu_worker.hosting import SessionHost
 from treadle.gpu_worker.sampling import Sampling
 from treadle.gpu_worker.sequencer import Sequencer
+from treadle.gpu_worker.usage import UsageRecorder
 from treadle.queue.ops import OPS, CreateSessionRequest, OpRequest, SampleRequest, encode_result, task_name
 from treadle.queue.results import ResultStore
 
 log = logging.getLogger("treadle.worker")
 
 
-def register_tasks(app: Celery, sequencer: Sequencer, host: SessionHost, sampling: Sampling) -> None:
+def register_tasks(app: Celery, sequencer: Sequencer, host: SessionHost, sampling: Sampling, usage: UsageRecorder) -> None:
     results = ResultStore(app)
-    control: dict[type[OpRequest], Callable[[OpRequest], BaseModel]] = {
+    control: dict[type[OpRequest], Callable[[OpRequest], BaseModel | Future]] = {
         CreateSessionRequest: host.create,
         SampleRequest: sampling.sample,
     }
@@ -34,19 +41,47 @@ def register_tasks(app: Celery, sequencer: Sequencer, host: SessionHost, samplin
             app.task(name=task_name(cls.op), ignore_result=True, acks_late=True)(sequencer.on_doorbell)
         elif cls in control:
             app.task(name=task_name(cls.op), bind=True, ignore_result=True, acks_late=True)(
-                _control_task(cls, control[cls], results))
+                _control_task(cls, control[cls], results, lambda *a: usage.control_op_finished(host.registry, *a)))
 
 
-def _control_task(cls: type[OpRequest], run: Callable[[OpRequest], BaseModel], results: ResultStore):
-    def task(celery_task, payload: dict) -> None:
-        future_id = celery_task.request.id
+def _control_task(cls: type[OpRequest], run: Callable[[OpRequest], BaseModel | Future], results: ResultStore,
+                  finished: Callable[[str, OpRequest, BaseModel | None, float, str], None]):
+    """`finished(future_id, request, response, seconds, outcome)` meters the op before its result is stored."""
+    def store(future_id: str, request: OpRequest, started: float, answer: Callable[[], BaseModel]) -> None:
+        response, error = None, None
         try:
-            results.store_ok(future_id, encode_result(cls.op, run(cls.decode(payload))))
+            response = answer()
+            payload = encode_result(cls.op, response)
         except TreadleError as exc:
-            results.store_error(future_id, exc)
+            error = exc
         except Exception as exc:  # a bug or a broken model must still answer the client
             log.exception("%s failed", cls.op)
-            results.store_error(future_id, ServerError(f"{cls.op} failed: {type(exc).__name__}: {exc}"))
+            error = ServerError(f"{cls.op} failed: {type(exc).__name__}: {exc}")
+        finished(future_id, request, response, time.monotonic() - started, "ok" if error is None else f"{error.category}_error")
+        if error is None:
+            results.store_ok(future_id, payload)
+        else:
+            results.store_error(future_id, error)
+
+    def task(celery_task, payload: dict) -> None:
+        future_id, started = celery_task.request.id, time.monotonic()
+        try:
+            request = cls.decode(payload)
+        except TreadleError as exc:
+            results.store_error(future_id, exc)
+            return
+        answer: Future = Future()
+        try:
+            outcome = run(request)
+        except Exception as exc:
+            answer.set_exception(exc)
+        else:
+            if isinstance(outcome, Future):
+                answer = outcome
+            else:
+                answer.set_result(outcome)
+        # Runs now for an answer already there, else in the thread that resolves the future.
+        answer.add_done_callback(lambda done: store(future_id, request, started, done.result))
 
     task.__name__ = cls.op
     return task

@@ -27,7 +27,8 @@ from treadle.gpu_worker.model_host import ModelHost
 from treadle.gpu_worker.optimizer import SessionOptimizer
 from treadle.gpu_worker.sampler import prompt_logprobs, sample
 from treadle.gpu_worker.state import TrainingState, capture_rng, read_state, restore_rng, write_state
-from treadle.gpu_worker.validation import PreparedDatum, check_loss, check_tokens, prepare_data, prepare_sample
+from treadle.gpu_worker.validation import (PreparedDatum, check_loss, check_same_adapter, check_tokens, prepare_data,
+                                          prepare_sample)
 from treadle.types import (
     AdamParams,
     Datum,
@@ -147,6 +148,9 @@ class Engine:
                 inputs = {
                     key: torch.from_numpy(np.concatenate([d.inputs[key] for d in batch])).to(device) for key in spec.inputs
                 }
+                if spec.per_sequence:
+                    inputs["sequence_index"] = torch.repeat_interleave(
+                        torch.arange(len(batch), device=device), torch.tensor([len(lp) for lp in logprobs], device=device))
                 loss = spec.fn(torch.cat(logprobs), inputs, config)
                 if backward:
                     loss.backward()
@@ -269,6 +273,8 @@ class Engine:
         """
         with self._lock:
             state = read_state(directory, with_optimizer=with_optimizer)
+            if session_id in self._sessions:
+                check_same_adapter(self._sessions[session_id].lora, state.lora, source=str(directory))
             fresh = self._new_session(state.lora)
             try:
                 self._bank.copy_weights(fresh.adapter, load_peft_weights(directory, device="cpu"), source=str(directory))

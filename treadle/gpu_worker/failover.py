@@ -17,9 +17,12 @@ import json
 import logging
 import time
 
+from treadle.errors import SessionLostError
 from treadle.gpu_worker.autosave import Autosaver
+from treadle.gpu_worker.expiry import expire_idle
 from treadle.gpu_worker.hosting import OwnedSession, SessionHost
 from treadle.gpu_worker.sequencer import Sequencer
+from treadle.observability import metrics
 from treadle.queue import names
 
 log = logging.getLogger("treadle.worker")
@@ -52,19 +55,23 @@ def restore_unacked(redis, queue: str, session_id: str) -> int:
 
 
 class Failover:
-    def __init__(self, host: SessionHost, sequencer: Sequencer, autosaver: Autosaver, *, idle_unload_s: float):
+    def __init__(self, host: SessionHost, sequencer: Sequencer, autosaver: Autosaver, *, idle_unload_s: float,
+                 session_idle_ttl_s: float = 0.0):
         self.host = host
         self.sequencer = sequencer
         self.autosaver = autosaver
         self.idle_unload_s = idle_unload_s
+        self.session_idle_ttl_s = session_idle_ttl_s
 
     def caretaker_pass(self) -> None:
-        """Adopt every orphaned session this worker can serve, then unload idle ones."""
+        """Adopt every orphaned session this worker can serve, then expire and unload idle ones."""
         host = self.host
         for record in host.registry.all():
             if (record.status == "active" and record.worker and record.base_model in host.engines
                     and record.session_id not in host.owned and not host.lease.is_held(record.session_id)):
                 self.take_over(record.session_id)
+        if self.session_idle_ttl_s:
+            expire_idle(host, self.autosaver, self.sequencer.results, self.session_idle_ttl_s)
         if self.idle_unload_s:
             self.autosaver.unload_idle(self.idle_unload_s)
 
@@ -86,6 +93,14 @@ class Failover:
             host.owned[session_id] = OwnedSession(record=record, epoch=epoch, applied=record.applied)
             try:
                 timings = host.rebuild(record)
+            except SessionLostError as exc:
+                # Nothing can rebuild it, here or elsewhere: say so to every waiting future instead of
+                # letting each caretaker adopt and fail again.
+                host.owned.pop(session_id, None)
+                host.registry.update(session_id, status="lost", last_recovery=exc.message)
+                host.lease.release(session_id, epoch)
+                log.error("session %s is lost: %s", session_id, exc.message)
+                return False
             except Exception:
                 host.owned.pop(session_id, None)
                 host.lease.release(session_id, epoch)
@@ -93,6 +108,7 @@ class Failover:
             timings["total_s"] = time.monotonic() - t0
             host.registry.update(session_id, worker=host.hostname, last_recovery=json.dumps(
                 {**timings, "at": time.time(), "unacked_restored": restored, "replayed_to": record.applied}))
+            metrics.LEASE_TAKEOVERS.labels(record.base_model).inc()
             log.info("took over session %s (epoch %d, %d unacked restored, applied %d) in %.2f s",
                      session_id, epoch, restored, record.applied, timings["total_s"])
         host.subscribe(names.session_queue(session_id))

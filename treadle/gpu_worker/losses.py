@@ -1,4 +1,4 @@
-"""The five training losses, as a registry: name -> `LossFn`.
+"""The six training losses, as a registry: name -> `LossFn`.
 
 Semantics are Tinker's: every loss is a **sum over tokens** (never a mean; normalisation belongs in
 the weights or advantages), over inputs that are already shifted (`target_tokens[t]` is the token
@@ -7,19 +7,27 @@ logprob (`loss_fn_inputs["logprobs"]`); `A` is the advantage; `r = exp(lp - q)`.
 
 Because every loss is a sum of per-token terms, a function here receives the tokens of a whole
 micro-batch flattened into 1-D tensors, and summing micro-batch losses gives the batch loss exactly.
+A loss whose terms depend on a whole sequence (gspo) says so (`per_sequence`): it then also gets
+`sequence_index`, the datum each token belongs to (a datum never straddles micro-batches).
+
+Not here, on purpose: `stable_reinforce` (its objective is not published, so treadle will not serve
+a guess under its name) and `custom` (uploaded server-side losses); `treadle.types.UNSERVED_LOSSES`
+says why and what to use instead.
 
 Adding a loss: write the function, add a `LossSpec` row to `LOSSES` (its required inputs and its
-config defaults), add its name to `treadle.types.LossFnType` (a test pins that the two agree), and a hand-computed row to
-tests/test_losses.py.
+parameters: a `LossConfig` in `treadle.types.LOSS_CONFIGS`), add its name to `treadle.types.LossFnType`
+(a test pins that the three agree), and a hand-computed row to tests/test_losses.py.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
 from torch import Tensor
+
+from treadle.types import CISPOConfig, DROConfig, GSPOConfig, LossConfig, PPOConfig
 
 LossFn = Callable[[Tensor, dict[str, Tensor], dict[str, float]], Tensor]
 
@@ -56,22 +64,45 @@ def dro(lp: Tensor, inputs: dict[str, Tensor], config: dict[str, float]) -> Tens
     return -(lp * inputs["advantages"] - 0.5 * config["beta"] * (lp - q) ** 2).sum()
 
 
+def gspo(lp: Tensor, inputs: dict[str, Tensor], config: dict[str, float]) -> Tensor:
+    """GSPO-token: each token carries its sequence's ratio s with its own lp's gradient, clipped like ppo.
+
+    `s = exp(mean(lp - q))` over the tokens `sequence_ratio_mask` marks (treated as a constant), and a
+    token's ratio is `s * exp(lp - sg(lp))`: value s, derivative s in its own lp. Loss:
+    `-min(s_t*A, clip(s_t, lo, hi)*A).sum()`. A sequence with no marked token has s = 1.
+    """
+    seq, marked = inputs["sequence_index"], (inputs["sequence_ratio_mask"] != 0).to(lp.dtype)
+    count = seq.max().item() + 1
+    log_ratio = (lp.detach() - inputs["logprobs"]) * marked
+    sums = torch.zeros(count, dtype=lp.dtype, device=lp.device).index_add_(0, seq, log_ratio)
+    sizes = torch.zeros(count, dtype=lp.dtype, device=lp.device).index_add_(0, seq, marked).clamp(min=1.0)
+    ratio = torch.exp((sums / sizes)[seq] + lp - lp.detach())
+    advantages = inputs["advantages"]
+    clipped = ratio.clamp(config["clip_low_threshold"], config["clip_high_threshold"])
+    return -torch.minimum(ratio * advantages, clipped * advantages).sum()
+
+
 @dataclass(frozen=True)
 class LossSpec:
     """A loss with what it needs: per-token input keys (besides `target_tokens`) and config defaults."""
 
     fn: LossFn
     inputs: tuple[str, ...]
-    config_defaults: dict[str, float] = field(default_factory=dict)
+    config: type[LossConfig] = LossConfig  # the parameters' defaults and bounds (treadle.types.LOSS_CONFIGS)
+    per_sequence: bool = False  # also give the function `sequence_index` (datum of each token)
+
+    @property
+    def config_defaults(self) -> dict[str, float]:
+        return self.config().model_dump()
 
 
 LOSSES: dict[str, LossSpec] = {
     "cross_entropy": LossSpec(cross_entropy, ("weights",)),
     "importance_sampling": LossSpec(importance_sampling, ("logprobs", "advantages")),
-    "ppo": LossSpec(ppo, ("logprobs", "advantages"), {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}),
-    "cispo": LossSpec(cispo, ("logprobs", "advantages"), {"clip_low_threshold": 0.0, "clip_high_threshold": 4.0}),
-    # Tinker documents beta without a default; 0.05 is the value of its examples.
-    "dro": LossSpec(dro, ("logprobs", "advantages"), {"beta": 0.05}),
+    "ppo": LossSpec(ppo, ("logprobs", "advantages"), PPOConfig),
+    "cispo": LossSpec(cispo, ("logprobs", "advantages"), CISPOConfig),
+    "dro": LossSpec(dro, ("logprobs", "advantages"), DROConfig),
+    "gspo": LossSpec(gspo, ("logprobs", "advantages", "sequence_ratio_mask"), GSPOConfig, per_sequence=True),
 }
 
 

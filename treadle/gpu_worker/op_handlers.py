@@ -11,6 +11,7 @@ an unknown op.
 from __future__ import annotations
 
 import tempfile
+import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -18,6 +19,8 @@ from pydantic import BaseModel
 
 from treadle.errors import CheckpointExistsError, ServerError
 from treadle.gpu_worker.checkpoint_io import load_checkpoint
+from treadle.gpu_worker.external_export import export_adapter
+from treadle.observability import metrics
 from treadle.queue.ops import (
     EmptyResponse,
     ForwardBackwardRequest,
@@ -27,6 +30,7 @@ from treadle.queue.ops import (
     OpRequest,
     OptimStepRequest,
     SaveStateRequest,
+    SaveWeightsExternalRequest,
     SaveWeightsForSamplerRequest,
     StopRequest,
     op_request,
@@ -38,6 +42,7 @@ from treadle.types import (
     ForwardBackwardOutput,
     LoadWeightsResponse,
     OptimStepResponse,
+    SaveWeightsExternalResponse,
     SaveWeightsForSamplerResponse,
     SaveWeightsResponse,
 )
@@ -97,10 +102,12 @@ def save_state(req: SaveStateRequest, ctx: OpContext) -> SaveWeightsResponse:
     with tempfile.TemporaryDirectory(prefix="treadle-state-") as tmp:
         ctx.engine.save_state(ctx.session_id, tmp, include_optimizer=True)
         ctx.fence()
-        ctx.store.save(tmp, path, base_model=ctx.session.base_model, lora_config=ctx.session.lora.model_dump(),
-                       step=ctx.engine.step(ctx.session_id), applied_seq=ctx.seq, ttl_seconds=req.ttl_seconds,
-                       user_metadata=req.user_metadata, overwrite=req.overwrite,
-                       extra={"base_model_path": ctx.engine.base_model})
+        started = time.monotonic()
+        manifest = ctx.store.save(tmp, path, base_model=ctx.session.base_model, lora_config=ctx.session.lora.model_dump(),
+                                  step=ctx.engine.step(ctx.session_id), applied_seq=ctx.seq, ttl_seconds=req.ttl_seconds,
+                                  user_metadata=req.user_metadata, overwrite=req.overwrite,
+                                  extra={"base_model_path": ctx.engine.base_model})
+        metrics.observe_checkpoint("state", time.monotonic() - started, manifest.size_bytes)
     return SaveWeightsResponse(path=path.uri())
 
 
@@ -120,10 +127,25 @@ def save_weights_for_sampler(req: SaveWeightsForSamplerRequest, ctx: OpContext) 
 
             export_merged(ctx.engine.base_model, tmp, f"{tmp}/merged")
         ctx.fence()
-        ctx.store.save(tmp, path, base_model=ctx.session.base_model, lora_config=ctx.session.lora.model_dump(),
-                       step=ctx.engine.step(ctx.session_id), applied_seq=ctx.seq, ttl_seconds=ttl, overwrite=True,
-                       extra={"base_model_path": ctx.engine.base_model})
+        started = time.monotonic()
+        manifest = ctx.store.save(tmp, path, base_model=ctx.session.base_model, lora_config=ctx.session.lora.model_dump(),
+                                  step=ctx.engine.step(ctx.session_id), applied_seq=ctx.seq, ttl_seconds=ttl, overwrite=True,
+                                  extra={"base_model_path": ctx.engine.base_model})
+        metrics.observe_checkpoint("sampler", time.monotonic() - started, manifest.size_bytes)
     return SaveWeightsForSamplerResponse(path=sampler_id)
+
+
+@handles(SaveWeightsExternalRequest)
+def save_weights_external(req: SaveWeightsExternalRequest, ctx: OpContext) -> SaveWeightsExternalResponse:
+    path = CheckpointPath(run_id=ctx.session.run_id, kind="external_weights", name=req.name)
+    with tempfile.TemporaryDirectory(prefix="treadle-export-") as tmp:
+        ctx.engine.save_state(ctx.session_id, f"{tmp}/state", include_optimizer=False)
+        export_adapter(f"{tmp}/state", f"{tmp}/out", req.age_encryption_recipients)
+        ctx.fence()
+        manifest = ctx.store.save(f"{tmp}/out", path, base_model=ctx.session.base_model, lora_config=ctx.session.lora.model_dump(),
+                                  step=ctx.engine.step(ctx.session_id), applied_seq=ctx.seq, ttl_seconds=req.ttl_seconds,
+                                  overwrite=True, extra={"encrypted": bool(req.age_encryption_recipients)})
+    return SaveWeightsExternalResponse(path=path.uri(), size_bytes=manifest.size_bytes)
 
 
 @handles(LoadStateRequest)

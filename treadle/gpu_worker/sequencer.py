@@ -18,24 +18,27 @@ import redis as redis_lib
 from celery import Celery
 from kombu import exceptions as kombu_errors
 
-from treadle.errors import ServerError, SessionNotFoundError, TreadleError
+from treadle.errors import ServerError, TreadleError
 from treadle.gpu_worker.hosting import OwnedSession, SessionHost
 from treadle.gpu_worker.op_handlers import handler_for
+from treadle.gpu_worker.usage import UsageRecorder
 from treadle.queue import names
 from treadle.queue.journal import JournalEntry
 from treadle.queue.ops import OpRequest, encode_result
 from treadle.queue.ops_client import ring
 from treadle.queue.results import ResultStore
+from treadle.queue.sessions import inactive_error
 
 log = logging.getLogger("treadle.worker")
 
 
 class Sequencer:
     def __init__(self, host: SessionHost, app: Celery, *, after_op: Callable[[OwnedSession, str], None],
-                 reload: Callable[[OwnedSession], None]):
+                 reload: Callable[[OwnedSession], None], usage: UsageRecorder):
         self.host = host
         self.app = app
         self.results = ResultStore(app)
+        self.usage = usage
         self._after_op = after_op  # automatic checkpoints
         self._reload = reload  # an idle-unloaded session comes back before its next op
 
@@ -68,23 +71,30 @@ class Sequencer:
                 return
 
     def _run(self, owned: OwnedSession, entry: JournalEntry) -> None:
+        started, request, response, error = time.monotonic(), None, None, None
         try:
             handler = handler_for(entry.op)
             request: OpRequest = entry.request()
             response = handler(request, self.host.context(owned, entry.seq))
-            store = lambda: self.results.store_ok(entry.future_id, encode_result(entry.op, response))  # noqa: E731
+            payload = encode_result(entry.op, response)
         except TreadleError as exc:
-            error = exc  # `exc` is unbound once the except clause ends; the store below runs after it
-            store = lambda: self.results.store_error(entry.future_id, error)  # noqa: E731
+            error = exc
         except Exception as exc:
             log.exception("op %s of session %s failed", entry.op, entry.session_id)
             error = ServerError(f"{entry.op} failed on the worker: {type(exc).__name__}: {exc}")
-            store = lambda: self.results.store_error(entry.future_id, error)  # noqa: E731
         # The op has changed the engine: it counts as applied now, whatever Redis does next. Were Redis
         # down while the result is stored, a redelivered doorbell must find the seq applied, or the op
         # would run twice (gradients added twice).
         owned.applied = entry.seq
-        _through_outages(store)
+        if request is not None:  # metered before the result is stored: see treadle.gpu_worker.usage
+            seconds, outcome = time.monotonic() - started, "ok" if error is None else f"{error.category}_error"
+            _through_outages(lambda: self.usage.op_finished(
+                session_id=entry.session_id, op_id=str(entry.seq), request=request, response=response,
+                owner=owned.record.owner, base_model=owned.record.base_model, seconds=seconds, outcome=outcome))
+        if error is None:
+            _through_outages(lambda: self.results.store_ok(entry.future_id, payload))
+        else:
+            _through_outages(lambda: self.results.store_error(entry.future_id, error))
         _through_outages(lambda: self.host.registry.update(entry.session_id, applied=entry.seq, last_activity=time.time()))
         self._after_op(owned, entry.op)
 
@@ -94,7 +104,7 @@ class Sequencer:
         fid = names.future_id(session_id, seq)
         if record is None or record.status != "active":
             if not self.results.is_done(fid):
-                self.results.store_error(fid, SessionNotFoundError(f"session {session_id} does not exist or was stopped"))
+                self.results.store_error(fid, inactive_error(session_id, record))
             return
         entry = self.host.journal.get(session_id, seq)
         if entry is not None:  # the journal holds the op; a fresh doorbell reaches whoever owns (or will own) it

@@ -14,7 +14,8 @@ import numpy as np
 
 from treadle.errors import InvalidRequestError
 from treadle.gpu_worker.losses import LOSSES, resolve_config
-from treadle.types import Datum, ModelInput, SamplingParams
+from treadle.queue.ops import parse_request
+from treadle.types import Datum, LoraConfig, ModelInput, SamplingParams
 
 
 @dataclass(frozen=True)
@@ -40,7 +41,9 @@ def check_loss(loss_fn: str, loss_fn_config: dict[str, float] | None) -> dict[st
             raise InvalidRequestError(f"loss_fn_config.{key}: not a parameter of {loss_fn}; expected {expected}")
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
             raise InvalidRequestError(f"loss_fn_config.{key}: {value!r} is not a finite number")
-    return resolve_config(loss_fn, loss_fn_config)
+    resolved = resolve_config(loss_fn, loss_fn_config)
+    parse_request(LOSSES[loss_fn].config, resolved, "loss_fn_config")  # bounds and cross-field checks
+    return resolved
 
 
 def check_tokens(field: str, tokens: list[int] | np.ndarray, *, max_seq_len: int, vocab_size: int) -> np.ndarray:
@@ -137,3 +140,13 @@ def prepare_sample(
     if any(s == "" for s in params.stop_strings):
         raise InvalidRequestError("sampling_params.stop: empty stop string")
     return PreparedSample(tokens, max_tokens, list(params.stop_token_ids), params.stop_strings)
+
+
+def check_same_adapter(session: LoraConfig, checkpoint: LoraConfig, *, source: str) -> None:
+    """load_state into a live session keeps its adapter's shape: a checkpoint of another shape is refused."""
+    shape = ("rank", "alpha", "train_mlp", "train_attn", "train_unembed")
+    ours, theirs = session.model_dump(include=set(shape)), checkpoint.model_dump(include=set(shape))
+    if ours != theirs:
+        diff = ", ".join(f"{k} {ours[k]} vs {theirs[k]}" for k in shape if ours[k] != theirs[k])
+        raise InvalidRequestError(f"path: {source} holds a LoRA adapter of another shape than this session's "
+                                  f"(session vs checkpoint: {diff}); create a training client from it instead")

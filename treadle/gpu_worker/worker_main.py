@@ -3,9 +3,10 @@
 It loads each base model once, consumes the control queue of each, and subscribes itself to the
 queue of every session it owns. Besides Celery's own thread pool (one thread: one op at a time on the
 accelerator) it runs two background threads: a heartbeat that announces the worker and renews its
-session leases (never blocked by a long op), and a caretaker that adopts sessions whose owner died
-and unloads idle ones. SIGTERM is a warm shutdown: the running op finishes, owned sessions are
-checkpointed and their leases released so another worker can adopt them at once.
+session leases (never blocked by a long op), and a caretaker that adopts sessions whose owner died,
+expires sessions idle past `session_idle_ttl_s` and unloads idle ones. With `--metrics_port` it
+serves Prometheus metrics (treadle.observability.metrics). SIGTERM is a warm shutdown: the running op
+finishes, owned sessions are checkpointed and their leases released so another worker can adopt them.
 """
 
 from __future__ import annotations
@@ -44,6 +45,9 @@ class WorkerConfig(BaseModel):
     idle_unload_s: float = Field(default=1800.0, ge=0.0, description="Checkpoint and unload a session after this many idle seconds, freeing accelerator memory; it reloads on its next op (0: never).")
     lease_ttl_s: float = Field(default=15.0, gt=0.5, description="Session lease TTL: how soon another worker adopts a dead worker's sessions.")
     max_tokens_per_microbatch: int = Field(default=4096, ge=64, description="Token budget of one forward/backward micro-batch.")
+    session_idle_ttl_s: float = Field(default=86400.0, ge=0.0, description="Checkpoint and stop (expire) a session after this many idle seconds; its client gets SessionExpiredError naming the checkpoint to resume from (0: never).")
+    metrics_port: int = Field(default=0, ge=0, le=65535, description="Serve Prometheus metrics on this port (0: off).")
+    metrics_address: str = Field(default="127.0.0.1", description="Interface of the metrics port (0.0.0.0 inside a private network).")
     loglevel: str = Field(default="INFO", description="Log level.")
 
 
@@ -56,9 +60,12 @@ class WorkerService:
         from treadle.gpu_worker.hosting import SessionHost
         from treadle.gpu_worker.sampling import SamplerCache, Sampling
         from treadle.gpu_worker.sequencer import Sequencer
+        from treadle.gpu_worker.usage import UsageRecorder
+        from treadle.observability import metrics  # prometheus-client: the worker extra, not every CLI
         from treadle.storage.checkpoint_store import CheckpointStore
 
         self.config = config
+        self.metrics = metrics
         env = ConnectionSettings()
         broker = config.broker_url or env.broker_url
         if not broker:
@@ -97,9 +104,11 @@ class WorkerService:
         )
         self.autosaver = Autosaver(self.host, checkpoint_every=config.checkpoint_every,
                                    checkpoint_interval_s=config.checkpoint_interval_s)
-        sequencer = Sequencer(self.host, self.app, after_op=self.autosaver.after_op, reload=self.autosaver.reload)
-        self.failover = Failover(self.host, sequencer, self.autosaver, idle_unload_s=config.idle_unload_s)
-        register_tasks(self.app, sequencer, self.host, Sampling(samplers, device_lock))
+        usage = UsageRecorder(self.redis)
+        sequencer = Sequencer(self.host, self.app, after_op=self.autosaver.after_op, reload=self.autosaver.reload, usage=usage)
+        self.failover = Failover(self.host, sequencer, self.autosaver, idle_unload_s=config.idle_unload_s,
+                                 session_idle_ttl_s=config.session_idle_ttl_s)
+        register_tasks(self.app, sequencer, self.host, Sampling(samplers, device_lock), usage)
         self.registry = WorkerRegistry(self.redis)
         self._stop = threading.Event()
         self._started_at = time.time()
@@ -123,7 +132,13 @@ class WorkerService:
             hostname=self.hostname, pid=os.getpid(), models=self.served, started_at=self._started_at,
             sessions=sorted(self.host.owned),
             unloaded=sorted(sid for sid, o in self.host.owned.items() if o.unloaded),
+            memory=self.metrics.memory_in_use(),
         ))
+        counts = dict.fromkeys(self.engines, 0)
+        for owned in list(self.host.owned.values()):
+            counts[owned.record.base_model] += 1
+        for model, count in counts.items():
+            self.metrics.ACTIVE_SESSIONS.labels(model).set(count)
 
     def _heartbeat_loop(self) -> None:
         period = min(3.0, self.config.lease_ttl_s / 3)
@@ -161,6 +176,9 @@ class WorkerService:
                 pipe.execute()
 
     def run(self) -> None:
+        if self.config.metrics_port:
+            self.metrics.start_metrics_server(self.config.metrics_port, self.config.metrics_address,
+                                         redis=self.redis, models=self.engines)
         self._publish_tokenizers()
         self._announce()
         threading.Thread(target=self._heartbeat_loop, name="treadle-heartbeat", daemon=True).start()

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 from typing import ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from treadle.errors import InvalidRequestError
 from treadle.types import (
@@ -28,8 +29,11 @@ from treadle.types import (
     OptimStepResponse,
     SampleResponse,
     SamplingParams,
+    SaveWeightsExternalResponse,
     SaveWeightsForSamplerResponse,
     SaveWeightsResponse,
+    UNSERVED_LOSSES,
+    LOSS_CONFIGS,
 )
 
 Route = Literal["session", "model"]
@@ -89,6 +93,38 @@ class ForwardRequest(OpRequest):
     loss_fn: LossFnType = Field(description="Built-in loss computed on the logprobs of target_tokens.")
     loss_fn_config: dict[str, float] | None = Field(default=None, description="Loss parameters, e.g. clip thresholds.")
 
+    @field_validator("loss_fn", mode="before")
+    @classmethod
+    def _served_loss(cls, value):
+        if isinstance(value, str) and value in UNSERVED_LOSSES:
+            raise ValueError(f"loss_fn {value!r} is not served: {UNSERVED_LOSSES[value]}")
+        return value
+
+    @field_validator("loss_fn_config")
+    @classmethod
+    def _loss_config_in_bounds(cls, value, info):
+        """The parameters of the chosen loss, each within its bounds (a clip range in order, a sane beta)."""
+        loss_fn = info.data.get("loss_fn")
+        if value is None or loss_fn not in LOSS_CONFIGS:
+            return value
+        try:
+            LOSS_CONFIGS[loss_fn].model_validate(value)
+        except ValidationError as exc:
+            raise ValueError(f"{_describe(exc, 'loss_fn_config', prefix='loss_fn_config')} ({loss_fn})") from None
+        return value
+
+    @field_validator("data")
+    @classmethod
+    def _finite_tensors(cls, data: list[Datum]) -> list[Datum]:
+        """NaN or infinity in a loss input would poison the session's gradients: refuse it here, by name."""
+        for i, datum in enumerate(data):
+            for key, tensor in datum.loss_fn_inputs.items():
+                values = tensor.to_numpy()
+                if tensor.dtype == "float32" and not np.isfinite(values).all():
+                    j = int(np.flatnonzero(~np.isfinite(values.reshape(-1)))[0])
+                    raise ValueError(f"data[{i}].loss_fn_inputs.{key}[{j}]: {values.reshape(-1)[j]} is not a finite number")
+        return data
+
 
 class ForwardBackwardRequest(ForwardRequest):
     op: ClassVar[str] = "forward_backward"
@@ -120,6 +156,16 @@ class SaveWeightsForSamplerRequest(OpRequest):
     name: str | None = Field(default=None, description="None: an ephemeral snapshot with a generated name.")
     ttl_seconds: int | None = Field(default=None, ge=1, description="Delete after this long (ephemeral default: a day).")
     merge_weights: bool = Field(default=False, description="Also write a merged model (SageMaker's spelling).")
+
+
+class SaveWeightsExternalRequest(OpRequest):
+    op: ClassVar[str] = "save_weights_external"
+    response: ClassVar[type[BaseModel]] = SaveWeightsExternalResponse
+
+    name: str = Field(description="Checkpoint name: treadle://<run_id>/external_weights/<name>.")
+    ttl_seconds: int | None = Field(default=None, ge=1, description="Delete the export after this long (None: keep).")
+    age_encryption_recipients: list[str] | None = Field(default=None, max_length=64, description="age or SSH public keys; "
+                                                        "each file is stored encrypted to them, as <file>.age (None: plain).")
 
 
 class LoadStateRequest(OpRequest):
@@ -183,7 +229,7 @@ OPS: dict[str, type[OpRequest]] = {
     cls.op: cls
     for cls in (
         ForwardRequest, ForwardBackwardRequest, OptimStepRequest, SaveStateRequest, SaveWeightsForSamplerRequest,
-        LoadStateRequest, NoopRequest, StopRequest, SampleRequest, CreateSessionRequest,
+        SaveWeightsExternalRequest, LoadStateRequest, NoopRequest, StopRequest, SampleRequest, CreateSessionRequest,
     )
 }
 
@@ -222,9 +268,13 @@ def parse_request(model: type[BaseModel], payload: dict, where: str = "request")
         raise InvalidRequestError(_describe(exc, where)) from None
 
 
-def _describe(exc: ValidationError, where: str) -> str:
+def _describe(exc: ValidationError, where: str, prefix: str | None = None) -> str:
+    """pydantic's errors as `field: problem (got value)`; a check of ours already names its field."""
     parts = []
     for err in exc.errors()[:5]:
-        loc = ".".join(str(p) for p in err["loc"]) or where
-        parts.append(f"{loc}: {err['msg']} (got {err.get('input')!r:.80})")
+        loc = ".".join(str(p) for p in ([prefix] if prefix else []) + list(err["loc"])) or where
+        if err["type"] == "value_error":
+            parts.append(err["msg"].removeprefix("Value error, "))
+        else:
+            parts.append(f"{loc}: {err['msg']} (got {err.get('input')!r:.80})")
     return "; ".join(parts)

@@ -17,6 +17,7 @@ from kombu import exceptions as kombu_errors
 from treadle.errors import (
     BrokerUnavailableError,
     FutureTimeoutError,
+    InvalidRequestError,
     NoWorkerError,
     SessionNotFoundError,
     UnknownModelError,
@@ -26,7 +27,7 @@ from treadle.queue.celery_app import make_app
 from treadle.queue.journal import Journal
 from treadle.queue.ops import CreateSessionRequest, OpRequest, SampleRequest, task_name
 from treadle.queue.results import ResultStore
-from treadle.queue.sessions import SessionRecord, SessionRegistry
+from treadle.queue.sessions import SessionRecord, SessionRegistry, inactive_error
 from treadle.queue.workers import ServedModel, WorkerRegistry
 
 CONNECT_TIMEOUT_S = 3.0
@@ -70,10 +71,20 @@ class OpsClient:
         self.workers = WorkerRegistry(self.redis)
         self.journal = Journal(self.redis)
         self._publish_lock = threading.Lock()
-        # An explicit seq (the gateway's) moves the counter too, so a later automatic seq never reuses it.
-        self._raise_next_seq = self.redis.register_script(
+        # Taking a seq is one atomic step that also checks the session takes ops: it answers -1 for a
+        # session that does not exist, is stopping or stopped, expired or lost (see `submit`). An explicit
+        # seq (the gateway's) moves the counter too, so a later automatic seq never reuses it. A stop
+        # records its seq, after which nothing is accepted.
+        self._take_seq = self.redis.register_script(
+            "local st = redis.call('HMGET', KEYS[1], 'status', 'stop_seq') "
+            "if (not st[1]) or st[1] ~= 'active' or (st[2] and st[2] ~= '' and st[2] ~= '0') then return -1 end "
+            "local seq "
+            "if ARGV[1] == '' then seq = redis.call('HINCRBY', KEYS[1], 'next_seq', 1) else "
+            "seq = tonumber(ARGV[1]) "
             "local cur = tonumber(redis.call('HGET', KEYS[1], 'next_seq') or '0') "
-            "if cur < tonumber(ARGV[1]) then redis.call('HSET', KEYS[1], 'next_seq', ARGV[1]) end return 1")
+            "if cur < seq then redis.call('HSET', KEYS[1], 'next_seq', seq) end end "
+            "if ARGV[2] == '1' then redis.call('HSET', KEYS[1], 'stop_seq', seq) end "
+            "return seq")
 
     # ------------------------------------------------------------ models and sessions
     def served_models(self) -> list[ServedModel]:
@@ -125,10 +136,10 @@ class OpsClient:
         The journal gets the op's only copy; the message is a doorbell naming (session_id, seq).
         """
         with self._publish_lock:
-            if seq is None:
-                seq = self._retrying(lambda: int(self.redis.hincrby(names.session_key(session_id), "next_seq", 1)))
-            else:
-                self._retrying(lambda: self._raise_next_seq(keys=[names.session_key(session_id)], args=[seq]))
+            wanted, stopping = "" if seq is None else str(seq), "1" if request.op == "stop" else ""
+            seq = int(self._retrying(lambda: self._take_seq(keys=[names.session_key(session_id)], args=[wanted, stopping])))
+            if seq < 0:  # nothing would run it: fail now, saying why (stopped, expired with its checkpoint, ...)
+                raise inactive_error(session_id, self.sessions.get(session_id))
             # Once the seq is taken, retry the publish with that same seq: a repeated message is
             # harmless (the worker dedupes by seq), a skipped seq would stall the session.
             # Journal first, then ring the doorbell: a message lost between a worker's BRPOP and its
@@ -166,6 +177,29 @@ class OpsClient:
         return {(k.decode() if isinstance(k, bytes) else k): v for k, v in raw.items()}
 
     # ------------------------------------------------------------ results
+    def check_future(self, future_id: str) -> None:
+        """Raise if a session op's future can never resolve: no such session, a seq never submitted, or a
+        session that stopped, expired or was lost without running it. A pending op passes (and rides out
+        restarts); so does any other future. Only call it while the result is not stored."""
+        session_id, _, tail = future_id.rpartition(":")
+        if not (tail.isdigit() and session_id) or future_id.startswith(("create:", "sample:")):
+            return
+        try:
+            record = self.sessions.get(session_id)
+            if record is not None and record.status == "active" and int(tail) <= self.next_seq(session_id):
+                return
+            if self.done(future_id):  # stored meanwhile
+                return
+        except (redis_lib.ConnectionError, redis_lib.TimeoutError, OSError):
+            return  # an outage is the result poll's to report
+        if record is not None and record.status == "active":
+            raise InvalidRequestError(f"future {future_id}: seq {tail} was never submitted to session {session_id} "
+                                      f"(its last op is {self.next_seq(session_id)})")
+        raise inactive_error(session_id, record)
+
+    def next_seq(self, session_id: str) -> int:
+        return int(self.redis.hget(names.session_key(session_id), "next_seq") or 0)
+
     def poll(self, future_id: str) -> dict | None:
         done, value = self.results.poll(future_id)
         return value if done else None
@@ -177,7 +211,8 @@ class OpsClient:
         """Block until the op's result is stored; re-raises its error. Rides out Redis outages."""
         deadline = None if timeout is None else time.monotonic() + timeout
         started = time.monotonic()
-        delay, outage_since, next_worker_check, no_worker_since = 0.0005, None, started + 2, None
+        # The first liveness check comes soon: a future that can never resolve fails within a second.
+        delay, outage_since, next_worker_check, no_worker_since = 0.0005, None, started + 0.5, None
         while True:
             try:
                 done, value = self.results.poll(future_id)
@@ -192,14 +227,16 @@ class OpsClient:
             now = time.monotonic()
             if deadline is not None and now >= deadline:
                 raise FutureTimeoutError(f"{what or future_id}: no result within {timeout} s")
-            if base_model is not None and now >= next_worker_check:
+            if now >= next_worker_check:
                 next_worker_check = now + 2
-                if any(m.name == base_model for m in self._served_or_none()):
-                    no_worker_since = None
-                else:
-                    no_worker_since = no_worker_since or now
-                    if now - no_worker_since > NO_WORKER_GRACE_S:
-                        self.require_model(base_model)  # raises the clear "no worker" error
+                self.check_future(future_id)
+                if base_model is not None:
+                    if any(m.name == base_model for m in self._served_or_none()):
+                        no_worker_since = None
+                    else:
+                        no_worker_since = no_worker_since or now
+                        if now - no_worker_since > NO_WORKER_GRACE_S:
+                            self.require_model(base_model)  # raises the clear "no worker" error
             # Poll every ~1 ms while an op is young (most are short), then back off to 20 ms.
             cap = 0.001 if now - started < 0.25 else 0.02
             time.sleep(min(delay, cap) if deadline is None else min(delay, cap, max(0.0, deadline - now)))

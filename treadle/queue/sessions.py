@@ -7,6 +7,7 @@ import time
 
 from pydantic import BaseModel, Field
 
+from treadle.errors import SessionExpiredError, SessionLostError, SessionNotFoundError, SessionStoppedError, TreadleError
 from treadle.queue import names
 from treadle.types import LoraConfig
 
@@ -28,11 +29,33 @@ class SessionRecord(BaseModel):
     checkpoint_with_optimizer: bool = Field(default=True, description="Restore Adam moments from that checkpoint.")
     checkpoint_every: int | None = Field(default=None, description="Per-session automatic checkpoint period in steps (None: the worker's).")
     last_recovery: str | None = Field(default=None, description="JSON timings of the last failover (load_s, replay_s, ...).")
-    status: str = Field(default="active", description="active | stopped")
+    status: str = Field(default="active", description="active | stopped | expired (idle past the workers' TTL; "
+                        "checkpointed) | lost (its state could not be rebuilt)")
+    stop_seq: int = Field(default=0, description="Seq of the queued stop op (0: none): no op is accepted after it.")
     last_activity: float = Field(default_factory=time.time)
 
 
-_INT_FIELDS = {"epoch", "applied", "checkpoint_seq", "checkpoint_every"}
+def inactive_error(session_id: str, record: SessionRecord | None) -> TreadleError:
+    """The error for an op on a session that takes no more ops: missing, stopping or stopped, expired
+    (naming the checkpoint to resume from) or lost."""
+    if record is None:
+        return SessionNotFoundError(f"session {session_id} does not exist")
+    if record.status == "lost":
+        return SessionLostError(f"session {session_id} was lost: its state could not be rebuilt after its worker died "
+                                f"({record.last_recovery or 'no checkpoint or journal'})")
+    if record.status in ("stopped", "active"):  # active with a stop queued: stopping
+        return SessionStoppedError(f"session {session_id} was stopped (its stop is op {record.stop_seq}); "
+                                   "create a new training client")
+    if record.status == "expired":
+        idle = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(record.last_activity))
+        return SessionExpiredError(
+            f"session {session_id} expired: idle since {idle}, past the workers' session_idle_ttl_s, it was "
+            f"checkpointed and stopped; resume from {record.checkpoint} "
+            f"(ServiceClient.create_training_client_from_state_with_optimizer({record.checkpoint!r}))")
+    return SessionNotFoundError(f"session {session_id} does not exist or was stopped")
+
+
+_INT_FIELDS = {"epoch", "applied", "checkpoint_seq", "checkpoint_every", "stop_seq"}
 _FLOAT_FIELDS = {"created_at", "last_activity"}
 _JSON_FIELDS = {"lora", "user_metadata"}
 _BOOL_FIELDS = {"checkpoint_with_optimizer"}
