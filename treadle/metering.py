@@ -110,16 +110,22 @@ class Meter:
         if since is None:
             return _totals(self.redis.hgetall(_totals_key("owner", owner)))
         usage = Usage()
-        members = self.redis.zrangebyscore(_timeline_key(owner), since, "+inf")
+        for op in self.owner_ops(owner, since=since):
+            usage.add(op)
+        return usage
+
+    def owner_ops(self, owner: str, since: float | None = None, until: float | None = None) -> list[OpUsage]:
+        """The owner's op records that finished in [since, until), oldest first (from the time index)."""
+        members = self.redis.zrangebyscore(_timeline_key(owner), "-inf" if since is None else repr(since),
+                                           "+inf" if until is None else f"({until!r}")
         by_session: dict[str, list[str]] = {}
         for member in members:
             op_id, _, session_id = (member.decode() if isinstance(member, bytes) else member).partition("@")
             by_session.setdefault(session_id, []).append(op_id)
+        records = []
         for session_id, op_ids in by_session.items():
-            for raw in self.redis.hmget(_ops_key(session_id), op_ids):
-                if raw:
-                    usage.add(OpUsage.model_validate_json(raw))
-        return usage
+            records += [OpUsage.model_validate_json(raw) for raw in self.redis.hmget(_ops_key(session_id), op_ids) if raw]
+        return sorted(records, key=lambda r: r.at)
 
     def session_ops(self, session_id: str) -> list[OpUsage]:
         """Every recorded op of a session, oldest first."""
