@@ -1,4 +1,4 @@
-"""`treadle up | worker | gateway | demo | flower | status | checkpoints | runs | runner | training-runs`.
+"""`treadle up | worker | gateway | demo | flower | status | usage | checkpoints | runs | runner | training-runs`.
 
 Each command's options are generated from a pydantic config, so `--help` documents every knob, and
 each is read with one precedence everywhere (`treadle.config`): flag > environment > config file >
@@ -115,6 +115,46 @@ def cmd_status(ns) -> None:
     print(report.model_dump_json(indent=2) if ns.json else render(report))
 
 
+class UsageConfig(BaseModel):
+    broker_url: str | None = Field(default=None, description="Redis URL of the deployment (default: the running `treadle up` stack).")
+    owner: str | None = Field(default=None, description="Only this owner (`sdk`: sessions of the treadle SDK); default: every owner.")
+    since: str | None = Field(default=None, description="Only ops finished since then: an ISO date-time (UTC if no zone), Unix seconds, or an age like 90m, 24h, 7d.")
+
+
+def parse_since(value: str, now: float | None = None) -> float:
+    """Unix seconds of an ISO date-time, of Unix seconds, or of an age before `now` (`90m`, `24h`, `7d`)."""
+    from datetime import datetime, timezone
+
+    now = time.time() if now is None else now
+    units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+    try:
+        if value[-1:] in units and value[:-1].replace(".", "", 1).isdigit():
+            return now - float(value[:-1]) * units[value[-1]]
+        if value.replace(".", "", 1).isdigit():
+            return float(value)
+        at = datetime.fromisoformat(value)
+    except ValueError:
+        raise ConfigError(f"since: {value!r} is not an ISO date-time, Unix seconds or an age like 24h") from None
+    return (at if at.tzinfo else at.replace(tzinfo=timezone.utc)).timestamp()
+
+
+def cmd_usage(ns) -> None:
+    """Metered usage per owner (treadle.metering): ops, prefill, sampled and trained tokens, compute seconds."""
+    from treadle.metering import Meter
+    from treadle.queue.ops_client import connect_redis
+
+    cfg = config_from_args(UsageConfig, ns, "TREADLE_USAGE_", "usage")
+    since = None if cfg.since is None else parse_since(cfg.since)
+    meter = Meter(connect_redis(_broker(cfg.broker_url)))
+    usage = {owner: meter.owner_usage(owner, since=since) for owner in ([cfg.owner] if cfg.owner else meter.owners())}
+    if ns.json:
+        print(json.dumps({"since": since, "owners": {o: u.model_dump() for o, u in usage.items()}}, indent=2))
+        return
+    print(f"{'owner':<20} {'ops':>8} {'prefill':>12} {'sampled':>12} {'trained':>12} {'compute_s':>10}")
+    for owner, u in usage.items():
+        print(f"{owner:<20} {u.ops:>8} {u.prefill_tokens:>12} {u.sampled_tokens:>12} {u.trained_tokens:>12} {u.compute_s:>10.2f}")
+
+
 def _rest(ns):
     from treadle.sdk.rest_client import RestClient
     from treadle.settings import ConnectionSettings
@@ -206,6 +246,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_config_args(p, StatusConfig, "TREADLE_STATUS_")
     p.add_argument("--json", action="store_true", help="One JSON object, for scripts.")
     p.set_defaults(func=cmd_status)
+
+    p = sub.add_parser("usage", help="Metered usage (tokens, compute seconds) per owner, all-time or since a time.")
+    add_config_args(p, UsageConfig, "TREADLE_USAGE_")
+    p.add_argument("--json", action="store_true", help="One JSON object, for scripts.")
+    p.set_defaults(func=cmd_usage)
 
     p = sub.add_parser("checkpoints", help="List, inspect, download, export, delete and expire checkpoints.")
     p.add_argument("action", choices=["list", "info", "download", "export", "delete", "gc"])
