@@ -19,11 +19,13 @@ from typing import Callable
 from treadle.errors import ServerError, SessionLostError, TreadleError, UnknownModelError
 from treadle.gpu_worker.checkpoint_io import load_checkpoint
 from treadle.gpu_worker.op_handlers import OpContext, handler_for
+from treadle.metering import SDK_OWNER
 from treadle.queue import names
 from treadle.queue.journal import Journal
 from treadle.queue.lease import LeaseManager
 from treadle.queue.ops import CreateSessionRequest, CreateSessionResponse
 from treadle.queue.sessions import SessionRecord, SessionRegistry
+from treadle.quotas import SessionQuota
 from treadle.storage.checkpoint_store import CheckpointStore
 
 log = logging.getLogger("treadle.worker")
@@ -49,8 +51,9 @@ class OwnedSession:
 class SessionHost:
     def __init__(self, *, hostname: str, engines: dict, redis, store: CheckpointStore, lease: LeaseManager,
                  device_lock: threading.RLock, remember_sampler: Callable[[str, str], None],
-                 subscribe: Callable[[str], None], unsubscribe: Callable[[str], None]):
+                 subscribe: Callable[[str], None], unsubscribe: Callable[[str], None], quota: SessionQuota | None = None):
         self.hostname = hostname
+        self.quota = quota  # concurrent sessions per owner, checked on the worker so no client can skip it
         self.engines = engines
         self.store = store
         self.lease = lease
@@ -80,6 +83,8 @@ class SessionHost:
     # ------------------------------------------------------------ create
     def create(self, req: CreateSessionRequest) -> CreateSessionResponse:
         engine = self.engine(req.base_model)
+        if self.quota is not None:  # before anything exists, so a refused create leaves nothing behind
+            self.quota.admit(req.owner or SDK_OWNER, req.session_id)
         # A fixed seed makes the adapter's initialisation replayable after a crash.
         lora = req.lora if req.lora.seed is not None else req.lora.model_copy(update={"seed": int.from_bytes(os.urandom(4), "little")})
         record = SessionRecord(
@@ -108,6 +113,8 @@ class SessionHost:
                 # A record left behind would look like an orphan that every caretaker adopts (and fails to load).
                 self.registry.delete(req.session_id)
                 self.lease.release(req.session_id, epoch)
+                if self.quota is not None:
+                    self.quota.release(req.owner or SDK_OWNER, req.session_id)
                 raise
             self.owned[req.session_id] = OwnedSession(record=record, epoch=epoch, applied=0)
         self.store.put_run(record.run_id, {
