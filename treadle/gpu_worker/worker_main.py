@@ -46,6 +46,8 @@ class WorkerConfig(BaseModel):
     lease_ttl_s: float = Field(default=15.0, gt=0.5, description="Session lease TTL: how soon another worker adopts a dead worker's sessions.")
     max_tokens_per_microbatch: int = Field(default=4096, ge=64, description="Token budget of one forward/backward micro-batch.")
     session_idle_ttl_s: float = Field(default=86400.0, ge=0.0, description="Checkpoint and stop (expire) a session after this many idle seconds; its client gets SessionExpiredError naming the checkpoint to resume from (0: never).")
+    max_sessions_per_owner: int | None = Field(default=None, ge=1, description="Concurrent training sessions one owner may run (a gateway API key's owner; `sdk` for treadle SDK sessions); an over-quota create fails with QuotaExceededError (None: unlimited). Give every worker the same limits.")
+    owner_session_limits: dict[str, int] = Field(default_factory=dict, description='Per-owner overrides of max_sessions_per_owner, JSON: {"alice": 8}.')
     metrics_port: int = Field(default=0, ge=0, le=65535, description="Serve Prometheus metrics on this port (0: off).")
     metrics_address: str = Field(default="127.0.0.1", description="Interface of the metrics port (0.0.0.0 inside a private network).")
     loglevel: str = Field(default="INFO", description="Log level.")
@@ -62,6 +64,7 @@ class WorkerService:
         from treadle.gpu_worker.sequencer import Sequencer
         from treadle.gpu_worker.usage import UsageRecorder
         from treadle.observability import metrics  # prometheus-client: the worker extra, not every CLI
+        from treadle.quotas import SessionQuota
         from treadle.storage.checkpoint_store import CheckpointStore
 
         self.config = config
@@ -101,6 +104,7 @@ class WorkerService:
             hostname=self.hostname, engines=self.engines, redis=self.redis, store=self.store, lease=self.lease,
             device_lock=device_lock, remember_sampler=samplers.remember,
             subscribe=self._subscribe, unsubscribe=self._unsubscribe,
+            quota=SessionQuota(self.redis, config.max_sessions_per_owner, config.owner_session_limits),
         )
         self.autosaver = Autosaver(self.host, checkpoint_every=config.checkpoint_every,
                                    checkpoint_interval_s=config.checkpoint_interval_s)
