@@ -16,7 +16,19 @@ from treadle.errors import (
     SessionNotFoundError,
     TreadleError,
 )
-from treadle.gateway import futures, metrics, openai_api, routes_billing, routes_rest, routes_sampling, routes_session, routes_training
+from treadle.gateway import (
+    downloads,
+    futures,
+    metrics,
+    openai_api,
+    routes_billing,
+    routes_checkpoints,
+    routes_rest,
+    routes_sampling,
+    routes_session,
+    routes_sessions,
+    routes_training,
+)
 from treadle.gateway.auth import KeyRing
 from treadle.gateway.backend import Backend
 from treadle.gateway.settings import GatewaySettings
@@ -47,7 +59,8 @@ def create_app(settings: GatewaySettings | None = None, *, ops: OpsClient | None
 
     app = FastAPI(title="treadle gateway", lifespan=lifespan)
     app.state.keyring = KeyRing(settings.api_keys)
-    for module in (routes_session, routes_training, routes_sampling, routes_rest, routes_billing, futures):
+    for module in (routes_session, routes_training, routes_sampling, routes_rest, routes_billing, routes_checkpoints, routes_sessions,
+                   downloads, futures):
         app.include_router(module.router, prefix="/api/v1")
     app.include_router(openai_api.router, prefix="/v1")
     metrics.install(app, lambda: app.state.backend.ops.redis)  # GET /metrics, read at scrape time, after lifespan start

@@ -29,8 +29,10 @@ class Ownership:
         self.store = store
         self._checkpoints = checkpoints
 
-    def new_client_session(self, owner: str, tags: list[str], user_metadata: dict | None) -> ClientSession:
-        session = ClientSession(session_id=f"s-{secrets.token_hex(8)}", owner=owner, tags=tags, user_metadata=user_metadata)
+    def new_client_session(self, owner: str, tags: list[str], user_metadata: dict | None,
+                           display_name: str | None = None) -> ClientSession:
+        session = ClientSession(session_id=f"s-{secrets.token_hex(8)}", owner=owner, tags=tags, user_metadata=user_metadata,
+                                display_name=display_name)
         self.store.put_session(session)
         return session
 

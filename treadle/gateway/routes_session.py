@@ -41,7 +41,7 @@ async def client_dynamic_config(owner: str = Depends(require_owner)) -> dict:
 @router.post("/create_session")
 async def create_session(request: Request, owner: str = Depends(require_owner), backend: Backend = Depends(get_backend)) -> dict:
     req = parse_request(tt.CreateSessionRequest, await request.json())
-    session = await run_in_threadpool(backend.owners.new_client_session, owner, req.tags, req.user_metadata)
+    session = await run_in_threadpool(backend.owners.new_client_session, owner, req.tags, req.user_metadata, req.display_name)
     return {"session_id": session.session_id, "type": "create_session"}
 
 

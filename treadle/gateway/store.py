@@ -24,6 +24,7 @@ class ClientSession(BaseModel):
     owner: str
     tags: list[str] = Field(default_factory=list)
     user_metadata: dict | None = None
+    display_name: str | None = Field(default=None, description="The client's name for the session (search matches it).")
     created_at: float = Field(default_factory=time.time)
 
 

@@ -1,0 +1,129 @@
+"""Session search and session traces, for the caller's own sessions only.
+
+treadle has no organisations or projects: every search is over the caller's sessions (an `accessible`
+or `user` owner filter searches the same set), and every session's project id is `default`.
+
+A trace is built from what treadle records anyway: the worker's metering record of each op (its
+name, seq, tokens, seconds of compute and when it finished) and, for ops not yet trimmed from the
+journal by a checkpoint, when the client submitted it. It is a Chrome trace (JSON), which Perfetto
+opens; it is stored beside the checkpoints and handed out as a signed link, like a download.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime, timezone
+
+from fastapi import APIRouter, Depends, Request
+from starlette.concurrency import run_in_threadpool
+from tinker import types as tt
+
+from treadle.gateway import downloads
+from treadle.gateway.auth import require_owner
+from treadle.gateway.backend import Backend, get_backend
+from treadle.gateway.store import ClientSession
+from treadle.metering import Meter
+from treadle.queue.ops import parse_request
+
+router = APIRouter()
+PROJECT_ID = "default"
+TRACE_URL_LIFETIME_S = 3600
+
+
+def _utc(seconds: float) -> datetime:
+    return datetime.fromtimestamp(seconds, tz=timezone.utc)
+
+
+def _status(backend: Backend, session: ClientSession) -> dict | None:
+    """`active` while one of its models is; None otherwise (treadle does not record why a client finished)."""
+    for model_id in backend.store.members(session.session_id, "models"):
+        record = backend.session_info(model_id)
+        if record is not None and record.status == "active":
+            return {"type": "active"}
+    return None
+
+
+def _matches(backend: Backend, session: ClientSession, req: tt.SessionSearchRequest) -> bool:
+    metadata = {str(k): str(v) for k, v in (session.user_metadata or {}).items()}
+    if any(metadata.get(k) != v for k, v in req.user_metadata.items()):
+        return False
+    if req.session_id is not None or req.display_name is not None:
+        words = (req.display_name or "").lower().split()
+        by_name = req.display_name is not None and all(w in (session.display_name or "").lower() for w in words)
+        if not (session.session_id == req.session_id or by_name):
+            return False
+    if req.project_ids is not None and PROJECT_ID not in req.project_ids:
+        return False
+    if req.statuses is not None:
+        status = _status(backend, session)
+        return status is not None and any(q.type == status["type"] for q in req.statuses)
+    return True
+
+
+def _summary(backend: Backend, session: ClientSession) -> dict:
+    store = backend.owners.checkpoints()
+    runs = [run for run in backend.store.members(session.session_id, "models") if store.get_run(run) is not None]
+    manifests = [m for run in runs for m in store.list_checkpoints(run)]
+    return {
+        "session_id": session.session_id, "created_at": _utc(session.created_at).isoformat(), "owner": session.owner,
+        "project_id": PROJECT_ID, "status": _status(backend, session), "checkpoints_count": len(manifests),
+        "display_name": session.display_name,
+        "user_metadata": {str(k): str(v) for k, v in (session.user_metadata or {}).items()} or None,
+        "checkpoint_storage_bytes": sum(m.size_bytes for m in manifests),
+    }
+
+
+@router.post("/sessions/search")
+async def search_sessions(request: Request, owner: str = Depends(require_owner), backend: Backend = Depends(get_backend)) -> dict:
+    """The caller's matching sessions, newest first, a page at a time (cursor: the last one's time and id)."""
+    req = parse_request(tt.SessionSearchRequest, await request.json())
+
+    def search() -> dict:
+        sessions = sorted(backend.store.sessions_of(owner), key=lambda s: (s.created_at, s.session_id), reverse=True)
+        if req.cursor is not None:
+            after = (req.cursor.last_created_at.timestamp(), req.cursor.last_session_id)
+            sessions = [s for s in sessions if (s.created_at, s.session_id) < after]
+        page, more = [], False
+        for session in sessions:
+            if _matches(backend, session, req):
+                if len(page) == req.limit:
+                    more = True
+                    break
+                page.append(session)
+        cursor = {"last_created_at": _utc(page[-1].created_at).isoformat(), "last_session_id": page[-1].session_id} if more else None
+        return {"sessions": [_summary(backend, s) for s in page], "next_cursor": cursor}
+
+    return await run_in_threadpool(search)
+
+
+def session_trace(backend: Backend, session_id: str) -> dict:
+    """The session's ops as Chrome trace events: one track per model, `queued` then the op itself."""
+    meter = Meter(backend.ops.redis)
+    events: list[dict] = [{"name": "process_name", "ph": "M", "pid": 1, "args": {"name": f"treadle session {session_id}"}}]
+    for tid, model_id in enumerate(backend.store.members(session_id, "models"), start=1):
+        events.append({"name": "thread_name", "ph": "M", "pid": 1, "tid": tid, "args": {"name": model_id}})
+        for op in meter.session_ops(model_id):
+            started = op.at - op.compute_s
+            args = {"seq": int(op.op_id) if op.op_id.isdigit() else op.op_id, "prefill_tokens": op.prefill_tokens,
+                    "sampled_tokens": op.sampled_tokens, "trained_tokens": op.trained_tokens, "finished_at": op.at}
+            entry = backend.ops.journal.get(model_id, int(op.op_id)) if op.op_id.isdigit() else None
+            if entry is not None and entry.submitted_at <= started:
+                args["queued_at"] = entry.submitted_at
+                events.append({"name": "queued", "cat": "queue", "ph": "X", "pid": 1, "tid": tid,
+                               "ts": entry.submitted_at * 1e6, "dur": (started - entry.submitted_at) * 1e6, "args": {"op": op.op}})
+            events.append({"name": op.op, "cat": "op", "ph": "X", "pid": 1, "tid": tid,
+                           "ts": started * 1e6, "dur": op.compute_s * 1e6, "args": args})
+    return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+
+@router.get("/sessions/{session_id}/trace_export")
+async def trace_export(session_id: str, request: Request, owner: str = Depends(require_owner), backend: Backend = Depends(get_backend)) -> dict:
+    """Built at once (the SDK polls until `ready`): the trace as of this call, behind a signed link."""
+
+    def export() -> dict:
+        backend.owners.client_session(session_id, owner)
+        key = f"traces/{session_id}.json"  # each export replaces the last: a trace only grows
+        backend.owners.checkpoints().blobs.put_bytes(key, json.dumps(session_trace(backend, session_id)).encode())
+        return {"status": "ready", "url": downloads.signed_url(backend, str(request.base_url), key, TRACE_URL_LIFETIME_S)}
+
+    return await run_in_threadpool(export)
