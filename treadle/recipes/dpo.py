@@ -96,8 +96,9 @@ def main(cfg: Config, service: ServiceClient | None = None) -> RunResult:
         if is_due(step, cfg.eval_every, cfg.steps):
             metrics.update(evaluate(step))
         if is_due(step, cfg.save_every, cfg.steps):
-            final_state_path = log.save_checkpoint(training, step)
-        log.log_metrics(step, metrics)
+            final_state_path = log.save_checkpoint(training, step, metrics)
+        else:
+            log.log_metrics(step, metrics)
         progress.set_postfix(loss=f"{result.loss:.3f}", acc=f"{result.metrics['dpo/accuracy']:.2f}")
 
     # ---------------------------------------------------------------- curve and summary

@@ -201,7 +201,9 @@ def main(cfg: Config, service: ServiceClient | None = None) -> RunResult:
             tokens += sum(d.model_input.length for d in datums)
             fwd_futures.append(training.forward_backward(datums, cfg.loss_fn))
             datums_by_call.append(datums)
-        optim_future = training.optim_step(AdamParams(learning_rate=cfg.learning_rate, eps=1e-8)) if fwd_futures else None
+        # Every step ends in an optimizer step, even one with nothing to train on (AdamW leaves the weights
+        # as they are then): the session's step count is the loop's, so a run can be checked by it.
+        optim_future = training.optim_step(AdamParams(learning_rate=cfg.learning_rate, eps=1e-8))
 
         # ------------------------------------------------------------ results, new snapshot
         waited = time.monotonic()
@@ -213,8 +215,7 @@ def main(cfg: Config, service: ServiceClient | None = None) -> RunResult:
                 advantages = datum.loss_fn_inputs["advantages"].to_numpy()
                 sampled = datum.loss_fn_inputs["logprobs"].to_numpy()[advantages != 0]
                 diffs += (sampled - out["logprobs"].to_numpy()[advantages != 0]).tolist()
-        if optim_future is not None:
-            optim_future.result()
+        optim_future.result()
         sampler, version = training.save_weights_and_get_sampling_client(), step
         train_wait = time.monotonic() - waited
 
@@ -231,15 +232,19 @@ def main(cfg: Config, service: ServiceClient | None = None) -> RunResult:
         if step == cfg.steps or (cfg.eval_every and step % cfg.eval_every == 0):
             metrics.update(evaluate(step))
         # ------------------------------------------------------------ checkpoint with the loop position
+        checkpoint = None
         if step % cfg.save_every == 0 or step == cfg.steps:
             saved = time.monotonic()
             final_state_path = training.save_state(f"step-{step:06d}").result().path
             # In-flight groups are not part of the state: on resume their problems are sampled again.
-            extra = {"cursor": cursor, "pending": [*pending, *(g[0] for g in in_flight)]}
-            log.record_checkpoint(f"step-{step:06d}", step, final_state_path, extra)
+            checkpoint = {"cursor": cursor, "pending": [*pending, *(g[0] for g in in_flight)]}
             metrics["time/save"] = time.monotonic() - saved
         metrics["time/step"] = time.monotonic() - step_started
+        # The step's row before its checkpoint's: a kill between the two resumes from the previous
+        # checkpoint (dropping this row), where the other order would resume past a row never written.
         log.log_metrics(step, metrics)
+        if checkpoint is not None:
+            log.record_checkpoint(f"step-{step:06d}", step, final_state_path, checkpoint)
         last_eval = metrics.get("eval/accuracy", last_eval)
         progress.set_postfix(reward=f"{metrics['reward/mean']:.2f}", **({} if last_eval is None else {"eval_acc": f"{last_eval:.2f}"}))
 

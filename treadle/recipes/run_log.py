@@ -127,10 +127,13 @@ class RunLog:
                 self._mlflow.register_checkpoint(path, step, kind, metrics)
         self._unregistered = [c for c in self._unregistered if c[1] > up_to_step]
 
-    def save_checkpoint(self, training: Any, step: int) -> str:
-        """save_state as `step-NNNNNN` (training state and optimizer), recorded as the resume point after `step`."""
+    def save_checkpoint(self, training: Any, step: int, metrics: dict[str, float]) -> str:
+        """End `step` with a checkpoint: save_state as `step-NNNNNN` (training state and optimizer), log the
+        step's metrics row, then record the resume point. In that order, a kill at any moment resumes from a
+        checkpoint whose rows are all written (a row past it is dropped and its step run again)."""
         name = f"step-{step:06d}"
         path = training.save_state(name).result().path
+        self.log_metrics(step, metrics)
         self.record_checkpoint(name, step, path)
         return path
 

@@ -150,9 +150,10 @@ def main(cfg: Config, service: ServiceClient | None = None) -> RunResult:
             metrics["eval/loss"] = eval_loss(s.eval)
         if s.save is not None:
             final_state_path = s.save.result().path
-            log.record_checkpoint(f"step-{s.step:06d}", s.step, final_state_path)
         metrics["time/step"] = time.monotonic() - s.started
-        log.log_metrics(s.step, metrics)
+        log.log_metrics(s.step, metrics)  # before the checkpoint's record: see math_rl
+        if s.save is not None:
+            log.record_checkpoint(f"step-{s.step:06d}", s.step, final_state_path)
         progress.set_postfix(loss=f"{metrics['train/loss']:.3f}")
 
     in_flight: deque[Submitted] = deque()
