@@ -9,6 +9,7 @@ one process (tests, the demo) never collide. The route needs no API key and expo
 
 from __future__ import annotations
 
+import re
 import time
 
 from fastapi import FastAPI, Request, Response
@@ -18,6 +19,22 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, H
 from treadle.observability.metrics import DeploymentCollector
 
 _BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+def route_template(scope: dict) -> str:
+    """The matched route's path template with its router's prefix (`/api/v1/sessions/{session_id}`).
+
+    FastAPI leaves the included router's own route in the scope, whose path lacks the prefix the router
+    was mounted under (`/v1` and `/api/v1` both have short paths): the prefix is what the concrete path
+    has before the route's part, with the path parameters filled in."""
+    route = scope.get("route")
+    suffix = getattr(route, "path", None)
+    if suffix is None:
+        return "unmatched"  # a 404 for an unknown path has no route
+    params = scope.get("path_params") or {}
+    concrete = re.sub(r"\{(\w+)(:\w+)?\}", lambda m: str(params.get(m[1], m[0])), suffix)
+    path = scope.get("path", "")
+    return path[: len(path) - len(concrete)] + suffix if path.endswith(concrete) else suffix
 
 
 def install(app: FastAPI, redis_fn) -> CollectorRegistry:
@@ -32,8 +49,7 @@ def install(app: FastAPI, redis_fn) -> CollectorRegistry:
     async def measure(request: Request, call_next):
         started = time.perf_counter()
         response = await call_next(request)
-        route = request.scope.get("route")
-        template = getattr(route, "path", "unmatched")  # a 404 for an unknown path has no route
+        template = route_template(request.scope)
         requests.labels(template, request.method, str(response.status_code)).inc()
         seconds.labels(template).observe(time.perf_counter() - started)
         return response
