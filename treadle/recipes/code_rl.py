@@ -9,9 +9,10 @@ the second answer is graded. The datum is the whole episode, with loss weight on
 the model sampled. Rewards are centred per group and trained with `cispo` (default), `ppo` or
 `importance_sampling`; a group's forward_backward is submitted as soon as it is graded.
 
-`num_rollout_workers` threads run episodes (sampling and sandboxing). `--mode async` keeps them busy while the
-trainer steps, so a group may come from a policy some steps old: up to `max_steps_off_policy` it is used (the
-importance ratio corrects the gap), staler ones are requeued or discarded. Held-out problems are answered
+`num_rollout_workers` threads run episodes (sampling and sandboxing). `--mode async` keeps them busy
+while the trainer steps, so a group may come from a policy some steps old: up to
+`max_steps_off_policy` it is used (the importance ratio corrects the gap); a staler one is discarded,
+or requeued: sampled again by the current policy and read next. Held-out problems are answered
 greedily every `eval_every` steps; `--resume` continues the problem stream from the last checkpoint.
 
     python -m treadle.recipes.code_rl --base_model SmolLM2-135M-Instruct --max_turns 2 --log_dir runs/code_rl
@@ -19,11 +20,10 @@ greedily every `eval_every` steps; `--resume` continues the problem stream from 
 
 from __future__ import annotations
 
-import random
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, Field
@@ -32,8 +32,8 @@ from tqdm import tqdm
 from treadle import AdamParams, ModelInput, SamplingParams, ServiceClient
 from treadle.recipes.advantages import group_advantages, is_informative
 from treadle.recipes.cli import parse_config
-from treadle.recipes.code_tasks import (CodeProblem, Grade, check_solution_report, extract_code, grade, load_code_problems,
-                                        problem_prompt, run_tests, split_problems)
+from treadle.recipes.code_tasks import (CodeProblem, Grade, ProblemStream, check_solution_report, extract_code, grade,
+                                        load_code_problems, problem_at, problem_prompt, run_tests, split_problems)
 from treadle.recipes.datums import multi_turn_rl_datum
 from treadle.recipes.evaluation import prompt_messages
 from treadle.recipes.off_policy import StalePolicy, staleness, staleness_action
@@ -108,27 +108,6 @@ class CodeGroup:
     policy_version: int
 
 
-@dataclass
-class ProblemStream:
-    """Training problem indices to sample next: requeued ones first, then the stream from `cursor`."""
-
-    cursor: int = 0
-    pending: deque = field(default_factory=deque)
-
-    def next_index(self) -> int:
-        if self.pending:
-            return self.pending.popleft()
-        self.cursor += 1
-        return self.cursor - 1
-
-
-def problem_at(train: list[CodeProblem], seed: int, index: int) -> CodeProblem:
-    """Problem `index` of the stream: each pass over the set in its own seeded order (random access, for --resume)."""
-    order = list(range(len(train)))
-    random.Random(f"{seed}:{index // len(train)}").shuffle(order)
-    return train[order[index % len(train)]]
-
-
 def run_episodes(sampler: Any, tokenizer: Any, sandbox: Sandbox, problem: CodeProblem, cfg: Config, n: int,
                  params: SamplingParams) -> list[Attempt]:
     """`n` episodes of one problem: sample, (2 turns) check_solution and sample again, grade."""
@@ -169,7 +148,15 @@ def sample_group(sampler: Any, version: int, index: int, problem: CodeProblem, t
     return CodeGroup(index, problem, run_episodes(sampler, tokenizer, sandbox, problem, cfg, cfg.group_size, params), version)
 
 
-def evaluate(sampler, tokenizer, sandbox: Sandbox, heldout: list[CodeProblem], cfg: Config, workers, log: RunLog, step: int) -> dict:
+def submit_group(workers: ThreadPoolExecutor, sampler: Any, version: int, index: int, train: list[CodeProblem], tokenizer: Any,
+                 sandbox: Sandbox, cfg: Config) -> tuple:
+    """Start an episode group of problem `index` on a rollout worker: (index, policy version, future of a CodeGroup)."""
+    problem = problem_at(train, cfg.seed, index)
+    return index, version, workers.submit(sample_group, sampler, version, index, problem, tokenizer, sandbox, cfg)
+
+
+def evaluate(sampler: Any, tokenizer: Any, sandbox: Sandbox, heldout: list[CodeProblem], cfg: Config, workers: ThreadPoolExecutor,
+             log: RunLog, step: int) -> dict[str, float]:
     """Greedy held-out pass rate (one episode per problem, the same number of turns as training)."""
     started = time.monotonic()
     greedy = SamplingParams(max_tokens=cfg.max_tokens, temperature=1.0, top_k=1, seed=0)
@@ -224,8 +211,7 @@ def main(cfg: Config, service: ServiceClient | None = None, sandbox: Sandbox | N
             target = cfg.groups_per_batch - used if cfg.mode == "sync" else cfg.num_rollout_workers
             while len(in_flight) < target:
                 index = stream.next_index()
-                problem = problem_at(train, cfg.seed, index)
-                in_flight.append((index, version, workers.submit(sample_group, sampler, version, index, problem, tokenizer, sandbox, cfg)))
+                in_flight.append(submit_group(workers, sampler, version, index, train, tokenizer, sandbox, cfg))
             waited = time.monotonic()
             index, sampled_by, future = in_flight.popleft()
             group = future.result()
@@ -237,8 +223,8 @@ def main(cfg: Config, service: ServiceClient | None = None, sandbox: Sandbox | N
                 "problem_index": index, "problem": group.problem.name, "policy_version": sampled_by, "trained_at_version": version,
                 "staleness": staleness(sampled_by, version), "action": action, "rewards": rewards,
                 "second_turns": sum(a.tool_report is not None for a in group.attempts)})
-            if action == "requeue":
-                stream.pending.append(index)
+            if action == "requeue":  # sampled again by the current policy and read next, so it cannot go stale again
+                in_flight.appendleft(submit_group(workers, sampler, version, index, train, tokenizer, sandbox, cfg))
             if action != "use":
                 continue
             used += 1
@@ -275,13 +261,17 @@ def main(cfg: Config, service: ServiceClient | None = None, sandbox: Sandbox | N
         if step == cfg.steps or (cfg.eval_every and step % cfg.eval_every == 0):
             metrics.update(evaluate(sampler, tokenizer, sandbox, heldout, cfg, workers, log, step))
         # ------------------------------------------------------------ checkpoint with the loop position
+        checkpoint = None
         if step % cfg.save_every == 0 or step == cfg.steps:
             final_state_path = training.save_state(f"step-{step:06d}").result().path
             # Groups still in flight are not part of the state: on resume their problems are sampled again.
-            extra = {"cursor": stream.cursor, "pending": [*stream.pending, *(g[0] for g in in_flight)]}
-            log.record_checkpoint(f"step-{step:06d}", step, final_state_path, extra)
+            checkpoint = {"cursor": stream.cursor, "pending": [*stream.pending, *(g[0] for g in in_flight)]}
         metrics["time/step"] = time.monotonic() - step_started
+        # The step's row before its checkpoint's: a kill between the two resumes from the previous checkpoint
+        # (this row is dropped, the step runs again); the other order would resume past a row never written.
         log.log_metrics(step, metrics)
+        if checkpoint is not None:
+            log.record_checkpoint(f"step-{step:06d}", step, final_state_path, checkpoint)
         progress.set_postfix(reward=f"{metrics['reward/mean']:.2f}", eval=f"{metrics.get('eval/pass_rate', float('nan')):.2f}")
     workers.shutdown(wait=False, cancel_futures=True)
 

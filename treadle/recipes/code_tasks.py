@@ -18,8 +18,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import random
 import re
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from treadle.recipes.sandbox import Execution, Sandbox
@@ -116,6 +118,27 @@ def split_problems(problems: Sequence[CodeProblem], heldout_fraction: float) -> 
         raise ValueError(f"heldout_fraction={heldout_fraction} leaves {len(train)} train and {len(heldout)} held-out "
                          f"problems of {len(problems)}; both need at least one")
     return train, heldout
+
+
+@dataclass
+class ProblemStream:
+    """Training problem indices to sample next: `pending` first (those in flight at a checkpoint), then from `cursor`."""
+
+    cursor: int = 0
+    pending: deque = field(default_factory=deque)
+
+    def next_index(self) -> int:
+        if self.pending:
+            return self.pending.popleft()
+        self.cursor += 1
+        return self.cursor - 1
+
+
+def problem_at(train: Sequence[CodeProblem], seed: int, index: int) -> CodeProblem:
+    """Problem `index` of the stream: each pass over the set in its own seeded order (random access, for --resume)."""
+    order = list(range(len(train)))
+    random.Random(f"{seed}:{index // len(train)}").shuffle(order)
+    return train[order[index % len(train)]]
 
 
 # ---------------------------------------------------------------- prompts
