@@ -145,15 +145,34 @@ def test_same_seeds_same_order_same_tokens(bank, scheduler):
     assert first[0][0] != first[0][1]  # the rows of one request are different draws
 
 
-def test_lone_seeded_request_is_reproducible_and_independent_of_the_batch(bank, scheduler):
-    lone = [scheduler.sample(job(bank, PROMPTS[3], "two", num_samples=2, max_tokens=10, seed=7)).result(timeout=WAIT)
-            for _ in range(3)]
-    tokens = [[s.tokens for s in r.sequences] for r in lone]
-    assert tokens[0] == tokens[1] == tokens[2]
-    # Its own RNG: sharing the batch with other requests leaves its draws as they were.
-    crowd = [job(bank, p, a, num_samples=3, max_tokens=12, seed=50 + i) for i, (p, a) in enumerate(zip(PROMPTS, ADAPTERS))]
-    _, _, _, batched = submit_together(scheduler, [*crowd, job(bank, PROMPTS[3], "two", num_samples=2, max_tokens=10, seed=7)])
-    assert [s.tokens for s in batched.sequences] == tokens[0]
+@pytest.mark.parametrize("threads", [1, 2])
+def test_lone_seeded_request_is_reproducible_and_independent_of_the_batch(bank, scheduler, threads):
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)  # more threads split kernels differently: the result must not move
+    try:
+        lone = [scheduler.sample(job(bank, PROMPTS[3], "two", num_samples=2, max_tokens=10, seed=7)).result(timeout=WAIT)
+                for _ in range(3)]
+        drawn = [[(s.tokens, s.logprobs) for s in r.sequences] for r in lone]
+        assert drawn[0] == drawn[1] == drawn[2]
+        # Its own RNG and batch-invariant forwards: sharing the prefill and the decode steps with other
+        # requests (other adapters, other paddings) leaves its tokens and logprobs as they were, bit for bit.
+        crowd = [job(bank, p, a, num_samples=3, max_tokens=12, seed=50 + i) for i, (p, a) in enumerate(zip(PROMPTS, ADAPTERS))]
+        _, _, _, batched = submit_together(scheduler, [*crowd, job(bank, PROMPTS[3], "two", num_samples=2, max_tokens=10, seed=7)])
+        assert [(s.tokens, s.logprobs) for s in batched.sequences] == drawn[0]
+        # Joining a batch that is already decoding (its cache padded to the batch's width) changes nothing either.
+        running = scheduler.sample(job(bank, PROMPTS[1], None, num_samples=5, max_tokens=40, seed=1, stop=[]))
+        _wait_until_decoding(scheduler)
+        joined = scheduler.sample(job(bank, PROMPTS[3], "two", num_samples=2, max_tokens=10, seed=7)).result(timeout=WAIT)
+        assert not running.done()
+        assert [(s.tokens, s.logprobs) for s in joined.sequences] == drawn[0]
+        running.result(timeout=WAIT)
+    finally:
+        torch.set_num_threads(previous)
+
+
+def _wait_until_decoding(scheduler) -> None:
+    """Until the scheduler's batch has rows (bounded by WAIT)."""
+    _wait_for(lambda: len(scheduler._batch) > 0)
 
 
 def test_batched_compute_logprobs_equal_unbatched(bank, scheduler):
@@ -164,14 +183,14 @@ def test_batched_compute_logprobs_equal_unbatched(bank, scheduler):
     together = [f.result(timeout=WAIT) for f in futures]
     for (prompt, adapter, topk), (lp1, top1), (lp2, top2) in zip(cases, alone, together):
         assert lp1[0] is None and lp2[0] is None and len(lp1) == len(prompt)
-        np.testing.assert_allclose(lp1[1:], lp2[1:], atol=1e-5)
+        assert lp1 == lp2  # batch-invariant forwards: bit for bit, not only within 1e-5
         if len(prompt) > 1:
             np.testing.assert_allclose(lp2[1:], forward_logprobs(bank, adapter, prompt[:1], prompt[1:]), atol=1e-5)
         if topk:
             assert top1[0] is None and all(len(t) == topk for t in top2[1:])
             for a, b in zip(top1[1:], top2[1:]):
                 assert [i for i, _ in a] == [i for i, _ in b]
-                np.testing.assert_allclose([v for _, v in a], [v for _, v in b], atol=1e-5)
+                assert a == b
         else:
             assert top1 is None and top2 is None
 

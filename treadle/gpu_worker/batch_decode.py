@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from treadle.gpu_worker.adapters import AdapterBank
 from treadle.gpu_worker.model_host import ModelHost
+from treadle.gpu_worker.row_invariant import invariant_forward, row_runs
 from treadle.gpu_worker.token_choice import draw, finished, processed_logprobs
 from treadle.gpu_worker.validation import PreparedSample
 from treadle.types import SampledSequence, SampleResponse, SamplingParams
@@ -71,9 +72,11 @@ class _Row:
 
 
 def forward_rows(bank: AdapterBank, adapters: list[str | None], **inputs):
-    """The model's output for a batch whose row i runs with adapter `adapters[i]` (None: base)."""
+    """The model's output for a left-padded batch whose row i runs with adapter `adapters[i]` (None:
+    base); batch-invariant (`row_invariant`): each row's numbers are those it would get alone."""
     distinct = set(adapters)
-    with torch.no_grad():
+    inputs["row_runs"] = row_runs(inputs["attention_mask"])
+    with torch.no_grad(), invariant_forward(bank.host.model):
         if len(distinct) == 1:
             with bank.using(adapters[0], trainable=False) as model:
                 return model(**inputs)

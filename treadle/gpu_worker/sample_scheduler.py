@@ -28,6 +28,7 @@ import threading
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 import torch
@@ -68,6 +69,7 @@ class SampleScheduler:
         self._samples: deque[tuple[SampleJob, Future]] = deque()
         self._logprobs: deque[LogprobJob] = deque()
         self._running: dict[int, tuple[SampleJob, Future]] = {}
+        self._retiring: list[tuple[str | None, Callable[[], None]]] = []  # adapters to remove once unused
         self._cond = threading.Condition()
         self._closed = False
         self._thread = threading.Thread(target=self._loop, name=f"treadle-sampler-{host.name}", daemon=True)
@@ -93,14 +95,31 @@ class SampleScheduler:
             self._cond.notify()
         return job.future
 
-    def adapters_in_use(self) -> set[str | None]:
-        """Adapters that a queued or running request still needs (they must not be removed yet)."""
+    def when_unused(self, adapter: str | None, callback: Callable[[], None]) -> None:
+        """Run `callback` (which removes `adapter`) once no queued or running request needs the adapter:
+        at once if none does, else right after the last such request is answered."""
         with self._cond:
-            return (
-                {job.adapter for job, _ in self._samples}
-                | {job.adapter for job in self._logprobs}
-                | {job.adapter for job, _ in self._running.values()}
-            )
+            if adapter in self._needed():
+                self._retiring.append((adapter, callback))
+                return
+        callback()
+
+    def _needed(self) -> set[str | None]:
+        return (
+            {job.adapter for job, _ in self._samples}
+            | {job.adapter for job in self._logprobs}
+            | {job.adapter for job, _ in self._running.values()}
+        )
+
+    def _retire_unused(self) -> None:
+        with self._cond:
+            needed = self._needed()
+            ready = [(a, c) for a, c in self._retiring if a not in needed]
+            self._retiring = [(a, c) for a, c in self._retiring if a in needed]
+        if ready:
+            with self.device_lock:
+                for _, callback in ready:
+                    callback()
 
     def close(self, timeout: float = 30.0) -> None:
         """Stop the thread; requests not answered yet fail with a ServerError."""
@@ -129,6 +148,8 @@ class SampleScheduler:
             if self._batch:
                 with self.device_lock:
                     self._step()
+            if self._retiring:
+                self._retire_unused()
 
     def _wait_for_work(self) -> bool:
         """False once closed (everything unanswered has failed by then)."""
@@ -226,25 +247,26 @@ class SampleScheduler:
 
 
 def batch_prompt_logprobs(bank: AdapterBank, host: ModelHost, jobs: list[LogprobJob]) -> list[PromptLogprobs]:
-    """Prompt logprobs of several requests in one right-padded forward, each row with its own adapter.
+    """Prompt logprobs of several requests in one left-padded forward, each row with its own adapter.
 
-    Causal attention means padding after a prompt cannot change it, so each row equals its own
-    unbatched forward up to floating-point effects of the batch shape.
+    The forward is batch-invariant (`row_invariant`), so each row equals its own unbatched forward.
     """
     width = max(len(j.tokens) for j in jobs)
     ids = torch.full((len(jobs), width), host.pad_token_id, dtype=torch.long)
     mask = torch.zeros((len(jobs), width), dtype=torch.long)
     for row, job in enumerate(jobs):
-        ids[row, : len(job.tokens)] = torch.from_numpy(job.tokens)
-        mask[row, : len(job.tokens)] = 1
+        ids[row, width - len(job.tokens):] = torch.from_numpy(job.tokens)
+        mask[row, width - len(job.tokens):] = 1
     ids, mask = ids.to(host.device), mask.to(host.device)
-    logits = forward_rows(bank, [j.adapter for j in jobs], input_ids=ids, attention_mask=mask, use_cache=False).logits
+    logits = forward_rows(bank, [j.adapter for j in jobs], input_ids=ids, attention_mask=mask,
+                          position_ids=(mask.cumsum(dim=1) - 1).clamp(min=0), use_cache=False).logits
     results = []
     for row, job in enumerate(jobs):
         if len(job.tokens) < 2:
             results.append(([None], [None] if job.topk else None))
         else:
-            results.append(prompt_logprobs_from_logits(logits[row, : len(job.tokens)], ids[row, : len(job.tokens)], job.topk))
+            real = slice(width - len(job.tokens), width)
+            results.append(prompt_logprobs_from_logits(logits[row, real], ids[row, real], job.topk))
     return results
 
 

@@ -1,0 +1,108 @@
+"""Batch-invariant sampling forwards: a row's numbers never depend on which other rows share its batch.
+
+Why: the scheduler batches whatever is pending, so which requests share a forward depends on timing.
+If a row's logits moved with its neighbours (in the last bits), the same seeded request would give
+different logprobs, and now and then different tokens, from one run to the next, and a resumed or
+repeated RL run would no longer reproduce the uninterrupted one bit for bit. Measured on CPU (MKL),
+two things make a row depend on its neighbours, and both are removed here:
+
+1. Attention over a padded KV cache: SDPA's reduction over key positions changes with the padding
+   and, with more than one thread, with the batch size. Here rows are grouped by their left padding
+   (runs of consecutive rows with the same first real column) and each group attends over its own
+   unpadded keys with plain matmul / softmax / matmul, whose result per row depends only on the row.
+2. Matmuls whose row count is not a multiple of `ROW_MULTIPLE` take other MKL kernels (another
+   summation order) for the remainder rows. Every `F.linear` of a sampling forward is padded with
+   zero rows to a multiple of `ROW_MULTIPLE` (8; 4 already sufficed on the AVX2 machine measured).
+
+`tests/test_batch_sampling.py` checks the result: a request alone and the same request batched with
+others give bit-identical logprobs. Accelerators (cuBLAS, flash kernels) make no such promise; there
+rows agree to floating-point tolerance only.
+"""
+
+from __future__ import annotations
+
+import threading
+from contextlib import contextmanager
+from typing import Iterator
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+
+ROW_MULTIPLE = 8
+IMPLEMENTATION = "treadle_rows"
+
+_original_linear = F.linear
+_sampler_threads: set[int] = set()  # threads inside `invariant_forward`; others get the plain F.linear
+_patch_lock = threading.Lock()
+
+
+def _padded_linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    if threading.get_ident() not in _sampler_threads or input.dim() == 0:
+        return _original_linear(input, weight, bias)
+    flat = input.reshape(-1, input.shape[-1])
+    missing = -flat.shape[0] % ROW_MULTIPLE
+    if not missing:
+        return _original_linear(input, weight, bias)
+    out = _original_linear(torch.cat([flat, flat.new_zeros(missing, flat.shape[1])]), weight, bias)
+    return out[: flat.shape[0]].reshape(*input.shape[:-1], out.shape[-1])
+
+
+def row_runs(mask: torch.Tensor) -> list[tuple[int, int, int]]:
+    """(first row, end row, first real column) of each run of consecutive rows of a left-padded 2-D
+    attention mask that share their first real column."""
+    starts = (mask.cumsum(dim=1) == 0).sum(dim=1).tolist()
+    runs: list[tuple[int, int, int]] = []
+    for row, start in enumerate(starts):
+        if runs and runs[-1][2] == start:
+            runs[-1] = (runs[-1][0], row + 1, start)
+        else:
+            runs.append((row, row + 1, start))
+    return runs
+
+
+def _rows_attention(module, query, key, value, attention_mask, scaling: float, dropout: float = 0.0,
+                    row_runs: list[tuple[int, int, int]] | None = None, **kwargs):
+    """HF attention interface: query (B, H, Lq, D), key/value (B, Hkv, Lk, D) -> (B, Lq, H, D), None."""
+    if row_runs is None:
+        raise RuntimeError(f"{IMPLEMENTATION} attention needs row_runs (only sampling forwards use it)")
+    groups = query.shape[1] // key.shape[1]
+    lq, lk = query.shape[2], key.shape[2]
+    out = query.new_zeros(query.shape)
+    for begin, end, start in row_runs:
+        first_query = max(0, start - (lk - lq))  # queries before it sit on padding: their output stays 0
+        q = query[begin:end, :, first_query:]
+        k = key[begin:end, :, start:].repeat_interleave(groups, dim=1)
+        v = value[begin:end, :, start:].repeat_interleave(groups, dim=1)
+        scores = torch.matmul(q, k.transpose(2, 3)) * scaling
+        if q.shape[2] > 1:  # query a sits on column lk - lq + first_query + a; it sees keys up to there
+            visible = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device)
+            scores = scores.masked_fill(~visible.tril(lk - lq + first_query - start), float("-inf"))
+        weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        out[begin:end, :, first_query:] = torch.matmul(weights, v)
+    return out.transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(IMPLEMENTATION, _rows_attention)
+
+
+@contextmanager
+def invariant_forward(model: torch.nn.Module) -> Iterator[None]:
+    """Within the block, this thread's forwards of `model` are batch-invariant; the caller passes
+    `row_runs=row_runs(attention_mask)` to the model call. Callers hold the device lock."""
+    config = model.config
+    previous = config._attn_implementation
+    config._attn_implementation = IMPLEMENTATION
+    with _patch_lock:
+        # nn.Linear looks F.linear up at call time; other threads pass straight through, and the
+        # plain function is back once no sampling forward runs.
+        _sampler_threads.add(threading.get_ident())
+        F.linear = _padded_linear
+    try:
+        yield
+    finally:
+        with _patch_lock:
+            _sampler_threads.discard(threading.get_ident())
+            if not _sampler_threads:
+                F.linear = _original_linear
+        config._attn_implementation = previous
