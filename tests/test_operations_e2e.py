@@ -65,24 +65,37 @@ def usage_cli(stack: LocalStack, *args: str) -> dict:
 
 @pytest.fixture(scope="module")
 def ops_stack(tiny_model_dir, tmp_path_factory):
-    """Two workers, each with a metrics port; carol may run one training session at a time."""
+    """Two workers serving `tiny`, each with a metrics port; carol may run one training session at a time.
+
+    A third worker serves the same weights as `tiny-exp`, so only it ever owns those sessions: it expires
+    sessions idle for 3 s and allows one session per owner (the SDK's owner too), which no other test here
+    could live with. Workers without a limit for an owner never admit into its count, so the two limits
+    stay apart (a deployment gives every worker the same limits)."""
     os.environ["OMP_NUM_THREADS"] = "1"
     stack = LocalStack([f"tiny={tiny_model_dir}"], home=str(tmp_path_factory.mktemp("ops")), workers=0,
                        password="ops-redis-pw", worker_args=["--lease_ttl_s", "2", "--checkpoint_every", "2",
                                                              "--owner_session_limits", '{"carol": 1}'])
     stack.start()
-    stack.metrics_ports = {}
-    for _ in range(2):
-        port = free_port()
-        stack.metrics_ports[stack.start_worker(["--metrics_port", str(port)]).pid] = port
+    expiring = None
     try:
-        stack.wait_for_workers(2, 180)
+        stack.metrics_ports = {}
+        for _ in range(2):
+            port = free_port()
+            stack.metrics_ports[stack.start_worker(["--metrics_port", str(port)]).pid] = port
+        expiring = subprocess.Popen(
+            [sys.executable, "-m", "treadle.cli", "worker", "--model", f"tiny-exp={tiny_model_dir}", "--lease_ttl_s", "3",
+             "--session_idle_ttl_s", "3", "--max_sessions_per_owner", "1"],
+            env=stack.env(), stdout=open(os.path.join(stack.home, "logs", "worker-expiring.log"), "ab"), stderr=subprocess.STDOUT)
+        stack.wait_for_workers(3, 180)
         settings = GatewaySettings(port=0, broker_url=stack.broker_url, storage_url=stack.storage_url,
                                    api_keys={ALICE_KEY: "alice", CAROL_KEY: "carol"}, long_poll_seconds=5)
         with BackgroundGateway(settings) as gateway:
             stack.gateway = gateway
             yield stack
     finally:
+        if expiring is not None:
+            expiring.terminate()
+            expiring.wait(timeout=60)
         stack.stop()
 
 
@@ -113,8 +126,9 @@ def test_worker_and_gateway_metrics_parse_and_move(ops_stack):
     assert ("treadle_queue_depth", (("base_model", "tiny"),)) in worker_after
     assert moved(gateway_before, gateway_after, "treadle_gateway_requests_total",
                  route="/api/v1/healthz", method="GET", status="200") == 1
-    assert gateway_after[("treadle_deployment_workers", ())] == 2
+    assert gateway_after[("treadle_deployment_workers", ())] == 3
     assert gateway_after[("treadle_deployment_active_sessions", (("base_model", "tiny"),))] >= 1
+    assert ("treadle_queue_depth", (("base_model", "tiny-exp"),)) in gateway_after
     other = next(p for pid, p in ops_stack.metrics_ports.items() if p != port)
     scrape(f"http://127.0.0.1:{other}/metrics")  # the idle worker's endpoint parses too
     tc.stop()
@@ -131,7 +145,7 @@ def test_usage_is_exact_across_a_worker_sigkill_and_replay(ops_stack):
         pairs.append((tc.forward_backward(datums(step), "cross_entropy"), tc.optim_step(ADAM)))
         if step == 3:
             pairs[2][1].result(timeout=120)  # checkpoint at step 2 is written; steps 3.. replay or run anew
-            kill_owner(ops_stack, sc, tc.session_id)  # SIGKILL, and a fresh worker keeps two
+            kill_owner(ops_stack, sc, tc.session_id, replace=False)  # SIGKILL: the other worker adopts the session
     assert [opt.result(timeout=300).metrics["step:max"] for _, opt in pairs] == list(range(1, 7))
     assert "unacked_restored" in (sc.ops.session_info(tc.session_id).last_recovery or "")  # it was taken over
     sampler = tc.save_weights_and_get_sampling_client()
@@ -153,13 +167,13 @@ def test_gateway_quota_billing_and_storage_usage(ops_stack):
     """carol (limit 1) through the official SDK: a second create is refused clearly; her billing events sum
     to exactly the tokens she trained; her storage is her one checkpoint; `treadle usage` agrees."""
     official = tinker.ServiceClient(base_url=ops_stack.gateway.url, api_key=CAROL_KEY)
-    tc = official.create_lora_training_client(base_model="tiny", rank=4)
+    tc = official.create_lora_training_client(base_model="tiny", rank=4).result()  # 0.38: a future-like client
     data = datums(0, lengths=(6, 9, 4), types=tt)
     tc.forward_backward(data, "cross_entropy").result()
     tc.forward_backward(data[:1], "cross_entropy").result()
     path = tc.save_state("carol-1").result().path
-    with pytest.raises(Exception, match=r"owner 'carol' has 1 active training sessions and the limit is 1"):
-        official.create_lora_training_client(base_model="tiny", rank=4)
+    with pytest.raises(tinker.RequestFailedError, match=r"owner 'carol' has 1 active training sessions and the limit is 1"):
+        official.create_lora_training_client(base_model="tiny", rank=4).result()
 
     admin = tinker.AdminClient(base_url=ops_stack.gateway.url, api_key=CAROL_KEY)
     hour = datetime.now(timezone.utc).replace(minute=0, second=0, microsecond=0)
@@ -174,45 +188,45 @@ def test_gateway_quota_billing_and_storage_usage(ops_stack):
     manifest = ServiceClient(broker_url=ops_stack.broker_url, storage_url=ops_stack.storage_url) \
         .create_rest_client().manifest(path.replace("tinker://", "treadle://"))
     assert [(i.checkpoint_count, i.size_bytes) for i in storage.data] == [(1, manifest.size_bytes)]
-    with pytest.raises(Exception, match="aligned to a UTC hour"):
+    with pytest.raises(tinker.TinkerError, match="aligned to a UTC hour"):
         admin.get_billing_usage(hour + timedelta(minutes=5), hour + timedelta(hours=1)).result()
     # alice sees none of carol's usage
     alice = tinker.AdminClient(base_url=ops_stack.gateway.url, api_key=ALICE_KEY)
     assert alice.get_billing_usage(hour - timedelta(hours=1), hour + timedelta(hours=1)).result().data == []
 
+    served = scrape(ops_stack.gateway.url + "/metrics")  # labelled by route template, with the router's prefix
+    route = dict(route="/api/v1/billing/usage/events", method="GET")
+    assert (served[("treadle_gateway_requests_total", tuple(sorted({**route, "status": "200"}.items())))],
+            served[("treadle_gateway_requests_total", tuple(sorted({**route, "status": "400"}.items())))]) == (2, 1)
     assert usage_cli(ops_stack, "--owner", "carol", "--since", "1h")["owners"]["carol"]["trained_tokens"] == 25
     official.close("success")
 
 
-def test_idle_expiry_checkpoints_stops_and_answers_every_waiter(tiny_model_dir, tmp_path):
-    """A worker expiring sessions idle 3 s, with one session per owner: the quota refuses a second SDK
+def test_idle_expiry_checkpoints_stops_and_answers_every_waiter(ops_stack):
+    """On the worker expiring sessions idle 3 s, with one session per owner: the quota refuses a second SDK
     session; the idle session is checkpointed and stopped; a waiter on an op that could not run yet
     (its predecessor never came) and the next op both get SessionExpiredError naming the checkpoint,
     which resumes the session and takes the freed quota slot."""
-    os.environ["OMP_NUM_THREADS"] = "1"
-    with LocalStack([f"tiny={tiny_model_dir}"], home=str(tmp_path / "expiry"), password="exp-pw",
-                    worker_args=["--lease_ttl_s", "3", "--session_idle_ttl_s", "3", "--max_sessions_per_owner", "1"]) as stack:
-        stack.wait_for_workers(1, 180)
-        sc = ServiceClient(broker_url=stack.broker_url, storage_url=stack.storage_url)
-        tc = sc.create_lora_training_client("tiny", rank=4, seed=4)
-        with pytest.raises(QuotaExceededError, match=r"owner 'sdk' has 1 active training sessions and the limit is 1"):
-            sc.create_lora_training_client("tiny", rank=4)
-        tc.forward_backward(datums(0), "cross_entropy").result(timeout=120)
-        tc.optim_step(ADAM).result(timeout=120)
-        # An op two seqs ahead waits for one that never comes: the session stays idle, the wait pending.
-        early = sc.ops.submit(tc.session_id, NoopRequest(), seq=sc.ops.next_seq(tc.session_id) + 2)
-        waited: list[BaseException] = []
-        waiter = threading.Thread(target=lambda: waited.append(_error_of(lambda: sc.ops.wait(early, timeout=120))))
-        waiter.start()
-        waiter.join(timeout=150)
-        assert not waiter.is_alive()
-        record = sc.ops.session_info(tc.session_id)
-        assert record.status == "expired" and record.checkpoint and record.checkpoint_seq == 2
-        assert isinstance(waited[0], SessionExpiredError) and record.checkpoint in str(waited[0])
-        with pytest.raises(SessionExpiredError, match=f"resume from {record.checkpoint}"):
-            tc.forward_backward(datums(1), "cross_entropy").result(timeout=30)
-        resumed = sc.create_training_client_from_state_with_optimizer(record.checkpoint)
-        assert resumed.optim_step(ADAM).result(timeout=120).metrics["step:max"] == 2
+    sc = ServiceClient(broker_url=ops_stack.broker_url, storage_url=ops_stack.storage_url)
+    tc = sc.create_lora_training_client("tiny-exp", rank=4, seed=4)
+    with pytest.raises(QuotaExceededError, match=r"owner 'sdk' has 1 active training sessions and the limit is 1"):
+        sc.create_lora_training_client("tiny-exp", rank=4)
+    tc.forward_backward(datums(0), "cross_entropy").result(timeout=120)
+    tc.optim_step(ADAM).result(timeout=120)
+    # An op two seqs ahead waits for one that never comes: the session stays idle, the wait pending.
+    early = sc.ops.submit(tc.session_id, NoopRequest(), seq=sc.ops.next_seq(tc.session_id) + 2)
+    waited: list[BaseException | None] = []
+    waiter = threading.Thread(target=lambda: waited.append(_error_of(lambda: sc.ops.wait(early, timeout=120))))
+    waiter.start()
+    waiter.join(timeout=150)
+    assert not waiter.is_alive()
+    record = sc.ops.session_info(tc.session_id)
+    assert record.status == "expired" and record.checkpoint and record.checkpoint_seq == 2
+    assert isinstance(waited[0], SessionExpiredError) and record.checkpoint in str(waited[0])
+    with pytest.raises(SessionExpiredError, match=f"resume from {record.checkpoint}"):
+        tc.forward_backward(datums(1), "cross_entropy").result(timeout=30)
+    resumed = sc.create_training_client_from_state_with_optimizer(record.checkpoint)
+    assert resumed.optim_step(ADAM).result(timeout=120).metrics["step:max"] == 2
 
 
 def _error_of(fn) -> BaseException | None:
