@@ -93,7 +93,7 @@ async def billing_usage(starting_on: str, ending_before: str, owner: str = Depen
         sessions = {}
         for session_id in sorted({e["session_id"] for e in events}):
             record = backend.session_info(session_id)
-            metadata = record.user_metadata if record is not None else None
+            metadata = record.user_metadata if record is not None and record.owner == owner else None  # only one's own
             sessions[session_id] = {"user_metadata": None if metadata is None else {str(k): str(v) for k, v in metadata.items()}}
         return {"data": events, "sessions": sessions, "cost_data_through": None}
 
