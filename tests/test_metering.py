@@ -64,3 +64,33 @@ def test_sdk_sessions_are_billed_to_the_sdk_owner_and_records_survive_a_new_clie
     again = Meter(redis.Redis.from_url(redis_url))
     assert again.owner_usage(SDK_OWNER).sampled_tokens == 3
     assert redis.Redis.from_url(redis_url).ttl("treadle:usage:ops:s9") > 300 * 24 * 3600
+
+
+def test_owner_ops_window_is_half_open(redis_client):
+    meter = Meter(redis_client)
+    for seq, at in enumerate([3600.0, 7199.0, 7200.0]):
+        meter.record(_op("s1", seq, at=at, trained_tokens=1))
+    assert [o.op_id for o in meter.owner_ops("alice", since=3600.0, until=7200.0)] == ["0", "1"]
+    assert [o.op_id for o in meter.owner_ops("alice", since=7200.0)] == ["2"]
+
+
+def test_billing_events_bucket_by_hour_session_and_kind():
+    """The gateway's get_billing_usage rows: training = forward_backward and forward tokens, sampling split
+    into prefill and sampled, one checkpoint event per save, each hour its own bucket, bigger first."""
+    from treadle.gateway.routes_billing import _events
+
+    def op(name, at, session="s1", **counts):
+        return OpUsage(session_id=session, op_id=str(at), op=name, owner="alice", base_model="tiny", at=at, **counts)
+
+    events = _events([op("forward_backward", 3600.0, trained_tokens=12), op("forward", 3700.0, prefill_tokens=5),
+                      op("sample", 3800.0, prefill_tokens=4, sampled_tokens=10), op("save_state", 3900.0),
+                      op("forward_backward", 7200.0, trained_tokens=3), op("optim_step", 7300.0, compute_s=1.0)])
+    rows = [(e["bucket_start"][11:16], e["session_id"], e["event_info"]) for e in events]
+    assert rows == [
+        ("01:00", "s1", {"type": "training", "token_count": 17}),
+        ("01:00", "s1", {"type": "sampling_sample", "token_count": 10}),
+        ("01:00", "s1", {"type": "sampling_prefill", "token_count": 4, "cached": False}),
+        ("01:00", "s1", {"type": "checkpoint", "count": 1}),
+        ("02:00", "s1", {"type": "training", "token_count": 3}),
+    ]
+    assert events[0]["bucket_end"].startswith("1970-01-01T02:00")
