@@ -20,6 +20,7 @@ greedily every `eval_every` steps; `--resume` continues the problem stream from 
 
 from __future__ import annotations
 
+import json
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
@@ -286,5 +287,11 @@ def main(cfg: Config, service: ServiceClient | None = None, sandbox: Sandbox | N
 
 if __name__ == "__main__":
     result = main(parse_config(Config, prog="python -m treadle.recipes.code_rl"))
-    print(f"held-out pass rate {result.eval_before:.3f} -> {result.eval_after:.3f}\n"
-          f"metrics: {result.metrics_path}\ncurve:   {result.png_path}\nstate:   {result.final_state_path}")
+    with open(result.metrics_path) as f:
+        rows = [json.loads(line) for line in f]
+    train, evals = [r for r in rows if r["step"] > 0], [r for r in rows if "eval/pass_rate" in r]
+    for what, key, first, last in [("train reward, first -> last step", "reward/mean", train[0], train[-1]),
+                                   ("held-out pass rate", "eval/pass_rate", evals[0], evals[-1]),
+                                   ("held-out answers with a code block", "eval/has_code", evals[0], evals[-1])]:
+        print(f"{what}: {first[key]:.3f} -> {last[key]:.3f}")
+    print(f"metrics: {result.metrics_path}\ncurve:   {result.png_path}\nstate:   {result.final_state_path}")
