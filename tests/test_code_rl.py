@@ -291,3 +291,16 @@ def test_resume_after_kill_continues_the_problem_stream(stack, tiny_problems, wa
     reference = _rows(tmp_path / "fresh" / "metrics.jsonl")
     assert [r["reward/mean"] for r in rows[1:]] == [r["reward/mean"] for r in reference[1:]]
     assert [r["answer"] for r in _rows(killed / "samples.jsonl")] == [r["answer"] for r in _rows(tmp_path / "fresh" / "samples.jsonl")]
+
+
+def test_code_rl_imports_and_shows_help_without_torch():
+    """A laptop client has no torch: the recipe, its sandbox and its --help import none of the worker side."""
+    code = ("import sys, runpy\n"
+            "for name in ('torch', 'transformers', 'peft', 'accelerate'): sys.modules[name] = None\n"
+            "import treadle.recipes.code_rl\n"
+            "assert not any(m.startswith('treadle.gpu_worker') for m in sys.modules)\n"
+            "sys.argv = ['code_rl', '--help']\n"
+            "runpy.run_module('treadle.recipes.code_rl', run_name='__main__')\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "--max_steps_off_policy" in out.stdout and "--stale_policy" in out.stdout and "--max_turns" in out.stdout
