@@ -68,7 +68,7 @@ def ops_stack(tiny_model_dir, tmp_path_factory):
     """Two workers serving `tiny`, each with a metrics port; carol may run one training session at a time.
 
     A third worker serves the same weights as `tiny-exp`, so only it ever owns those sessions: it expires
-    sessions idle for 3 s and allows one session per owner (the SDK's owner too), which no other test here
+    sessions idle for 5 s and allows one session per owner (the SDK's owner too), which no other test here
     could live with. Workers without a limit for an owner never admit into its count, so the two limits
     stay apart (a deployment gives every worker the same limits)."""
     os.environ["OMP_NUM_THREADS"] = "1"
@@ -84,7 +84,7 @@ def ops_stack(tiny_model_dir, tmp_path_factory):
             stack.metrics_ports[stack.start_worker(["--metrics_port", str(port)]).pid] = port
         expiring = subprocess.Popen(
             [sys.executable, "-m", "treadle.cli", "worker", "--model", f"tiny-exp={tiny_model_dir}", "--lease_ttl_s", "3",
-             "--session_idle_ttl_s", "3", "--max_sessions_per_owner", "1"],
+             "--session_idle_ttl_s", "5", "--max_sessions_per_owner", "1"],
             env=stack.env(), stdout=open(os.path.join(stack.home, "logs", "worker-expiring.log"), "ab"), stderr=subprocess.STDOUT)
         stack.wait_for_workers(3, 180)
         settings = GatewaySettings(port=0, broker_url=stack.broker_url, storage_url=stack.storage_url,
@@ -203,7 +203,7 @@ def test_gateway_quota_billing_and_storage_usage(ops_stack):
 
 
 def test_idle_expiry_checkpoints_stops_and_answers_every_waiter(ops_stack):
-    """On the worker expiring sessions idle 3 s, with one session per owner: the quota refuses a second SDK
+    """On the worker expiring sessions idle 5 s, with one session per owner: the quota refuses a second SDK
     session; the idle session is checkpointed and stopped; a waiter on an op that could not run yet
     (its predecessor never came) and the next op both get SessionExpiredError naming the checkpoint,
     which resumes the session and takes the freed quota slot."""
