@@ -110,6 +110,7 @@ def test_worker_and_gateway_metrics_parse_and_move(ops_stack):
     tc.forward_backward(datums(0), "cross_entropy").result(timeout=120)
     tc.forward_backward(datums(1), "cross_entropy").result(timeout=120)
     tc.optim_step(ADAM).result(timeout=120)
+    saved = sc.create_rest_client().manifest(tc.save_state("metrics-1").result(timeout=120).path)
     urllib.request.urlopen(ops_stack.gateway.url + "/api/v1/healthz", timeout=10).read()
     worker_after, gateway_after = scrape(worker_url), scrape(gateway_url)
 
@@ -117,6 +118,8 @@ def test_worker_and_gateway_metrics_parse_and_move(ops_stack):
     assert moved(worker_before, worker_after, "treadle_ops_total", op="forward_backward", base_model="tiny", outcome="ok") == 2
     assert moved(worker_before, worker_after, "treadle_ops_total", op="optim_step", base_model="tiny", outcome="ok") == 1
     assert moved(worker_before, worker_after, "treadle_op_seconds_count", op="forward_backward", base_model="tiny") == 2
+    assert moved(worker_before, worker_after, "treadle_checkpoint_bytes_total", kind="state") == saved.size_bytes > 0
+    assert moved(worker_before, worker_after, "treadle_checkpoint_seconds_count", kind="state") == 1
     # The gauge follows the heartbeat (every lease_ttl_s / 3): wait for the next one, bounded.
     active = ("treadle_active_sessions", (("base_model", "tiny"),))
     deadline = time.monotonic() + 30
@@ -140,6 +143,9 @@ def test_usage_is_exact_across_a_worker_sigkill_and_replay(ops_stack):
     sc = ServiceClient(broker_url=ops_stack.broker_url, storage_url=ops_stack.storage_url)
     meter = Meter(sc.ops.redis)
     tc = sc.create_lora_training_client("tiny", rank=4, seed=2)
+    victim = owner_process(ops_stack, sc, tc.session_id).pid
+    survivor_url = f"http://127.0.0.1:{next(p for pid, p in ops_stack.metrics_ports.items() if pid != victim)}/metrics"
+    survivor_before = scrape(survivor_url)
     pairs = []
     for step in range(6):
         pairs.append((tc.forward_backward(datums(step), "cross_entropy"), tc.optim_step(ADAM)))
@@ -148,6 +154,7 @@ def test_usage_is_exact_across_a_worker_sigkill_and_replay(ops_stack):
             kill_owner(ops_stack, sc, tc.session_id, replace=False)  # SIGKILL: the other worker adopts the session
     assert [opt.result(timeout=300).metrics["step:max"] for _, opt in pairs] == list(range(1, 7))
     assert "unacked_restored" in (sc.ops.session_info(tc.session_id).last_recovery or "")  # it was taken over
+    assert moved(survivor_before, scrape(survivor_url), "treadle_lease_takeovers_total", base_model="tiny") == 1
     sampler = tc.save_weights_and_get_sampling_client()
     prompt = [11, 12, 13, 14]
     out = sampler.sample(ModelInput.from_ints(prompt), num_samples=2,
