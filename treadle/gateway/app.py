@@ -2,18 +2,26 @@
 
 from __future__ import annotations
 
+import json
+import logging
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
 
 from treadle.errors import (
     BrokerUnavailableError,
     CheckpointNotFoundError,
     ConflictError,
+    InvalidRequestError,
     NoWorkerError,
     NotFoundError,
+    ServerError,
+    SessionExpiredError,
     SessionNotFoundError,
+    SessionStoppedError,
     TreadleError,
 )
 from treadle.gateway import (
@@ -31,10 +39,15 @@ from treadle.gateway import (
 )
 from treadle.gateway.auth import KeyRing
 from treadle.gateway.backend import Backend
+from treadle.gateway.bodies import BodyLimits
 from treadle.gateway.settings import GatewaySettings
 from treadle.queue.ops_client import OpsClient
 from treadle.storage.checkpoint_store import CheckpointStore
 
+log = logging.getLogger(__name__)
+
+# Gone for good (410): the SDK's retry loop must not retry an op on a session that takes no more ops.
+_GONE = (SessionStoppedError, SessionExpiredError)
 _NOT_FOUND = (CheckpointNotFoundError, SessionNotFoundError, NotFoundError)
 # Worth the SDK's retry loop: a worker or Redis may come back within its five minutes of retries.
 _UNAVAILABLE = (BrokerUnavailableError, NoWorkerError)
@@ -65,16 +78,55 @@ def create_app(settings: GatewaySettings | None = None, *, ops: OpsClient | None
     app.include_router(openai_api.router, prefix="/v1")
     metrics.install(app, lambda: app.state.backend.ops.redis)  # GET /metrics, read at scrape time, after lifespan start
 
-    @app.exception_handler(TreadleError)
-    async def treadle_error(request: Request, exc: TreadleError) -> JSONResponse:
-        if isinstance(exc, _NOT_FOUND):
-            status = 404
-        elif isinstance(exc, ConflictError):
-            status = 409
-        elif exc.category == "user":
-            status = 400
-        else:
-            status = 503 if isinstance(exc, _UNAVAILABLE) else 500
-        return JSONResponse({"error": exc.message, "category": exc.category, "detail": exc.message}, status_code=status)
-
+    app.add_middleware(BodyLimits, max_body_bytes=settings.max_body_bytes,
+                       max_decompressed_bytes=settings.max_decompressed_bytes)
+    # Every route's errors leave through these handlers, all in one JSON form: {"error", "category", "detail"}.
+    app.add_exception_handler(TreadleError, _treadle_error)
+    app.add_exception_handler(json.JSONDecodeError, _unparsable)
+    app.add_exception_handler(UnicodeDecodeError, _unparsable)
+    app.add_exception_handler(RequestValidationError, _invalid)
+    app.add_exception_handler(HTTPException, _http_error)
+    app.add_exception_handler(Exception, _bug)
     return app
+
+
+def error_response(exc: TreadleError, status: int) -> JSONResponse:
+    return JSONResponse({"error": exc.message, "category": exc.category, "detail": exc.message}, status_code=status)
+
+
+def status_of(exc: TreadleError) -> int:
+    if isinstance(exc, _GONE):
+        return 410
+    if isinstance(exc, _NOT_FOUND):
+        return 404
+    if isinstance(exc, ConflictError):
+        return 409
+    if exc.category == "user":
+        return 400
+    return 503 if isinstance(exc, _UNAVAILABLE) else 500
+
+
+async def _treadle_error(request: Request, exc: TreadleError) -> JSONResponse:
+    return error_response(exc, status_of(exc))
+
+
+async def _unparsable(request: Request, exc: ValueError) -> JSONResponse:
+    """`await request.json()` on a body that is not JSON (or not UTF-8): the client's mistake."""
+    return error_response(InvalidRequestError(f"body: not valid JSON ({exc})"), 400)
+
+
+async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+    first = exc.errors()[0] if exc.errors() else {}
+    loc = ".".join(str(p) for p in first.get("loc", ())) or "request"
+    return error_response(InvalidRequestError(f"{loc}: {first.get('msg', 'invalid')}"), 400)
+
+
+async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
+    category = "user" if exc.status_code < 500 else "server"
+    return JSONResponse({"error": str(exc.detail), "category": category, "detail": exc.detail},
+                        status_code=exc.status_code, headers=getattr(exc, "headers", None))
+
+
+async def _bug(request: Request, exc: Exception) -> JSONResponse:
+    log.exception("gateway route %s failed", request.url.path)
+    return error_response(ServerError(f"{type(exc).__name__}: {exc}"), 500)

@@ -31,7 +31,7 @@ class Backend:
         self.ops = ops
         self.store = GatewayStore(ops.redis, settings.state_ttl_seconds)
         self.owners = Ownership(ops, self.store, checkpoints)
-        self.seqs = SeqRules(ops, self.store)
+        self.seqs = SeqRules(ops, self.store, settings.max_seq_ahead)
         self.local = LocalFutures(ops, self.store, self.seqs)
 
     def close(self) -> None:

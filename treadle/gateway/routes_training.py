@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from typing import Callable
 
-import zstandard
 from fastapi import APIRouter, Depends, Request
 from starlette.concurrency import run_in_threadpool
 from tinker import types as tt
@@ -80,9 +79,7 @@ async def get_info(request: Request, owner: str = Depends(require_owner), backen
 @router.post("/forward_backward")
 async def forward_backward(request: Request, owner: str = Depends(require_owner), backend: Backend = Depends(get_backend)) -> dict:
     """Protobuf in; `forward_only` makes it a forward (the SDK has no separate /forward call)."""
-    body = await request.body()
-    if request.headers.get("content-encoding", "").lower() == "zstd":
-        body = zstandard.ZstdDecompressor().decompress(body, max_output_size=1 << 31)
+    body = await request.body()  # zstd already decompressed, within the body limits (gateway/bodies.py)
     msg = parse_forward_backward(body)
     await run_in_threadpool(backend.owners.model, msg.model_id, owner)
     return _future(await _submit(backend, owner, msg.model_id, msg.seq_id, lambda: forward_backward_request(msg),
@@ -92,7 +89,7 @@ async def forward_backward(request: Request, owner: str = Depends(require_owner)
 @router.post("/optim_step")
 async def optim_step(request: Request, owner: str = Depends(require_owner), backend: Backend = Depends(get_backend)) -> dict:
     body = await request.body()
-    req = parse_request(tt.OptimStepRequest, await request.json())
+    req = await _parse_op(backend, owner, tt.OptimStepRequest, await request.json(), body)
     await run_in_threadpool(backend.owners.model, req.model_id, owner)
 
     def build() -> OptimStepRequest:
@@ -107,7 +104,7 @@ async def optim_step(request: Request, owner: str = Depends(require_owner), back
 async def save_weights(request: Request, owner: str = Depends(require_owner), backend: Backend = Depends(get_backend)) -> dict:
     """`TrainingClient.save_state`: adapter + optimizer state under tinker://<model_id>/weights/<name>."""
     body = await request.body()
-    req = parse_request(tt.SaveWeightsRequest, await request.json())
+    req = await _parse_op(backend, owner, tt.SaveWeightsRequest, await request.json(), body)
     await run_in_threadpool(backend.owners.model, req.model_id, owner)
 
     def build() -> SaveStateRequest:
@@ -122,7 +119,7 @@ async def save_weights(request: Request, owner: str = Depends(require_owner), ba
 async def save_weights_for_sampler(request: Request, owner: str = Depends(require_owner), backend: Backend = Depends(get_backend)) -> dict:
     """Named: a persistent sampler checkpoint. Ephemeral (no path): a snapshot that becomes a sampling session."""
     body = await request.body()
-    req = parse_request(tt.SaveWeightsForSamplerRequest, await request.json())
+    req = await _parse_op(backend, owner, tt.SaveWeightsForSamplerRequest, await request.json(), body)
     info = await run_in_threadpool(backend.owners.model, req.model_id, owner)
     extra = None
     if req.path is None:
@@ -139,7 +136,7 @@ async def save_weights_for_sampler(request: Request, owner: str = Depends(requir
 async def load_weights(request: Request, owner: str = Depends(require_owner), backend: Backend = Depends(get_backend)) -> dict:
     """Into an existing model (deprecated `load_state`), or into a new one (`create_training_client_from_state*`)."""
     body = await request.body()
-    req = parse_request(tt.LoadWeightsRequest, await request.json())
+    req = await _parse_op(backend, owner, tt.LoadWeightsRequest, await request.json(), body)
     if req.model_id is not None:
         await run_in_threadpool(backend.owners.model, req.model_id, owner)
 
@@ -172,7 +169,7 @@ async def load_weights(request: Request, owner: str = Depends(require_owner), ba
 async def save_weights_external(request: Request, owner: str = Depends(require_owner), backend: Backend = Depends(get_backend)) -> dict:
     """The adapter as downloadable files under tinker://<model_id>/external_weights/<name> (maybe age-encrypted)."""
     body = await request.body()
-    req = parse_request(tt.SaveWeightsExternalRequest, await request.json())
+    req = await _parse_op(backend, owner, tt.SaveWeightsExternalRequest, await request.json(), body)
     await run_in_threadpool(backend.owners.model, req.model_id, owner)
     return _future(await _submit(
         backend, owner, req.model_id, req.seq_id,
@@ -180,6 +177,26 @@ async def save_weights_external(request: Request, owner: str = Depends(require_o
                                                  age_encryption_recipients=req.age_encryption_recipients),
         kind="save_weights_external", body=body,
     ), req.model_id)
+
+
+async def _parse_op(backend: Backend, owner: str, tinker_type, payload, body: bytes):
+    """A training op's Tinker request. One that fails validation but names a model of the caller's and a
+    seq_id still takes that seq (a noop whose future fails with the same reason), so later ops run."""
+    try:
+        return parse_request(tinker_type, payload)
+    except InvalidRequestError as exc:
+        model_id, seq_id = (payload.get("model_id"), payload.get("seq_id")) if isinstance(payload, dict) else (None, None)
+        if isinstance(model_id, str) and type(seq_id) is int and seq_id >= 1:
+            await run_in_threadpool(_take_refused, backend, owner, model_id, seq_id, exc, body)
+        raise
+
+
+def _take_refused(backend: Backend, owner: str, model_id: str, seq_id: int, error: InvalidRequestError, body: bytes) -> None:
+    try:
+        backend.owners.model(model_id, owner)
+        backend.seqs.refuse(owner, model_id, seq_id, error, body=body)
+    except TreadleError:
+        pass  # not the caller's model, a stopped one, a seq outside the window: nothing to take; the 400 says why
 
 
 async def _submit(backend: Backend, owner: str, model_id: str, seq_id: int | None, build: Callable[[], OpRequest], **kwargs) -> str:

@@ -56,6 +56,16 @@ class GatewaySettings(BaseSettings):
     )
     create_timeout_seconds: float = Field(default=600.0, gt=0, description="Longest wait for a worker to create a session.")
     sample_timeout_seconds: float = Field(default=600.0, gt=0, description="Longest wait for an OpenAI-compatible completion.")
+    max_body_bytes: int = Field(
+        default=64 << 20, ge=1024, description="Largest request body accepted, as sent (compressed or not); larger is a 413."
+    )
+    max_decompressed_bytes: int = Field(
+        default=256 << 20, ge=1024, description="Largest size a zstd request body may decompress to; larger is a 413."
+    )
+    max_seq_ahead: int = Field(
+        default=4096, ge=1,
+        description="How far a training op's seq_id may run ahead of the model's last applied op; further is a 400.",
+    )
     state_ttl_seconds: int = Field(
         default=7 * 24 * 3600, ge=60, description="How long the gateway keeps its own records (requests, samplers) in Redis."
     )

@@ -107,16 +107,6 @@ class GatewayStore:
         raw = self.redis.get(f"{PREFIX}:req:{request_id}")
         return RequestRecord.model_validate_json(raw) if raw else None
 
-    # ------------------------------------------------------------ seq high-water mark of each model
-    _RAISE_TO = "local c = tonumber(redis.call('GET', KEYS[1]) or '0') if tonumber(ARGV[1]) > c then redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[2]) end"
-
-    def note_seq(self, model_id: str, seq: int) -> None:
-        """Remember the highest seq published for a model, so the gateway can append an op after it."""
-        self.redis.eval(self._RAISE_TO, 1, f"{PREFIX}:maxseq:{model_id}", seq, self.ttl)
-
-    def max_seq(self, model_id: str) -> int:
-        return int(self.redis.get(f"{PREFIX}:maxseq:{model_id}") or 0)
-
     # ------------------------------------------------------------ gateway-side futures
     def set_outcome(self, request_id: str, *, result: dict | None = None, error: dict | None = None) -> None:
         value = {"result": result} if error is None else {"error": error}

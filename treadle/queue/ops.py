@@ -53,9 +53,10 @@ class CreateSessionResponse(BaseModel):
 
 
 class OpRequest(BaseModel):
-    """Base of every op's request: unknown fields are an error; the class variables say what the op is."""
+    """Base of every op's request: unknown fields are an error, and so is NaN or infinity in a number
+    (JSON would carry it as null); the class variables say what the op is."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     op: ClassVar[str]
     response: ClassVar[type[BaseModel]]

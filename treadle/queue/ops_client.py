@@ -74,10 +74,13 @@ class OpsClient:
         # Taking a seq is one atomic step that also checks the session takes ops: it answers -1 for a
         # session that does not exist, is stopping or stopped, expired or lost (see `submit`). An explicit
         # seq (the gateway's) moves the counter too, so a later automatic seq never reuses it. A stop
-        # records its seq, after which nothing is accepted.
+        # records its seq, after which nothing is accepted, except an explicit seq below the stop's: a
+        # gateway client's op that arrived late (chunks come concurrently) runs before the stop it precedes.
         self._take_seq = self.redis.register_script(
             "local st = redis.call('HMGET', KEYS[1], 'status', 'stop_seq') "
-            "if (not st[1]) or st[1] ~= 'active' or (st[2] and st[2] ~= '' and st[2] ~= '0') then return -1 end "
+            "if (not st[1]) or st[1] ~= 'active' then return -1 end "
+            "local stop = tonumber(st[2] or '0') or 0 "
+            "if stop > 0 and (ARGV[1] == '' or tonumber(ARGV[1]) >= stop) then return -1 end "
             "local seq "
             "if ARGV[1] == '' then seq = redis.call('HINCRBY', KEYS[1], 'next_seq', 1) else "
             "seq = tonumber(ARGV[1]) "

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-from treadle.errors import SessionNotFoundError
+from treadle.errors import SessionStoppedError
 from treadle.metering import Meter, Usage
 from treadle.queue.ops import (
     ForwardBackwardRequest,
@@ -71,7 +71,7 @@ class TrainingClient:
 
     def _submit(self, request: OpRequest, decode: Callable[[dict], Any] | None = None) -> APIFuture:
         if self._stopped:
-            raise SessionNotFoundError(f"session {self.session_id} was stopped; create a new training client")
+            raise SessionStoppedError(f"session {self.session_id} was stopped; create a new training client")
         fid = self._ops.submit(self.session_id, request)
         return APIFuture(self._ops, fid, decode or request.response.model_validate, base_model=self.base_model)
 
