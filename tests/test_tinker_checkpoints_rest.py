@@ -82,7 +82,7 @@ def test_published_checkpoint_is_readable_by_others_and_never_writable(gateway, 
         bob.get_external_weights_urls(path).result()
 
 
-def test_external_weight_urls_serve_the_adapter_files_without_a_key(gateway, trained, tmp_path):
+def test_external_weight_urls_serve_the_adapter_files_without_a_key(gateway, trained):
     response = _rest(gateway, ALICE_KEY).get_external_weights_urls(trained["external"]).result()
     assert response.expires > datetime.now(timezone.utc)
     with urllib.request.urlopen(response.urls["adapter_config.json"]) as got:  # no API key sent
@@ -94,7 +94,7 @@ def test_external_weight_urls_serve_the_adapter_files_without_a_key(gateway, tra
     assert err.value.code == 404
 
 
-def test_age_encrypted_export_decrypts_with_the_recipient_key(gateway, trained, tmp_path):
+def test_age_encrypted_export_decrypts_with_the_recipient_key(gateway, trained):
     identity = pyrage.x25519.Identity.generate()
     path = trained["tc"].save_weights_external("rest-encrypted", ttl_seconds=3600,
                                                age_encryption_recipients=[str(identity.to_public())]).result().path

@@ -14,6 +14,7 @@ import pytest
 import tinker
 from tinker import types as tt
 
+from tests.fixtures.gateway import ALICE_KEY
 from treadle import types as rt
 
 TEXTS = ["the cat is red and the dog is blue", "one two three four five six"]
@@ -23,8 +24,6 @@ TEXTS = ["the cat is red and the dog is blue", "one two three four five six"]
 def official(gateway):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("TINKER_BASE_URL", gateway.url)
-        from tests.fixtures.gateway import ALICE_KEY
-
         mp.setenv("TINKER_API_KEY", ALICE_KEY)
         sc = tinker.ServiceClient()
         yield sc, sc.create_lora_training_client(base_model="tiny", rank=4, seed=3).result()
