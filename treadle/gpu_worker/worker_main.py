@@ -44,7 +44,12 @@ class WorkerConfig(BaseModel):
     checkpoint_interval_s: float = Field(default=0.0, ge=0.0, description="Also checkpoint a session when this many seconds passed since its last one (0: off).")
     idle_unload_s: float = Field(default=1800.0, ge=0.0, description="Checkpoint and unload a session after this many idle seconds, freeing accelerator memory; it reloads on its next op (0: never).")
     lease_ttl_s: float = Field(default=15.0, gt=0.5, description="Session lease TTL: how soon another worker adopts a dead worker's sessions.")
-    max_tokens_per_microbatch: int = Field(default=4096, ge=64, description="Token budget of one forward/backward micro-batch.")
+    max_tokens_per_microbatch: int = Field(default=4096, ge=64, description="Token budget of one forward/backward micro-batch (also of one sampling prefill).")
+    sampling_max_batch_tokens: int = Field(
+        default=16384, ge=64,
+        description="KV-cache budget of the batched sampler, in positions (rows x padded length, each row counted at its "
+                    "full max_tokens). Memory: 2 x layers x kv_heads x head_dim x dtype bytes per position, e.g. 46 KB "
+                    "for SmolLM2-135M in fp32 (16384 ~ 0.75 GB); more lets more requests share each decode step.")
     session_idle_ttl_s: float = Field(default=86400.0, ge=0.0, description="Checkpoint and stop (expire) a session after this many idle seconds; its client gets SessionExpiredError naming the checkpoint to resume from (0: never).")
     max_sessions_per_owner: int | None = Field(default=None, ge=1, description="Concurrent training sessions one owner may run (a gateway API key's owner; `sdk` for treadle SDK sessions); an over-quota create fails with QuotaExceededError (None: unlimited). Give every worker the same limits.")
     owner_session_limits: dict[str, int] = Field(default_factory=dict, description='Per-owner overrides of max_sessions_per_owner, JSON: {"alice": 8}.')
@@ -90,7 +95,8 @@ class WorkerService:
             name, path = parse_model_spec(spec)
             t0 = time.monotonic()
             engine = Engine(path, device=group.device if group else config.device, dtype=config.dtype,
-                            max_tokens_per_microbatch=config.max_tokens_per_microbatch)
+                            max_tokens_per_microbatch=config.max_tokens_per_microbatch,
+                            sampling_max_batch_tokens=config.sampling_max_batch_tokens)
             self.engines[name] = engine
             self.served.append(ServedModel(name=name, path=path, max_seq_len=engine.max_seq_len, vocab_size=engine.vocab_size))
             log.info("loaded %s from %s in %.1f s", name, path, time.monotonic() - t0)
@@ -200,6 +206,8 @@ class WorkerService:
         finally:
             self._stop.set()
             self._hand_over()
+            for engine in self.engines.values():  # sample requests still waiting fail (and say so to their clients)
+                engine.close()
             self.registry.withdraw(self.hostname)
 
     def _hand_over(self) -> None:
