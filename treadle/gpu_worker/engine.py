@@ -5,14 +5,16 @@ a frozen adapter snapshot (or the bare base model). The engine knows nothing of 
 storage: the Celery worker calls these methods in each session's `seq` order, and the checkpoint
 store moves the directories that `save_state` / `save_sampler_weights` write.
 
-Every public method takes one lock: the active adapter is process-wide state of the PeftModel, so
-ops must not interleave even when a threaded worker calls from several threads. Every request is
-validated completely before any tensor is touched, so a rejected request leaves the session as it was.
+Every public method takes one lock, a FIFO `DeviceLock`: the active adapter is process-wide state of
+the PeftModel, so ops must not interleave even when a threaded worker calls from several threads.
+Sampling goes through the engine's `SampleScheduler`, which batches every pending sample request of
+every sampler (and the base model) into one decode loop and takes the same lock once per forward, so
+a training op waits at most one decode step. Every request is validated completely before any tensor is touched, so a rejected request leaves the session as it was.
 """
 
 from __future__ import annotations
 
-import threading
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import numpy as np
@@ -21,11 +23,13 @@ from peft.utils import load_peft_weights
 
 from treadle.errors import InvalidRequestError, SessionNotFoundError
 from treadle.gpu_worker.adapters import AdapterBank, peft_lora_config
+from treadle.gpu_worker.batch_decode import SampleJob
+from treadle.gpu_worker.device_lock import DeviceLock
 from treadle.gpu_worker.logprobs import micro_batches, target_logprobs
 from treadle.gpu_worker.losses import LOSSES
 from treadle.gpu_worker.model_host import ModelHost
 from treadle.gpu_worker.optimizer import SessionOptimizer
-from treadle.gpu_worker.sampler import prompt_logprobs, sample
+from treadle.gpu_worker.sample_scheduler import SampleScheduler
 from treadle.gpu_worker.state import TrainingState, capture_rng, read_state, restore_rng, write_state
 from treadle.gpu_worker.validation import (PreparedDatum, check_loss, check_same_adapter, check_tokens, prepare_data,
                                           prepare_sample)
@@ -40,6 +44,10 @@ from treadle.types import (
     SamplingParams,
     TensorData,
 )
+
+
+# Bound on an in-process caller's wait for the sampler thread (which answers or fails every request).
+LOCAL_WAIT_S = 600.0
 
 
 @dataclass
@@ -60,17 +68,20 @@ class Engine:
         device: str | None = None,
         dtype: str | None = None,
         max_tokens_per_microbatch: int = 4096,
+        sampling_max_batch_tokens: int = 16384,
     ):
         self._host = ModelHost(model, device=device, dtype=dtype)
         self._bank = AdapterBank(self._host)
         self._sessions: dict[str, _Session] = {}
         self._samplers: dict[str, str] = {}  # sampler id -> adapter name
-        self._lock = threading.RLock()
+        self._lock = DeviceLock()
         self.base_model = model
         self.max_seq_len = self._host.max_seq_len
         self.vocab_size = self._host.vocab_size
         self.tokenizer = self._host.tokenizer
         self.max_tokens_per_microbatch = max_tokens_per_microbatch
+        self._scheduler = SampleScheduler(self._bank, self._host, self._lock, max_batch_tokens=sampling_max_batch_tokens,
+                                          max_forward_tokens=max_tokens_per_microbatch)
 
     # ------------------------------------------------------------ sessions
 
@@ -195,55 +206,45 @@ class Engine:
 
     def drop_sampler(self, sampler_id: str) -> None:
         with self._lock:
-            self._bank.remove(self._sampler(sampler_id))
+            adapter = self._sampler(sampler_id)
             del self._samplers[sampler_id]
+            # Requests already queued or decoding keep the adapter until they are answered.
+            self._scheduler.when_unused(adapter, lambda: self._bank.remove(adapter))
 
     def _sampler(self, sampler_id: str) -> str:
         if sampler_id not in self._samplers:
             raise SessionNotFoundError(f"sampler_id: no sampler {sampler_id!r} on base model {self.base_model}")
         return self._samplers[sampler_id]
 
-    def sample(
-        self,
-        sampler_id: str | None,
-        prompt: ModelInput,
-        num_samples: int,
-        params: SamplingParams,
-        include_prompt_logprobs: bool = False,
-        topk_prompt_logprobs: int = 0,
-    ) -> SampleResponse:
-        """Sample from a frozen sampler (None: the base model). See `treadle.gpu_worker.sampler` for
-        what the returned logprobs mean (the distribution actually sampled from)."""
+    def sample_async(self, sampler_id: str | None, prompt: ModelInput, num_samples: int, params: SamplingParams,
+                     include_prompt_logprobs: bool = False, topk_prompt_logprobs: int = 0) -> Future:
+        """Queue a sample request on a frozen sampler (None: the base model); the future resolves to its
+        `SampleResponse`. Logprobs are those of the distribution actually sampled from (see
+        `treadle.gpu_worker.token_choice`). A rejected request raises here, before it is queued."""
         with self._lock:
             adapter = self._sampler(sampler_id) if sampler_id is not None else None
             request = prepare_sample(
                 prompt, num_samples, params, topk_prompt_logprobs, max_seq_len=self.max_seq_len, vocab_size=self.vocab_size
             )
-            host = self._host
-            with self._bank.using(adapter, trainable=False) as model:
-                sequences = sample(
-                    model, host.tokenizer, request, num_samples, params,
-                    device=host.device, eos_token_id=host.eos_token_id, pad_token_id=host.pad_token_id,
-                )
-                prompt_lp = topk = None
-                if include_prompt_logprobs or topk_prompt_logprobs:
-                    prompt_lp, topk = prompt_logprobs(
-                        model, request.prompt, topk_prompt_logprobs, device=host.device, pad_token_id=host.pad_token_id
-                    )
-            return SampleResponse(
-                sequences=sequences,
-                prompt_logprobs=prompt_lp if include_prompt_logprobs else None,
-                topk_prompt_logprobs=topk,
-            )
+            stop_ids = frozenset({self._host.eos_token_id, *request.stop_token_ids})
+            return self._scheduler.sample(SampleJob(adapter, request, num_samples, params, stop_ids,
+                                                    include_prompt_logprobs, topk_prompt_logprobs))
+
+    def sample(self, *args, **kwargs) -> SampleResponse:
+        """`sample_async(...)`, awaited (never call it holding the engine's lock: the sampler needs it)."""
+        return self.sample_async(*args, **kwargs).result(timeout=LOCAL_WAIT_S)
 
     def compute_logprobs(self, sampler_id: str | None, prompt: ModelInput) -> list[float | None]:
-        """Logprob of each prompt token given the ones before it; entry 0 is None."""
+        """Logprob of each prompt token given the ones before it; entry 0 is None (batched with others)."""
         with self._lock:
             adapter = self._sampler(sampler_id) if sampler_id is not None else None
             tokens = check_tokens("prompt", prompt.to_ints(), max_seq_len=self.max_seq_len, vocab_size=self.vocab_size)
-            with self._bank.using(adapter, trainable=False) as model:
-                logprobs, _ = prompt_logprobs(model, tokens, 0, device=self._host.device, pad_token_id=self._host.pad_token_id)
-            return logprobs
+            future = self._scheduler.compute_logprobs(adapter, tokens)
+        return future.result(timeout=LOCAL_WAIT_S)[0]
+
+    def close(self) -> None:
+        """Stop the sampler thread (unanswered sample requests fail)."""
+        self._scheduler.close()
 
     # ------------------------------------------------------------ state
 

@@ -1,22 +1,25 @@
 """Sampling entry points: `sample` (and compute_logprobs, a sample request for prompt logprobs only).
 
 Sampling a frozen snapshot needs no session ordering, so requests come on the base model's control
-queue, not a session's, and any worker serving the model answers. Snapshots made on this worker stay
-in memory (`SamplerCache`, least recently used first out); others are loaded from the checkpoint
-store on first use.
+queue, not a session's, and any worker serving the model answers. A request is handed to its
+engine's sampling scheduler and answered through a future: the Celery thread goes straight on to
+the next message, so every request in flight shares the scheduler's decode steps. Snapshots made
+on this worker stay in memory (`SamplerCache`, least recently used first out); others are loaded
+from the checkpoint store on first use.
 """
 
 from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from concurrent.futures import Future
 from typing import Callable
 
 from treadle.gpu_worker.checkpoint_io import load_sampler
 from treadle.queue.ops import SampleRequest
 from treadle.storage.checkpoint_store import CheckpointStore
 from treadle.storage.paths import CheckpointPath
-from treadle.types import ModelInput, SampleResponse
+from treadle.types import ModelInput
 
 # In-memory sampler snapshots kept per worker; older ones are reloaded from the store on demand.
 MAX_CACHED_SAMPLERS = 8
@@ -58,10 +61,11 @@ class Sampling:
         self.cache = cache
         self.device_lock = device_lock
 
-    def sample(self, req: SampleRequest) -> SampleResponse:
-        with self.device_lock:
+    def sample(self, req: SampleRequest) -> Future:
+        """The request queued on its engine's scheduler; the future resolves to its `SampleResponse`."""
+        with self.device_lock:  # the sampler cache: look-ups, loads and evictions one at a time
             engine, sampler_id = self.cache.engine_and_sampler(req.base_model, req.model_path)
-            return engine.sample(
+            return engine.sample_async(
                 sampler_id, ModelInput.from_ints(req.prompt), req.num_samples, req.sampling_params,
                 include_prompt_logprobs=req.include_prompt_logprobs, topk_prompt_logprobs=req.topk_prompt_logprobs,
             )
