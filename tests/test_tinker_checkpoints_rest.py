@@ -170,3 +170,18 @@ def test_a_delivered_future_answers_the_same_when_polled_again(gateway, trained)
     first = poll()
     assert "metrics" in first and first["metrics"]["step:max"] >= 2
     assert poll() == first
+
+
+def test_tinker_cli_checkpoint_download_of_external_weights(gateway, trained, tmp_path):
+    """The SDK's own CLI, `tinker checkpoint download`, fetches the files through the signed URLs."""
+    import os
+    import subprocess
+    import sys
+
+    env = {"PATH": os.environ["PATH"], "HOME": str(tmp_path), "TINKER_BASE_URL": gateway.url, "TINKER_API_KEY": ALICE_KEY}
+    done = subprocess.run([sys.executable, "-m", "tinker.cli", "checkpoint", "download", trained["external"], "--output", str(tmp_path)],
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    target = tmp_path / trained["external"].removeprefix("tinker://").replace("/", "_")
+    assert sorted(p.name for p in target.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    assert json.loads((target / "adapter_config.json").read_text())["r"] == 4
