@@ -179,6 +179,10 @@ def test_gateway_quota_billing_and_storage_usage(ops_stack):
     tc.forward_backward(data, "cross_entropy").result()
     tc.forward_backward(data[:1], "cross_entropy").result()
     path = tc.save_state("carol-1").result().path
+    base = official.create_sampling_client(base_model="tiny")  # the bare base model: billed to carol too
+    out = base.sample(tt.ModelInput.from_ints([21, 22, 23]), num_samples=2,
+                      sampling_params=tt.SamplingParams(max_tokens=4, seed=5)).result()
+    sampled = sum(len(s.tokens) for s in out.sequences)
     with pytest.raises(tinker.RequestFailedError, match=r"owner 'carol' has 1 active training sessions and the limit is 1"):
         official.create_lora_training_client(base_model="tiny", rank=4).result()
 
@@ -188,9 +192,11 @@ def test_gateway_quota_billing_and_storage_usage(ops_stack):
     kinds = {}
     for event in billing.data:
         quantity = event.event_info.count if event.event_info.type == "checkpoint" else event.event_info.token_count
-        kinds[event.event_info.type] = kinds.get(event.event_info.type, 0) + quantity
-        assert event.session_id == tc.model_id and event.base_model == "tiny"
-    assert kinds == {"training": 19 + 6, "checkpoint": 1}
+        key = (event.session_id, event.event_info.type)
+        kinds[key] = kinds.get(key, 0) + quantity
+        assert event.base_model == "tiny"
+    assert kinds == {(tc.model_id, "training"): 19 + 6, (tc.model_id, "checkpoint"): 1,
+                     ("base:tiny", "sampling_prefill"): 3, ("base:tiny", "sampling_sample"): sampled}
     storage = admin.get_current_checkpoint_storage_usage().result()
     manifest = ServiceClient(broker_url=ops_stack.broker_url, storage_url=ops_stack.storage_url) \
         .create_rest_client().manifest(path.replace("tinker://", "treadle://"))

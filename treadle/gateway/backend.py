@@ -48,7 +48,7 @@ class Backend:
         return self.session_info(model_id) is not None
 
     def submit_sample(self, owner: str, request: SampleRequest, extra: dict | None = None) -> str:
-        fid = self.ops.submit_sample(request)
+        fid = self.ops.submit_sample(request.model_copy(update={"owner": owner}))  # metered to the caller
         self.store.put_request(RequestRecord(request_id=fid, kind="sample", owner=owner, future_id=fid, extra=extra or {}))
         return fid
 

@@ -10,8 +10,9 @@ worker, whose record of the same `(session, seq)` the meter ignores: the op is c
 Ops a rebuild replays (seq at or below applied) were counted when they first ran and are not seen here.
 
 Control ops are keyed by their task id, which a redelivery keeps. A sample is billed to the session
-whose snapshot it samples (a run's id is its session's id) and that session's owner; a sample of the
-bare base model to `base:<model>` and the `sdk` owner. Batched sampling shares each decode step among
+whose snapshot it samples (a run's id is its session's id), a sample of the bare base model to
+`base:<model>`; its owner is the caller the gateway names on the request, else the sampled session's
+owner, else `sdk`. Batched sampling shares each decode step among
 the requests in the batch, so a sample's compute_s is its time in the scheduler, not an exclusive share.
 """
 
@@ -62,8 +63,8 @@ class UsageRecorder:
         elif isinstance(request, SampleRequest) and request.model_path is not None:
             session_id = CheckpointPath.parse(request.model_path).run_id
             record = sessions.get(session_id)
-            owner = record.owner if record is not None else None
+            owner = request.owner or (record.owner if record is not None else None)
         else:
-            session_id, owner = f"base:{request.base_model}", None
+            session_id, owner = f"base:{request.base_model}", getattr(request, "owner", None)
         self.op_finished(session_id=session_id, op_id=future_id, request=request, response=response, owner=owner,
                          base_model=request.base_model, seconds=seconds, outcome=outcome)

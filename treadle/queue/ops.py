@@ -207,6 +207,7 @@ class SampleRequest(OpRequest):
     sampling_params: SamplingParams = Field(default_factory=SamplingParams, description="How to sample.")
     include_prompt_logprobs: bool = Field(default=False, description="Also return each prompt token's logprob.")
     topk_prompt_logprobs: int = Field(default=0, ge=0, le=100, description="Also return the top-k per prompt position.")
+    owner: str | None = Field(default=None, description="Who pays (the gateway's API key owner); None: the sampled session's owner, else `sdk`.")
 
 
 class CreateSessionRequest(OpRequest):
