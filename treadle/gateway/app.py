@@ -20,6 +20,7 @@ from treadle.errors import (
     NotFoundError,
     ServerError,
     SessionExpiredError,
+    SessionLostError,
     SessionNotFoundError,
     SessionStoppedError,
     TreadleError,
@@ -46,8 +47,9 @@ from treadle.storage.checkpoint_store import CheckpointStore
 
 log = logging.getLogger(__name__)
 
-# Gone for good (410): the SDK's retry loop must not retry an op on a session that takes no more ops.
-_GONE = (SessionStoppedError, SessionExpiredError)
+# Gone for good (410): the SDK's retry loop must not retry an op on a session that takes no more ops
+# (a lost session is a server failure, but no retry brings it back).
+_GONE = (SessionStoppedError, SessionExpiredError, SessionLostError)
 _NOT_FOUND = (CheckpointNotFoundError, SessionNotFoundError, NotFoundError)
 # Worth the SDK's retry loop: a worker or Redis may come back within its five minutes of retries.
 _UNAVAILABLE = (BrokerUnavailableError, NoWorkerError)
