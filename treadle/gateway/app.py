@@ -40,7 +40,7 @@ from treadle.gateway import (
 )
 from treadle.gateway.auth import KeyRing
 from treadle.gateway.backend import Backend
-from treadle.gateway.bodies import BodyLimits
+from treadle.gateway.bodies import BodyLimits, error_payload
 from treadle.gateway.settings import GatewaySettings
 from treadle.queue.ops_client import OpsClient
 from treadle.storage.checkpoint_store import CheckpointStore
@@ -92,8 +92,8 @@ def create_app(settings: GatewaySettings | None = None, *, ops: OpsClient | None
     return app
 
 
-def error_response(exc: TreadleError, status: int) -> JSONResponse:
-    return JSONResponse({"error": exc.message, "category": exc.category, "detail": exc.message}, status_code=status)
+def error_response(request: Request, exc: TreadleError, status: int) -> JSONResponse:
+    return JSONResponse(error_payload(request.url.path, exc.message, exc.category), status_code=status)
 
 
 def status_of(exc: TreadleError) -> int:
@@ -109,26 +109,28 @@ def status_of(exc: TreadleError) -> int:
 
 
 async def _treadle_error(request: Request, exc: TreadleError) -> JSONResponse:
-    return error_response(exc, status_of(exc))
+    return error_response(request, exc, status_of(exc))
 
 
 async def _unparsable(request: Request, exc: ValueError) -> JSONResponse:
     """`await request.json()` on a body that is not JSON (or not UTF-8): the client's mistake."""
-    return error_response(InvalidRequestError(f"body: not valid JSON ({exc})"), 400)
+    return error_response(request, InvalidRequestError(f"body: not valid JSON ({exc})"), 400)
 
 
 async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
     first = exc.errors()[0] if exc.errors() else {}
     loc = ".".join(str(p) for p in first.get("loc", ())) or "request"
-    return error_response(InvalidRequestError(f"{loc}: {first.get('msg', 'invalid')}"), 400)
+    return error_response(request, InvalidRequestError(f"{loc}: {first.get('msg', 'invalid')}"), 400)
 
 
 async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
-    category = "user" if exc.status_code < 500 else "server"
-    return JSONResponse({"error": str(exc.detail), "category": category, "detail": exc.detail},
-                        status_code=exc.status_code, headers=getattr(exc, "headers", None))
+    """401s from auth, 404/405 for unknown routes: the same form as every other error."""
+    error = (InvalidRequestError if exc.status_code < 500 else ServerError)(str(exc.detail))
+    response = error_response(request, error, exc.status_code)
+    response.headers.update(getattr(exc, "headers", None) or {})
+    return response
 
 
 async def _bug(request: Request, exc: Exception) -> JSONResponse:
     log.exception("gateway route %s failed", request.url.path)
-    return error_response(ServerError(f"{type(exc).__name__}: {exc}"), 500)
+    return error_response(request, ServerError(f"{type(exc).__name__}: {exc}"), 500)

@@ -32,7 +32,7 @@ class BodyLimits:
         headers = {k.lower(): v for k, v in scope.get("headers", [])}
         declared = headers.get(b"content-length", b"")
         if declared.isdigit() and int(declared) > self.max_body:
-            return await _refuse(send, 413, self._too_large(f"{int(declared)} bytes (content-length)"))
+            return await _refuse(scope, send, 413, self._too_large(f"{int(declared)} bytes (content-length)"))
         body, more = bytearray(), True
         while more:
             message = await receive()
@@ -41,7 +41,7 @@ class BodyLimits:
             body += message.get("body", b"")
             more = message.get("more_body", False)
             if len(body) > self.max_body:
-                return await _refuse(send, 413, self._too_large(f"over {self.max_body} bytes"))
+                return await _refuse(scope, send, 413, self._too_large(f"over {self.max_body} bytes"))
         encoding = headers.get(b"content-encoding", b"").decode("latin-1").strip().lower()
         if encoding in ("", "identity"):
             data = bytes(body)
@@ -49,14 +49,14 @@ class BodyLimits:
             try:
                 data = decompress_zstd(bytes(body), self.max_decompressed)
             except BodyTooLarge:
-                return await _refuse(send, 413, f"body: decompresses to over max_decompressed_bytes = {self.max_decompressed} "
+                return await _refuse(scope, send, 413, f"body: decompresses to over max_decompressed_bytes = {self.max_decompressed} "
                                                 f"({len(body)} bytes compressed)")
             except zstandard.ZstdError as exc:
-                return await _refuse(send, 400, f"body: not valid zstd data ({exc})")
+                return await _refuse(scope, send, 400, f"body: not valid zstd data ({exc})")
             scope = {**scope, "headers": [(k, v) for k, v in scope["headers"]
                                           if k.lower() not in (b"content-encoding", b"content-length")]}
         else:
-            return await _refuse(send, 415, f"content-encoding: {encoding!r} is not supported; send zstd or none")
+            return await _refuse(scope, send, 415, f"content-encoding: {encoding!r} is not supported; send zstd or none")
 
         sent = False
 
@@ -92,8 +92,17 @@ def decompress_zstd(data: bytes, limit: int) -> bytes:
     return bytes(out)
 
 
-async def _refuse(send, status: int, message: str) -> None:
-    payload = json.dumps({"error": message, "category": "user", "detail": message}).encode()
+def error_payload(path: str, message: str, category: str) -> dict:
+    """The one error form of each API: Tinker's routes `{"error", "category", "detail"}`; OpenAI's (under
+    /v1) `{"error": {"message", "type", ...}}`, which OpenAI clients parse."""
+    if path.startswith("/v1/"):
+        kind = "invalid_request_error" if category == "user" else "server_error"
+        return {"error": {"message": message, "type": kind, "param": None, "code": None}}
+    return {"error": message, "category": category, "detail": message}
+
+
+async def _refuse(scope, send, status: int, message: str) -> None:
+    payload = json.dumps(error_payload(scope.get("path", ""), message, "user")).encode()
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]})
     await send({"type": "http.response.body", "body": payload})

@@ -14,11 +14,10 @@ from functools import lru_cache
 from typing import Literal
 
 from fastapi import APIRouter, Depends, Request
-from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.concurrency import run_in_threadpool
 
-from treadle.errors import InvalidRequestError, NotFoundError, TreadleError
+from treadle.errors import InvalidRequestError
 from treadle.gateway.auth import require_owner
 from treadle.gateway.backend import Backend, get_backend
 from treadle.queue.ops import SampleRequest, parse_request
@@ -78,10 +77,6 @@ def load_tokenizer(source: str):
     return AutoTokenizer.from_pretrained(source)
 
 
-def _error(status: int, message: str, kind: str) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": None}}, status_code=status)
-
-
 @router.get("/models")
 async def list_models(owner: str = Depends(require_owner), backend: Backend = Depends(get_backend)) -> dict:
     served = await run_in_threadpool(backend.owners.served_models)
@@ -101,25 +96,20 @@ async def completions(request: Request, owner: str = Depends(require_owner), bac
 
 
 async def _complete(backend: Backend, owner: str, req: _OpenAIRequest, *, chat: bool):
-    try:
-        if req.stream:
-            raise InvalidRequestError("stream: streaming responses are not supported; send stream=false")
-        base_model, model_path = await run_in_threadpool(_resolve_model, backend, owner, req.model)
-        tokenizer = await run_in_threadpool(load_tokenizer, await run_in_threadpool(backend.owners.tokenizer_source, base_model))
-        prompt = _prompt_tokens(tokenizer, req, chat)
-        stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-        max_tokens = (req.max_completion_tokens or req.max_tokens) if chat else req.max_tokens
-        params = parse_request(SamplingParams, {
-            "max_tokens": max_tokens, "temperature": req.temperature, "top_p": req.top_p, "seed": req.seed, "stop": stops or None,
-        }, "sampling_params")
-        sample = SampleRequest.build(base_model=base_model, model_path=model_path, prompt=prompt, num_samples=req.n,
-                                     sampling_params=params)
-        future_id = await run_in_threadpool(backend.submit_sample, owner, sample)
-        result = await run_in_threadpool(backend.wait, future_id, backend.settings.sample_timeout_seconds)
-    except NotFoundError as exc:
-        return _error(404, exc.message, "invalid_request_error")
-    except TreadleError as exc:
-        return _error(400 if exc.category == "user" else 500, exc.message, "invalid_request_error" if exc.category == "user" else "server_error")
+    if req.stream:
+        raise InvalidRequestError("stream: streaming responses are not supported; send stream=false")
+    base_model, model_path = await run_in_threadpool(_resolve_model, backend, owner, req.model)
+    tokenizer = await run_in_threadpool(load_tokenizer, await run_in_threadpool(backend.owners.tokenizer_source, base_model))
+    prompt = _prompt_tokens(tokenizer, req, chat)
+    stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    max_tokens = (req.max_completion_tokens or req.max_tokens) if chat else req.max_tokens
+    params = parse_request(SamplingParams, {
+        "max_tokens": max_tokens, "temperature": req.temperature, "top_p": req.top_p, "seed": req.seed, "stop": stops or None,
+    }, "sampling_params")
+    sample = SampleRequest.build(base_model=base_model, model_path=model_path, prompt=prompt, num_samples=req.n,
+                                 sampling_params=params)
+    future_id = await run_in_threadpool(backend.submit_sample, owner, sample)
+    result = await run_in_threadpool(backend.wait, future_id, backend.settings.sample_timeout_seconds)
     choices = [_choice(i, tokenizer, seq, stops, chat, req.wants_logprobs) for i, seq in enumerate(result["sequences"])]
     completion_tokens = sum(len(seq["tokens"]) for seq in result["sequences"])
     return {
