@@ -11,6 +11,7 @@ import urllib.request
 
 import pytest
 import redis
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.fixtures.compose import COMPOSE_KEY, MissingVariable, basic_auth_header, interpolate, load_compose
 
@@ -197,6 +198,12 @@ def test_compose_services_train_through_the_gateway_and_the_sdk(compose_on_host,
     assert out.metrics["loss:sum"] > 0 and path.startswith("treadle://")
     assert any(c.treadle_path == path for c in sc.create_rest_client().list_checkpoints(rc.run_id))
     rc.stop()
+
+    # The worker serves the metrics port compose documents (9400), and it counted the ops above.
+    with urllib.request.urlopen("http://127.0.0.1:9400/metrics", timeout=10) as r:
+        families = {f.name: f for f in text_string_to_metric_families(r.read().decode())}
+    trained = [s.value for s in families["treadle_tokens"].samples if s.labels.get("kind") == "trained" and s.name.endswith("_total")]
+    assert trained and trained[0] >= 10  # two forward_backwards of 5 tokens each
 
 
 def _http_status(url: str) -> int:
