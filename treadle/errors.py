@@ -74,7 +74,8 @@ class ConflictError(UserError):
 
 
 class QuotaExceededError(UserError):
-    """The owner already runs as many training sessions as its quota allows (HTTP 429 at the gateway)."""
+    """The owner already runs as many training sessions as its quota allows (the create's future fails with it; a
+    429 would make the official SDK retry for minutes)."""
 
 
 class SessionStoppedError(SessionNotFoundError):
