@@ -466,3 +466,40 @@ def test_load_state_refuses_another_lora_shape_and_get_info_is_unchanged(sdk):
         victim.load_state_with_optimizer(rank8).result(timeout=ANSWER_S)
     assert "rank" in str(err.value)
     assert sc.ops.session_info(victim.session_id).lora == LoraConfig(rank=4, seed=7)
+
+
+def test_the_largest_accepted_seeds_work_end_to_end(sdk):
+    """The bounds are what torch takes: SEED_MAX as a LoRA seed and as a sampling seed (plus per-row offsets) run."""
+    from treadle.types import SEED_MAX
+
+    sc = sdk[2]
+    tc = sc.create_lora_training_client("tiny", rank=4, seed=SEED_MAX)
+    out = tc.create_sampling_client(tc.save_weights_for_sampler().result(timeout=60).path).sample(
+        ModelInput.from_ints([5, 6, 7]), 4, SamplingParams(max_tokens=2, seed=SEED_MAX)).result(timeout=60)
+    assert len(out.sequences) == 4 and all(len(s.tokens) == 2 for s in out.sequences)
+    tc.stop()
+
+
+@pytest.mark.parametrize("status, error", [("lost", "SessionLostError"), ("expired", "SessionExpiredError")])
+def test_ops_and_pending_futures_of_a_lost_or_expired_session_fail_within_seconds(sdk, status, error):
+    from treadle.queue.ops import NoopRequest, StopRequest
+
+    sc = sdk[2]
+    tc = sc.create_lora_training_client("tiny", rank=4, seed=0)
+    gap = sc.ops.next_seq(tc.session_id) + 1
+    pending = sc.ops.submit(tc.session_id, NoopRequest(), seq=gap + 1)  # behind a gap: it waits
+    sc.ops.sessions.update(tc.session_id, status=status, checkpoint=f"treadle://{tc.run_id}/weights/auto")
+    started = time.monotonic()
+    with pytest.raises(Exception) as err:
+        tc.forward(_batch())
+    assert type(err.value).__name__ == error and tc.session_id in str(err.value)
+    with pytest.raises(Exception) as err:
+        sc.ops.wait(pending)
+    assert type(err.value).__name__ == error
+    if status == "expired":
+        assert f"treadle://{tc.run_id}/weights/auto" in str(err.value)  # says where to resume from
+    assert time.monotonic() - started < ANSWER_S
+    sc.ops.sessions.update(tc.session_id, status="active")  # fill the gap and stop, so the worker frees the adapter
+    sc.ops.submit(tc.session_id, NoopRequest(), seq=gap)
+    sc.ops.wait(pending, timeout=30)
+    tc._submit(StopRequest()).result(timeout=30)
