@@ -65,8 +65,12 @@ def render_result(backend: Backend, record: RequestRecord, value: dict) -> Respo
     response = decode_result(value)
     if record.extra.get("sampler_id") is not None:
         # The ephemeral save_weights_for_sampler: the snapshot becomes a sampling session the client samples from.
+        inflight_of = record.extra.get("inflight_of")
         backend.store.put_sampler(Sampler(sampler_id=record.extra["sampler_id"], owner=record.owner,
-                                          base_model=record.extra["base_model"], model_path=response.path))
+                                          base_model=record.extra["base_model"], model_path=response.path,
+                                          inflight_of=inflight_of))
+        if inflight_of is not None:  # the model's inflight samplers, old and new, now sample this snapshot
+            backend.store.add_inflight_target(inflight_of, record.extra["sampler_seq"], response.path)
         backend.store.add_member(record.extra["session_id"], "samplers", record.extra["sampler_id"])
         return JSONResponse({"sampling_session_id": record.extra["sampler_id"], "type": "save_weights_for_sampler"})
     if isinstance(response, SampleResponse):

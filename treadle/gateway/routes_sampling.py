@@ -1,7 +1,11 @@
 """Sampling endpoints: create_sampling_session, samplers/{id}, asample.
 
 A sampling session names what to sample from: a base model, or a sampler checkpoint (a frozen
-snapshot of an adapter). `asample` publishes to the base model's control queue, which any worker
+snapshot of an adapter). An `inflight` sampler (Tinker 0.38's SamplingClientKind) instead samples its
+training model's newest inflight save, so a later `save_weights_and_get_sampling_client(kind="inflight")`
+moves every earlier inflight client of that model onto the new weights, as Tinker's contract says;
+between two saves it stays on the last one (the gateway cannot snapshot outside the client's seq order).
+`asample` publishes to the base model's control queue, which any worker
 serving that base model consumes, so sampling never waits behind a session's training ops.
 """
 
@@ -52,6 +56,8 @@ async def asample(request: Request, owner: str = Depends(require_owner), backend
     if req.sampling_session_id is not None:
         sampler = await run_in_threadpool(backend.owners.sampler, req.sampling_session_id, owner)
         base_model, model_path = sampler.base_model, sampler.model_path
+        if sampler.inflight_of is not None:
+            model_path = await run_in_threadpool(backend.store.inflight_target, sampler.inflight_of) or model_path
     else:
         base_model, model_path = await run_in_threadpool(backend.owners.sampling_target, owner, req.base_model, req.model_path)
     try:

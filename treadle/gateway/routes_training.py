@@ -125,7 +125,8 @@ async def save_weights_for_sampler(request: Request, owner: str = Depends(requir
     if req.path is None:
         session_id = model_session_id(req.model_id)
         seq = req.sampling_session_seq_id if req.sampling_session_seq_id is not None else req.seq_id
-        extra = {"sampler_id": f"{session_id}:sample:{seq}", "base_model": info.base_model, "session_id": session_id}
+        extra = {"sampler_id": f"{session_id}:sample:{seq}", "base_model": info.base_model, "session_id": session_id,
+                 "inflight_of": req.model_id if req.kind == "inflight" else None, "sampler_seq": seq}
     return _future(await _submit(
         backend, owner, req.model_id, req.seq_id, lambda: SaveWeightsForSamplerRequest.build(name=req.path, ttl_seconds=req.ttl_seconds),
         kind="save_weights_for_sampler", body=body, extra=extra,

@@ -33,6 +33,8 @@ class Sampler(BaseModel):
     owner: str
     base_model: str
     model_path: str | None = Field(default=None, description="treadle:// sampler checkpoint; None samples the base model.")
+    inflight_of: str | None = Field(default=None, description="kind='inflight': the training model whose newest inflight "
+                                    "save this sampler samples, whatever model_path it was created with.")
 
 
 class RequestRecord(BaseModel):
@@ -87,6 +89,17 @@ class GatewayStore:
     def get_sampler(self, sampler_id: str) -> Sampler | None:
         raw = self.redis.get(f"{PREFIX}:sampler:{sampler_id}")
         return Sampler.model_validate_json(raw) if raw else None
+
+    def add_inflight_target(self, model_id: str, seq: int, path: str) -> None:
+        """One inflight save of a model; a sorted set by seq, so saves rendered out of order still rank right."""
+        key = f"{PREFIX}:inflight:{model_id}"
+        self.redis.zadd(key, {path: seq})
+        self.redis.zremrangebyrank(key, 0, -2)  # only the newest is ever read
+        self.redis.expire(key, self.ttl)
+
+    def inflight_target(self, model_id: str) -> str | None:
+        newest = self.redis.zrevrange(f"{PREFIX}:inflight:{model_id}", 0, 0)
+        return (newest[0].decode() if isinstance(newest[0], bytes) else newest[0]) if newest else None
 
     # ------------------------------------------------------------ requests
     def claim_request(self, record: RequestRecord) -> RequestRecord | None:
