@@ -46,7 +46,8 @@ NOTES = {
     "RestClient.export_session_trace": "a Chrome trace JSON (Perfetto opens it) built from the worker's metering records and the journal",
     "ServiceClient.get_console_url": "returns a Thinking Machines console URL, which means nothing for treadle",
     "TrainingClient.get_console_url": "returns a Thinking Machines console URL, which means nothing for treadle",
-    "TrainingClient.save_weights_and_get_sampling_client": "kind='inflight' is served as a snapshot",
+    "TrainingClient.save_weights_and_get_sampling_client": "kind='inflight': every inflight client of the model samples its newest "
+    "inflight save (Tinker's contract); between two saves it stays on the last one, not on each optim_step",
     "TrainingClient.save_weights_for_sampler": "user_metadata is not stored on sampler checkpoints",
     "SamplingClient.sample": "topk_sample_logprobs, target_prompt_logprobs and prompt_alt_tokens_k are refused",
 }
