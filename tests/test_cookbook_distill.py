@@ -45,10 +45,7 @@ def _answer_logprob(sampler: tinker.SamplingClient, prompt: list[int], answer: l
     return sum(logprobs[len(prompt):])
 
 
-def test_cookbook_on_policy_distillation_two_steps(tinker_env, tiny_model_dir, tmp_path):
-    from transformers import AutoTokenizer
-
-    tokenizer_utils.register_tokenizer("tiny", lambda: AutoTokenizer.from_pretrained(tiny_model_dir))
+def test_cookbook_on_policy_distillation_two_steps(cookbook_tiny, tmp_path):
     renderer = _renderer()
     prompts = [renderer.build_generation_prompt([{"role": "user", "content": p}]).to_ints() for p in PROMPTS]
     answer = renderer.tokenizer.encode(ANSWER, add_special_tokens=False)

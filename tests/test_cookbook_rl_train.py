@@ -4,7 +4,7 @@ the gateway, with only TINKER_BASE_URL and TINKER_API_KEY set.
 The environment is the user's own (Env, EnvGroupBuilder, RLDataset, RLDatasetBuilder, as the cookbook's
 rl/types.py asks for): "answer 1 or 2", rewarded by string match on the decoded answer. rl.train takes
 the renderer from the config, so the tiny model keeps its own name (`tiny`, its tokenizer registered
-with the cookbook as the DPO test does). Every reward the env handed out is recorded here, so the logged
+with the cookbook by tests/fixtures/cookbook.py). Every reward the env handed out is recorded here, so the logged
 reward means must be exactly theirs: the cookbook trained on what this env saw, sampled through the gateway.
 """
 
@@ -74,10 +74,7 @@ class OneOrTwoBuilder(RLDatasetBuilder):
         return OneOrTwoDataset(self.groups_per_batch, self.batches), None
 
 
-def test_cookbook_rl_train_custom_env_two_steps(tinker_env, tiny_model_dir, tmp_path):
-    from transformers import AutoTokenizer
-
-    tokenizer_utils.register_tokenizer("tiny", lambda: AutoTokenizer.from_pretrained(tiny_model_dir))
+def test_cookbook_rl_train_custom_env_two_steps(cookbook_tiny, tmp_path):
     EPISODES.clear()
     config = chz.Blueprint(train.Config).apply({
         "log_path": str(tmp_path / "rl"), "model_name": "tiny", "recipe_name": "treadle_rl_train_test",
