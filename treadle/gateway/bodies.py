@@ -13,7 +13,8 @@ import json
 
 import zstandard
 
-_IN_CHUNK = 512  # compressed bytes per step: at most ~16 MB of output between two size checks
+_MIN_STEP, _MAX_STEP = 64, 1 << 16  # compressed bytes fed per step
+_STEP_OUTPUT = 1 << 20  # a step that yields more than this drops back to the smallest
 
 
 class BodyTooLarge(Exception):
@@ -74,16 +75,20 @@ class BodyLimits:
 
 
 def decompress_zstd(data: bytes, limit: int) -> bytes:
-    """Decompress zstd frames, fed a little input at a time so the output is checked against `limit` as it
-    grows (one zstd block of a few bytes can expand to 128 kB); BodyTooLarge past it. A frame cut short
-    is an error, not a shorter body."""
-    out, pos = bytearray(), 0
+    """Decompress zstd frames, checking the output against `limit` as it grows; BodyTooLarge past it.
+
+    Input is fed in steps that start tiny and grow only while the output stays small: a few bytes of
+    zstd can expand to 128 kB, so a bomb advances 64 bytes at a time (a few MB of output per step at
+    most) while an ordinary body soon moves 64 kB per step. A frame cut short is an error."""
+    out, pos, step = bytearray(), 0, _MIN_STEP
     frame = zstandard.ZstdDecompressor().decompressobj()
     while pos < len(data):
-        out += frame.decompress(data[pos:pos + _IN_CHUNK])
-        pos += _IN_CHUNK
+        piece = frame.decompress(data[pos:pos + step])
+        pos += step
+        out += piece
         if len(out) > limit:
             raise BodyTooLarge()
+        step = min(step * 2, _MAX_STEP) if len(piece) < _STEP_OUTPUT else _MIN_STEP
         if frame.eof and (frame.unused_data or pos < len(data)):  # another frame follows
             data, pos = frame.unused_data + data[pos:], 0
             frame = zstandard.ZstdDecompressor().decompressobj()
