@@ -12,7 +12,7 @@ opens; it is stored beside the checkpoints and handed out as a signed link, like
 from __future__ import annotations
 
 import json
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 
 from fastapi import APIRouter, Depends, Request
 from starlette.concurrency import run_in_threadpool
@@ -32,6 +32,14 @@ TRACE_URL_LIFETIME_S = 3600
 
 def _utc(seconds: float) -> datetime:
     return datetime.fromtimestamp(seconds, tz=timezone.utc)
+
+
+def _micros(moment: datetime) -> int:
+    """Whole microseconds since the epoch (a time without a zone is taken as UTC, as the gateway writes them)."""
+    return (moment.replace(tzinfo=moment.tzinfo or timezone.utc) - _EPOCH) // timedelta(microseconds=1)
+
+
+_EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
 
 
 def _status(backend: Backend, session: ClientSession) -> dict | None:
@@ -79,10 +87,12 @@ async def search_sessions(request: Request, owner: str = Depends(require_owner),
     req = parse_request(tt.SessionSearchRequest, await request.json())
 
     def search() -> dict:
-        sessions = sorted(backend.store.sessions_of(owner), key=lambda s: (s.created_at, s.session_id), reverse=True)
+        # Ordered and compared in whole microseconds: the cursor carries the time as an ISO string, and a
+        # float compared with its rounded copy could let the last session of a page back into the next.
+        sessions = sorted(backend.store.sessions_of(owner), key=lambda s: (_micros(_utc(s.created_at)), s.session_id), reverse=True)
         if req.cursor is not None:
-            after = (req.cursor.last_created_at.timestamp(), req.cursor.last_session_id)
-            sessions = [s for s in sessions if (s.created_at, s.session_id) < after]
+            after = (_micros(req.cursor.last_created_at), req.cursor.last_session_id)
+            sessions = [s for s in sessions if (_micros(_utc(s.created_at)), s.session_id) < after]
         page, more = [], False
         for session in sessions:
             if _matches(backend, session, req):
