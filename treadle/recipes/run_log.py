@@ -88,6 +88,7 @@ class RunLog:
                                      mlflow_tracking_uri, registered_model_name)
         # Checkpoints wait here until their step's metrics are logged, so their registry tags carry them.
         self._unregistered: list[tuple[str, int, str]] = []
+        self._logged: tuple[int, dict[str, float]] | None = None  # the last metrics row: a checkpoint of its step is tagged with it
 
     @classmethod
     def for_config(cls, cfg: Any) -> "RunLog":
@@ -98,6 +99,7 @@ class RunLog:
     # ------------------------------------------------------------ metrics
     def log_metrics(self, step: int, metrics: dict[str, float]) -> None:
         append_jsonl(self.metrics_path, {"step": step, **metrics})
+        self._logged = (step, metrics)
         if self._mlflow is not None:
             self._mlflow.log_metrics(step, metrics)
             self._register(step, metrics)
@@ -114,6 +116,8 @@ class RunLog:
         record = CheckpointRecord(name=name, step=step, state_path=state_path, time=time.time(), extra=extra or {})
         append_jsonl(self.checkpoints_path, record.__dict__)
         self.record_sampler(state_path, step, kind="state")
+        if self._mlflow is not None and self._logged is not None and self._logged[0] == step:
+            self._register(step, self._logged[1])  # its step's row is written already (see save_checkpoint)
         return record
 
     def record_sampler(self, path: str, step: int, kind: str = "sampler") -> None:
