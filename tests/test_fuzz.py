@@ -18,6 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
+from tests.fixtures.gateway import settle
 from treadle.errors import InvalidRequestError
 from treadle.queue.ops import ForwardBackwardRequest, OptimStepRequest, parse_request
 from treadle.types import LOSS_CONFIGS, AdamParams, Datum, LoraConfig, ModelInput, SamplingParams
@@ -166,18 +167,9 @@ def fuzz_gateway(stack):
         session_id = client.post("/create_session", json={"tags": [], "user_metadata": None, "sdk_version": "0.38.0"}).json()["session_id"]
         created = client.post("/create_model", json={"session_id": session_id, "model_seq_id": 0, "base_model": "tiny",
                                                      "lora_config": {"rank": 4, "seed": 5}}).json()
-        assert _settle(client, created["request_id"], 60).json()["model_id"] == created["model_id"]
+        assert settle(client, created["request_id"], 60).json()["model_id"] == created["model_id"]
         yield client, created["model_id"], ops
         client.close()
-
-
-def _settle(client: httpx.Client, request_id: str, timeout: float = ANSWER_S) -> httpx.Response:
-    deadline = time.monotonic() + timeout
-    while True:
-        response = client.post("/retrieve_future", json={"request_id": request_id})
-        pending = response.headers["content-type"].startswith("application/json") and response.json().get("type") == "try_again"
-        if not pending or time.monotonic() > deadline:
-            return response
 
 
 JSON_LEAF = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70), st.floats(allow_nan=True), st.text(max_size=8))
@@ -226,7 +218,7 @@ def test_gateway_routes_never_5xx_nor_hang(fuzz_gateway, data):
     if response.status_code != 200:
         assert response.json()["error"], response.text  # every error in the one JSON form, with a message
     elif "request_id" in response.json():
-        settled = _settle(client, response.json()["request_id"])
+        settled = settle(client, response.json()["request_id"], ANSWER_S)
         assert settled.status_code == 200
         if settled.headers["content-type"].startswith("application/json"):
             outcome = settled.json()
@@ -259,7 +251,7 @@ def test_the_fuzzed_model_is_healthy_afterwards(fuzz_gateway):
         model_input=tt.ModelInput.from_ints([5, 6, 7]), loss_fn_inputs={"target_tokens": [6, 7, 8], "weights": [1.0] * 3})],
         loss_fn="cross_entropy"), model_id=model, seq_id=seq)
     fb = client.post("/forward_backward", content=forward_backward_request_to_proto(request).SerializeToString(), headers=PROTO)
-    out = deserialize_forward_backward_output(_settle(client, fb.json()["request_id"], 30).content)
+    out = deserialize_forward_backward_output(settle(client, fb.json()["request_id"], 30).content)
     assert "loss:sum" in out.metrics  # finite or not: fuzzed but valid hyperparameters (lr 10, decay 1) may blow weights up
     opt = client.post("/optim_step", json={"model_id": model, "seq_id": seq + 1, "adam_params": {"learning_rate": 1e-3}}).json()
-    assert _settle(client, opt["request_id"], 30).json()["metrics"]["step:max"] >= 1
+    assert settle(client, opt["request_id"], 30).json()["metrics"]["step:max"] >= 1

@@ -24,6 +24,7 @@ from tinker.proto import tinker_public_pb2 as pb
 from tinker.proto.request_conv import forward_backward_request_to_proto
 from tinker.proto.response_conv import deserialize_forward_backward_output
 
+from tests.fixtures.gateway import settle
 from treadle import AdamParams, Datum, ModelInput, SamplingParams
 from treadle.errors import (
     CheckpointNotFoundError,
@@ -95,19 +96,10 @@ def http(gw, sdk):
     for n in range(2):
         created = client.post("/create_model", json={"session_id": session_id, "model_seq_id": n, "base_model": "tiny",
                                                      "lora_config": {"rank": 4, "seed": 7}}).json()
-        assert _settle(client, created["request_id"]).json()["model_id"] == created["model_id"]
+        assert settle(client, created["request_id"]).json()["model_id"] == created["model_id"]
         models.append(created["model_id"])
     yield client, models[0], models[1], ops
     client.close()
-
-
-def _settle(client: httpx.Client, request_id: str, timeout: float = 60) -> httpx.Response:
-    deadline = time.monotonic() + timeout
-    while True:
-        response = client.post("/retrieve_future", json={"request_id": request_id})
-        pending = response.headers["content-type"].startswith("application/json") and response.json().get("type") == "try_again"
-        if not pending or time.monotonic() > deadline:
-            return response
 
 
 # ---------------------------------------------------------------- training one step, compared exactly
@@ -152,8 +144,8 @@ def _http_step(client: httpx.Client, model_id: str, ops) -> tuple:
     seq = ops.next_seq(model_id) + 1
     fb = client.post("/forward_backward", content=_fb_proto(model_id, seq), headers=PROTO).json()["request_id"]
     opt = client.post("/optim_step", json={"model_id": model_id, "seq_id": seq + 1, "adam_params": ADAM.model_dump()}).json()["request_id"]
-    out = deserialize_forward_backward_output(_settle(client, fb).content)
-    return out.metrics, [o["logprobs"].data for o in out.loss_fn_outputs], _settle(client, opt).json()["metrics"]
+    out = deserialize_forward_backward_output(settle(client, fb).content)
+    return out.metrics, [o["logprobs"].data for o in out.loss_fn_outputs], settle(client, opt).json()["metrics"]
 
 
 # ---------------------------------------------------------------- the SDK catalog
@@ -391,7 +383,7 @@ def test_http_catalog(http, case: HttpCase):
     assert response.status_code == case.status, response.text
     body = response.json()
     if case.status == 200:  # a future that fails with the reason (it may also have taken a seq)
-        body = _settle(client, body["request_id"], timeout=ANSWER_S).json()
+        body = settle(client, body["request_id"], timeout=ANSWER_S).json()
         assert body.get("category") == "user", body
     elapsed = time.monotonic() - started
     assert elapsed < ANSWER_S, f"{case.name} answered after {elapsed:.1f} s"
@@ -432,10 +424,10 @@ def test_after_finish_over_http_the_next_op_fails_clearly(http):
     session_id = client.post("/create_session", json={"tags": [], "user_metadata": None, "sdk_version": "0.38.0"}).json()["session_id"]
     created = client.post("/create_model", json={"session_id": session_id, "model_seq_id": 0, "base_model": "tiny",
                                                  "lora_config": {"rank": 4, "seed": 3}}).json()
-    model = _settle(client, created["request_id"]).json()["model_id"]
+    model = settle(client, created["request_id"]).json()["model_id"]
     fb = client.post("/forward_backward", content=_fb_proto(model, 1), headers=PROTO).json()["request_id"]
     assert client.post(f"/sessions/{session_id}/finish").json() == {"status": "finished"}
-    assert deserialize_forward_backward_output(_settle(client, fb).content).metrics["loss:sum"] > 0
+    assert deserialize_forward_backward_output(settle(client, fb).content).metrics["loss:sum"] > 0
     for seq in (2, 3):  # the seq right after the client's last one, which the stop must not have taken, and the next
         started = time.monotonic()
         response = client.post("/forward_backward", content=_fb_proto(model, seq), headers=PROTO)
@@ -451,12 +443,12 @@ def test_a_late_chunk_below_the_stop_still_runs(http):
     session_id = client.post("/create_session", json={"tags": [], "user_metadata": None, "sdk_version": "0.38.0"}).json()["session_id"]
     created = client.post("/create_model", json={"session_id": session_id, "model_seq_id": 0, "base_model": "tiny",
                                                  "lora_config": {"rank": 4, "seed": 3}}).json()
-    model = _settle(client, created["request_id"]).json()["model_id"]
+    model = settle(client, created["request_id"]).json()["model_id"]
     second = client.post("/forward_backward", content=_fb_proto(model, 2), headers=PROTO).json()["request_id"]
     client.post(f"/sessions/{session_id}/finish")
     first = client.post("/forward_backward", content=_fb_proto(model, 1), headers=PROTO).json()["request_id"]
     for request_id in (first, second):
-        assert deserialize_forward_backward_output(_settle(client, request_id, timeout=30).content).metrics["loss:sum"] > 0
+        assert deserialize_forward_backward_output(settle(client, request_id, timeout=30).content).metrics["loss:sum"] > 0
     assert ops.session_info(model).status == "stopped" or ops.session_info(model).stop_seq == 3
 
 
