@@ -28,7 +28,7 @@ def _train_step(tc: tinker.TrainingClient) -> None:
     datum = tinker.Datum(model_input=tinker.ModelInput.from_ints(SEQUENCE[:-1]),
                          loss_fn_inputs={"target_tokens": SEQUENCE[1:], "weights": [1.0] * (len(SEQUENCE) - 1)})
     tc.forward_backward([datum], "cross_entropy")
-    tc.optim_step(tinker.AdamParams(learning_rate=5e-2)).result()
+    tc.optim_step(tinker.AdamParams(learning_rate=1e-2)).result()
 
 
 def test_inflight_sampler_follows_the_models_inflight_saves_snapshot_does_not(tinker_env):
