@@ -7,9 +7,10 @@ store moves the directories that `save_state` / `save_sampler_weights` write.
 
 Every public method takes one lock, a FIFO `DeviceLock`: the active adapter is process-wide state of
 the PeftModel, so ops must not interleave even when a threaded worker calls from several threads.
-Sampling goes through the engine's `SampleScheduler`, which batches every pending sample request of
-every sampler (and the base model) into one decode loop and takes the same lock once per forward, so
-a training op waits at most one decode step. Every request is validated completely before any tensor is touched, so a rejected request leaves the session as it was.
+Sampling goes through the engine's `SamplerBackend` (`sampler_backend`): the HF `SampleScheduler`
+batches every pending sample request of every sampler (and the base model) into one decode loop and
+takes the same lock once per forward, so a training op waits at most one decode step; the vLLM
+backend samples in a child process and never takes it. Every request is validated completely before any tensor is touched, so a rejected request leaves the session as it was.
 """
 
 from __future__ import annotations
@@ -29,8 +30,9 @@ from treadle.gpu_worker.logprobs import micro_batches, target_logprobs
 from treadle.gpu_worker.losses import LOSSES
 from treadle.gpu_worker.model_host import ModelHost
 from treadle.gpu_worker.optimizer import SessionOptimizer
-from treadle.gpu_worker.sample_scheduler import SampleScheduler
+from treadle.gpu_worker.sampler_backend import SamplerKind, make_sampler
 from treadle.gpu_worker.state import TrainingState, capture_rng, read_state, restore_rng, write_state
+from treadle.gpu_worker.vllm_sampler import VllmOptions
 from treadle.gpu_worker.validation import (PreparedDatum, check_loss, check_same_adapter, check_tokens, prepare_data,
                                           prepare_sample)
 from treadle.types import (
@@ -69,6 +71,8 @@ class Engine:
         dtype: str | None = None,
         max_tokens_per_microbatch: int = 4096,
         sampling_max_batch_tokens: int = 16384,
+        sampler: SamplerKind = "hf",
+        vllm: VllmOptions | None = None,
     ):
         self._host = ModelHost(model, device=device, dtype=dtype)
         self._bank = AdapterBank(self._host)
@@ -80,8 +84,8 @@ class Engine:
         self.vocab_size = self._host.vocab_size
         self.tokenizer = self._host.tokenizer
         self.max_tokens_per_microbatch = max_tokens_per_microbatch
-        self._scheduler = SampleScheduler(self._bank, self._host, self._lock, max_batch_tokens=sampling_max_batch_tokens,
-                                          max_forward_tokens=max_tokens_per_microbatch)
+        self.sampler = make_sampler(sampler, self._bank, self._host, self._lock, max_batch_tokens=sampling_max_batch_tokens,
+                                       max_forward_tokens=max_tokens_per_microbatch, vllm=vllm)
 
     # ------------------------------------------------------------ sessions
 
@@ -209,7 +213,7 @@ class Engine:
             adapter = self._sampler(sampler_id)
             del self._samplers[sampler_id]
             # Requests already queued or decoding keep the adapter until they are answered.
-            self._scheduler.when_unused(adapter, lambda: self._bank.remove(adapter))
+            self.sampler.when_unused(adapter, lambda: self._bank.remove(adapter))
 
     def _sampler(self, sampler_id: str) -> str:
         if sampler_id not in self._samplers:
@@ -227,7 +231,7 @@ class Engine:
                 prompt, num_samples, params, topk_prompt_logprobs, max_seq_len=self.max_seq_len, vocab_size=self.vocab_size
             )
             stop_ids = frozenset({self._host.eos_token_id, *request.stop_token_ids})
-            return self._scheduler.sample(SampleJob(adapter, request, num_samples, params, stop_ids,
+            return self.sampler.sample(SampleJob(adapter, request, num_samples, params, stop_ids,
                                                     include_prompt_logprobs, topk_prompt_logprobs))
 
     def sample(self, *args, **kwargs) -> SampleResponse:
@@ -239,12 +243,12 @@ class Engine:
         with self._lock:
             adapter = self._sampler(sampler_id) if sampler_id is not None else None
             tokens = check_tokens("prompt", prompt.to_ints(), max_seq_len=self.max_seq_len, vocab_size=self.vocab_size)
-            future = self._scheduler.compute_logprobs(adapter, tokens)
+            future = self.sampler.compute_logprobs(adapter, tokens)
         return future.result(timeout=LOCAL_WAIT_S)[0]
 
     def close(self) -> None:
         """Stop the sampler thread (unanswered sample requests fail)."""
-        self._scheduler.close()
+        self.sampler.close()
 
     # ------------------------------------------------------------ state
 

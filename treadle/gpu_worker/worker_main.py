@@ -17,6 +17,7 @@ import socket
 import threading
 import time
 import uuid
+from typing import Literal
 
 from celery.signals import worker_ready
 from pydantic import BaseModel, Field
@@ -50,11 +51,23 @@ class WorkerConfig(BaseModel):
         description="KV-cache budget of the batched sampler, in positions (rows x padded length, each row counted at its "
                     "full max_tokens). Memory: 2 x layers x kv_heads x head_dim x dtype bytes per position, e.g. 46 KB "
                     "for SmolLM2-135M in fp32 (16384 ~ 0.75 GB); more lets more requests share each decode step.")
+    sampler: Literal["auto", "hf", "vllm"] = Field(
+        default="auto",
+        description="What samples: hf (batched transformers decoding in this process) or vllm (a vLLM engine per base "
+                    "model in a child process with its own venv: scripts/setup_vllm.sh). auto: vllm when CUDA and vLLM "
+                    "are both there, hf otherwise; the log says which.")
+    vllm_python: str | None = Field(default=None, description="Interpreter of vLLM's venv (default: $TREADLE_VLLM_PYTHON, else .venv-vllm/bin/python of the checkout).")
+    vllm_max_lora_rank: int = Field(default=32, ge=1, le=512, description="vLLM: largest LoRA rank a snapshot may have (vLLM sizes its kernels by it); larger ones are refused.")
+    vllm_max_loras: int = Field(default=4, ge=1, description="vLLM: adapters that can share one batch (GPU slots); more are swapped in least recently used first out.")
+    vllm_memory_share: float = Field(default=0.3, gt=0.0, lt=1.0, description="vLLM: share of the GPU's memory its engine takes (weights, KV cache); training uses the rest. On CPU see vllm_cpu_kv_cache_gib.")
+    vllm_cpu_kv_cache_gib: int = Field(default=1, ge=1, description="vLLM on CPU: KV cache size in GiB.")
+    vllm_max_logprobs: int = Field(default=64, ge=0, description="vLLM: most top-k prompt logprobs a request may ask for.")
     session_idle_ttl_s: float = Field(default=86400.0, ge=0.0, description="Checkpoint and stop (expire) a session after this many idle seconds; its client gets SessionExpiredError naming the checkpoint to resume from (0: never).")
     max_sessions_per_owner: int | None = Field(default=None, ge=1, description="Concurrent training sessions one owner may run (a gateway API key's owner; `sdk` for treadle SDK sessions); an over-quota create fails with QuotaExceededError (None: unlimited). Give every worker the same limits.")
     owner_session_limits: dict[str, int] = Field(default_factory=dict, description='Per-owner overrides of max_sessions_per_owner, JSON: {"alice": 8}.')
     metrics_port: int = Field(default=0, ge=0, le=65535, description="Serve Prometheus metrics on this port (0: off).")
     metrics_address: str = Field(default="127.0.0.1", description="Interface of the metrics port (0.0.0.0 inside a private network).")
+    task_events: bool = Field(default=False, description="Send Celery task events (received, started, succeeded, failed) so that Flower lists and times ops; off by default: they cost about a third of the worker's CPU per op.")
     loglevel: str = Field(default="INFO", description="Log level.")
 
 
@@ -68,6 +81,7 @@ class WorkerService:
         from treadle.gpu_worker.sampling import SamplerCache, Sampling
         from treadle.gpu_worker.sequencer import Sequencer
         from treadle.gpu_worker.usage import UsageRecorder
+        from treadle.gpu_worker.vllm_sampler import VllmOptions
         from treadle.observability import metrics  # prometheus-client: the worker extra, not every CLI
         from treadle.quotas import SessionQuota
         from treadle.storage.checkpoint_store import CheckpointStore
@@ -96,13 +110,17 @@ class WorkerService:
             t0 = time.monotonic()
             engine = Engine(path, device=group.device if group else config.device, dtype=config.dtype,
                             max_tokens_per_microbatch=config.max_tokens_per_microbatch,
-                            sampling_max_batch_tokens=config.sampling_max_batch_tokens)
+                            sampling_max_batch_tokens=config.sampling_max_batch_tokens,
+                            sampler=config.sampler, vllm=VllmOptions(
+                                python=config.vllm_python, max_lora_rank=config.vllm_max_lora_rank,
+                                max_loras=config.vllm_max_loras, gpu_memory_share=config.vllm_memory_share,
+                                cpu_kv_cache_gib=config.vllm_cpu_kv_cache_gib, max_logprobs=config.vllm_max_logprobs))
             self.engines[name] = engine
             self.served.append(ServedModel(name=name, path=path, max_seq_len=engine.max_seq_len, vocab_size=engine.vocab_size))
             log.info("loaded %s from %s in %.1f s", name, path, time.monotonic() - t0)
         if group:
             self.engines = group.join(self.engines)
-        self.app = make_app(broker, result)
+        self.app = make_app(broker, result, task_events=config.task_events)
         self.lease = LeaseManager(self.redis, self.hostname, ttl_ms=int(config.lease_ttl_s * 1000))
         device_lock = threading.RLock()
         samplers = SamplerCache(lambda model: self.host.engine(model), self.store)
@@ -198,7 +216,7 @@ class WorkerService:
         worker = self.app.Worker(
             hostname=self.hostname, pool="threads", concurrency=1,
             queues=[names.model_queue(name) for name in self.engines],
-            without_gossip=True, without_mingle=True, send_events=True,
+            without_gossip=True, without_mingle=True, send_events=self.config.task_events,
             loglevel=self.config.loglevel, redirect_stdouts=False,
         )
         try:

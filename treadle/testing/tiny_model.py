@@ -77,7 +77,7 @@ def build_tokenizer(seed: int = 0):
     )
 
 
-def _config(arch: Arch, tokenizer, tie_word_embeddings: bool):
+def _config(arch: Arch, tokenizer, tie_word_embeddings: bool, head_dim: int | None):
     from transformers import LlamaConfig, Qwen2Config
 
     common = dict(
@@ -92,6 +92,7 @@ def _config(arch: Arch, tokenizer, tie_word_embeddings: bool):
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
         bos_token_id=None,
+        head_dim=head_dim or 64 // 4,
     )
     if arch == "llama":
         return LlamaConfig(**common)
@@ -100,10 +101,13 @@ def _config(arch: Arch, tokenizer, tie_word_embeddings: bool):
     raise ValueError(f"arch: unknown {arch!r}; expected llama or qwen2")
 
 
-def build_tiny_model(directory: str | Path, arch: Arch = "llama", seed: int = 0, *, tie_word_embeddings: bool = False) -> str:
+def build_tiny_model(directory: str | Path, arch: Arch = "llama", seed: int = 0, *, tie_word_embeddings: bool = False,
+                     head_dim: int | None = None) -> str:
     """Write a tiny random-init causal LM and its tokenizer to `directory`; returns the path as a str.
 
     `tie_word_embeddings=True` shares lm_head with the input embeddings, as many small real models do.
+    `head_dim` widens each attention head (default 16, hidden size / heads): vLLM's CPU attention
+    kernels take head sizes of 32 and up only.
     """
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig
@@ -112,7 +116,7 @@ def build_tiny_model(directory: str | Path, arch: Arch = "llama", seed: int = 0,
     directory.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer(seed)
     assert len(tokenizer) == VOCAB_SIZE, f"tokenizer has {len(tokenizer)} tokens, expected {VOCAB_SIZE}"
-    config = _config(arch, tokenizer, tie_word_embeddings)
+    config = _config(arch, tokenizer, tie_word_embeddings, head_dim)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.generation_config = GenerationConfig(
@@ -129,8 +133,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--arch", choices=["llama", "qwen2"], default="llama", help="Model architecture.")
     parser.add_argument("--seed", type=int, default=0, help="Seed of the weights and the tokenizer corpus.")
     parser.add_argument("--tie-word-embeddings", action="store_true", help="Share lm_head with the input embeddings.")
+    parser.add_argument("--head-dim", type=int, default=None, help="Attention head size (default 16; vLLM's CPU kernels need >= 32).")
     args = parser.parse_args(argv)
-    print(build_tiny_model(args.directory, arch=args.arch, seed=args.seed, tie_word_embeddings=args.tie_word_embeddings))
+    print(build_tiny_model(args.directory, arch=args.arch, seed=args.seed, tie_word_embeddings=args.tie_word_embeddings,
+                           head_dim=args.head_dim))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,212 @@
+"""The sampler contract, one suite run against every `SamplerBackend` (hf and vllm), through the engine.
+
+Each case trains real LoRA sessions on a tiny model (head size 32: vLLM's CPU attention takes no less)
+and samples their snapshots and the base model: sampled-token logprobs at T=1 against the trainer's
+own `forward`, a snapshot frozen while its session trains on, same seed same tokens, stops and
+stop_reason, prompt logprobs with top-k. The vllm cases need .venv-vllm (scripts/setup_vllm.sh cpu,
+which CI runs); without it they are skipped.
+"""
+
+import numpy as np
+import pytest
+import torch
+
+from treadle.gpu_worker.engine import Engine
+from treadle.gpu_worker.vllm_sampler import VllmOptions, vllm_python
+from treadle.testing.tiny_model import build_tiny_model
+from treadle.types import AdamParams, Datum, LoraConfig, ModelInput, SamplingParams
+
+WAIT = 120
+PROMPT = [40, 41, 42, 43, 44, 45, 46, 47, 48]
+# |sampled logprob - trainer forward logprob| at T=1. HF samples with the trainer's own kernels
+# (batch-invariant forwards); vLLM computes with its own CPU kernels (fused QKV, its attention, the
+# punica LoRA path) in fp32. Measured on the tiny model: see README (sampling section).
+TOLERANCE = {"hf": 1e-4, "vllm": 1e-3}
+
+HAVE_VLLM = vllm_python(VllmOptions()) is not None
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    return build_tiny_model(tmp_path_factory.mktemp("tiny32"), head_dim=32)
+
+
+@pytest.fixture(scope="module", params=["hf", pytest.param("vllm", marks=pytest.mark.skipif(
+    not HAVE_VLLM, reason="no .venv-vllm: scripts/setup_vllm.sh cpu installs it"))])
+def engine(request, model_dir):
+    engine = Engine(model_dir, sampler=request.param, vllm=VllmOptions(max_lora_rank=8, max_loras=2, max_cpu_loras=4))
+    engine.kind = request.param
+    yield engine
+    engine.close()
+
+
+def datum(tokens: list[int]) -> Datum:
+    return Datum(model_input=ModelInput.from_ints(tokens[:-1]),
+                 loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * (len(tokens) - 1)})
+
+
+def train(engine, session: str, steps: int) -> None:
+    for _ in range(steps):
+        engine.forward_backward(session, [datum(list(range(20, 31)))], "cross_entropy")
+        engine.optim_step(session, AdamParams(learning_rate=2e-2))
+
+
+def trainer_logprobs(engine, session: str, tokens: list[int]) -> np.ndarray:
+    """The session's teacher-forced logprobs of tokens[1:], from the trainer's forward."""
+    return engine.forward(session, [datum(tokens)], "cross_entropy").loss_fn_outputs[0]["logprobs"].to_numpy()
+
+
+@pytest.fixture(scope="module")
+def trained(engine):
+    """Two trained sessions and a fresh one (LoRA B = 0: exactly the base model)."""
+    for i, name in enumerate(["a", "b", "fresh"]):
+        engine.create_session(name, LoraConfig(rank=4, alpha=8, seed=i))
+    train(engine, "a", 3)
+    train(engine, "b", 5)
+    return engine
+
+
+def sample(engine, sampler, n=3, prompt=PROMPT, **params):
+    return engine.sample(sampler, ModelInput.from_ints(prompt), n, SamplingParams(**params))
+
+
+def snapshot(engine, session: str, name: str) -> str:
+    engine.snapshot_sampler(session, name)
+    return name
+
+
+def test_t1_sampled_logprobs_equal_the_trainers_forward(trained):
+    engine = trained
+    samplers = [(snapshot(engine, "a", "a-0"), "a"), (snapshot(engine, "b", "b-0"), "b"), (None, "fresh")]
+    worst = 0.0
+    for sampler, session in samplers:
+        for seq in sample(engine, sampler, n=3, max_tokens=16, seed=1).sequences:
+            expected = trainer_logprobs(engine, session, PROMPT + seq.tokens)[len(PROMPT) - 1:]
+            worst = max(worst, float(np.abs(np.asarray(seq.logprobs) - expected).max()))
+    print(f"\n{engine.kind}: max |sampled - trainer forward| logprob at T=1: {worst:.2e}")
+    assert worst < TOLERANCE[engine.kind]
+    # The adapters matter: a's tokens score differently under b.
+    seq = sample(engine, "a-0", n=1, max_tokens=8, seed=2).sequences[0]
+    other = trainer_logprobs(engine, "b", PROMPT + seq.tokens)[len(PROMPT) - 1:]
+    assert np.abs(np.asarray(seq.logprobs) - other).max() > 1e-2
+
+
+def test_snapshot_stays_frozen_while_its_session_trains_on(trained):
+    engine = trained
+    engine.create_session("c", LoraConfig(rank=4, alpha=8, seed=9))
+    train(engine, "c", 2)
+    frozen = snapshot(engine, "c", "c-old")
+    params = dict(max_tokens=10, seed=11)
+    before = sample(engine, frozen, n=2, **params)
+    train(engine, "c", 4)
+    live = snapshot(engine, "c", "c-new")
+    after, new = sample(engine, frozen, n=2, **params), sample(engine, live, n=2, **params)
+    assert [s.tokens for s in after.sequences] == [s.tokens for s in before.sequences]
+    np.testing.assert_allclose([s.logprobs for s in after.sequences], [s.logprobs for s in before.sequences], atol=1e-5)
+    assert [s.logprobs for s in new.sequences] != [s.logprobs for s in before.sequences]
+    # The new snapshot is the session as trained now: the trainer's forward scores its tokens.
+    for seq in new.sequences:
+        expected = trainer_logprobs(engine, "c", PROMPT + seq.tokens)[len(PROMPT) - 1:]
+        np.testing.assert_allclose(seq.logprobs, expected, atol=TOLERANCE[engine.kind])
+
+
+def test_same_seed_same_tokens(trained):
+    engine = trained
+    sampler = snapshot(engine, "b", "b-seed")
+    for params in (dict(max_tokens=12, seed=5), dict(max_tokens=12, seed=6, temperature=0.7, top_k=20, top_p=0.9)):
+        first, second = sample(engine, sampler, n=4, **params), sample(engine, sampler, n=4, **params)
+        assert [(s.tokens, s.logprobs) for s in first.sequences] == [(s.tokens, s.logprobs) for s in second.sequences]
+        assert len({tuple(s.tokens) for s in first.sequences}) > 1  # the rows of one request are different draws
+    other = sample(engine, sampler, n=4, max_tokens=12, seed=7)
+    assert [s.tokens for s in other.sequences] != [s.tokens for s in first.sequences]
+
+
+def test_processed_logprobs_are_those_of_the_distribution_sampled_from(trained):
+    engine = trained
+    sampler = snapshot(engine, "a", "a-processed")
+    greedy = sample(engine, sampler, n=1, max_tokens=6, temperature=0).sequences[0]
+    assert greedy.logprobs == [0.0] * 6  # greedy samples from a point mass
+    hot = sample(engine, sampler, n=2, max_tokens=6, seed=3, temperature=0.5).sequences
+    for seq in hot:
+        raw = trainer_logprobs(engine, "a", PROMPT + seq.tokens)[len(PROMPT) - 1:]
+        # At T=0.5 a likely token is likelier than under the model (raw): the logprobs are not the raw ones.
+        assert not np.allclose(seq.logprobs, raw, atol=1e-2)
+    top1 = sample(engine, sampler, n=2, max_tokens=6, seed=3, top_k=1).sequences
+    assert all(s.logprobs == pytest.approx([0.0] * len(s.tokens), abs=1e-6) for s in top1)
+
+
+def test_stops_and_stop_reason(trained):
+    engine = trained
+    sampler = snapshot(engine, "a", "a-stops")
+    greedy = dict(max_tokens=12, temperature=0)
+    ref = sample(engine, sampler, n=1, **greedy, stop=[]).sequences[0]
+    assert ref.stop_reason == "length" and len(ref.tokens) == 12, "the reference must run to its length"
+    tokens = ref.tokens
+    stop_id, stop_text = tokens[4], engine.tokenizer.decode(tokens[6:8])
+    by_id = sample(engine, sampler, n=1, **greedy, stop=[stop_id]).sequences[0]
+    assert by_id.tokens == tokens[: tokens.index(stop_id) + 1] and by_id.stop_reason == "stop"
+    by_string = sample(engine, sampler, n=1, **greedy, stop=stop_text).sequences[0]
+    first_text = next(k for k in range(1, 13) if stop_text in engine.tokenizer.decode(tokens[:k]))
+    assert by_string.tokens == tokens[:first_text] and by_string.stop_reason == "stop"
+    by_length = sample(engine, sampler, n=1, max_tokens=3, temperature=0).sequences[0]
+    assert by_length.tokens == tokens[:3] and by_length.stop_reason == "length"
+    # EOS stops a row (kept as its last token) even with no stop given.
+    eos = engine._host.eos_token_id
+    for seq in sample(engine, None, n=8, max_tokens=40, seed=4, temperature=1.5).sequences:
+        assert (seq.stop_reason == "stop" and seq.tokens[-1] == eos and eos not in seq.tokens[:-1]) or (
+            seq.stop_reason == "length" and len(seq.tokens) == 40 and eos not in seq.tokens)
+
+
+def test_base_model_sampling(trained):
+    engine = trained
+    response = sample(engine, None, n=4, max_tokens=10, seed=8)
+    for seq in response.sequences:
+        # A fresh session's LoRA B is zero: its forward is the base model's.
+        expected = trainer_logprobs(engine, "fresh", PROMPT + seq.tokens)[len(PROMPT) - 1:]
+        np.testing.assert_allclose(seq.logprobs, expected, atol=TOLERANCE[engine.kind])
+    # The base model is not any session's snapshot: a trained adapter scores the same tokens otherwise.
+    seq = response.sequences[0]
+    assert np.abs(trainer_logprobs(engine, "b", PROMPT + seq.tokens)[len(PROMPT) - 1:] - seq.logprobs).max() > 1e-2
+
+
+def reference_prompt_logprobs(engine, sampler: str | None, tokens: list[int], k: int):
+    """Per prompt token, its logprob and the top-k (id, logprob), from the trainer's model in this process."""
+    adapter = engine._samplers[sampler] if sampler else None
+    with engine._bank.using(adapter, trainable=False) as model, torch.no_grad():
+        lp = torch.log_softmax(model(input_ids=torch.tensor([tokens])).logits[0, :-1].float(), dim=-1)
+    chosen = lp.gather(1, torch.tensor(tokens[1:]).unsqueeze(1)).squeeze(1).numpy()
+    values, ids = lp.topk(k, dim=-1)
+    return chosen, ids.tolist(), values.numpy()
+
+
+@pytest.mark.parametrize("sampler_of", ["b", None])
+def test_compute_logprobs_with_topk(trained, sampler_of):
+    engine = trained
+    sampler = snapshot(engine, sampler_of, f"{sampler_of}-logprobs") if sampler_of else None
+    tokens = [5, *PROMPT, 7, 300, 12]
+    chosen, top_ids, top_values = reference_prompt_logprobs(engine, sampler, tokens, 3)
+    logprobs, top = engine.sampler.compute_logprobs(
+        engine._samplers[sampler] if sampler else None, np.array(tokens), 3).result(timeout=WAIT)
+    assert logprobs[0] is None and top[0] is None and len(logprobs) == len(top) == len(tokens)
+    np.testing.assert_allclose(logprobs[1:], chosen, atol=TOLERANCE[engine.kind])
+    assert [[t for t, _ in row] for row in top[1:]] == top_ids  # the same top 3, in order
+    np.testing.assert_allclose([[v for _, v in row] for row in top[1:]], top_values, atol=TOLERANCE[engine.kind])
+    # Through the engine's public door, and with a sample (the same prompt logprobs as the sample's prefill).
+    assert engine.compute_logprobs(sampler, ModelInput.from_ints(tokens)) == logprobs
+    with_sample = engine.sample(sampler, ModelInput.from_ints(tokens), 2, SamplingParams(max_tokens=2, seed=0),
+                                include_prompt_logprobs=True, topk_prompt_logprobs=2)
+    np.testing.assert_allclose(with_sample.prompt_logprobs[1:], chosen, atol=TOLERANCE[engine.kind])
+    assert [[t for t, _ in row] for row in with_sample.topk_prompt_logprobs[1:]] == [ids[:2] for ids in top_ids]
+    # A one-token prompt has no logprobs to give.
+    assert engine.sampler.compute_logprobs(None, np.array([9]), 2).result(timeout=WAIT) == ([None], [None])
+
+
+def test_dropped_snapshot_stops_being_served(trained):
+    engine = trained
+    sampler = snapshot(engine, "a", "a-dropped")
+    sample(engine, sampler, n=1, max_tokens=2, seed=0)
+    engine.drop_sampler(sampler)
+    assert not engine.has_sampler(sampler)
+    with pytest.raises(Exception, match="no sampler"):
+        sample(engine, sampler, n=1, max_tokens=2, seed=0)
+    assert sample(engine, None, n=1, max_tokens=2, seed=0).sequences[0].tokens  # the engine goes on

@@ -1,0 +1,301 @@
+"""The vLLM sampler backend: one vLLM engine per base model, in a child process with its own venv.
+
+Why a child process: vLLM's pins (transformers, numpy, torch, fastapi) do not resolve beside the
+worker's; see `vllm_server`. The child is started with the worker's engine and loads the same base
+model, in the same dtype, on the same device; requests and answers cross a socketpair as JSON lines.
+
+Each sampler snapshot is written once, on first use, to a local directory in PEFT format and sent as
+a vLLM `LoRARequest` (the base model: no LoRA). vLLM keeps at most `max_loras` adapters in one
+batch and `max_cpu_loras` loaded, evicting the least recently used; a dropped snapshot is removed
+from vLLM and from disk once no request in flight needs it. A snapshot is a file, so training that
+goes on never changes what it samples.
+
+What the contract promises and how it is kept:
+- logprobs of the distribution sampled from: the engine runs with `logprobs_mode="processed_logprobs"`
+  (after temperature, top-k, top-p); at temperature 0 that distribution is a point mass, so 0.0 is
+  reported, as the HF backend does (vLLM would give the raw logprob);
+- stops exactly where the HF backend stops: `ignore_eos` with the tokenizer's EOS among the stop ids,
+  so a model's generation_config cannot add stop tokens; the stopping token is kept;
+- no sampling default from the model's generation_config (`generation_config="vllm"`);
+- per-request seeds (vLLM seeds the k-th of `n` samples with seed + k);
+- prompt logprobs (raw, like `compute_logprobs`) and top-k prompt logprobs up to `max_logprobs`;
+  more, or a snapshot of a rank above `max_lora_rank`, is refused with an error naming the option.
+The tokens drawn for a seed are not those the HF backend draws for it (another RNG and kernel order).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import threading
+from collections import Counter
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+from pydantic import BaseModel, Field
+
+from treadle.errors import InvalidRequestError, ServerError
+from treadle.gpu_worker.adapters import AdapterBank
+from treadle.gpu_worker.batch_decode import SampleJob
+from treadle.gpu_worker.model_host import ModelHost
+from treadle.types import SampledSequence, SampleResponse
+
+log = logging.getLogger("treadle.sampler.vllm")
+
+SERVER = Path(__file__).with_name("vllm_server.py")
+# vLLM builds its LoRA kernels for these maximum ranks only.
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+STARTUP_TIMEOUT_S = 900.0
+
+
+class VllmOptions(BaseModel):
+    """How the worker runs its vLLM engines (one per base model)."""
+
+    python: str | None = Field(default=None, description="Interpreter of vLLM's venv (default: $TREADLE_VLLM_PYTHON, else .venv-vllm/bin/python of the checkout).")
+    max_lora_rank: int = Field(default=32, ge=1, le=512, description="Largest LoRA rank a snapshot may have (rounded up to vLLM's 1, 8, 16, 32, 64, ...); larger ones are refused.")
+    max_loras: int = Field(default=4, ge=1, description="Adapters that can share one vLLM batch (GPU slots).")
+    max_cpu_loras: int = Field(default=16, ge=1, description="Adapters kept loaded in vLLM, least recently used out first.")
+    max_logprobs: int = Field(default=64, ge=0, description="Most top-k prompt logprobs one request may ask for.")
+    gpu_memory_share: float = Field(default=0.3, gt=0.0, lt=1.0, description="Share of the GPU's memory vLLM takes (weights, KV cache, activations); the trainer needs the rest.")
+    cpu_kv_cache_gib: int = Field(default=1, ge=1, description="On CPU, the KV cache vLLM allocates, in GiB.")
+
+
+def vllm_python(options: VllmOptions) -> str | None:
+    """The interpreter to run the engine with, or None if no vLLM installation is found."""
+    candidates = [options.python, os.environ.get("TREADLE_VLLM_PYTHON"),
+                  str(Path(__file__).resolve().parents[2] / ".venv-vllm" / "bin" / "python")]
+    for path in candidates:
+        if path and Path(path).is_file():
+            found = subprocess.run([path, "-c", "import importlib.util,sys; sys.exit(importlib.util.find_spec('vllm') is None)"],
+                                   capture_output=True)
+            if found.returncode == 0:
+                return path
+    return None
+
+
+class VllmSampler:
+    """`SamplerBackend` over a vLLM engine in a child process (see the module docstring)."""
+
+    def __init__(self, bank: AdapterBank, host: ModelHost, options: VllmOptions):
+        python = vllm_python(options)
+        if python is None:
+            raise ServerError("sampler vllm: no vLLM found; run scripts/setup_vllm.sh or set TREADLE_VLLM_PYTHON")
+        self.bank, self.host, self.options = bank, host, options
+        self.max_lora_rank = next(r for r in VLLM_LORA_RANKS if r >= options.max_lora_rank)
+        self._dir = Path(tempfile.mkdtemp(prefix="treadle-vllm-"))
+        self._loras: dict[str, dict] = {}  # adapter -> its LoRARequest fields, once written
+        self._ids = itertools.count(1)
+        self._futures: dict[int, tuple] = {}  # message id -> (future, convert, adapter); (None, ...) for remove_lora
+        self._in_flight: Counter = Counter()
+        self._retiring: list[tuple[str, Callable[[], None]]] = []
+        self._lock = threading.Lock()
+        self._closed = False
+        self._conn, child = socket.socketpair()
+        self._proc = subprocess.Popen([python, str(SERVER), json.dumps(self._engine_args()), str(child.fileno())],
+                                      pass_fds=[child.fileno()], env=self._env())
+        child.close()
+        self._lines = self._conn.makefile("rb")
+        self._conn.settimeout(STARTUP_TIMEOUT_S)
+        first = json.loads(self._lines.readline() or b'{"fatal": "the vLLM process exited while starting"}')
+        if "fatal" in first:
+            self._proc.wait(30)
+            raise ServerError(f"sampler vllm: engine for {host.name} failed to start: {first['fatal']}")
+        self._conn.settimeout(None)
+        log.info("vLLM engine for %s ready (pid %d, %s)", host.name, self._proc.pid, python)
+        threading.Thread(target=self._read, name=f"treadle-vllm-{host.name}", daemon=True).start()
+
+    def _engine_args(self) -> dict:
+        return dict(
+            model=self.host.name, dtype=str(self.host.dtype).removeprefix("torch."), seed=0,
+            max_model_len=self.host.max_seq_len, enable_lora=True, max_lora_rank=self.max_lora_rank,
+            max_loras=self.options.max_loras, max_cpu_loras=max(self.options.max_cpu_loras, self.options.max_loras),
+            max_logprobs=self.options.max_logprobs, logprobs_mode="processed_logprobs", generation_config="vllm",
+            gpu_memory_utilization=self.options.gpu_memory_share,
+            # Prompt logprobs cannot come from cached prefixes; eager mode skips CUDA-graph capture at start.
+            enable_prefix_caching=False, enforce_eager=self.host.device.type != "cuda",
+        )
+
+    def _env(self) -> dict:
+        env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE=str(self.options.cpu_kv_cache_gib),
+                   VLLM_LOGGING_LEVEL=os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"))
+        env.pop("PYTHONPATH", None)  # the child runs in its own venv, not on the worker's path
+        if self.host.device.type == "cuda":
+            env["CUDA_VISIBLE_DEVICES"] = str(self.host.device.index or 0)
+        else:
+            env["CUDA_VISIBLE_DEVICES"] = ""
+        return env
+
+    # ------------------------------------------------------------ SamplerBackend
+
+    def sample(self, job: SampleJob) -> Future:
+        """Queue a sample request; the future resolves to its `SampleResponse`."""
+        params = job.params
+        # Prompt logprobs go as a request of their own: vLLM 0.32 fails the engine step that computes
+        # them for a request of n > 1, and they do not depend on what is sampled.
+        prompt_part = None
+        if job.include_prompt_logprobs or job.topk_prompt_logprobs > 0:
+            prompt_part = self.compute_logprobs(job.adapter, job.request.prompt, job.topk_prompt_logprobs)
+        request = {
+            "n": job.num_samples, "max_tokens": job.request.max_tokens, "temperature": params.temperature,
+            "top_k": params.top_k, "top_p": params.top_p, "seed": params.seed,
+            "stop": job.request.stop_strings, "stop_token_ids": sorted(job.stop_ids), "ignore_eos": True, "logprobs": 0,
+        }
+        greedy = params.temperature == 0
+
+        def convert(answer: dict) -> SampleResponse:
+            return SampleResponse(sequences=[
+                SampledSequence(tokens=s["tokens"], logprobs=[0.0] * len(s["tokens"]) if greedy else s["logprobs"],
+                                stop_reason=_stop_reason(s["finish_reason"])) for s in answer["sequences"]])
+
+        samples = self._submit(job.adapter, job.request.prompt.tolist(), request, convert)
+        if prompt_part is None:
+            return samples
+        combined: Future = Future()
+
+        def finish(_) -> None:  # runs once, after both parts are done
+            error = samples.exception() or prompt_part.exception()
+            if error is not None:
+                combined.set_exception(error)
+                return
+            prompt, top = prompt_part.result()
+            combined.set_result(samples.result().model_copy(update={
+                "prompt_logprobs": prompt if job.include_prompt_logprobs else None, "topk_prompt_logprobs": top}))
+
+        samples.add_done_callback(lambda _: prompt_part.add_done_callback(finish))
+        return combined
+
+    def compute_logprobs(self, adapter: str | None, tokens: np.ndarray, topk: int = 0) -> Future:
+        """Queue a prompt-logprobs request; the future resolves to (logprobs, top-k or None)."""
+        self._check_topk(topk)
+        prompt = np.asarray(tokens, dtype=np.int64).tolist()
+        if len(prompt) >= self.host.max_seq_len:
+            raise InvalidRequestError(f"prompt: length {len(prompt)}; the vLLM sampler scores at most "
+                                      f"{self.host.max_seq_len - 1} tokens (it needs room to sample one)")
+        request = {"n": 1, "max_tokens": 1, "temperature": 1.0, "logprobs": 0, "prompt_logprobs": topk}
+        return self._submit(adapter, prompt, request,
+                            lambda answer: _prompt_logprobs(prompt, answer["prompt_logprobs"], topk))
+
+    def when_unused(self, adapter: str | None, callback: Callable[[], None]) -> None:
+        """Run `callback` once no request in flight uses `adapter`; vLLM forgets the adapter too."""
+        with self._lock:
+            if self._in_flight[adapter]:
+                self._retiring.append((adapter, callback))
+                return
+        self._retire(adapter, callback)
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Stop the engine process; requests not answered yet fail with a ServerError."""
+        with self._lock:
+            self._closed = True
+        self._conn.shutdown(socket.SHUT_RDWR)  # the child reads EOF and exits
+        try:
+            self._proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+    # ------------------------------------------------------------ internals
+
+    def _check_topk(self, topk: int) -> None:
+        if topk > self.options.max_logprobs:
+            raise InvalidRequestError(f"topk_prompt_logprobs: {topk} exceeds the vLLM sampler's limit "
+                                      f"{self.options.max_logprobs} (worker option --vllm_max_logprobs)")
+
+    def _lora(self, adapter: str | None) -> dict | None:
+        """The adapter's LoRARequest fields, its PEFT directory written on first use (the caller holds
+        the engine's lock, so the tensors are read between training ops)."""
+        if adapter is None:
+            return None
+        if adapter not in self._loras:
+            rank = self.bank.config(adapter).r
+            if rank > self.max_lora_rank:
+                raise InvalidRequestError(f"lora rank: {rank} exceeds the vLLM sampler's max_lora_rank {self.max_lora_rank} "
+                                          "(worker option --vllm_max_lora_rank)")
+            path = self._dir / adapter
+            self.bank.save(adapter, path)
+            self._loras[adapter] = {"name": adapter, "id": next(self._ids), "path": str(path)}
+        return self._loras[adapter]
+
+    def _submit(self, adapter: str | None, prompt: list[int], params: dict, convert: Callable) -> Future:
+        lora = self._lora(adapter)
+        future: Future = Future()
+        with self._lock:
+            if self._closed:
+                raise ServerError(f"sampler of {self.host.name} is shut down")
+            mid = next(self._ids)
+            self._futures[mid] = (future, convert, adapter)
+            self._in_flight[adapter] += 1
+            self._send({"id": mid, "op": "sample", "prompt": prompt, "params": params, "lora": lora})
+        return future
+
+    def _send(self, message: dict) -> None:
+        self._conn.sendall((json.dumps(message) + "\n").encode())
+
+    def _read(self) -> None:
+        for line in self._lines:
+            answer = json.loads(line)
+            with self._lock:
+                future, convert, adapter = self._futures.pop(answer["id"])
+                if future is None:
+                    continue  # a remove_lora acknowledgement: no one waits for it
+                self._in_flight[adapter] -= 1
+                ready = [(a, c) for a, c in self._retiring if not self._in_flight[a]]
+                self._retiring = [(a, c) for a, c in self._retiring if self._in_flight[a]]
+            if "error" in answer:
+                future.set_exception(ServerError(f"vLLM sampler: {answer['error']}"))
+            else:
+                try:
+                    future.set_result(convert(answer))
+                except Exception as exc:  # a malformed answer fails its request, not the reader
+                    future.set_exception(ServerError(f"vLLM sampler: bad answer: {type(exc).__name__}: {exc}"))
+            for a, callback in ready:
+                self._retire(a, callback)
+        code = self._proc.wait()
+        with self._lock:
+            self._closed = True
+            waiting, self._futures = [f for f, _, _ in self._futures.values() if f is not None], {}
+        for future in waiting:
+            future.set_exception(ServerError(f"sampler of {self.host.name}: the vLLM engine process exited (code {code})"))
+
+    def _retire(self, adapter: str, callback: Callable[[], None]) -> None:
+        callback()
+        lora = self._loras.pop(adapter, None)
+        if lora is None:
+            return  # never sampled with vLLM
+        with self._lock:
+            if not self._closed:
+                mid = next(self._ids)
+                self._futures[mid] = (None, None, None)
+                self._send({"id": mid, "op": "remove_lora", "lora_id": lora["id"]})
+        shutil.rmtree(lora["path"], ignore_errors=True)
+
+
+def _stop_reason(finish_reason: str) -> str:
+    if finish_reason not in ("stop", "length"):
+        raise ServerError(f"vLLM finished a sequence with {finish_reason!r}")
+    return finish_reason
+
+
+def _prompt_logprobs(prompt: list[int], steps: list | None, topk: int):
+    """vLLM's per-position entries ([token, logprob, rank] of the prompt token and the top-k) as the
+    contract's (logprob of each prompt token, top-k pairs by rank or None); entry 0 is None."""
+    if steps is None:
+        return None, None
+    chosen: list[float | None] = [None]
+    top: list | None = [None] if topk else None
+    for token, step in zip(prompt[1:], steps[1:]):
+        entries = {t: (lp, rank) for t, lp, rank in step}
+        chosen.append(entries[token][0])
+        if topk:
+            ranked = sorted((rank, t, lp) for t, (lp, rank) in entries.items() if rank <= topk)
+            top.append([(t, lp) for _, t, lp in ranked])
+    return chosen, top

