@@ -15,6 +15,7 @@ import pytest
 import redis
 from pydantic import BaseModel, Field
 
+from treadle import ServiceClient
 from treadle.config import ConfigError, load_config, parse_config
 from treadle.local_stack import find_running_stack, free_port
 from treadle.queue.workers import WorkerRegistry
@@ -124,7 +125,8 @@ def test_worker_gateway_and_flower_use_only_their_environment(stack, tiny_model_
     log = open(tmp_path / "commands.log", "wb")
     procs = [
         _treadle("worker", {**shared, "TREADLE_WORKER_MODEL": f"env-tiny={tiny_model_dir}",
-                            "TREADLE_WORKER_HOSTNAME": hostname, "TREADLE_WORKER_LEASE_TTL_S": "3"}, log),
+                            "TREADLE_WORKER_HOSTNAME": hostname, "TREADLE_WORKER_LEASE_TTL_S": "3",
+                            "TREADLE_WORKER_TASK_EVENTS": "true"}, log),
         _treadle("gateway", {**shared, "TREADLE_GATEWAY_PORT": str(gw_port), "TREADLE_GATEWAY_API_KEYS": json.dumps({KEY: "env"})}, log),
         _treadle("flower", {**shared, "TREADLE_FLOWER_PORT": str(fl_port), "FLOWER_UNAUTHENTICATED_API": "true"}, log),
     ]
@@ -135,6 +137,13 @@ def test_worker_gateway_and_flower_use_only_their_environment(stack, tiny_model_
         caps = _wait("the gateway", lambda: _get_json(f"http://127.0.0.1:{gw_port}/api/v1/get_server_capabilities", {"X-API-Key": KEY}), procs)
         assert {"env-tiny", "tiny"} <= {m["model_name"] for m in caps["supported_models"]}
         _wait("flower listing the worker", lambda: hostname in _get_json(f"http://127.0.0.1:{fl_port}/api/workers?refresh=1"), procs)
+        # TREADLE_WORKER_TASK_EVENTS: the worker sends task events, so Flower lists the session's op and its outcome.
+        tc = ServiceClient(broker_url=stack.broker_url, storage_url=stack.storage_url).create_lora_training_client("env-tiny", rank=4)
+        tc.save_state("events").result()
+        op = f"{tc.session_id}:1"
+        task = _wait("flower listing the op", lambda: _get_json(f"http://127.0.0.1:{fl_port}/api/tasks").get(op), procs)
+        _wait("flower seeing the op succeed", lambda: _get_json(f"http://127.0.0.1:{fl_port}/api/task/info/{op}")["state"] == "SUCCESS", procs)
+        assert task["name"] == "treadle.op.save_state" and task["worker"] == hostname
     finally:
         _stop(procs)
         log.close()

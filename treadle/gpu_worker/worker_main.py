@@ -67,6 +67,7 @@ class WorkerConfig(BaseModel):
     owner_session_limits: dict[str, int] = Field(default_factory=dict, description='Per-owner overrides of max_sessions_per_owner, JSON: {"alice": 8}.')
     metrics_port: int = Field(default=0, ge=0, le=65535, description="Serve Prometheus metrics on this port (0: off).")
     metrics_address: str = Field(default="127.0.0.1", description="Interface of the metrics port (0.0.0.0 inside a private network).")
+    task_events: bool = Field(default=False, description="Send Celery task events (received, started, succeeded, failed) so that Flower lists and times ops; off by default: they cost about a third of the worker's CPU per op.")
     loglevel: str = Field(default="INFO", description="Log level.")
 
 
@@ -119,7 +120,7 @@ class WorkerService:
             log.info("loaded %s from %s in %.1f s", name, path, time.monotonic() - t0)
         if group:
             self.engines = group.join(self.engines)
-        self.app = make_app(broker, result)
+        self.app = make_app(broker, result, task_events=config.task_events)
         self.lease = LeaseManager(self.redis, self.hostname, ttl_ms=int(config.lease_ttl_s * 1000))
         device_lock = threading.RLock()
         samplers = SamplerCache(lambda model: self.host.engine(model), self.store)
@@ -215,7 +216,7 @@ class WorkerService:
         worker = self.app.Worker(
             hostname=self.hostname, pool="threads", concurrency=1,
             queues=[names.model_queue(name) for name in self.engines],
-            without_gossip=True, without_mingle=True, send_events=True,
+            without_gossip=True, without_mingle=True, send_events=self.config.task_events,
             loglevel=self.config.loglevel, redirect_stdouts=False,
         )
         try:

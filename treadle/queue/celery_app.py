@@ -4,6 +4,9 @@ Why each setting: JSON only, never pickle; one unacked message per
 worker (acks_late + prefetch 1) so a crash loses at most the op that was running, and treadle's own
 seq discipline restores order after a crash; the visibility timeout is far longer than any op, so
 kombu never redelivers a live op (failover is driven by the session lease instead); results live 7 days.
+Task events (for Flower's task views) are off unless a worker asks for them: each event is a fanout
+publish for which kombu builds a Redis client, and with them on they took a third of a worker's CPU
+per op (py-spy, a stream of noops). Publishers never send `task-sent` (Flower lists an op from `received`).
 """
 
 from __future__ import annotations
@@ -14,8 +17,7 @@ VISIBILITY_TIMEOUT_S = 6 * 3600
 RESULT_EXPIRES_S = 7 * 24 * 3600
 
 
-
-def make_app(broker_url: str, result_url: str | None = None) -> Celery:
+def make_app(broker_url: str, result_url: str | None = None, *, task_events: bool = False) -> Celery:
     app = Celery("treadle", broker=broker_url, backend=result_url or broker_url, set_as_current=False)
     transport = {
         "visibility_timeout": VISIBILITY_TIMEOUT_S,
@@ -37,8 +39,8 @@ def make_app(broker_url: str, result_url: str | None = None) -> Celery:
         task_track_started=False,
         result_extended=True,
         result_expires=RESULT_EXPIRES_S,
-        task_send_sent_event=True,
-        worker_send_task_events=True,
+        task_send_sent_event=False,
+        worker_send_task_events=task_events,
         broker_transport_options=transport,
         result_backend_transport_options={"visibility_timeout": VISIBILITY_TIMEOUT_S},
         visibility_timeout=VISIBILITY_TIMEOUT_S,
