@@ -6,7 +6,10 @@ Rows of one round, all on the same model, LoRA adapter shape and torch thread co
    LoRA model: the limit the hardware gives;
 2. treadle, the requests submitted at once as futures (what a GRPO loop does);
 3. treadle, one request at a time;
-4. `--sessions` sessions sampling at once, and the same sessions one after another.
+4. `--sessions` sessions sampling at once, and the same sessions one after another;
+5. the sampler backends side by side (`--backends hf,vllm`), each in an engine of its own in this
+   process, the same requests at once, on the base model and on a LoRA snapshot (vLLM needs
+   .venv-vllm: scripts/setup_vllm.sh). `--backends_only` skips rows 1-4.
 
 Rounds alternate the rows, so the machine's drift (other users of the CPU) hits all of them alike;
 the ratios are medians over rounds of the per-round ratios. A warm-up round is left out. Tokens are
@@ -95,6 +98,29 @@ def sample_all(samplers_and_prompts, samples: int, tokens: int, *, at_once: bool
     return sum(len(seq.tokens) for r in results for seq in r.sequences)
 
 
+def backend_rows(model_dir: str, prompts: list[list[int]], args) -> dict[str, list[tuple[int, float]]]:
+    """Per backend, base model and LoRA snapshot: (tokens, seconds) of every prompt's request at once."""
+    from treadle.gpu_worker.engine import Engine
+    from treadle.types import LoraConfig, ModelInput, SamplingParams
+
+    results: dict[str, list[tuple[int, float]]] = {}
+    for kind in args.backends.split(","):
+        engine = Engine(model_dir, sampler=kind)
+        engine.create_session("bench", LoraConfig(rank=args.rank, alpha=args.rank, seed=0))
+        engine.snapshot_sampler("bench", "snapshot")
+
+        def at_once(sampler, samples, tokens, engine=engine):
+            futures = [engine.sample_async(sampler, ModelInput.from_ints(p), samples, SamplingParams(max_tokens=tokens, seed=i))
+                       for i, p in enumerate(prompts[: args.prompts])]
+            return sum(len(s.tokens) for f in futures for s in f.result().sequences)
+
+        for label, sampler in (("base", None), (f"LoRA r{args.rank}", "snapshot")):
+            at_once(sampler, 2, 8)  # warm-up
+            results[f"{kind}, {label}"] = [timed(lambda: at_once(sampler, args.samples, args.tokens)) for _ in range(args.rounds)]
+        engine.close()
+    return results
+
+
 def timed(fn) -> tuple[int, float]:
     started = time.perf_counter()
     count = fn()
@@ -113,6 +139,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2, help="measured rounds (after one warm-up round)")
     parser.add_argument("--model_dir", default=None, help="model directory (default: SmolLM2-135M-Instruct, prepared offline)")
     parser.add_argument("--worker_args", default="", help="extra `treadle worker` options, space-separated")
+    parser.add_argument("--backends", default="hf,vllm", help="sampler backends compared in rows 5, comma-separated")
+    parser.add_argument("--backends_only", action="store_true", help="only the backend rows (5)")
     args = parser.parse_args()
 
     from treadle import ServiceClient
@@ -124,6 +152,9 @@ def main() -> None:
     inproc = InProcess(model_dir, args.rank)
     inproc.torch.set_num_threads(args.threads)
     prompts = chat_prompts(inproc.host.tokenizer, max(args.prompts, args.sessions * args.session_prompts))
+    if args.backends_only:
+        print_backends(backend_rows(model_dir, prompts, args), args)
+        return
     with tempfile.TemporaryDirectory() as tmp, LocalStack([f"bench={model_dir}"], home=f"{tmp}/stack",
                                                           worker_args=args.worker_args.split()) as stack:
         service = ServiceClient(broker_url=stack.broker_url, storage_url=stack.storage_url)
@@ -164,6 +195,17 @@ def main() -> None:
     print(f"\ntreadle at once / in-process generate: {ratio(names[1], names[0]):.2f}x  (target >= 0.9)")
     print(f"treadle at once / one at a time:       {ratio(names[1], names[2]):.2f}x  (target >= 2)")
     print(f"{args.sessions} sessions at once / one after another: {ratio(names[3], names[4]):.2f}x  (target >= 2.5)")
+    if args.backends:
+        print_backends(backend_rows(model_dir, prompts, args), args)
+
+
+def print_backends(results: dict[str, list[tuple[int, float]]], args) -> None:
+    print(f"\nsampler backends, engine level, {args.prompts} prompts x {args.samples} samples x {args.tokens} tokens, "
+          f"T=1, {args.threads} torch threads, {args.rounds} rounds (median)")
+    print(f"{'backend':<34}{'tokens':>8}{'seconds':>9}{'tokens/s':>10}")
+    for name, runs in results.items():
+        print(f"{name:<34}{statistics.median(n for n, _ in runs):>8.0f}{statistics.median(s for _, s in runs):>9.1f}"
+              f"{statistics.median(n / s for n, s in runs):>10.1f}")
 
 
 if __name__ == "__main__":

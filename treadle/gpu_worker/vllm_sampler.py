@@ -121,6 +121,9 @@ class VllmSampler:
             gpu_memory_utilization=self.options.gpu_memory_share,
             # Prompt logprobs cannot come from cached prefixes; eager mode skips CUDA-graph capture at start.
             enable_prefix_caching=False, enforce_eager=self.host.device.type != "cuda",
+            # On CPU a seeded request whose prompt is prefilled in chunks fails the step: vLLM 0.32 rewinds
+            # its generator with get_offset, which CPU generators lack. So there, whole prompts only.
+            **({} if self.host.device.type == "cuda" else {"enable_chunked_prefill": False}),
         )
 
     def _env(self) -> dict:

