@@ -60,6 +60,9 @@ class AdapterBank:
         self.host = host
         self.peft_model: peft.PeftModel | None = None
         self._counter = 0
+        # (adapter, trainable) of the last set_adapter: PEFT's set_adapter walks every module of the model
+        # (a quarter of a short forward op's worker time on the tiny model), so `using` skips a repeat.
+        self._active: tuple[str, bool] | None = None
 
     def new_name(self) -> str:
         self._counter += 1
@@ -82,7 +85,7 @@ class AdapterBank:
                 self.peft_model.eval()
             else:
                 self.peft_model.add_adapter(name, config)
-        self.peft_model.set_adapter(name, inference_mode=True)  # frozen until a training op activates it
+        self._activate(name, trainable=False)  # frozen until a training op activates it
 
     def _check_targets(self, config: peft.LoraConfig) -> None:
         present = {module_name.rsplit(".", 1)[-1] for module_name, _ in self.host.model.named_modules()}
@@ -96,6 +99,8 @@ class AdapterBank:
         with warnings.catch_warnings():  # peft warns when the active adapter goes; every op re-activates its own
             warnings.simplefilter("ignore", UserWarning)
             self.peft_model.delete_adapter(name)
+        if self._active is not None and self._active[0] == name:
+            self._active = None
 
     def config(self, name: str) -> peft.LoraConfig:
         return self.peft_model.peft_config[name]
@@ -157,11 +162,17 @@ class AdapterBank:
             if self.peft_model is None:
                 yield self.host.model
             else:
-                with self.peft_model.disable_adapter():
-                    yield self.peft_model
+                try:
+                    with self.peft_model.disable_adapter():
+                        yield self.peft_model
+                finally:  # re-enabling the adapter layers makes the active adapter trainable again
+                    self._active = None
             return
-        self.peft_model.set_adapter(name, inference_mode=not trainable)
-        try:
-            yield self.peft_model
-        finally:
-            self.peft_model.set_adapter(name, inference_mode=True)
+        self._activate(name, trainable=trainable)
+        yield self.peft_model
+
+    def _activate(self, name: str, *, trainable: bool) -> None:
+        """Make `name` the active adapter, its tensors trainable or frozen (every other adapter's frozen)."""
+        if self._active != (name, trainable):
+            self.peft_model.set_adapter(name, inference_mode=not trainable)
+            self._active = (name, trainable)
