@@ -7,10 +7,9 @@ store moves the directories that `save_state` / `save_sampler_weights` write.
 
 Every public method takes one lock, a FIFO `DeviceLock`: the active adapter is process-wide state of
 the PeftModel, so ops must not interleave even when a threaded worker calls from several threads.
-Sampling goes through the engine's `SamplerBackend` (`sampler_backend`): the HF `SampleScheduler`
-batches every pending sample request of every sampler (and the base model) into one decode loop and
-takes the same lock once per forward, so a training op waits at most one decode step; the vLLM
-backend samples in a child process and never takes it. Every request is validated completely before any tensor is touched, so a rejected request leaves the session as it was.
+Sampling goes through the engine's `SamplerBackend`: the HF `SampleScheduler` batches every pending sample
+request of every sampler (and the base model) into one decode loop and takes the same lock once per forward,
+so a training op waits at most one decode step; the vLLM backend samples in a child process, lock-free. Every request is validated completely before any tensor is touched, so a rejected request leaves the session as it was.
 """
 
 from __future__ import annotations
@@ -30,9 +29,8 @@ from treadle.gpu_worker.logprobs import micro_batches, target_logprobs
 from treadle.gpu_worker.losses import LOSSES
 from treadle.gpu_worker.model_host import ModelHost
 from treadle.gpu_worker.optimizer import SessionOptimizer
-from treadle.gpu_worker.sampler_backend import SamplerKind, make_sampler
+from treadle.gpu_worker.sampler_backend import SamplerKind, VllmOptions, make_sampler
 from treadle.gpu_worker.state import TrainingState, capture_rng, read_state, restore_rng, write_state
-from treadle.gpu_worker.vllm_sampler import VllmOptions
 from treadle.gpu_worker.validation import (PreparedDatum, check_loss, check_same_adapter, check_tokens, prepare_data,
                                           prepare_sample)
 from treadle.types import (
@@ -71,8 +69,7 @@ class Engine:
         dtype: str | None = None,
         max_tokens_per_microbatch: int = 4096,
         sampling_max_batch_tokens: int = 16384,
-        sampler: SamplerKind = "hf",
-        vllm: VllmOptions | None = None,
+        sampler: SamplerKind = "hf", vllm: VllmOptions | None = None,
     ):
         self._host = ModelHost(model, device=device, dtype=dtype)
         self._bank = AdapterBank(self._host)

@@ -51,8 +51,7 @@ from treadle.types import SampledSequence, SampleResponse
 log = logging.getLogger("treadle.sampler.vllm")
 
 SERVER = Path(__file__).with_name("vllm_server.py")
-# vLLM builds its LoRA kernels for these maximum ranks only.
-VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the max_lora_rank values vLLM accepts
 STARTUP_TIMEOUT_S = 900.0
 
 
@@ -119,7 +118,7 @@ class VllmSampler:
             max_loras=self.options.max_loras, max_cpu_loras=max(self.options.max_cpu_loras, self.options.max_loras),
             max_logprobs=self.options.max_logprobs, logprobs_mode="processed_logprobs", generation_config="vllm",
             gpu_memory_utilization=self.options.gpu_memory_share,
-            # Prompt logprobs cannot come from cached prefixes; eager mode skips CUDA-graph capture at start.
+            # Prompt logprobs cannot come from cached prefixes; on CPU, eager mode skips torch.compile at start.
             enable_prefix_caching=False, enforce_eager=self.host.device.type != "cuda",
             # On CPU a seeded request whose prompt is prefilled in chunks fails the step: vLLM 0.32 rewinds
             # its generator with get_offset, which CPU generators lack. So there, whole prompts only.
@@ -130,10 +129,7 @@ class VllmSampler:
         env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE=str(self.options.cpu_kv_cache_gib),
                    VLLM_LOGGING_LEVEL=os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"))
         env.pop("PYTHONPATH", None)  # the child runs in its own venv, not on the worker's path
-        if self.host.device.type == "cuda":
-            env["CUDA_VISIBLE_DEVICES"] = str(self.host.device.index or 0)
-        else:
-            env["CUDA_VISIBLE_DEVICES"] = ""
+        env["CUDA_VISIBLE_DEVICES"] = str(self.host.device.index or 0) if self.host.device.type == "cuda" else ""
         return env
 
     # ------------------------------------------------------------ SamplerBackend
