@@ -126,8 +126,9 @@ class VllmSampler:
         )
 
     def _env(self) -> dict:
+        # No usage statistics: vLLM would otherwise report to its makers' server from a worker.
         env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE=str(self.options.cpu_kv_cache_gib),
-                   VLLM_LOGGING_LEVEL=os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"))
+                   VLLM_LOGGING_LEVEL=os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"), VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1")
         env.pop("PYTHONPATH", None)  # the child runs in its own venv, not on the worker's path
         env["CUDA_VISIBLE_DEVICES"] = str(self.host.device.index or 0) if self.host.device.type == "cuda" else ""
         return env
@@ -233,11 +234,9 @@ class VllmSampler:
             mid = next(self._ids)
             self._futures[mid] = (future, convert, adapter)
             self._in_flight[adapter] += 1
-            self._send({"id": mid, "op": "sample", "prompt": prompt, "params": params, "lora": lora})
+            message = {"id": mid, "op": "sample", "prompt": prompt, "params": params, "lora": lora}
+            self._conn.sendall((json.dumps(message) + "\n").encode())
         return future
-
-    def _send(self, message: dict) -> None:
-        self._conn.sendall((json.dumps(message) + "\n").encode())
 
     def _read(self) -> None:
         for line in self._lines:
@@ -274,7 +273,7 @@ class VllmSampler:
             if not self._closed:
                 mid = next(self._ids)
                 self._futures[mid] = (None, None, None)
-                self._send({"id": mid, "op": "remove_lora", "lora_id": lora["id"]})
+                self._conn.sendall((json.dumps({"id": mid, "op": "remove_lora", "lora_id": lora["id"]}) + "\n").encode())
         shutil.rmtree(lora["path"], ignore_errors=True)
 
 
