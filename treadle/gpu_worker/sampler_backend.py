@@ -24,7 +24,8 @@ from treadle.gpu_worker.adapters import AdapterBank
 from treadle.gpu_worker.batch_decode import SampleJob
 from treadle.gpu_worker.device_lock import DeviceLock
 from treadle.gpu_worker.model_host import ModelHost
-from treadle.gpu_worker.vllm_sampler import VllmOptions, vllm_python
+from treadle.gpu_worker.sample_scheduler import SampleScheduler
+from treadle.gpu_worker.vllm_sampler import VllmOptions, VllmSampler, vllm_python
 
 log = logging.getLogger("treadle.sampler")
 
@@ -58,9 +59,5 @@ def make_sampler(kind: SamplerKind, bank: AdapterBank, host: ModelHost, device_l
     chosen = resolve_kind(kind, options)
     log.info("sampler for %s: %s%s", host.name, chosen, " (auto)" if kind == "auto" else "")
     if chosen == "vllm":
-        from treadle.gpu_worker.vllm_sampler import VllmSampler
-
         return VllmSampler(bank, host, options)
-    from treadle.gpu_worker.sample_scheduler import SampleScheduler
-
     return SampleScheduler(bank, host, device_lock, max_batch_tokens=max_batch_tokens, max_forward_tokens=max_forward_tokens)
