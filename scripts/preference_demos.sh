@@ -31,7 +31,7 @@ for recipe in $RECIPES; do
     kto) args=(--examples 160 --heldout_pairs 32 --reference forward --steps 10 --batch_size 16 --learning_rate 2e-4 --save_every 10) ;;
     distill)
       teacher=${TEACHER_PATH:-$(grep -o '"state_path": *"treadle://[^"]*"' "$OUT/dpo/checkpoints.jsonl" | tail -1 | sed 's/.*"\(treadle:[^"]*\)"/\1/')}
-      args=(--teacher_path "$teacher" --steps 10 --prompts_per_batch 8 --samples_per_prompt 4 --eval_prompts 16 --learning_rate 2e-4 --save_every 10) ;;
+      args=(--teacher_path "$teacher" --steps 8 --prompts_per_batch 8 --samples_per_prompt 4 --eval_prompts 16 --learning_rate 2e-4 --save_every 8) ;;
     *) echo "unknown recipe $recipe" >&2; exit 2 ;;
   esac
   echo "== $recipe: ${args[*]}"
