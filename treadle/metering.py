@@ -92,14 +92,19 @@ class Meter:
         self.retention_s = retention_s
         self._script = redis.register_script(_RECORD)
 
-    def record(self, usage: OpUsage) -> bool:
-        """Add one op's usage; False (and nothing counted) when this (session, op_id) was recorded before."""
+    def record(self, usage: OpUsage, client=None) -> bool:
+        """Add one op's usage; False (and nothing counted) when this (session, op_id) was recorded before.
+
+        `client`: a pipeline to queue the record on (its answer then comes with the pipeline's)."""
         keys = [_ops_key(usage.session_id), _totals_key("session", usage.session_id), _totals_key("owner", usage.owner),
                 _timeline_key(usage.owner), OWNERS_KEY]
         args = [usage.op_id, usage.model_dump_json(), repr(usage.at), self.retention_s,
                 f"{usage.op_id}@{usage.session_id}", usage.owner, "ops", 1]
         for name in METRICS:
             args += [name, repr(getattr(usage, name))]
+        if client is not None:  # EVAL, not the cached script: a pipeline would first ask Redis if it has it
+            client.eval(_RECORD, len(keys), *keys, *args)
+            return True
         return bool(self._script(keys=keys, args=args))
 
     def session_usage(self, session_id: str) -> Usage:

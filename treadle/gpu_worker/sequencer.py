@@ -28,6 +28,7 @@ from treadle.errors import ServerError, TreadleError
 from treadle.gpu_worker.hosting import OwnedSession, SessionHost
 from treadle.gpu_worker.op_handlers import handler_for
 from treadle.gpu_worker.usage import UsageRecorder
+from treadle.metering import OpUsage
 from treadle.queue import names
 from treadle.queue.journal import JournalEntry
 from treadle.queue.ops import OpRequest, encode_result
@@ -44,6 +45,8 @@ class Sequencer:
         self.host = host
         self.app = app
         self.results = ResultStore(app)
+        # Results in the broker's Redis (the default): an op's usage, result and applied seq are one write.
+        self._one_write = self.results.in_redis(app.conf.broker_url)
         self.usage = usage
         self._after_op = after_op  # automatic checkpoints
         self._reload = reload  # an idle-unloaded session comes back before its next op
@@ -83,7 +86,7 @@ class Sequencer:
                 return
 
     def _run(self, owned: OwnedSession, entry: JournalEntry) -> None:
-        started, request, response, error = time.monotonic(), None, None, None
+        started, request, response, payload, error = time.monotonic(), None, None, None, None
         try:
             handler = handler_for(entry.op)
             request: OpRequest = entry.request()
@@ -98,17 +101,32 @@ class Sequencer:
         # down while the result is stored, a redelivered doorbell must find the seq applied, or the op
         # would run twice (gradients added twice).
         owned.applied = entry.seq
-        if request is not None:  # metered before the result is stored: see treadle.gpu_worker.usage
-            seconds, outcome = time.monotonic() - started, "ok" if error is None else f"{error.category}_error"
-            _through_outages(lambda: self.usage.op_finished(
+        usage = None
+        if request is not None:
+            usage = self.usage.observe(
                 session_id=entry.session_id, op_id=str(entry.seq), request=request, response=response,
-                owner=owned.record.owner, base_model=owned.record.base_model, seconds=seconds, outcome=outcome))
-        if error is None:
-            _through_outages(lambda: self.results.store_ok(entry.future_id, payload))
-        else:
-            _through_outages(lambda: self.results.store_error(entry.future_id, error))
-        _through_outages(lambda: self.host.registry.update(entry.session_id, applied=entry.seq, last_activity=time.time()))
+                owner=owned.record.owner, base_model=owned.record.base_model, seconds=time.monotonic() - started,
+                outcome="ok" if error is None else f"{error.category}_error")
+        _through_outages(lambda: self._record(entry, usage, payload, error))
         self._after_op(owned, entry.op)
+
+    def _record(self, entry: JournalEntry, usage: OpUsage | None, payload: dict | None, error: TreadleError | None) -> None:
+        """Meter the op, store its result, mark its seq applied: in this order (a seq is never marked applied
+        without its result, see treadle.gpu_worker.usage for the meter), and in one MULTI/EXEC when results
+        live in the broker's Redis. Safe to repeat: the meter counts an op once, the rest are plain sets."""
+        with self.host.registry.redis.pipeline(transaction=True) as pipe:
+            if usage is not None:
+                self.usage.record(usage, client=pipe)
+            if self._one_write:
+                self.results.queue_store(pipe, entry.future_id, payload, error)
+            else:
+                pipe.execute()
+                if error is None:
+                    self.results.store_ok(entry.future_id, payload)
+                else:
+                    self.results.store_error(entry.future_id, error)
+            self.host.registry.update(entry.session_id, client=pipe, applied=entry.seq, last_activity=time.time())
+            pipe.execute()
 
     def _not_ours(self, session_id: str, seq: int) -> None:
         """A doorbell for a session this worker does not own: answer if the session is gone, else pass it on."""

@@ -4,8 +4,8 @@ Tokens count what the loop sent, never padding: `forward_backward` trains the in
 datums, `forward` prefills them, `sample` prefills its prompt once and samples what it returns (every
 sequence's tokens). Other ops (optim_step, checkpoints) cost only compute seconds.
 
-The sequencer calls `op_finished` after an op's handler and before its result is stored and its seq
-applied. A worker killed in between leaves the seq unapplied, so the op runs again on the adopting
+The sequencer meters an op after its handler, in the same transaction that stores its result and marks
+its seq applied (before them when results live in another Redis). A worker killed in between leaves the seq unapplied, so the op runs again on the adopting
 worker, whose record of the same `(session, seq)` the meter ignores: the op is counted once either way.
 Ops a rebuild replays (seq at or below applied) were counted when they first ran and are not seen here.
 
@@ -48,12 +48,25 @@ class UsageRecorder:
     def op_finished(self, *, session_id: str, op_id: str, request: OpRequest, response: BaseModel | None,
                     owner: str | None, base_model: str, seconds: float, outcome: str) -> None:
         """Meter a successful op and observe every op. `outcome`: ok | user_error | server_error."""
+        usage = self.observe(session_id=session_id, op_id=op_id, request=request, response=response, owner=owner,
+                             base_model=base_model, seconds=seconds, outcome=outcome)
+        if usage is not None:
+            self.record(usage)
+
+    def observe(self, *, session_id: str, op_id: str, request: OpRequest, response: BaseModel | None,
+                owner: str | None, base_model: str, seconds: float, outcome: str) -> OpUsage | None:
+        """The worker's metrics of one op; returns the usage to meter (None for a failed op, which is not billed)."""
         usage = OpUsage(session_id=session_id, op_id=op_id, op=request.op, owner=owner or SDK_OWNER,
                         base_model=base_model, compute_s=seconds,
                         **(token_counts(request, response) if outcome == "ok" else {}))
-        if outcome == "ok" and not self.meter.record(usage):
-            log.info("usage of %s op %s was recorded before (a replay or redelivery): not counted again", session_id, op_id)
         metrics.observe_op(request.op, base_model, seconds, outcome, usage if outcome == "ok" else None)
+        return usage if outcome == "ok" else None
+
+    def record(self, usage: OpUsage, client=None) -> None:
+        """Meter it durably, once per (session, op id); `client`: a pipeline to queue the record on."""
+        if not self.meter.record(usage, client=client):
+            log.info("usage of %s op %s was recorded before (a replay or redelivery): not counted again",
+                     usage.session_id, usage.op_id)
 
     def control_op_finished(self, sessions: SessionRegistry, future_id: str, request: OpRequest,
                             response: BaseModel | None, seconds: float, outcome: str) -> None:

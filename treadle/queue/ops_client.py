@@ -211,36 +211,47 @@ class OpsClient:
         return self.results.is_done(future_id)
 
     def wait(self, future_id: str, timeout: float | None = None, *, what: str | None = None, base_model: str | None = None) -> dict:
-        """Block until the op's result is stored; re-raises its error. Rides out Redis outages."""
+        """Block until the op's result is stored; re-raises its error. Rides out Redis outages.
+
+        The wait sleeps on the result's channel (see `ResultStore.watch`) and polls when woken, and at
+        least every `WATCHED_POLL_S` in case a wake-up was lost (a reconnect); without a subscription
+        it polls every ~1 ms while the op is young, then backs off to 20 ms."""
         deadline = None if timeout is None else time.monotonic() + timeout
         started = time.monotonic()
         # The first liveness check comes soon: a future that can never resolve fails within a second.
         delay, outage_since, next_worker_check, no_worker_since = 0.0005, None, started + 0.5, None
-        while True:
-            try:
-                done, value = self.results.poll(future_id)
-                outage_since = None
-            except (redis_lib.ConnectionError, redis_lib.TimeoutError, OSError) as exc:
-                outage_since = outage_since or time.monotonic()
-                if time.monotonic() - outage_since > REDIS_OUTAGE_TOLERANCE_S:
-                    raise BrokerUnavailableError(f"lost Redis at {self.result_url} for over {REDIS_OUTAGE_TOLERANCE_S:.0f} s while waiting for {future_id}: {exc}") from None
-                done, value, delay = False, None, 0.5
-            if done:
-                return value
-            now = time.monotonic()
-            if deadline is not None and now >= deadline:
-                raise FutureTimeoutError(f"{what or future_id}: no result within {timeout} s")
-            if now >= next_worker_check:
-                next_worker_check = now + 2
-                self.check_future(future_id)
-                if base_model is not None:
-                    if any(m.name == base_model for m in self._served_or_none()):
-                        no_worker_since = None
-                    else:
-                        no_worker_since = no_worker_since or now
-                        if now - no_worker_since > NO_WORKER_GRACE_S:
-                            self.require_model(base_model)  # raises the clear "no worker" error
-            # Poll every ~1 ms while an op is young (most are short), then back off to 20 ms.
-            cap = 0.001 if now - started < 0.25 else 0.02
-            time.sleep(min(delay, cap) if deadline is None else min(delay, cap, max(0.0, deadline - now)))
-            delay *= 1.5
+        with self.results.watch(future_id) as watch:
+            while True:
+                try:
+                    done, value = self.results.poll(future_id)
+                    outage_since = None
+                except (redis_lib.ConnectionError, redis_lib.TimeoutError, OSError) as exc:
+                    outage_since = outage_since or time.monotonic()
+                    if time.monotonic() - outage_since > REDIS_OUTAGE_TOLERANCE_S:
+                        raise BrokerUnavailableError(f"lost Redis at {self.result_url} for over {REDIS_OUTAGE_TOLERANCE_S:.0f} s while waiting for {future_id}: {exc}") from None
+                    done, value, delay = False, None, 0.5
+                if done:
+                    return value
+                now = time.monotonic()
+                if deadline is not None and now >= deadline:
+                    raise FutureTimeoutError(f"{what or future_id}: no result within {timeout} s")
+                if now >= next_worker_check:
+                    next_worker_check = now + 2
+                    self.check_future(future_id)
+                    if base_model is not None:
+                        if any(m.name == base_model for m in self._served_or_none()):
+                            no_worker_since = None
+                        else:
+                            no_worker_since = no_worker_since or now
+                            if now - no_worker_since > NO_WORKER_GRACE_S:
+                                self.require_model(base_model)  # raises the clear "no worker" error
+                if watch.subscribed and outage_since is None:
+                    pause = min(WATCHED_POLL_S, next_worker_check - now)
+                else:
+                    pause = min(delay, 0.001 if now - started < 0.25 else 0.02)
+                    delay *= 1.5
+                watch.sleep(max(0.0, pause if deadline is None else min(pause, deadline - now)))
+
+
+# How often a wait that sleeps on its result's channel polls anyway (a wake-up lost in a reconnect).
+WATCHED_POLL_S = 0.25

@@ -78,8 +78,9 @@ class SessionRegistry:
             return None
         return SessionRecord.model_validate(self._decode(raw))
 
-    def update(self, session_id: str, **fields) -> None:
-        self.redis.hset(names.session_key(session_id), mapping=self._encode(fields))
+    def update(self, session_id: str, *, client=None, **fields) -> None:
+        """Set fields of the record; `client`: a pipeline to queue the write on."""
+        (client or self.redis).hset(names.session_key(session_id), mapping=self._encode(fields))
 
     def all(self) -> list[SessionRecord]:
         out = []

@@ -1,0 +1,81 @@
+"""Op results in a real Redis: the sequencer's one-write store reads back as Celery's own, waits wake on it."""
+
+from __future__ import annotations
+
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from treadle.errors import InvalidRequestError
+from treadle.gpu_worker.sequencer import Sequencer
+from treadle.gpu_worker.usage import UsageRecorder
+from treadle.metering import Meter, OpUsage, Usage
+from treadle.queue.celery_app import make_app
+from treadle.queue import names
+from treadle.queue.journal import JournalEntry
+from treadle.queue.results import ResultStore
+from treadle.queue.sessions import SessionRegistry
+
+
+def test_a_pipelined_store_reads_back_like_celerys_own(redis_client, redis_url):
+    results = ResultStore(make_app(redis_url))
+    assert results.in_redis(redis_url) and not results.in_redis(redis_url[:-1] + "1")
+    value = {"loss": 1.5, "metrics": {"n": 3}}
+    results.store_ok("s:1", value)
+    error = InvalidRequestError("data[0].weights: length 3 != 4 tokens")
+    results.store_error("s:2", error)
+    with redis_client.pipeline() as pipe:
+        results.queue_store(pipe, "s:3", value, None)
+        results.queue_store(pipe, "s:4", None, error)
+        pipe.execute()
+    assert results.poll("s:1") == results.poll("s:3") == (True, value)
+    for fid in ("s:2", "s:4"):
+        with pytest.raises(InvalidRequestError, match="length 3 != 4 tokens"):
+            results.poll(fid)
+    assert redis_client.ttl(results.backend.get_key_for_task("s:3")) > 0  # results expire like Celery's
+
+
+def test_a_watch_wakes_its_sleeper_when_the_result_is_stored(redis_client, redis_url):
+    results = ResultStore(make_app(redis_url))
+    writer = ResultStore(make_app(redis_url))
+
+    def store_as_the_sequencer_does():
+        with redis_client.pipeline() as pipe:
+            writer.queue_store(pipe, "s:7", {"ok": True}, None)
+            pipe.execute()
+
+    with results.watch("s:7") as watch:
+        assert watch.subscribed and results.poll("s:7") == (False, None)
+        threading.Timer(0.3, store_as_the_sequencer_does).start()
+        started = time.monotonic()
+        watch.sleep(30)  # a plain sleep would take all 30 s
+        woke_after = time.monotonic() - started
+    assert results.poll("s:7") == (True, {"ok": True})
+    assert 0.2 < woke_after < 15, woke_after
+    # The thread's subscription is reused, and a late message of the old channel does not wake the next.
+    with results.watch("s:8") as watch:
+        writer.store_ok("s:7", {"again": 1})
+        started = time.monotonic()
+        watch.sleep(0.5)
+        assert time.monotonic() - started >= 0.45
+
+
+@pytest.mark.parametrize("results_db", ["same", "other"])
+def test_an_ops_usage_result_and_applied_seq_are_all_written(redis_client, redis_url, results_db):
+    """Results in the broker's Redis take the one-transaction path; in another Redis, three writes."""
+    result_url = redis_url if results_db == "same" else redis_url[:-1] + "1"
+    app = make_app(redis_url, result_url)
+    app.backend.client.flushdb()
+    registry = SessionRegistry(redis_client)
+    sequencer = Sequencer(SimpleNamespace(registry=registry), app, after_op=None, reload=None,
+                          usage=UsageRecorder(redis_client))
+    assert sequencer._one_write == (results_db == "same")
+    entry = JournalEntry(session_id="s1", seq=4, op="forward_backward", submitted_at=0.0, raw_request=b"")
+    usage = OpUsage(session_id="s1", op_id="4", op="forward_backward", base_model="tiny", trained_tokens=12, compute_s=0.5)
+    for _ in range(2):  # a retry through a Redis outage repeats the whole write: still counted once
+        sequencer._record(entry, usage, {"loss": 2.0}, None)
+    assert ResultStore(app).poll("s1:4") == (True, {"loss": 2.0})
+    assert redis_client.hget(names.session_key("s1"), "applied") == b"4"
+    assert Meter(redis_client).session_usage("s1") == Usage(ops=1, trained_tokens=12, compute_s=0.5)
