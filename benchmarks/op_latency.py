@@ -7,6 +7,7 @@ engine, side by side, as the baseline.
 
     .venv/bin/python benchmarks/op_latency.py [--n 300]
     .venv/bin/python benchmarks/op_latency.py --compare /path/to/other/checkout [--rounds 3]
+    .venv/bin/python benchmarks/op_latency.py --threads 1   # torch threads of the worker and the in-process step
 
 `--compare` runs the same measurements on another checkout of treadle (for example the commit
 before a change: `git worktree add /tmp/before <commit>`), interleaved round by round in one run
@@ -117,9 +118,11 @@ def inprocess_step_ms(model_dir: str, n: int) -> float:
     return statistics.median(lat)
 
 
-def run_child(checkout: str, n: int) -> dict[str, float]:
+def run_child(checkout: str, n: int, threads: int | None) -> dict[str, float]:
     """One round in a fresh process whose `treadle` (and its workers') comes from `checkout`."""
     env = {**os.environ, "PYTHONPATH": os.path.abspath(checkout)}
+    if threads:  # read by torch in the child (the in-process step) and in the worker it starts
+        env["OMP_NUM_THREADS"] = str(threads)
     out = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", "--n", str(n)], env=env,
                          cwd=os.path.abspath(checkout), capture_output=True, text=True, timeout=1800)
     if out.returncode != 0:
@@ -138,7 +141,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--n", type=int, default=300, help="ops per measurement")
     parser.add_argument("--compare", metavar="CHECKOUT", help="another checkout of treadle to measure side by side")
-    parser.add_argument("--rounds", type=int, default=3, help="with --compare: interleaved rounds per side")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds per side (interleaved with --compare)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads of the worker and of the in-process step (default: torch's, one per core)")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -147,13 +152,13 @@ def main() -> None:
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     sides = {"this": here, **({"other": args.compare} if args.compare else {})}
     results: dict[str, list[dict]] = {side: [] for side in sides}
-    for r in range(args.rounds if args.compare else 1):
+    for r in range(args.rounds):
         for side, checkout in (sides.items() if r % 2 == 0 else reversed(sides.items())):
             print(f"round {r + 1}: {side} ({checkout}) ...", file=sys.stderr, flush=True)
-            results[side].append(run_child(checkout, args.n))
+            results[side].append(run_child(checkout, args.n, args.threads))
     med = {side: {k: statistics.median(x[k] for x in rs) for k in rs[0]} for side, rs in results.items()}
-    print(f"\nop latency through treadle (one session, {args.n} ops each, loopback Redis, 1 worker; "
-          f"medians of {len(results['this'])} round(s))")
+    print(f"\nop latency through treadle (one session, {args.n} ops each, loopback Redis, 1 worker, "
+          f"torch threads {args.threads or 'default'}; medians of {len(results['this'])} round(s))")
     head = f"{'':<30}{'this':>12}" + (f"{'other':>12}{'this/other':>12}" if args.compare else "")
     print(head)
     for label, key in ROWS:
