@@ -2,6 +2,7 @@
 frozen samplers, sampling semantics, state round trips, merged export and request validation."""
 
 import math
+import threading
 
 import pytest
 import torch
@@ -242,6 +243,20 @@ def test_snapshot_is_frozen_while_training_continues(engine):
     # The training did move the session: a new snapshot scores the same prompt differently.
     engine.snapshot_sampler("freeze", "freeze-v2")
     assert engine.compute_logprobs("freeze-v2", prompt) != engine.compute_logprobs("freeze-v1", prompt)
+
+
+def test_a_sample_request_is_queued_while_the_device_is_busy(engine):
+    """A burst of requests must reach the scheduler together, not one decode step (which holds the
+    device) apart; so queueing a request never waits for the device."""
+    prompt, queued = ModelInput.from_ints([5, 6, 7, 8]), []
+    with engine._lock:  # a decode step or a training op holds the device
+        thread = threading.Thread(target=lambda: queued.append(
+            engine.sample_async(None, prompt, 2, SamplingParams(max_tokens=4, seed=1))))
+        thread.start()
+        thread.join(timeout=20)
+        assert not thread.is_alive() and len(queued) == 1, "sample_async waited for the device"
+        assert not queued[0].done()  # queued, not run: the device is still ours
+    assert len(queued[0].result(timeout=60).sequences) == 2
 
 
 def test_sampled_logprobs_at_temperature_1_equal_forward_logprobs(engine):

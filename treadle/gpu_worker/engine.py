@@ -14,6 +14,8 @@ so a training op waits at most one decode step; the vLLM backend samples in a ch
 
 from __future__ import annotations
 
+import threading
+
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -76,6 +78,10 @@ class Engine:
         self._sessions: dict[str, _Session] = {}
         self._samplers: dict[str, str] = {}  # sampler id -> adapter name
         self._lock = DeviceLock()
+        # Sampler ids and queueing requests on them; not the device lock, which every decode step holds: a
+        # request waiting for it was queued one forward after the one before, so a burst of requests
+        # entered the batch one decode step apart (more, smaller steps and a prefill each).
+        self._catalog = threading.Lock()
         self.base_model = model
         self.max_seq_len = self._host.max_seq_len
         self.vocab_size = self._host.vocab_size
@@ -206,7 +212,7 @@ class Engine:
         return sampler_id in self._samplers
 
     def drop_sampler(self, sampler_id: str) -> None:
-        with self._lock:
+        with self._lock, self._catalog:  # (in this order, as everywhere)
             adapter = self._sampler(sampler_id)
             del self._samplers[sampler_id]
             # Requests already queued or decoding keep the adapter until they are answered.
@@ -222,7 +228,7 @@ class Engine:
         """Queue a sample request on a frozen sampler (None: the base model); the future resolves to its
         `SampleResponse`. Logprobs are those of the distribution actually sampled from (see
         `treadle.gpu_worker.token_choice`). A rejected request raises here, before it is queued."""
-        with self._lock:
+        with self._catalog:
             adapter = self._sampler(sampler_id) if sampler_id is not None else None
             request = prepare_sample(
                 prompt, num_samples, params, topk_prompt_logprobs, max_seq_len=self.max_seq_len, vocab_size=self.vocab_size
@@ -237,7 +243,7 @@ class Engine:
 
     def compute_logprobs(self, sampler_id: str | None, prompt: ModelInput) -> list[float | None]:
         """Logprob of each prompt token given the ones before it; entry 0 is None (batched with others)."""
-        with self._lock:
+        with self._catalog:
             adapter = self._sampler(sampler_id) if sampler_id is not None else None
             tokens = check_tokens("prompt", prompt.to_ints(), max_seq_len=self.max_seq_len, vocab_size=self.vocab_size)
             future = self.sampler.compute_logprobs(adapter, tokens)

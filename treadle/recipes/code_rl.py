@@ -156,13 +156,15 @@ def submit_group(workers: ThreadPoolExecutor, sampler: Any, version: int, index:
     return index, version, workers.submit(sample_group, sampler, version, index, problem, tokenizer, sandbox, cfg)
 
 
-def evaluate(sampler: Any, tokenizer: Any, sandbox: Sandbox, heldout: list[CodeProblem], cfg: Config, workers: ThreadPoolExecutor,
+def evaluate(sampler: Any, tokenizer: Any, sandbox: Sandbox, heldout: list[CodeProblem], cfg: Config,
              log: RunLog, step: int) -> dict[str, float]:
     """Greedy held-out pass rate (one episode per problem, the same number of turns as training)."""
     started = time.monotonic()
     greedy = SamplingParams(max_tokens=cfg.max_tokens, temperature=1.0, top_k=1, seed=0)
-    futures = [workers.submit(run_episodes, sampler, tokenizer, sandbox, p, cfg, 1, greedy) for p in heldout]
-    attempts = [f.result()[0] for f in tqdm(futures, desc=f"eval @ step {step}", leave=False)]
+    # Every held-out episode at once (a thread each: they mostly wait), so the worker batches them all.
+    with ThreadPoolExecutor(max_workers=max(1, len(heldout))) as episodes:
+        futures = [episodes.submit(run_episodes, sampler, tokenizer, sandbox, p, cfg, 1, greedy) for p in heldout]
+        attempts = [f.result()[0] for f in tqdm(futures, desc=f"eval @ step {step}", leave=False)]
     for problem, a in zip(heldout, attempts):
         log.append("eval_samples.jsonl", step, {"problem": problem.name, "reward": a.grade.reward, "answer": a.answer,
                                                 "first_answer": a.first_answer, "tool_report": a.tool_report})
@@ -198,8 +200,11 @@ def main(cfg: Config, service: ServiceClient | None = None, sandbox: Sandbox | N
     workers = ThreadPoolExecutor(max_workers=cfg.num_rollout_workers, thread_name_prefix="rollout")
     in_flight: deque = deque()  # (problem index, policy version, future of a CodeGroup), oldest first
 
+    last_eval: float | None = None  # shown beside the reward once an eval has run
     if start_step == 1:
-        log.log_metrics(0, evaluate(sampler, tokenizer, sandbox, heldout, cfg, workers, log, 0))
+        before = evaluate(sampler, tokenizer, sandbox, heldout, cfg, log, 0)
+        log.log_metrics(0, before)
+        last_eval = before["eval/pass_rate"]
     final_state_path = last.state_path if last is not None else ""
     progress = tqdm(range(start_step, cfg.steps + 1), desc="code RL", initial=start_step - 1, total=cfg.steps)
     for step in progress:
@@ -260,7 +265,7 @@ def main(cfg: Config, service: ServiceClient | None = None, sandbox: Sandbox | N
             "time/sample_wait": sample_wait, "time/train_wait": time.monotonic() - waited,
         }
         if step == cfg.steps or (cfg.eval_every and step % cfg.eval_every == 0):
-            metrics.update(evaluate(sampler, tokenizer, sandbox, heldout, cfg, workers, log, step))
+            metrics.update(evaluate(sampler, tokenizer, sandbox, heldout, cfg, log, step))
         # ------------------------------------------------------------ checkpoint with the loop position
         checkpoint = None
         if step % cfg.save_every == 0 or step == cfg.steps:
@@ -273,7 +278,8 @@ def main(cfg: Config, service: ServiceClient | None = None, sandbox: Sandbox | N
         log.log_metrics(step, metrics)
         if checkpoint is not None:
             log.record_checkpoint(f"step-{step:06d}", step, final_state_path, checkpoint)
-        progress.set_postfix(reward=f"{metrics['reward/mean']:.2f}", eval=f"{metrics.get('eval/pass_rate', float('nan')):.2f}")
+        last_eval = metrics.get("eval/pass_rate", last_eval)
+        progress.set_postfix(reward=f"{metrics['reward/mean']:.2f}", **({} if last_eval is None else {"eval_pass": f"{last_eval:.2f}"}))
     workers.shutdown(wait=False, cancel_futures=True)
 
     # -------------------------------------------------------------------- curve and summary
