@@ -9,18 +9,7 @@ cd "$(dirname "$0")/.."
 OUT=${1:-runs/code_rl_demo}
 shift || true
 SEEDS=${*:-0 1}
-MODEL_DIR=${MODEL_DIR:-$HOME/.cache/treadle/models/SmolLM2-135M-Instruct}
-PY=${PY:-.venv/bin/python}
-export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} HF_HUB_OFFLINE=1
-mkdir -p "$OUT"
-[ -d "$MODEL_DIR" ] || { echo "no model at $MODEL_DIR: run 'treadle demo' once first" >&2; exit 1; }
-
-"$(dirname "$PY")/treadle" up --model "SmolLM2-135M-Instruct=$MODEL_DIR" --runners 0 --home "$OUT/stack" >"$OUT/stack.log" 2>&1 &
-STACK=$!
-trap 'kill $STACK 2>/dev/null; wait $STACK 2>/dev/null || true' EXIT
-for _ in $(seq 600); do grep -q "treadle is up" "$OUT/stack.log" && break; kill -0 $STACK || { cat "$OUT/stack.log"; exit 1; }; sleep 0.5; done
-grep -q "treadle is up" "$OUT/stack.log" || { echo "the stack did not come up in 300 s" >&2; exit 1; }
-eval "$(grep -o 'export TREADLE_BROKER_URL=[^ ]* TREADLE_STORAGE_URL=[^ ]*' "$OUT/stack.log")"
+source scripts/smollm2_stack.sh
 
 ARGS=(--base_model SmolLM2-135M-Instruct --steps ${STEPS:-5} --groups_per_batch 4 --group_size 4 --max_tokens 128
       --temperature 0.8 --learning_rate 3e-4 --num_rollout_workers 4 --eval_every 0 --save_every 5)
