@@ -5,11 +5,10 @@ a frozen adapter snapshot (or the bare base model). The engine knows nothing of 
 storage: the Celery worker calls these methods in each session's `seq` order, and the checkpoint
 store moves the directories that `save_state` / `save_sampler_weights` write.
 
-Every public method takes one lock, a FIFO `DeviceLock`: the active adapter is process-wide state of
-the PeftModel, so ops must not interleave even when a threaded worker calls from several threads.
-Sampling goes through the engine's `SamplerBackend`: the HF `SampleScheduler` batches every pending sample
-request of every sampler (and the base model) into one decode loop and takes the same lock once per forward,
-so a training op waits at most one decode step; the vLLM backend samples in a child process, lock-free. Every request is validated completely before any tensor is touched, so a rejected request leaves the session as it was.
+Every public method but queueing a sample takes one FIFO `DeviceLock` (the active adapter is PeftModel-wide
+state). The HF `SampleScheduler` batches every pending sample request into one decode loop and takes the lock
+once per forward (a training op waits at most one decode step); vLLM samples in a child process, lock-free.
+Every request is validated completely before any tensor is touched.
 """
 
 from __future__ import annotations
@@ -63,25 +62,15 @@ class _Session:
 class Engine:
     """One base model (loaded once) serving many sessions: one PEFT LoRA adapter + one AdamW per session."""
 
-    def __init__(
-        self,
-        model: str,
-        *,
-        device: str | None = None,
-        dtype: str | None = None,
-        max_tokens_per_microbatch: int = 4096,
-        sampling_max_batch_tokens: int = 16384,
-        sampler: SamplerKind = "hf", vllm: VllmOptions | None = None,
-    ):
+    def __init__(self, model: str, *, device: str | None = None, dtype: str | None = None,
+                 max_tokens_per_microbatch: int = 4096, sampling_max_batch_tokens: int = 16384,
+                 sampler: SamplerKind = "hf", vllm: VllmOptions | None = None):
         self._host = ModelHost(model, device=device, dtype=dtype)
         self._bank = AdapterBank(self._host)
         self._sessions: dict[str, _Session] = {}
         self._samplers: dict[str, str] = {}  # sampler id -> adapter name
         self._lock = DeviceLock()
-        # Sampler ids and queueing requests on them; not the device lock, which every decode step holds: a
-        # request waiting for it was queued one forward after the one before, so a burst of requests
-        # entered the batch one decode step apart (more, smaller steps and a prefill each).
-        self._catalog = threading.Lock()
+        self._catalog = threading.Lock()  # sampler ids; not the device lock, held by every decode step (see sample_async)
         self.base_model = model
         self.max_seq_len = self._host.max_seq_len
         self.vocab_size = self._host.vocab_size
@@ -227,7 +216,8 @@ class Engine:
                      include_prompt_logprobs: bool = False, topk_prompt_logprobs: int = 0) -> Future:
         """Queue a sample request on a frozen sampler (None: the base model); the future resolves to its
         `SampleResponse`. Logprobs are those of the distribution actually sampled from (see
-        `treadle.gpu_worker.token_choice`). A rejected request raises here, before it is queued."""
+        `treadle.gpu_worker.token_choice`). A rejected request raises here, before it is queued. Queueing
+        never waits for the device: a burst would enter the batch one decode step apart."""
         with self._catalog:
             adapter = self._sampler(sampler_id) if sampler_id is not None else None
             request = prepare_sample(

@@ -199,11 +199,9 @@ def main(cfg: Config, service: ServiceClient | None = None, sandbox: Sandbox | N
     sampler, version = training.save_weights_and_get_sampling_client(), start_step - 1
     workers = ThreadPoolExecutor(max_workers=cfg.num_rollout_workers, thread_name_prefix="rollout")
     in_flight: deque = deque()  # (problem index, policy version, future of a CodeGroup), oldest first
-
     last_eval: float | None = None  # shown beside the reward once an eval has run
     if start_step == 1:
-        before = evaluate(sampler, tokenizer, sandbox, heldout, cfg, log, 0)
-        log.log_metrics(0, before)
+        log.log_metrics(0, before := evaluate(sampler, tokenizer, sandbox, heldout, cfg, log, 0))
         last_eval = before["eval/pass_rate"]
     final_state_path = last.state_path if last is not None else ""
     progress = tqdm(range(start_step, cfg.steps + 1), desc="code RL", initial=start_step - 1, total=cfg.steps)
@@ -281,7 +279,6 @@ def main(cfg: Config, service: ServiceClient | None = None, sandbox: Sandbox | N
         last_eval = metrics.get("eval/pass_rate", last_eval)
         progress.set_postfix(reward=f"{metrics['reward/mean']:.2f}", **({} if last_eval is None else {"eval_pass": f"{last_eval:.2f}"}))
     workers.shutdown(wait=False, cancel_futures=True)
-
     # -------------------------------------------------------------------- curve and summary
     png_path = plot_metrics(log.metrics_path, f"{log.log_dir}/curve.png", ["reward/mean", "accuracy/train", "eval/pass_rate"],
                             title=f"code RL, {cfg.max_turns} turn(s) ({cfg.base_model})")
