@@ -5,8 +5,8 @@ datums, `forward` prefills them, `sample` prefills its prompt once and samples w
 sequence's tokens). Other ops (optim_step, checkpoints) cost only compute seconds.
 
 The sequencer meters an op after its handler, in the same transaction that stores its result and marks
-its seq applied (before them when results live in another Redis). A worker killed in between leaves the seq unapplied, so the op runs again on the adopting
-worker, whose record of the same `(session, seq)` the meter ignores: the op is counted once either way.
+its seq applied (before them when results live in another Redis). A worker killed in between leaves the
+seq unapplied, so the op runs again on the adopting worker, whose record of the same `(session, seq)` the meter ignores: the op is counted once either way.
 Ops a rebuild replays (seq at or below applied) were counted when they first ran and are not seen here.
 
 Control ops are keyed by their task id, which a redelivery keeps. A sample is billed to the session
