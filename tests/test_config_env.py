@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import signal
@@ -72,6 +73,73 @@ def test_every_command_documents_its_environment_variables():
     assert "$TREADLE_WORKER_MODEL" in helps["worker"] and "$TREADLE_BROKER_URL" in helps["worker"]
     assert "$TREADLE_GATEWAY_PORT" in helps["gateway"] and "$TREADLE_GATEWAY_BROKER_URL" in helps["gateway"]
     assert "$TREADLE_FLOWER_PORT" in helps["flower"]
+
+
+def _leaf_commands(parser, path=()):
+    """(path, parser) of every command that runs: `worker`, `runs submit`, ..."""
+    subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    if not subs:
+        yield " ".join(path), parser
+    for name, child in (subs[0].choices.items() if subs else ()):
+        yield from _leaf_commands(child, (*path, name))
+
+
+def _commands():
+    from treadle.cli import build_parser
+
+    return dict(_leaf_commands(build_parser()))
+
+
+@pytest.mark.parametrize("command", list(_commands()))
+def test_every_option_of_every_command_is_absent_unless_given(command):
+    """A flag not given must leave the namespace without it (argparse.SUPPRESS), or its argparse default would
+    override the environment and the config file; and every command takes a config file."""
+    parser = _commands()[command]
+    options = [a for a in parser._actions if a.option_strings]
+    assert [a.option_strings for a in options if a.default is not argparse.SUPPRESS] == []
+    assert any("--config" in a.option_strings for a in options)
+    assert parser.get_default("config_spec") is not None  # its options come from a pydantic config
+
+
+def _toml(value) -> str:
+    return str(value).lower() if isinstance(value, bool) else json.dumps(value)
+
+
+# command, positionals, option, section of the config file, then its value from the file, the environment, a flag
+NEWLY_WIRED = [
+    ("checkpoints", ["list"], "out", "checkpoints", "/from-file", "/from-env", "/from-flag"),
+    ("checkpoints", ["list"], "storage_url", "checkpoints", "file:///f", "file:///e", "file:///x"),
+    ("training-runs", [], "limit", "training-runs", 3, 4, 5),
+    ("runs submit", ["--", "true"], "name", "runs.submit", "file-run", "env-run", "flag-run"),
+    ("runs list", [], "broker_url", "runs.list", "redis://file", "redis://env", "redis://flag"),
+    ("runs status", ["r-1"], "json", "runs.status", False, True, False),
+    ("runs logs", ["r-1"], "poll_s", "runs.logs", 1.5, 2.5, 3.5),
+    ("runs stop", ["r-1"], "wait_s", "runs.stop", 7.0, 8.0, 9.0),
+]
+
+
+@pytest.mark.parametrize("command,positionals,option,section,from_file,from_env,from_flag", NEWLY_WIRED)
+def test_environment_beats_the_file_and_a_flag_beats_the_environment(command, positionals, option, section, from_file,
+                                                                     from_env, from_flag, tmp_path, monkeypatch):
+    from treadle.cli import build_parser
+    from treadle.config import config_of
+
+    cfg_file = tmp_path / "treadle.toml"
+    cfg_file.write_text(f"[{section}]\n{option} = {_toml(from_file)}\n")
+    monkeypatch.setenv("TREADLE_CONFIG", str(cfg_file))
+    flag = [f"--{option}" if from_flag is not False else f"--no-{option}"] + ([] if isinstance(from_flag, bool) else [str(from_flag)])
+
+    def resolved(*flags: str):
+        ns = build_parser().parse_args([*command.split(), *flags, *positionals])
+        model, prefix, _ = ns.config_spec
+        name = next(n for n, i in model.model_fields.items() if (i.alias or n) == option)  # `json` is `as_json`
+        return getattr(config_of(ns), name), prefix
+
+    got, prefix = resolved()
+    assert got == from_file
+    monkeypatch.setenv(f"{prefix}{option}".upper(), _toml(from_env).strip('"'))
+    assert resolved()[0] == from_env
+    assert resolved(*flag)[0] == from_flag
 
 
 # ---------------------------------------------------------------- the commands, configured by environment only
@@ -167,3 +235,49 @@ def test_up_uses_only_its_environment(tiny_model_dir, tmp_path):
             proc.send_signal(signal.SIGINT)
             proc.wait(timeout=120)
     assert proc.returncode == 0
+
+
+def _run(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
+    """`treadle <args>` to completion, with the test process's TREADLE_* dropped first."""
+    base = {k: v for k, v in os.environ.items() if not k.startswith("TREADLE_")}
+    return subprocess.run([sys.executable, "-m", "treadle.cli", *args], env={**base, **env}, capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_training_runs_reads_its_store_from_flag_env_then_file(tmp_path):
+    """Three checkpoint stores, one run in each: the one listed is the store of the highest layer set."""
+    from treadle.storage.checkpoint_store import CheckpointStore
+
+    urls = {}
+    for layer in ("file", "env", "flag"):
+        urls[layer] = f"file://{tmp_path / layer}"
+        CheckpointStore.from_url(urls[layer]).put_run(f"run-from-{layer}", {"base_model": "tiny"})
+    cfg_file = tmp_path / "treadle.toml"
+    cfg_file.write_text(f'[training-runs]\nstorage_url = "{urls["file"]}"\n')
+
+    def listed(env, *flags):
+        out = _run(["training-runs", *flags], {"TREADLE_CONFIG": str(cfg_file), **env})
+        assert out.returncode == 0, out.stderr
+        return [json.loads(line)["training_run_id"] for line in out.stdout.splitlines()]
+
+    assert listed({}) == ["run-from-file"]
+    env = {"TREADLE_TRAINING_RUNS_STORAGE_URL": urls["env"]}
+    assert listed(env) == ["run-from-env"]
+    assert listed(env, "--storage_url", urls["flag"]) == ["run-from-flag"]
+
+
+def test_runs_list_reads_its_broker_from_env_over_the_file_and_a_flag_over_env(redis_url, redis_client, tmp_path):
+    """The losing layers name a Redis where nothing listens: the command works only if the right one wins."""
+    from treadle.runs.records import RunSpec, RunStore
+
+    RunStore(redis_client).submit(RunSpec(name="env-listed", command=["true"], cwd=str(tmp_path)))
+    nowhere = f"redis://127.0.0.1:{free_port()}/0"
+    cfg_file = tmp_path / "treadle.toml"
+    cfg_file.write_text(f'[runs.list]\nbroker_url = "{nowhere}"\n')
+    env = {"TREADLE_CONFIG": str(cfg_file), "TREADLE_RUNS_LIST_BROKER_URL": redis_url, "TREADLE_RUNS_LIST_JSON": "true"}
+    out = _run(["runs", "list"], env)
+    assert out.returncode == 0, out.stderr
+    assert [json.loads(line)["spec"]["name"] for line in out.stdout.splitlines()] == ["env-listed"]
+    out = _run(["runs", "list", "--broker_url", redis_url], {**env, "TREADLE_RUNS_LIST_BROKER_URL": nowhere})
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["spec"]["name"] == "env-listed"

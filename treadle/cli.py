@@ -103,6 +103,7 @@ def _broker(url: str | None) -> str:
 class StatusConfig(BaseModel):
     broker_url: str | None = Field(default=None, description="Redis URL of the deployment (default: the running `treadle up` stack).")
     include_stopped: bool = Field(default=False, description="Also list stopped and expired sessions.")
+    as_json: bool = Field(default=False, alias="json", description="One JSON object, for scripts.")
 
 
 def cmd_status(ns) -> None:
@@ -112,13 +113,14 @@ def cmd_status(ns) -> None:
 
     cfg = config_from_args(StatusConfig, ns, "TREADLE_STATUS_", "status")
     report = collect_status(connect_redis(_broker(cfg.broker_url)), include_stopped=cfg.include_stopped)
-    print(report.model_dump_json(indent=2) if ns.json else render(report))
+    print(report.model_dump_json(indent=2) if cfg.as_json else render(report))
 
 
 class UsageConfig(BaseModel):
     broker_url: str | None = Field(default=None, description="Redis URL of the deployment (default: the running `treadle up` stack).")
     owner: str | None = Field(default=None, description="Only this owner (`sdk`: sessions of the treadle SDK); default: every owner.")
     since: str | None = Field(default=None, description="Only ops finished since then: an ISO date-time (UTC if no zone), Unix seconds, or an age like 90m, 24h, 7d.")
+    as_json: bool = Field(default=False, alias="json", description="One JSON object, for scripts.")
 
 
 def parse_since(value: str, now: float | None = None) -> float:
@@ -147,52 +149,12 @@ def cmd_usage(ns) -> None:
     since = None if cfg.since is None else parse_since(cfg.since)
     meter = Meter(connect_redis(_broker(cfg.broker_url)))
     usage = {owner: meter.owner_usage(owner, since=since) for owner in ([cfg.owner] if cfg.owner else meter.owners())}
-    if ns.json:
+    if cfg.as_json:
         print(json.dumps({"since": since, "owners": {o: u.model_dump() for o, u in usage.items()}}, indent=2))
         return
     print(f"{'owner':<20} {'ops':>8} {'prefill':>12} {'sampled':>12} {'trained':>12} {'compute_s':>10}")
     for owner, u in usage.items():
         print(f"{owner:<20} {u.ops:>8} {u.prefill_tokens:>12} {u.sampled_tokens:>12} {u.trained_tokens:>12} {u.compute_s:>10.2f}")
-
-
-def _rest(ns):
-    from treadle.sdk.rest_client import RestClient
-    from treadle.settings import ConnectionSettings
-
-    url = ns.storage_url or ConnectionSettings().storage_url
-    if url is None:
-        from treadle.local_stack import find_running_stack
-
-        found = find_running_stack()
-        url = found.storage_url if found else None
-    return RestClient(url)
-
-
-def cmd_checkpoints(ns) -> None:
-    rest = _rest(ns)
-    if ns.action == "list":
-        runs = [ns.target] if ns.target else [r.training_run_id for r in rest.list_training_runs(limit=10_000)]
-        for run in runs:
-            for c in rest.list_checkpoints(run):
-                expires = time.strftime("%Y-%m-%d %H:%M", time.localtime(c.expires_at)) if c.expires_at else "never"
-                print(f"{c.treadle_path}\t{c.size_bytes or 0:>12,d} B\texpires {expires}")
-    elif ns.action == "info":
-        print(rest.manifest(ns.target).model_dump_json(indent=2))
-    elif ns.action == "download":
-        print(rest.download(ns.target, ns.out))
-    elif ns.action == "export":
-        print(rest.export(ns.target, ns.out, merged=ns.merged))
-    elif ns.action == "delete":
-        rest.delete_checkpoint(ns.target)
-        print(f"deleted {ns.target}")
-    elif ns.action == "gc":
-        removed = rest.gc()
-        print("\n".join(removed) or "nothing expired")
-
-
-def cmd_training_runs(ns) -> None:
-    for run in _rest(ns).list_training_runs(limit=ns.limit):
-        print(json.dumps(run.model_dump(), default=str))
 
 
 def cmd_runner(ns) -> None:
@@ -244,27 +206,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("status", help="Workers (alive, models, sessions, memory), sessions and queue depths.")
     add_config_args(p, StatusConfig, "TREADLE_STATUS_")
-    p.add_argument("--json", action="store_true", help="One JSON object, for scripts.")
     p.set_defaults(func=cmd_status)
 
     p = sub.add_parser("usage", help="Metered usage (tokens, compute seconds) per owner, all-time or since a time.")
     add_config_args(p, UsageConfig, "TREADLE_USAGE_")
-    p.add_argument("--json", action="store_true", help="One JSON object, for scripts.")
     p.set_defaults(func=cmd_usage)
 
-    p = sub.add_parser("checkpoints", help="List, inspect, download, export, delete and expire checkpoints.")
-    p.add_argument("action", choices=["list", "info", "download", "export", "delete", "gc"])
-    p.add_argument("target", nargs="?", help="A run id (list) or a treadle:// path.")
-    p.add_argument("--out", default=".", help="Directory for download/export.")
-    p.add_argument("--merged", action="store_true", help="export: a merged model instead of the adapter.")
-    p.add_argument("--storage_url", default=None)
-    p.set_defaults(func=cmd_checkpoints)
+    from treadle.checkpoints_cli import add_checkpoint_commands
 
-    p = sub.add_parser("training-runs", help="List training runs (the checkpoint store's runs of sessions).")
-    p.add_argument("--limit", type=int, default=50)
-    p.add_argument("--storage_url", default=None)
-    p.set_defaults(func=cmd_training_runs)
-
+    add_checkpoint_commands(sub)
     add_batch_run_commands(sub)
     return parser
 

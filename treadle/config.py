@@ -9,7 +9,11 @@ field reads JSON from the environment (`["a", "b"]`); a list also takes a comma-
 
 The config file is TOML or JSON, named by `--config FILE` or by `TREADLE_CONFIG`. Its keys are field
 names; a table named after the command (`[gateway]`, `[worker]`, ...) holds that command's keys, so one
-file can configure a whole deployment. An unknown key is an error naming it.
+file can configure a whole deployment; a dotted section (`runs.submit`) is a nested table
+(`[runs.submit]`). An unknown key is an error naming it.
+
+A field with an alias (`as_json: bool = Field(alias="json")`) is known by its alias everywhere: its flag,
+its variable and its file key. That is how an option takes a name pydantic keeps for itself (`json`).
 """
 
 from __future__ import annotations
@@ -44,6 +48,11 @@ def env_names(name: str, prefix: str | None) -> list[str]:
     return names
 
 
+def keys_of(model: type[BaseModel]) -> dict[str, Any]:
+    """option name (the alias, else the field's name) -> its FieldInfo."""
+    return {info.alias or name: info for name, info in model.model_fields.items()}
+
+
 def _kind(annotation: Any) -> tuple[Any, bool]:
     """(the annotation without None, whether None is allowed)."""
     if typing.get_origin(annotation) in (typing.Union, types.UnionType):
@@ -72,10 +81,14 @@ def _scalar_parser(annotation: Any):
 
 
 def add_config_args(parser: argparse.ArgumentParser, model: type[BaseModel], env_prefix: str | None = None,
-                    with_config_file: bool = True) -> None:
-    """One `--field` per config field (type, default, description, environment variable) and `--config`."""
+                    with_config_file: bool = True, section: str | None = None) -> None:
+    """One `--field` per config field (type, default, description, environment variable) and `--config`.
+
+    The parsed namespace also carries `config_spec` (model, prefix, section): `config_of(ns)` reads the
+    command's config from it, and a test can map any command to its model without restating it."""
     prefix = env_prefix_of(model, env_prefix)
-    for name, info in model.model_fields.items():
+    parser.set_defaults(config_spec=(model, prefix, section))
+    for name, info in keys_of(model).items():
         default = info.default_factory() if info.default_factory is not None else info.default
         where = ", ".join(f"${n}" for n in env_names(name, prefix))
         shown = "required" if info.is_required() else f"default: {default!r}"
@@ -106,7 +119,7 @@ def _env_value(annotation: Any, text: str) -> Any:
 def from_environment(model: type[BaseModel], prefix: str | None, environ: Mapping[str, str]) -> dict[str, tuple[str, Any]]:
     """field -> (the variable it came from, its value)."""
     values = {}
-    for name, info in model.model_fields.items():
+    for name, info in keys_of(model).items():
         var = next((v for v in env_names(name, prefix) if v in environ), None)
         if var is not None:
             try:
@@ -119,13 +132,16 @@ def from_environment(model: type[BaseModel], prefix: str | None, environ: Mappin
 def from_file(model: type[BaseModel], path: str | os.PathLike, section: str | None) -> dict[str, Any]:
     text = Path(path).read_text()
     data = json.loads(text) if str(path).endswith(".json") else tomllib.loads(text)
-    if section and isinstance(data.get(section), dict):
-        data = data[section]
-    unknown = sorted(k for k, v in data.items() if k not in model.model_fields and not isinstance(v, dict))
+    for part in section.split(".") if section else ():
+        if not isinstance(data.get(part), dict):
+            break
+        data = data[part]
+    known = keys_of(model)
+    unknown = sorted(k for k, v in data.items() if k not in known and not isinstance(v, dict))
     if unknown:
         raise ValueError(f"config file {path}: unknown option(s) {', '.join(unknown)}"
-                         f" for {section or model.__name__} (known: {', '.join(model.model_fields)})")
-    return {k: v for k, v in data.items() if k in model.model_fields}
+                         f" for {section or model.__name__} (known: {', '.join(known)})")
+    return {k: v for k, v in data.items() if k in known}
 
 
 def load_config(model: type[ConfigT], flags: Mapping[str, Any] | None = None, *, env_prefix: str | None = None,
@@ -142,8 +158,9 @@ def load_config(model: type[ConfigT], flags: Mapping[str, Any] | None = None, *,
         merged[name], source[name] = value, f"config file {config_file}"
     for name, (var, value) in from_environment(model, prefix, environ).items():
         merged[name], source[name] = value, f"${var}"
+    known = keys_of(model)
     for name, value in flags.items():
-        if name in model.model_fields:
+        if name in known:
             merged[name], source[name] = value, f"--{name}"
     try:
         return model.model_validate(merged)
@@ -171,6 +188,12 @@ def config_from_args(model: type[ConfigT], ns: argparse.Namespace, env_prefix: s
                      section: str | None = None) -> ConfigT:
     """The config of a parsed sub-command: only the flags actually given appear in `ns`."""
     return load_config(model, vars(ns), env_prefix=env_prefix, section=section)
+
+
+def config_of(ns: argparse.Namespace) -> BaseModel:
+    """The config of a sub-command parsed with `add_config_args`, from the spec its namespace carries."""
+    model, prefix, section = ns.config_spec
+    return load_config(model, vars(ns), env_prefix=prefix, section=section)
 
 
 def parse_config(config_cls: type[ConfigT], argv: Sequence[str] | None = None, prog: str | None = None,

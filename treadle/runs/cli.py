@@ -1,7 +1,9 @@
 """`treadle runs submit | list | status | logs | stop` and `treadle runner`.
 
-Every command finds the stack's Redis by `--broker_url`, else `TREADLE_BROKER_URL`, else the running
-`treadle up`. Logs are read from the blob store recorded in the run by its runner (for S3, boto3's
+Each sub-command's options are a pydantic config (flag > environment > config file > default, as every
+treadle command): `TREADLE_RUNS_<SUB>_<FIELD>` (`TREADLE_RUNS_LOGS_POLL_S`), a `[runs.<sub>]` table of
+the config file. Every command finds the stack's Redis by `--broker_url`, else `TREADLE_RUNS_<SUB>_BROKER_URL`,
+else `TREADLE_BROKER_URL`, else the config file, else the running `treadle up`. Logs are read from the blob store recorded in the run by its runner (for S3, boto3's
 usual AWS_* variables supply the endpoint and keys).
 """
 
@@ -18,8 +20,9 @@ import time
 import uuid
 
 import redis as redis_lib
-from pydantic import ValidationError
+from pydantic import BaseModel, Field, ValidationError
 
+from treadle.config import add_config_args, config_of
 from treadle.errors import TreadleError
 from treadle.runs.logs import follow, read_segments
 from treadle.runs.records import RunRecord, RunSpec, RunStore
@@ -64,6 +67,43 @@ def run_runner(cfg: RunnerConfig) -> None:
 
 
 # -------------------------------------------------------------------- treadle runs ...
+_SPEC = RunSpec.model_fields
+
+
+class _RunsCommand(BaseModel):
+    broker_url: str | None = Field(default=None, description="Redis URL of the stack (None: the running `treadle up`).")
+
+
+class RunsSubmitConfig(_RunsCommand):
+    name: str | None = Field(default=None, description=_SPEC["name"].description + " (None: the program's name + a random suffix)")
+    # No bounds here: RunSpec checks them, and its message names the option and the limit.
+    max_restarts: int | None = Field(default=None, description=_SPEC["max_restarts"].description + " (None: 5)")
+    backoff_s: float | None = Field(default=None, description=_SPEC["backoff_s"].description + " (None: 5)")
+    backoff_max_s: float | None = Field(default=None, description=_SPEC["backoff_max_s"].description + " (None: 300)")
+    resume_args: str | None = Field(default=None, description="Arguments appended on restart, one shell-quoted string; '' for "
+                                    "none (None: --resume for `-m treadle.recipes.*`, none otherwise).")
+    log_dir: str | None = Field(default=None, description=_SPEC["log_dir"].description + " (None: the command's --log_dir)")
+    cwd: str | None = Field(default=None, description="Working directory of the command (None: the current one).")
+
+
+class RunsListConfig(_RunsCommand):
+    as_json: bool = Field(default=False, alias="json", description="One JSON record per line.")
+
+
+class RunsStatusConfig(_RunsCommand):
+    as_json: bool = Field(default=False, alias="json", description="The whole record as JSON.")
+
+
+class RunsLogsConfig(_RunsCommand):
+    follow: bool = Field(default=False, description="Keep printing new output until the run finishes.")
+    poll_s: float = Field(default=0.5, gt=0.0, description="--follow: seconds between looks.")
+    timeout_s: float = Field(default=86_400.0, ge=0.0, description="--follow: give up after this long (default: a day).")
+
+
+class RunsStopConfig(_RunsCommand):
+    wait_s: float = Field(default=60.0, ge=0.0, description="Wait this long for the run to be stopped.")
+
+
 def default_resume_args(argv: list[str]) -> list[str]:
     """treadle's recipes (`python -m treadle.recipes.<name>`) resume with `--resume`; other commands restart as they are."""
     modules = [argv[i + 1] for i, arg in enumerate(argv[:-1]) if arg == "-m"]
@@ -87,16 +127,16 @@ def _default_name(argv: list[str]) -> str:
     return f"{''.join(c if c.isalnum() or c in '._-' else '-' for c in stem)[:100] or 'run'}-{uuid.uuid4().hex[:6]}"
 
 
-def cmd_submit(ns, store: RunStore) -> None:
+def cmd_submit(ns, cfg: RunsSubmitConfig, store: RunStore) -> None:
     argv = ns.argv[1:] if ns.argv[:1] == ["--"] else ns.argv
     if not argv:
         sys.exit("nothing to run: treadle runs submit [options] -- COMMAND [ARGS ...]")
-    cwd = os.path.abspath(ns.cwd or os.getcwd())
-    log_dir = ns.log_dir or option_value(argv, "--log_dir")
-    fields = {"name": ns.name or _default_name(argv), "command": argv, "cwd": cwd, "env": dict(os.environ),
-              "resume_args": default_resume_args(argv) if ns.resume_args is None else shlex.split(ns.resume_args),
+    cwd = os.path.abspath(cfg.cwd or os.getcwd())
+    log_dir = cfg.log_dir or option_value(argv, "--log_dir")
+    fields = {"name": cfg.name or _default_name(argv), "command": argv, "cwd": cwd, "env": dict(os.environ),
+              "resume_args": default_resume_args(argv) if cfg.resume_args is None else shlex.split(cfg.resume_args),
               "log_dir": os.path.join(cwd, log_dir) if log_dir else None}
-    fields.update({k: getattr(ns, k) for k in ("max_restarts", "backoff_s", "backoff_max_s") if getattr(ns, k) is not None})
+    fields.update({k: getattr(cfg, k) for k in ("max_restarts", "backoff_s", "backoff_max_s") if getattr(cfg, k) is not None})
     try:
         spec = RunSpec.model_validate(fields)
     except ValidationError as exc:
@@ -116,9 +156,9 @@ def _summary(record: RunRecord) -> str:
             f"{step!s:>6}  {s.runner or '-':<20} {shlex.join(record.spec.command)[:60]}")
 
 
-def cmd_list(ns, store: RunStore) -> None:
+def cmd_list(ns, cfg: RunsListConfig, store: RunStore) -> None:
     records = store.list()
-    if ns.json:
+    if cfg.as_json:
         for record in records:
             print(record.model_dump_json())
         return
@@ -127,9 +167,9 @@ def cmd_list(ns, store: RunStore) -> None:
         print(_summary(record))
 
 
-def cmd_status(ns, store: RunStore) -> None:
+def cmd_status(ns, cfg: RunsStatusConfig, store: RunStore) -> None:
     record = store.get(ns.name)
-    if ns.json:
+    if cfg.as_json:
         print(record.model_dump_json(indent=2))
         return
     s, spec = record.status, record.spec
@@ -149,87 +189,68 @@ def _write_stdout(data: bytes) -> None:
     sys.stdout.buffer.flush()
 
 
-def cmd_logs(ns, store: RunStore) -> None:
+def cmd_logs(ns, cfg: RunsLogsConfig, store: RunStore) -> None:
     record = store.get(ns.name)
-    if not ns.follow:
+    if not cfg.follow:
         if record.status.log_url is not None:
             for _, data in read_segments(open_blob_store(record.status.log_url), ns.name):
                 _write_stdout(data)
         return
-    deadline = time.monotonic() + ns.timeout_s
+    deadline = time.monotonic() + cfg.timeout_s
     while record.status.log_url is None:  # no runner has taken it yet
         if record.finished or time.monotonic() > deadline:
             return
-        time.sleep(ns.poll_s)
+        time.sleep(cfg.poll_s)
         record = store.get(ns.name)
     finished = follow(open_blob_store(record.status.log_url), ns.name, lambda: not store.get(ns.name).finished,
-                      _write_stdout, ns.poll_s, max(0.0, deadline - time.monotonic()))
+                      _write_stdout, cfg.poll_s, max(0.0, deadline - time.monotonic()))
     if not finished:
-        sys.exit(f"run {ns.name} still live after --timeout_s {ns.timeout_s}")
+        sys.exit(f"run {ns.name} still live after --timeout_s {cfg.timeout_s}")
 
 
-def cmd_stop(ns, store: RunStore) -> None:
+def cmd_stop(ns, cfg: RunsStopConfig, store: RunStore) -> None:
     holder = f"cli-{socket.gethostname()}-{os.getpid()}"
     record = store.request_stop(ns.name, holder)
-    deadline = time.monotonic() + ns.wait_s
+    deadline = time.monotonic() + cfg.wait_s
     while not record.finished and time.monotonic() < deadline:
         time.sleep(0.2)
         # Again: when a dead runner's lease expires and no runner adopts the run first, it is stopped here.
         record = store.request_stop(ns.name, holder)
     print(f"{ns.name}: {record.status.state}")
     if not record.finished:
-        sys.exit(f"run {ns.name} did not stop within --wait_s {ns.wait_s} (its runner stops it when it next looks)")
+        sys.exit(f"run {ns.name} did not stop within --wait_s {cfg.wait_s} (its runner stops it when it next looks)")
 
 
 def add_runs_parser(parser: argparse.ArgumentParser) -> None:
     """The sub-commands of `treadle runs`."""
     sub = parser.add_subparsers(dest="runs_command", required=True)
-    spec_help = {name: info.description for name, info in RunSpec.model_fields.items()}
 
-    p = sub.add_parser("submit", help="Record a batch run; a runner starts, restarts and resumes it.",
-                       usage="treadle runs submit [options] -- COMMAND [ARGS ...]")
-    p.add_argument("--name", default=None, help=spec_help["name"] + " (default: the program's name + a random suffix)")
-    p.add_argument("--max_restarts", type=int, default=None, help=spec_help["max_restarts"] + " (default: 5)")
-    p.add_argument("--backoff_s", type=float, default=None, help=spec_help["backoff_s"] + " (default: 5)")
-    p.add_argument("--backoff_max_s", type=float, default=None, help=spec_help["backoff_max_s"] + " (default: 300)")
-    p.add_argument("--resume_args", default=None, help="Arguments appended on restart, one shell-quoted string; '' for "
-                   "none (default: --resume for `-m treadle.recipes.*`, none otherwise).")
-    p.add_argument("--log_dir", default=None, help=spec_help["log_dir"] + " (default: the command's --log_dir)")
-    p.add_argument("--cwd", default=None, help="Working directory of the command (default: the current one).")
+    def command(name: str, config: type[BaseModel], func, **kwargs) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, **kwargs)
+        add_config_args(p, config, f"TREADLE_RUNS_{name.upper()}_", section=f"runs.{name}")
+        p.set_defaults(runs_func=func)
+        return p
+
+    p = command("submit", RunsSubmitConfig, cmd_submit, help="Record a batch run; a runner starts, restarts and resumes it.",
+                usage="treadle runs submit [options] -- COMMAND [ARGS ...]")
     p.add_argument("argv", nargs=argparse.REMAINDER, help="The command, after `--`.")
-    p.set_defaults(runs_func=cmd_submit)
-
-    p = sub.add_parser("list", help="Every batch run: state, restarts, last exit code, last step.")
-    p.add_argument("--json", action="store_true", help="One JSON record per line.")
-    p.set_defaults(runs_func=cmd_list)
-
-    p = sub.add_parser("status", help="One run: state, restarts, exit code, last metrics line, checkpoints, last lines.")
+    command("list", RunsListConfig, cmd_list, help="Every batch run: state, restarts, last exit code, last step.")
+    p = command("status", RunsStatusConfig, cmd_status,
+                help="One run: state, restarts, exit code, last metrics line, checkpoints, last lines.")
     p.add_argument("name")
-    p.add_argument("--json", action="store_true", help="The whole record as JSON.")
-    p.set_defaults(runs_func=cmd_status)
-
-    p = sub.add_parser("logs", help="A run's output, all attempts in order.")
+    p = command("logs", RunsLogsConfig, cmd_logs, help="A run's output, all attempts in order.")
     p.add_argument("name")
-    p.add_argument("--follow", action="store_true", help="Keep printing new output until the run finishes.")
-    p.add_argument("--poll_s", type=float, default=0.5, help="--follow: seconds between looks (default: 0.5).")
-    p.add_argument("--timeout_s", type=float, default=86_400.0, help="--follow: give up after this long (default: a day).")
-    p.set_defaults(runs_func=cmd_logs)
-
-    p = sub.add_parser("stop", help="Stop a run (SIGTERM to its process group, SIGKILL after the runner's grace).")
+    p = command("stop", RunsStopConfig, cmd_stop, help="Stop a run (SIGTERM to its process group, SIGKILL after the runner's grace).")
     p.add_argument("name")
-    p.add_argument("--wait_s", type=float, default=60.0, help="Wait this long for the run to be stopped (default: 60).")
-    p.set_defaults(runs_func=cmd_stop)
-
-    for p in sub.choices.values():
-        p.add_argument("--broker_url", default=None, help="Redis URL of the stack (default: TREADLE_BROKER_URL, then `treadle up`).")
     parser.set_defaults(func=cmd_runs)
 
 
 def cmd_runs(ns) -> None:
-    store = RunStore(_redis(_stack_urls(ns.broker_url)[0]))
+    cfg = config_of(ns)
+    store = RunStore(_redis(_stack_urls(cfg.broker_url)[0]))
     try:
-        ns.runs_func(ns, store)
+        ns.runs_func(ns, cfg, store)
     except TreadleError as exc:
         sys.exit(f"treadle runs {ns.runs_command}: {exc.message}")
     except redis_lib.RedisError as exc:
-        sys.exit(f"treadle runs {ns.runs_command}: Redis at {ns.broker_url or 'the stack'}: {exc}")
+        sys.exit(f"treadle runs {ns.runs_command}: Redis at {cfg.broker_url or 'the stack'}: {exc}")
