@@ -33,6 +33,7 @@ def test_status_of_a_dead_worker_queued_ops_and_usage(redis_client):
     redis_client.hset(names.session_key("s-1"), "next_seq", 5)
     redis_client.rpush(names.session_queue("s-1"), b"m3", b"m4", b"m5")
     Meter(redis_client).record(OpUsage(session_id="s-1", op_id="2", op="optim_step", owner="alice", compute_s=0.1))
+    Meter(redis_client).record(OpUsage(session_id="s-1", op_id="2", op="optim_step", owner="alice", compute_s=0.1))  # a replay
     Meter(redis_client).record(OpUsage(session_id="s-1", op_id="1", op="forward_backward", owner="alice",
                                        trained_tokens=30, at=time.time() - 5))
 
@@ -41,12 +42,14 @@ def test_status_of_a_dead_worker_queued_ops_and_usage(redis_client):
     assert workers["w-live@h"].alive and workers["w-live@h"].models == ["tiny"]
     assert not workers["w-gone@h"].alive  # named by an active session, no heartbeat
     [s] = report.sessions  # the stopped one is left out
-    assert (s.owner, s.applied, s.submitted, s.queued_ops, s.last_op) == ("alice", 2, 5, 3, "optim_step")
+    assert (s.owner, s.applied, s.step, s.submitted, s.queued_ops, s.last_op) == ("alice", 2, 1, 5, 3, "optim_step")
     assert s.usage.trained_tokens == 30 and s.last_checkpoint == "treadle://r-1/weights/auto-2"
     assert {q.queue: q.depth for q in report.queues} == {"treadle.m.tiny": 0, "treadle.s.s-1": 3}
     assert "s-old" in {s.session_id for s in collect_status(redis_client, include_stopped=True).sessions}
     text = render(report)
     assert "w-gone@h  NO" in text and "treadle://r-1/weights/auto-2 (seq 2)" in text
+    header, row = next(lines for lines in zip(text.splitlines(), text.splitlines()[1:]) if lines[0].startswith("SESSION"))
+    assert row.split()[header.split().index("STEP")] == "1"
 
 
 def test_treadle_status_json_on_the_live_stack(stack, service_client):
@@ -56,15 +59,18 @@ def test_treadle_status_json_on_the_live_stack(stack, service_client):
     ids = [5, 6, 7, 8, 9]
     datum = rt.Datum(model_input=rt.ModelInput.from_ints(ids[:-1]),
                      loss_fn_inputs={"target_tokens": ids[1:], "weights": [1.0] * 4})
-    tc.forward_backward([datum], "cross_entropy").result(timeout=120)
-    tc.optim_step(rt.AdamParams(learning_rate=1e-3)).result(timeout=60)
+    for _ in range(3):
+        tc.forward_backward([datum], "cross_entropy").result(timeout=120)
+        tc.optim_step(rt.AdamParams(learning_rate=1e-3)).result(timeout=60)
     env = {**os.environ, "TREADLE_BROKER_URL": stack.broker_url}
     out = subprocess.run([sys.executable, "-m", "treadle.cli", "status", "--json"], env=env, capture_output=True,
                          text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     report = json.loads(out.stdout)
     mine = next(s for s in report["sessions"] if s["session_id"] == tc.session_id)
-    assert mine["applied"] >= 2 and mine["queued_ops"] == 0 and mine["owner"] is None
+    assert mine["applied"] >= 6 and mine["queued_ops"] == 0 and mine["owner"] is None
+    assert mine["step"] == 3  # three optim_steps
     worker = next(w for w in report["workers"] if w["hostname"] == mine["worker"])
     assert worker["alive"] and "tiny" in worker["models"] and tc.session_id in worker["sessions"]
+    assert worker["memory"]["rss"] > 0
     tc.stop()

@@ -39,6 +39,8 @@ class SessionStatus(BaseModel):
     status: str = Field(description="active | stopped | expired")
     worker: str | None = Field(description="The worker holding its lease.")
     applied: int = Field(description="Highest seq applied.")
+    step: int = Field(description="Optimizer steps applied: its metered optim_step ops, each counted once (a session "
+                      "created from a checkpoint counts from 0).")
     submitted: int = Field(description="Highest seq submitted.")
     queued_ops: int = Field(description="Ops submitted and not yet applied.")
     last_op: str | None = Field(default=None, description="Name of the last op metered.")
@@ -86,7 +88,8 @@ def collect_status(redis, include_stopped: bool = False) -> StatusReport:
         ops = meter.session_ops(record.session_id)
         sessions.append(SessionStatus(
             session_id=record.session_id, owner=record.owner, base_model=record.base_model, status=record.status,
-            worker=record.worker, applied=record.applied, submitted=max(submitted, record.applied),
+            worker=record.worker, applied=record.applied, step=sum(op.op == "optim_step" for op in ops),
+            submitted=max(submitted, record.applied),
             queued_ops=max(0, submitted - record.applied), last_op=ops[-1].op if ops else None,
             last_activity=record.last_activity, idle_s=max(0.0, now - record.last_activity),
             last_checkpoint=record.checkpoint, checkpoint_seq=record.checkpoint_seq,
@@ -123,8 +126,9 @@ def render(report: StatusReport) -> str:
         [w.hostname, "yes" if w.alive else "NO", ",".join(w.models) or "-", str(len(w.sessions)), str(len(w.unloaded)),
          _ago(w.uptime_s), _bytes(w.memory)] for w in report.workers])
     lines += ["", f"sessions ({len(report.sessions)})"]
-    lines += _table(["SESSION", "OWNER", "MODEL", "STATUS", "WORKER", "APPLIED", "QUEUED", "LAST OP", "IDLE", "TRAINED TOK", "LAST CHECKPOINT"], [
-        [s.session_id, s.owner or "(sdk)", s.base_model, s.status, s.worker or "-", str(s.applied), str(s.queued_ops),
+    lines += _table(["SESSION", "OWNER", "MODEL", "STATUS", "WORKER", "APPLIED", "STEP", "QUEUED", "LAST OP", "IDLE", "TRAINED TOK",
+                     "LAST CHECKPOINT"], [
+        [s.session_id, s.owner or "(sdk)", s.base_model, s.status, s.worker or "-", str(s.applied), str(s.step), str(s.queued_ops),
          s.last_op or "-", _ago(s.idle_s), str(s.usage.trained_tokens),
          f"{s.last_checkpoint} (seq {s.checkpoint_seq})" if s.last_checkpoint else "-"] for s in report.sessions])
     lines += ["", "queues"]
