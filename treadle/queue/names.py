@@ -24,6 +24,11 @@ def split_future_id(fid: str) -> tuple[str, int]:
     return session_id, int(seq)
 
 
+def submitted_key(future_id: str) -> str:
+    """Marks a sample's future id as submitted (see `OpsClient.check_future`)."""
+    return f"{PREFIX}:submitted:{future_id}"
+
+
 def worker_key(hostname: str) -> str:
     return f"{PREFIX}:worker:{hostname}"
 

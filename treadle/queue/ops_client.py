@@ -23,7 +23,7 @@ from treadle.errors import (
     UnknownModelError,
 )
 from treadle.queue import names
-from treadle.queue.celery_app import make_app
+from treadle.queue.celery_app import RESULT_EXPIRES_S, make_app
 from treadle.queue.journal import Journal
 from treadle.queue.ops import CreateSessionRequest, OpRequest, SampleRequest, task_name
 from treadle.queue.results import ResultStore
@@ -170,6 +170,9 @@ class OpsClient:
     def submit_sample(self, request: SampleRequest) -> str:
         """Publish a sample request to its base model's control queue; the message is its only copy."""
         fid = f"sample:{uuid.uuid4().hex}"
+        # Recorded before it is published, so a wait tells a pending sample from an id never submitted;
+        # kept as long as its result would be.
+        self._retrying(lambda: self.redis.set(names.submitted_key(fid), 1, ex=RESULT_EXPIRES_S))
         self.app.send_task(task_name(request.op), args=[request.model_dump(mode="json")],
                            queue=names.model_queue(request.base_model), task_id=fid, ignore_result=True)
         return fid
@@ -181,12 +184,24 @@ class OpsClient:
 
     # ------------------------------------------------------------ results
     def check_future(self, future_id: str) -> None:
-        """Raise if a session op's future can never resolve: no such session, a seq never submitted, or a
-        session that stopped, expired or was lost without running it. A pending op passes (and rides out
-        restarts); so does any other future. Only call it while the result is not stored."""
-        session_id, _, tail = future_id.rpartition(":")
-        if not (tail.isdigit() and session_id) or future_id.startswith(("create:", "sample:")):
+        """Raise if a future can never resolve: an id of no known form, a seq below 1, no such session, a seq
+        never submitted, a session that stopped, expired or was lost without running it, a sample id never
+        submitted. A pending op or sample passes (and rides out restarts); so does a session creation.
+        Only call it while the result is not stored."""
+        if future_id.startswith("create:"):
             return
+        session_id, _, tail = future_id.rpartition(":")
+        if future_id.startswith("sample:"):
+            try:
+                if self.redis.exists(names.submitted_key(future_id)) or self.done(future_id):
+                    return
+            except (redis_lib.ConnectionError, redis_lib.TimeoutError, OSError):
+                return  # an outage is the result poll's to report
+            raise InvalidRequestError(f"future {future_id}: no sample was submitted under this id (or its result has expired)")
+        if not (tail.isascii() and tail.isdigit() and session_id):
+            raise InvalidRequestError(f"future {future_id!r}: not a future id; ids are <session_id>:<seq>, sample:<id> or create:<session_id>")
+        if int(tail) < 1:
+            raise InvalidRequestError(f"future {future_id}: seq {tail} was never submitted; a session's seqs start at 1")
         try:
             record = self.sessions.get(session_id)
             if record is not None and record.status == "active" and int(tail) <= self.next_seq(session_id):

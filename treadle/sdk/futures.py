@@ -15,6 +15,9 @@ from treadle.errors import FutureTimeoutError
 
 T = TypeVar("T")
 
+# How often an awaited future checks that it can still resolve (`OpsClient.check_future`).
+CHECK_EVERY_S = 2.0
+
 
 class APIFuture(Generic[T]):
     def __init__(self, ops, future_id: str, decode: Callable[[dict], T], *, base_model: str | None = None):
@@ -42,9 +45,16 @@ class APIFuture(Generic[T]):
     async def result_async(self, timeout: float | None = None) -> T:
         deadline = None if timeout is None else time.monotonic() + timeout
         delay = 0.001
+        # As the blocking wait does: soon, then every CHECK_EVERY_S, ask whether the future can still
+        # resolve (its session lost or stopped, its seq or sample id never submitted), or it would wait forever.
+        next_check = time.monotonic() + 0.5
         while not self.done():
-            if deadline is not None and time.monotonic() >= deadline:
+            now = time.monotonic()
+            if deadline is not None and now >= deadline:
                 raise FutureTimeoutError(f"{self._id}: no result within {timeout} s")
+            if now >= next_check:
+                next_check = now + CHECK_EVERY_S
+                self._ops.check_future(self._id)
             await asyncio.sleep(delay)
             delay = min(delay * 1.5, 0.05)
         return self.result()
