@@ -13,7 +13,7 @@ import pytest
 import redis
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.fixtures.compose import COMPOSE_KEY, MissingVariable, basic_auth_header, interpolate, load_compose
+from tests.fixtures.compose import COMPOSE_KEY, TREADLE_IMAGE, MissingVariable, basic_auth_header, interpolate, load_compose
 
 load = load_compose
 REQUIRED = {"REDIS_PASSWORD", "MINIO_ROOT_USER", "MINIO_ROOT_PASSWORD", "FLOWER_BASIC_AUTH", "TREADLE_KEYS_FILE"}
@@ -64,6 +64,41 @@ def test_worker_command_parses_with_the_real_cli():
     args = [a.replace("${TREADLE_MODEL:-HuggingFaceTB/SmolLM2-135M-Instruct}", "m") for a in worker["command"]]
     ns = build_parser().parse_args(args)
     assert ns.model == ["m"] and ns.checkpoint_every == 10
+
+
+def env_drift(compose: dict) -> list[str]:
+    """Every TREADLE_* variable of a treadle service that its command's config does not read: a misspelled
+    or unknown option, or one of another command. The shared connection variables are every command's."""
+    from treadle.cli import build_parser
+    from treadle.config import CONFIG_ENV, SHARED_ENV, keys_of
+
+    problems = []
+    for name, svc in compose["services"].items():
+        if svc.get("image") != TREADLE_IMAGE:
+            continue
+        model, prefix, _ = build_parser().parse_args(svc["command"]).config_spec
+        options = keys_of(model)
+        for key in svc.get("environment") or {}:
+            if not key.startswith("TREADLE_") or key == CONFIG_ENV or key in SHARED_ENV.values():
+                continue
+            if not (key.startswith(prefix) and key[len(prefix):].lower() in options):
+                problems.append(f"{name}: {key} is no option of `treadle {svc['command'][0]}` (its variables: "
+                                f"{prefix}<OPTION>, see `treadle {svc['command'][0]} --help`)")
+    return problems
+
+
+def test_every_treadle_variable_of_compose_is_an_option_of_its_command():
+    assert env_drift(load()) == []
+
+
+def test_the_drift_check_catches_a_misspelled_and_a_foreign_variable():
+    compose = load()
+    worker_env = compose["services"]["worker"]["environment"]
+    worker_env["TREADLE_WORKER_METRICS_PROT"] = worker_env.pop("TREADLE_WORKER_METRICS_PORT")
+    compose["services"]["runner"]["environment"]["TREADLE_GATEWAY_PORT"] = "8000"
+    found = env_drift(compose)
+    assert len(found) == 2 and found[0].startswith("worker: TREADLE_WORKER_METRICS_PROT is no option of `treadle worker`")
+    assert found[1].startswith("runner: TREADLE_GATEWAY_PORT is no option of `treadle runner`")
 
 
 # ---------------------------------------------------------------- private by default
@@ -199,8 +234,10 @@ def test_compose_services_train_through_the_gateway_and_the_sdk(compose_on_host,
     assert any(c.treadle_path == path for c in sc.create_rest_client().list_checkpoints(rc.run_id))
     rc.stop()
 
-    # The worker serves the metrics port compose documents (9400), and it counted the ops above.
-    with urllib.request.urlopen("http://127.0.0.1:9400/metrics", timeout=10) as r:
+    # The worker serves metrics on the port compose gives it (9400 there; a free port on this host), and it
+    # counted the ops above.
+    assert dep.compose["services"]["worker"]["environment"]["TREADLE_WORKER_METRICS_PORT"] == "9400"
+    with urllib.request.urlopen(dep.worker_metrics_url, timeout=10) as r:
         families = {f.name: f for f in text_string_to_metric_families(r.read().decode())}
     trained = [s.value for s in families["treadle_tokens"].samples if s.labels.get("kind") == "trained" and s.name.endswith("_total")]
     assert trained and trained[0] >= 10  # two forward_backwards of 5 tokens each
