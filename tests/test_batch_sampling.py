@@ -13,6 +13,7 @@ from treadle.gpu_worker.adapters import AdapterBank, peft_lora_config
 from treadle.gpu_worker.batch_decode import SampleJob
 from treadle.gpu_worker.device_lock import DeviceLock
 from treadle.gpu_worker.model_host import ModelHost
+from treadle.gpu_worker.sample_extras import SampleExtras
 from treadle.gpu_worker.sample_scheduler import SampleScheduler
 from treadle.gpu_worker.token_choice import processed_logprobs
 from treadle.gpu_worker.validation import prepare_sample
@@ -202,6 +203,58 @@ def test_prompt_logprobs_with_a_sample_come_from_its_prefill(bank, scheduler):
     expected, topk = scheduler.compute_logprobs("three", np.array(PROMPTS[1]), 2).result(timeout=WAIT)
     np.testing.assert_allclose(response.prompt_logprobs[1:], expected[1:], atol=1e-5)
     assert [[i for i, _ in t] for t in response.topk_prompt_logprobs[1:]] == [[i for i, _ in t] for t in topk[1:]]
+
+
+def _full_logprobs(bank, adapter, tokens) -> torch.Tensor:
+    """log_softmax of the adapter's forward: row t is the distribution over tokens[t + 1]."""
+    with bank.using(adapter, trainable=False) as model, torch.no_grad():
+        return torch.log_softmax(model(input_ids=torch.tensor([tokens])).logits[0].float(), dim=-1)
+
+
+def test_prompt_and_sample_side_logprob_options_match_the_forward_alone_and_batched(bank, scheduler):
+    prompt = PROMPTS[1]
+    targets = np.full((len(prompt) - 1, 3), -1)
+    targets[:, 0] = prompt[1:]  # each position's own next token: its prompt logprob
+    targets[2, 1:] = [7, 300]
+
+    def extras_job(**extras):
+        j = job(bank, prompt, "two", num_samples=2, max_tokens=6, seed=3)
+        j.extras = SampleExtras(**extras)
+        return j
+
+    asked = dict(topk_sample_logprobs=4, target_ids=targets, prompt_alt_tokens_k=3)
+    alone = scheduler.sample(extras_job(**asked)).result(timeout=WAIT)
+    full = _full_logprobs(bank, "two", prompt)[:-1]
+    scored = alone.target_prompt_logprobs.to_numpy()
+    assert scored.shape == targets.shape and scored.dtype == np.float32
+    np.testing.assert_allclose(scored[:, 0], forward_logprobs(bank, "two", prompt[:1], prompt[1:]), atol=1e-5)
+    np.testing.assert_allclose(scored[2, 1:], full[2, [7, 300]].numpy(), atol=1e-5)
+    assert (scored[targets < 0] == 0.0).all()
+    drawn, drawn_lp = alone.prompt_alt_tokens.tokens.to_numpy(), alone.prompt_alt_tokens.logprobs.to_numpy()
+    assert drawn.shape == drawn_lp.shape == (len(prompt) - 1, 3) and drawn.dtype == np.int64
+    np.testing.assert_allclose(drawn_lp, full.gather(1, torch.from_numpy(drawn)).numpy(), atol=1e-5)
+    for seq in alone.sequences:  # T=1, no top-k/p: the distribution sampled from is the model's own
+        after = _full_logprobs(bank, "two", [*prompt, *seq.tokens])[len(prompt) - 1:-1]
+        values, ids = after.topk(4, dim=-1)
+        assert len(seq.topk_logprobs) == len(seq.tokens)
+        assert [[t for t, _ in row] for row in seq.topk_logprobs] == ids.tolist()
+        np.testing.assert_allclose([[v for _, v in row] for row in seq.topk_logprobs], values.numpy(), atol=1e-5)
+    # Asking for them leaves the tokens sampled for the seed as they were.
+    plain = scheduler.sample(extras_job()).result(timeout=WAIT)
+    assert [s.tokens for s in plain.sequences] == [s.tokens for s in alone.sequences]
+    assert plain.target_prompt_logprobs is None and plain.prompt_alt_tokens is None
+    assert all(s.topk_logprobs is None for s in plain.sequences)
+    # Batched with other requests: the same numbers, bit for bit.
+    crowd = [job(bank, p, a, num_samples=2, max_tokens=8, seed=20 + i) for i, (p, a) in enumerate(zip(PROMPTS, ADAPTERS))]
+    *_, batched = submit_together(scheduler, [*crowd, extras_job(**asked)])
+    assert batched.model_dump() == alone.model_dump()
+    # Greedy: every draw is the argmax, and the sampled distribution is a point mass (one top entry).
+    greedy = job(bank, prompt, None, num_samples=1, max_tokens=3, temperature=0)
+    greedy.extras = SampleExtras(topk_sample_logprobs=5, prompt_alt_tokens_k=2)
+    got = scheduler.sample(greedy).result(timeout=WAIT)
+    argmax = _full_logprobs(bank, None, prompt)[:-1].argmax(dim=-1)
+    assert (got.prompt_alt_tokens.tokens.to_numpy() == argmax.unsqueeze(1).numpy()).all()
+    assert got.sequences[0].topk_logprobs == [[(t, 0.0)] for t in got.sequences[0].tokens]
 
 
 @pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, -1, 1.0), (0.7, 5, 1.0), (1.3, -1, 0.6), (0.5, 40, 0.9), (0.0, -1, 1.0)])

@@ -146,3 +146,90 @@ def test_forward_backward_custom_dpo(clients):
         tc.forward_backward_custom(_ce(tt, ids), _dpo_loss).result()
     later = tc.forward_backward_custom(_ce(tt, ids), _dpo_loss).result()
     assert later.metrics["margin:mean"] > got.metrics["margin:mean"] + 0.05  # the preference was learned
+
+
+def _sampler_and_prompt(official):
+    """A trained adapter's sampler (so the LoRA delta is in every number) and a prompt of its tokenizer."""
+    tc = official.create_lora_training_client(base_model="tiny", rank=RANK, seed=SEED).result()
+    tokenizer = tc.get_tokenizer()
+    tc.forward_backward(_ce(tt, _pairs(tokenizer, TEXTS[:2])), "cross_entropy")
+    tc.optim_step(tt.AdamParams(learning_rate=2e-2)).result()
+    return tc, tc.save_weights_and_get_sampling_client().result(), tokenizer.encode("the cat is red and the dog is")
+
+
+def test_official_sdk_target_prompt_logprobs_equal_compute_logprobs_and_the_forward(clients):
+    official, _ = clients
+    tc, sampler, prompt = _sampler_and_prompt(official)
+    n, once = len(prompt), tt.SamplingParams(max_tokens=1, seed=0)
+    ids = torch.full((n - 1, 3), -1, dtype=torch.int64)
+    ids[:, 0] = torch.tensor(prompt[1:])  # row i scores prompt position i + 1: its own token there
+    ids[-1, 1:] = torch.tensor(prompt[:2])
+    dense = sampler.sample(tt.ModelInput.from_ints(prompt), 1, once, target_prompt_logprobs=tt.TensorData.from_torch(ids)).result()
+    scored = dense.target_prompt_logprobs.to_numpy()
+    assert dense.target_prompt_logprobs.dtype == "float32" and scored.shape == (n - 1, 3)
+    own = sampler.compute_logprobs(tt.ModelInput.from_ints(prompt)).result()
+    np.testing.assert_allclose(scored[:, 0], own[1:], atol=1e-4)
+    forward = _logprobs(tc.forward(_ce(tt, [prompt]), "cross_entropy").result())[0]
+    np.testing.assert_allclose(scored[:, 0], forward, atol=1e-4)
+    assert (scored[ids.numpy() < 0] == 0.0).all()
+    # Sparse, as the cookbook's decisions recipe sends it: the answer lists the same cells.
+    sparse_ids = torch.full((n - 1, 3), -1, dtype=torch.int64)
+    sparse_ids[-1] = ids[-1]
+    sparse = sampler.sample(tt.ModelInput.from_ints(prompt), 1, once,
+                            target_prompt_logprobs=tt.TensorData.from_torch_sparse(sparse_ids, pad_value=-1)).result()
+    got = sparse.target_prompt_logprobs
+    assert got.sparse_crow_indices is not None and got.shape == [n - 1, 3]
+    np.testing.assert_allclose(got.to_numpy()[-1], scored[-1], atol=1e-6)
+    assert (got.to_numpy()[:-1] == 0.0).all()
+    with pytest.raises(Exception, match=r"target_prompt_logprobs: int64 of shape \[3, 1\]; must be int64 \[len\(prompt\) - 1 = "):
+        sampler.sample(tt.ModelInput.from_ints(prompt), 1, once,
+                       target_prompt_logprobs=tt.TensorData.from_torch(torch.zeros((3, 1), dtype=torch.int64))).result()
+
+
+def test_official_sdk_topk_sample_logprobs_and_prompt_alt_tokens(clients):
+    official, _ = clients
+    _, sampler, prompt = _sampler_and_prompt(official)
+    n, k = len(prompt), 4
+    params = tt.SamplingParams(max_tokens=5, seed=9, temperature=1.0)
+
+    def ask():
+        return sampler.sample(tt.ModelInput.from_ints(prompt), 2, params, topk_sample_logprobs=k, prompt_alt_tokens_k=3)
+
+    alone = ask().result()
+    for seq in alone.sequences:  # T=1: the distribution sampled from is the model's, the top-k of the prompt's logprobs
+        full = tt.ModelInput.from_ints(prompt + seq.tokens)
+        ref = sampler.sample(full, 1, tt.SamplingParams(max_tokens=1), include_prompt_logprobs=True, topk_prompt_logprobs=k).result()
+        assert len(seq.topk_logprobs) == len(seq.tokens) and all(len(row) == k for row in seq.topk_logprobs)
+        for t, row in enumerate(seq.topk_logprobs):
+            want = ref.topk_prompt_logprobs[n + t]
+            assert [tok for tok, _ in row] == [tok for tok, _ in want]
+            np.testing.assert_allclose([lp for _, lp in row], [lp for _, lp in want], atol=1e-4)
+            assert seq.logprobs[t] == pytest.approx(ref.prompt_logprobs[n + t], abs=1e-4)
+    drawn = alone.prompt_alt_tokens.tokens.to_numpy()
+    drawn_lp = alone.prompt_alt_tokens.logprobs.to_numpy()
+    assert drawn.shape == drawn_lp.shape == (n - 1, 3)
+    # Each draw's logprob is the one target_prompt_logprobs gives that id at that position.
+    scored = sampler.sample(tt.ModelInput.from_ints(prompt), 1, tt.SamplingParams(max_tokens=1),
+                            target_prompt_logprobs=tt.TensorData.from_numpy(drawn)).result()
+    np.testing.assert_allclose(drawn_lp, scored.target_prompt_logprobs.to_numpy(), atol=1e-5)
+    # Submitted alongside other requests (so they may share the prefill and decode steps): the same answer.
+    others = [sampler.sample(tt.ModelInput.from_ints(prompt[: 3 + i]), 2, tt.SamplingParams(max_tokens=8, seed=i)) for i in range(3)]
+    together = ask().result()
+    [f.result() for f in others]
+    assert [s.tokens for s in together.sequences] == [s.tokens for s in alone.sequences]
+    for a, b in zip(alone.sequences, together.sequences):
+        np.testing.assert_allclose(np.array(b.topk_logprobs)[..., 1], np.array(a.topk_logprobs)[..., 1], atol=1e-6)
+    assert (together.prompt_alt_tokens.tokens.to_numpy() == drawn).all()
+    with pytest.raises(Exception, match="topk_sample_logprobs"):
+        sampler.sample(tt.ModelInput.from_ints(prompt), 1, params, topk_sample_logprobs=21).result()
+
+
+def test_official_sdk_stability_info_sampler_gives_distinct_sequence_ids(clients):
+    official, _ = clients
+    tc, _, prompt = _sampler_and_prompt(official)
+    path = tc.save_weights_for_sampler("stability").result().path
+    sampler = official.create_sampling_client(model_path=path, record_stability_info=True)
+    first = sampler.sample(tt.ModelInput.from_ints(prompt), 3, tt.SamplingParams(max_tokens=3, seed=1)).result()
+    second = sampler.sample(tt.ModelInput.from_ints(prompt), 2, tt.SamplingParams(max_tokens=3, seed=2)).result()
+    ids = [s.sequence_id for s in [*first.sequences, *second.sequences]]
+    assert all(isinstance(i, str) and i for i in ids) and len(set(ids)) == len(ids)

@@ -245,3 +245,29 @@ def test_what_vllm_cannot_honour_is_refused_by_name(trained):
     with pytest.raises(InvalidRequestError, match="topk_prompt_logprobs: 65 exceeds .* limit 64"):
         engine.sample(None, ModelInput.from_ints(PROMPT), 1, SamplingParams(max_tokens=2), topk_prompt_logprobs=65)
     assert sample(engine, None, n=1, max_tokens=2, seed=0).sequences[0].tokens  # refused requests leave it serving
+
+
+def test_prompt_and_sample_side_logprob_options_are_served_or_refused_by_name(trained):
+    """hf serves them (tests/test_batch_sampling.py checks their values); vllm refuses each by name."""
+    from treadle.errors import InvalidRequestError
+    from treadle.gpu_worker.sample_extras import SampleExtras
+
+    engine = trained
+    targets = np.full((len(PROMPT) - 1, 1), -1)
+    targets[-1, 0] = 7
+    for extras in (SampleExtras(topk_sample_logprobs=2), SampleExtras(target_ids=targets), SampleExtras(prompt_alt_tokens_k=2)):
+        ask = lambda: engine.sample(None, ModelInput.from_ints(PROMPT), 1, SamplingParams(max_tokens=2, seed=0), extras=extras)
+        if engine.kind == "vllm":
+            asked = next(name for name, on in (("topk_sample_logprobs", extras.topk_sample_logprobs),
+                                               ("target_prompt_logprobs", extras.target_ids is not None),
+                                               ("prompt_alt_tokens_k", extras.prompt_alt_tokens_k)) if on)
+            with pytest.raises(InvalidRequestError, match=f"{asked}: not served by the vllm sampler backend"):
+                ask()
+            continue
+        got = ask()
+        assert (got.sequences[0].topk_logprobs is not None) == bool(extras.topk_sample_logprobs)
+        assert (got.target_prompt_logprobs is not None) == (extras.target_ids is not None)
+        assert (got.prompt_alt_tokens is not None) == bool(extras.prompt_alt_tokens_k)
+    with pytest.raises(InvalidRequestError, match=r"target_prompt_logprobs\[0\]\[0\]: token id 100000 outside vocabulary"):
+        engine.sample(None, ModelInput.from_ints(PROMPT), 1, SamplingParams(max_tokens=2),
+                      extras=SampleExtras(target_ids=np.full((len(PROMPT) - 1, 1), 100000)))

@@ -31,6 +31,7 @@ __all__ = [
     "ModelData",
     "ModelInput",
     "OptimStepResponse",
+    "PromptAltTokens",
     "SampleResponse",
     "SampledSequence",
     "SamplingParams",
@@ -386,12 +387,22 @@ class SampledSequence(_Response):
     tokens: list[int] = Field(description="Sampled token ids (the stop token included when one ended it).")
     logprobs: list[float] | None = Field(default=None, description="Logprob of each sampled token under the distribution sampled from.")
     stop_reason: StopReason = Field(description="`stop` (a stop string/token or EOS) or `length` (max_tokens).")
+    topk_logprobs: list[list[tuple[int, float]]] | None = Field(default=None, description="Per sampled token, the top-k (token, logprob) of the distribution it was drawn from (topk_sample_logprobs).")
+
+
+class PromptAltTokens(_Response):
+    """Tinker's `PromptAltTokens`: k draws at every prompt position after the first (prompt_alt_tokens_k)."""
+
+    tokens: TensorData = Field(description="int64 [len(prompt) - 1, k]: row i holds draws for prompt position i + 1.")
+    logprobs: TensorData = Field(description="float32 [len(prompt) - 1, k]: the model's logprob of each draw there.")
 
 
 class SampleResponse(_Response):
     sequences: list[SampledSequence] = Field(default_factory=list)
     prompt_logprobs: list[float | None] | None = Field(default=None, description="Per prompt token; entry 0 is None.")
     topk_prompt_logprobs: list[list[tuple[int, float]] | None] | None = Field(default=None, description="Top-k (token, logprob) per prompt position; entry 0 is None.")
+    target_prompt_logprobs: TensorData | None = Field(default=None, description="float32, the request's target ids' shape: their logprobs, 0.0 where it had -1.")
+    prompt_alt_tokens: PromptAltTokens | None = Field(default=None, description="The draws prompt_alt_tokens_k asked for.")
     prompt_cache_hit_tokens: int = 0
 
 

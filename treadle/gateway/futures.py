@@ -73,8 +73,9 @@ def render_result(backend: Backend, record: RequestRecord, value: dict) -> Respo
             backend.store.add_inflight_target(inflight_of, record.extra["sampler_seq"], response.path)
         backend.store.add_member(record.extra["session_id"], "samplers", record.extra["sampler_id"])
         return JSONResponse({"sampling_session_id": record.extra["sampler_id"], "type": "save_weights_for_sampler"})
-    if isinstance(response, SampleResponse):
+    if isinstance(response, SampleResponse):  # as the request asked: the prompt's last n, a sparse target's cells
         response = _last_n(response, record.extra.get("prompt_logprobs_last_n"))
+        return Response(encode_sample_response(response, record.extra.get("target_layout")), media_type=PROTO_MEDIA_TYPE)
     return render(response)
 
 

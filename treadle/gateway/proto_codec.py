@@ -14,6 +14,7 @@ import numpy as np
 from tinker.proto import tinker_public_pb2 as pb
 
 from treadle.errors import InvalidRequestError
+from treadle.gateway.sample_targets import listed_scores
 from treadle.queue.ops import ForwardBackwardRequest, ForwardRequest
 from treadle.types import Datum, ForwardBackwardOutput, ModelInput, SampleResponse, TensorData
 
@@ -115,18 +116,42 @@ def _batched(tensors: list[TensorData]) -> pb.BatchedTensor:
     return pb.BatchedTensor(data=b"".join(blobs), offsets=offsets.tobytes(), dtype=dtype, trailing_shape=list(shape[1:]))
 
 
-def encode_sample_response(result: SampleResponse) -> bytes:
-    """treadle's SampleResponse -> protobuf SampleResponse (prompt logprobs: f32, NaN for None)."""
+def encode_sample_response(result: SampleResponse, target_layout: dict | None = None) -> bytes:
+    """treadle's SampleResponse -> protobuf SampleResponse (prompt logprobs: f32, NaN for None).
+    `target_layout`: the CSR indices of a sparse target_prompt_logprobs request, whose answer lists the same cells."""
     msg = pb.SampleResponse(prompt_cache_hit_tokens=result.prompt_cache_hit_tokens)
     for seq in result.sequences:
         out = msg.sequences.add(stop_reason=_STOP[seq.stop_reason], tokens=np.asarray(seq.tokens, dtype="<i4").tobytes())
         if seq.logprobs is not None:
             out.logprobs = np.asarray(seq.logprobs, dtype="<f4").tobytes()
+        if seq.topk_logprobs is not None:
+            _encode_topk(out.topk_sampled_logprobs, seq.topk_logprobs)
     if result.prompt_logprobs is not None:
         msg.prompt_logprobs = np.asarray([math.nan if v is None else v for v in result.prompt_logprobs], dtype="<f4").tobytes()
     if result.topk_prompt_logprobs:
         _encode_topk(msg.topk_prompt_logprobs, result.topk_prompt_logprobs)
+    if result.target_prompt_logprobs is not None:
+        scores = result.target_prompt_logprobs.to_numpy()
+        if target_layout is None:
+            msg.target_prompt_logprobs.CopyFrom(_dense_tensor(scores))
+        else:
+            values, crow, col = listed_scores(scores, target_layout)
+            msg.target_prompt_logprobs.CopyFrom(pb.Tensor(
+                sparse_csr=pb.SparseCsr(values=values.astype("<f4").tobytes(), crow_indices=crow.astype("<i8").tobytes(),
+                                        col_indices=col.astype("<i8").tobytes()),
+                dtype=pb.DTYPE_FLOAT32, shape=list(scores.shape)))
+    if result.prompt_alt_tokens is not None:
+        alt = result.prompt_alt_tokens
+        msg.prompt_alt_tokens.CopyFrom(pb.PromptAltTokens(tokens=_dense_tensor(alt.tokens.to_numpy()),
+                                                          logprobs=_dense_tensor(alt.logprobs.to_numpy())))
     return msg.SerializeToString()
+
+
+def _dense_tensor(array: np.ndarray) -> pb.Tensor:
+    """A float32 or int64 array as a dense protobuf Tensor (raw little-endian bytes and its shape)."""
+    dtype = pb.DTYPE_INT64 if np.issubdtype(array.dtype, np.integer) else pb.DTYPE_FLOAT32
+    raw = np.ascontiguousarray(array, dtype="<i8" if dtype == pb.DTYPE_INT64 else "<f4").tobytes()
+    return pb.Tensor(dense=raw, dtype=dtype, shape=list(array.shape))
 
 
 def _encode_topk(msg: pb.TopkLogprobs, rows: list) -> None:

@@ -19,6 +19,7 @@ from treadle.errors import InvalidRequestError, TreadleError
 from treadle.gateway.auth import require_owner
 from treadle.gateway.backend import Backend, get_backend
 from treadle.gateway.paths import to_tinker
+from treadle.gateway.sample_targets import dense_target_ids
 from treadle.gateway.store import Sampler
 from treadle.queue.ops import SampleRequest, parse_request
 from treadle.types import SamplingParams
@@ -61,31 +62,26 @@ async def asample(request: Request, owner: str = Depends(require_owner), backend
     else:
         base_model, model_path = await run_in_threadpool(backend.owners.sampling_target, owner, req.base_model, req.model_path)
     try:
-        sample = _sample_request(req, base_model, model_path)
+        sample, target_layout = _sample_request(req, base_model, model_path)
     except TreadleError as exc:
         request_id = await run_in_threadpool(backend.local.fail, owner, "sample", exc)
     else:
-        extra = {"prompt_logprobs_last_n": req.prompt_logprobs_last_n}
+        extra = {"prompt_logprobs_last_n": req.prompt_logprobs_last_n, "target_layout": target_layout}
         request_id = await run_in_threadpool(backend.submit_sample, owner, sample, extra)
     return {"request_id": request_id, "sample_sequence_ids": [f"{request_id}:{i}" for i in range(req.num_samples)]}
 
 
-def _sample_request(req: tt.SampleRequest, base_model: str, model_path: str | None) -> SampleRequest:
-    unsupported = {
-        "topk_sample_logprobs": req.topk_sample_logprobs > 0,
-        "target_prompt_logprobs": req.target_prompt_logprobs is not None,
-        "prompt_alt_tokens_k": req.prompt_alt_tokens_k > 0,
-    }
-    for field, asked in unsupported.items():
-        if asked:
-            raise InvalidRequestError(f"{field}: not supported by treadle's sampler; leave it at its default")
+def _sample_request(req: tt.SampleRequest, base_model: str, model_path: str | None) -> tuple[SampleRequest, dict | None]:
+    """treadle's request, and the CSR layout of a sparse target_prompt_logprobs (its answer keeps it)."""
     prompt: list[int] = []
     for i, chunk in enumerate(req.prompt.chunks):
         if not isinstance(chunk, tt.EncodedTextChunk):
             raise InvalidRequestError(f"prompt.chunks[{i}]: {type(chunk).__name__} is not supported; only encoded_text")
         prompt.extend(chunk.tokens)
     params = parse_request(SamplingParams, req.sampling_params.model_dump(), "sampling_params")
+    target, layout = (None, None) if req.target_prompt_logprobs is None else dense_target_ids(req.target_prompt_logprobs, len(prompt) - 1)
     return SampleRequest.build(
         base_model=base_model, model_path=model_path, prompt=prompt, num_samples=req.num_samples, sampling_params=params,
         include_prompt_logprobs=bool(req.prompt_logprobs), topk_prompt_logprobs=req.topk_prompt_logprobs,
-    )
+        topk_sample_logprobs=req.topk_sample_logprobs, target_prompt_logprobs=target, prompt_alt_tokens_k=req.prompt_alt_tokens_k,
+    ), layout

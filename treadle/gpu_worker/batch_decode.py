@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from treadle.gpu_worker.adapters import AdapterBank
 from treadle.gpu_worker.model_host import ModelHost
 from treadle.gpu_worker.row_invariant import invariant_forward, row_runs
+from treadle.gpu_worker.sample_extras import SampleExtras, score_prompt, top_of_rows
 from treadle.gpu_worker.token_choice import draw, finished, processed_logprobs
 from treadle.gpu_worker.validation import PreparedSample
 from treadle.types import SampledSequence, SampleResponse, SamplingParams
@@ -46,10 +47,12 @@ class SampleJob:
     stop_ids: frozenset[int]
     include_prompt_logprobs: bool = False
     topk_prompt_logprobs: int = 0
+    extras: SampleExtras = field(default_factory=SampleExtras)
     generator: torch.Generator | None = None
     sequences: list[SampledSequence | None] = field(default_factory=list)
     prompt_logprobs: list[float | None] | None = None
     topk: list[list[tuple[int, float]] | None] | None = None
+    prompt_extras: dict = field(default_factory=dict)  # target_prompt_logprobs / prompt_alt_tokens, from the prefill
 
     @property
     def done(self) -> bool:
@@ -60,6 +63,7 @@ class SampleJob:
             sequences=list(self.sequences),
             prompt_logprobs=self.prompt_logprobs if self.include_prompt_logprobs else None,
             topk_prompt_logprobs=self.topk,
+            **self.prompt_extras,
         )
 
 
@@ -69,6 +73,7 @@ class _Row:
     index: int  # which of the job's num_samples
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    topk: list[list[tuple[int, float]]] = field(default_factory=list)
 
 
 def forward_rows(bank: AdapterBank, adapters: list[str | None], **inputs):
@@ -142,11 +147,14 @@ class DecodeBatch:
             mask[i, width - lengths[i]:] = 1
         ids, mask = ids.to(device), mask.to(device)
         wants_prompt = [job.include_prompt_logprobs or job.topk_prompt_logprobs > 0 for job in jobs]
+        wants_logits = [w or job.extras.from_prompt for w, job in zip(wants_prompt, jobs)]
         out = forward_rows(
             self.bank, [job.adapter for job in jobs], input_ids=ids, attention_mask=mask,
-            position_ids=(mask.cumsum(dim=1) - 1).clamp(min=0), use_cache=True, logits_to_keep=0 if any(wants_prompt) else 1,
+            position_ids=(mask.cumsum(dim=1) - 1).clamp(min=0), use_cache=True, logits_to_keep=0 if any(wants_logits) else 1,
         )
         for i, job in enumerate(jobs):
+            job.prompt_extras = score_prompt(out.logits[i, width - lengths[i]:], job.extras, job.params.temperature,
+                                             job.generator.initial_seed())
             if wants_prompt[i]:
                 job.prompt_logprobs, job.topk = prompt_logprobs_from_logits(
                     out.logits[i, width - lengths[i]:], ids[i, width - lengths[i]:], job.topk_prompt_logprobs
@@ -199,8 +207,10 @@ class DecodeBatch:
             groups.setdefault(id(row.job), (row.job.generator, []))[1].append(i)
         tokens = draw(logprobs, list(groups.values()))
         chosen = logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1).tolist()
-        for row, lp in zip(rows, chosen):
+        for row, lp, top in zip(rows, chosen, top_of_rows(logprobs, [row.job.extras.topk_sample_logprobs for row in rows])):
             row.logprobs.append(lp)
+            if top is not None:
+                row.topk.append(top)
         return tokens
 
     def _record(self, rows: list[_Row], tokens: torch.Tensor) -> list[int]:
@@ -216,7 +226,8 @@ class DecodeBatch:
             if reason is None:
                 going.append(i)
             else:
-                job.sequences[row.index] = SampledSequence(tokens=row.tokens, logprobs=row.logprobs, stop_reason=reason)
+                job.sequences[row.index] = SampledSequence(tokens=row.tokens, logprobs=row.logprobs, stop_reason=reason,
+                                                           topk_logprobs=row.topk if job.extras.topk_sample_logprobs else None)
         return going
 
     def _join(self, rows: list[_Row], cache, mask: torch.Tensor, source: torch.Tensor, last: torch.Tensor) -> None:

@@ -30,6 +30,7 @@ from treadle.gpu_worker.logprobs import micro_batches, target_logprobs
 from treadle.gpu_worker.losses import LOSSES
 from treadle.gpu_worker.model_host import ModelHost
 from treadle.gpu_worker.optimizer import SessionOptimizer
+from treadle.gpu_worker.sample_extras import SampleExtras
 from treadle.gpu_worker.sampler_backend import SamplerKind, VllmOptions, make_sampler
 from treadle.gpu_worker.state import TrainingState, capture_rng, read_state, restore_rng, write_state
 from treadle.gpu_worker.validation import (PreparedDatum, check_loss, check_same_adapter, check_tokens, prepare_data,
@@ -213,7 +214,7 @@ class Engine:
         return self._samplers[sampler_id]
 
     def sample_async(self, sampler_id: str | None, prompt: ModelInput, num_samples: int, params: SamplingParams,
-                     include_prompt_logprobs: bool = False, topk_prompt_logprobs: int = 0) -> Future:
+                     include_prompt_logprobs: bool = False, topk_prompt_logprobs: int = 0, extras: SampleExtras = SampleExtras()) -> Future:
         """Queue a sample request on a frozen sampler (None: the base model); the future resolves to its
         `SampleResponse`. Logprobs are those of the distribution actually sampled from (see
         `treadle.gpu_worker.token_choice`). A rejected request raises here, before it is queued. Queueing
@@ -223,9 +224,10 @@ class Engine:
             request = prepare_sample(
                 prompt, num_samples, params, topk_prompt_logprobs, max_seq_len=self.max_seq_len, vocab_size=self.vocab_size
             )
+            extras.check(self.vocab_size)
             stop_ids = frozenset({self._host.eos_token_id, *request.stop_token_ids})
             return self.sampler.sample(SampleJob(adapter, request, num_samples, params, stop_ids,
-                                                    include_prompt_logprobs, topk_prompt_logprobs))
+                                                    include_prompt_logprobs, topk_prompt_logprobs, extras))
 
     def sample(self, *args, **kwargs) -> SampleResponse:
         """`sample_async(...)`, awaited (never call it holding the engine's lock: the sampler needs it)."""

@@ -16,6 +16,7 @@ from concurrent.futures import Future
 from typing import Callable
 
 from treadle.gpu_worker.checkpoint_io import load_sampler
+from treadle.gpu_worker.sample_extras import SampleExtras
 from treadle.queue.ops import SampleRequest
 from treadle.storage.checkpoint_store import CheckpointStore
 from treadle.storage.paths import CheckpointPath
@@ -63,9 +64,11 @@ class Sampling:
 
     def sample(self, req: SampleRequest) -> Future:
         """The request queued on its engine's scheduler; the future resolves to its `SampleResponse`."""
+        target = None if req.target_prompt_logprobs is None else req.target_prompt_logprobs.to_numpy()
         with self.device_lock:  # the sampler cache: look-ups, loads and evictions one at a time
             engine, sampler_id = self.cache.engine_and_sampler(req.base_model, req.model_path)
             return engine.sample_async(
                 sampler_id, ModelInput.from_ints(req.prompt), req.num_samples, req.sampling_params,
                 include_prompt_logprobs=req.include_prompt_logprobs, topk_prompt_logprobs=req.topk_prompt_logprobs,
+                extras=SampleExtras(req.topk_sample_logprobs, target, req.prompt_alt_tokens_k),
             )

@@ -137,6 +137,7 @@ class VllmSampler:
 
     def sample(self, job: SampleJob) -> Future:
         """Queue a sample request; the future resolves to its `SampleResponse`."""
+        job.extras.refuse("the vllm sampler backend")  # vLLM scores no target ids, draws nothing from a prompt
         params = job.params
         # Prompt logprobs go as a request of their own: vLLM 0.32 fails the engine step that computes
         # them for a request of n > 1, and they do not depend on what is sampled.

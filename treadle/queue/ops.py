@@ -15,9 +15,10 @@ from __future__ import annotations
 from typing import ClassVar, Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from treadle.errors import InvalidRequestError
+from treadle.queue.sample_options import MAX_PROMPT_ALT_TOKENS, MAX_TOPK_SAMPLE_LOGPROBS, check_target_ids
 from treadle.types import (
     WIRE,
     AdamParams,
@@ -32,6 +33,7 @@ from treadle.types import (
     SaveWeightsExternalResponse,
     SaveWeightsForSamplerResponse,
     SaveWeightsResponse,
+    TensorData,
     UNSERVED_LOSSES,
     LOSS_CONFIGS,
 )
@@ -207,7 +209,15 @@ class SampleRequest(OpRequest):
     sampling_params: SamplingParams = Field(default_factory=SamplingParams, description="How to sample.")
     include_prompt_logprobs: bool = Field(default=False, description="Also return each prompt token's logprob.")
     topk_prompt_logprobs: int = Field(default=0, ge=0, le=100, description="Also return the top-k per prompt position.")
+    topk_sample_logprobs: int = Field(default=0, ge=0, le=MAX_TOPK_SAMPLE_LOGPROBS, description="Also return, per sampled token, the top-k of the distribution it was drawn from.")
+    target_prompt_logprobs: TensorData | None = Field(default=None, description="int64 [len(prompt) - 1, K] token ids (-1: none); cell [i, j] is scored at prompt position i + 1.")
+    prompt_alt_tokens_k: int = Field(default=0, ge=0, le=MAX_PROMPT_ALT_TOKENS, description="Also draw k tokens, at the request's temperature, at every prompt position after the first.")
     owner: str | None = Field(default=None, description="Who pays (the gateway's API key owner); None: the sampled session's owner, else `sdk`.")
+
+    @model_validator(mode="after")
+    def _target_ids_fit_the_prompt(self) -> "SampleRequest":
+        check_target_ids(self.target_prompt_logprobs, len(self.prompt))
+        return self
 
 
 class CreateSessionRequest(OpRequest):
