@@ -145,6 +145,16 @@ def test_session_trace_lists_the_ops_with_seq_and_tokens(gateway, trained):
     fb = next(e for e in ops if e["name"] == "forward_backward")
     assert fb["ph"] == "X" and fb["dur"] > 0 and fb["args"]["trained_tokens"] > 0
     assert fb["args"]["seq"] < next(e for e in ops if e["name"] == "optim_step")["args"]["seq"]
+    # Each op ends when the worker finished it (ts and dur are microseconds, finished_at seconds; 1 us
+    # covers the float rounding of ts + dur, which equals finished_at by construction).
+    for op in ops:
+        assert op["ts"] + op["dur"] <= op["args"]["finished_at"] * 1e6 + 1
+    # Journaled ops also show their wait: a `queued` span from submission to the op's start.
+    queued = {(e["tid"], e["args"]["op"], e["ts"]): e for e in trace["traceEvents"] if e.get("cat") == "queue"}
+    assert queued and fb["args"]["queued_at"] <= fb["ts"] / 1e6
+    wait = queued[(fb["tid"], "forward_backward", fb["args"]["queued_at"] * 1e6)]
+    assert wait["name"] == "queued" and wait["ph"] == "X" and wait["dur"] >= 0
+    assert wait["ts"] + wait["dur"] == pytest.approx(fb["ts"], abs=1)
     with pytest.raises(tinker.NotFoundError):
         _rest(gateway, BOB_KEY).export_session_trace(trained["session_id"]).result()
 
