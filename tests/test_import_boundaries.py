@@ -1,12 +1,15 @@
 """The client side stays light: treadle.types, treadle.sdk and treadle.recipes never import torch,
-peft or the worker, so a laptop needs only the SDK."""
+peft or the worker, so a laptop needs only the SDK. And what the tests import is declared, not borrowed."""
 
 from __future__ import annotations
 
 import ast
 import pathlib
+import re
 import subprocess
 import sys
+import tomllib
+from importlib.metadata import packages_distributions
 
 ROOT = pathlib.Path(__file__).resolve().parents[1] / "treadle"
 LIGHT = [ROOT / "types.py", ROOT / "errors.py", ROOT / "settings.py", ROOT / "sdk", ROOT / "recipes", ROOT / "queue"]
@@ -104,3 +107,30 @@ def test_no_module_over_300_lines():
     long = {str(p.relative_to(ROOT.parent)): n for p in ROOT.rglob("*.py")
             if (n := len(p.read_text().splitlines())) > 300 and p.name != "types.py"}
     assert long == {}
+
+
+def _norm(distribution: str) -> str:
+    return re.sub(r"[-_.]+", "-", distribution).lower()  # PEP 503: PyYAML, pyyaml and py_yaml are one
+
+
+def _declared_distributions() -> set[str]:
+    """pyproject's dependencies and extras, and what scripts/setup.sh installs beside them (normalised names)."""
+    project = tomllib.loads((ROOT.parent / "pyproject.toml").read_text())["project"]
+    specs = project["dependencies"] + [d for extra in project.get("optional-dependencies", {}).values() for d in extra]
+    specs += re.findall(r"([A-Za-z0-9][\w.-]*)==", (ROOT.parent / "scripts" / "setup.sh").read_text())
+    return {_norm(re.split(r"[<>=!~\[; ]", spec)[0]) for spec in specs}
+
+
+def test_every_third_party_module_the_tests_import_is_declared():
+    """A test's import that arrives only as another package's dependency breaks when that package drops it."""
+    modules = set()
+    for path in (ROOT.parent / "tests").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                modules |= {a.name.split(".")[0] for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                modules.add(node.module.split(".")[0])
+    declared, owners = _declared_distributions(), packages_distributions()
+    undeclared = {m: owners.get(m) for m in modules - set(sys.stdlib_module_names) - {"treadle", "tests"}
+                  if not any(_norm(d) in declared for d in owners.get(m, []))}
+    assert undeclared == {}
