@@ -4,6 +4,7 @@ with the official tinker SDK and through the treadle SDK."""
 
 import copy
 import json
+import pathlib
 import re
 import time
 import urllib.error
@@ -99,6 +100,14 @@ def test_the_drift_check_catches_a_misspelled_and_a_foreign_variable():
     found = env_drift(compose)
     assert len(found) == 2 and found[0].startswith("worker: TREADLE_WORKER_METRICS_PROT is no option of `treadle worker`")
     assert found[1].startswith("runner: TREADLE_GATEWAY_PORT is no option of `treadle runner`")
+
+
+def test_operations_doc_states_the_metrics_port_compose_gives_the_worker():
+    doc = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "operations.md").read_text()
+    env = load()["services"]["worker"]["environment"]
+    stated = re.search(r"compose\.yaml's worker sets `TREADLE_WORKER_METRICS_PORT=(\w+)` and "
+                       r"`TREADLE_WORKER_METRICS_ADDRESS=([\w.]+)`", doc)
+    assert stated and stated.groups() == (env["TREADLE_WORKER_METRICS_PORT"], env["TREADLE_WORKER_METRICS_ADDRESS"])
 
 
 # ---------------------------------------------------------------- private by default

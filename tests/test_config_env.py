@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import pathlib
+import re
 import signal
 import subprocess
 import sys
@@ -281,3 +283,14 @@ def test_runs_list_reads_its_broker_from_env_over_the_file_and_a_flag_over_env(r
     out = _run(["runs", "list", "--broker_url", redis_url], {**env, "TREADLE_RUNS_LIST_BROKER_URL": nowhere})
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["spec"]["name"] == "env-listed"
+
+
+def test_operations_doc_lists_every_command():
+    """docs/operations.md's list of the commands this precedence holds for names each one the CLI has."""
+    doc = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "operations.md").read_text()
+    paragraph = doc.split("## Configuration", 1)[1].split("\n\n")[1]
+    listed = set()
+    for quoted in re.findall(r"`([^`]+)`", paragraph):  # `runs submit|list` is `runs submit` and `runs list`
+        *head, last = quoted.split()
+        listed |= {" ".join([*head, alt]) for alt in last.split("|")}
+    assert set(_commands()) - listed == set()

@@ -83,3 +83,18 @@ def test_the_grafana_dashboard_queries_only_metrics_treadle_exports(redis_client
     queried = {re.sub(r"_(bucket|total|count|sum)$", "", name) for panel in dashboard["panels"] for t in panel["targets"]
                for name in re.findall(r"\btreadle_\w+", t["expr"])}
     assert len(queried) >= 10 and queried <= exported, queried - exported
+
+
+def test_operations_doc_names_each_metric_under_the_process_that_exports_it(redis_client):
+    """docs/operations.md's Gateway bullet lists exactly the gateway's metrics, its worker bullet exactly a worker's."""
+    from fastapi import FastAPI
+
+    from treadle.gateway.metrics import install
+
+    doc = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "operations.md").read_text()
+    section = doc.split("## Metrics (Prometheus)", 1)[1].split("\n## ", 1)[0]
+    gateway_text, worker_text = section.split("\n- Gateway:", 1)[1].split("\n- Each worker", 1)
+    named = lambda text: {re.sub(r"_(total)$", "", n) for n in re.findall(r"\btreadle_\w+", text.split("\n\n")[0])}  # noqa: E731
+    worker = {m.name for m in metrics.REGISTRY.collect()} | {"treadle_queue_depth"}  # the queue depths of the models it serves
+    assert named(gateway_text) == {m.name for m in install(FastAPI(), lambda: redis_client).collect()}
+    assert named(worker_text) == worker
