@@ -233,3 +233,21 @@ def test_official_sdk_stability_info_sampler_gives_distinct_sequence_ids(clients
     second = sampler.sample(tt.ModelInput.from_ints(prompt), 2, tt.SamplingParams(max_tokens=3, seed=2)).result()
     ids = [s.sequence_id for s in [*first.sequences, *second.sequences]]
     assert all(isinstance(i, str) and i for i in ids) and len(set(ids)) == len(ids)
+
+
+def _neg_ll(logprobs, weights):
+    loss = -(logprobs * weights).sum()
+    return loss, {"custom/neg_ll:sum": loss}
+
+
+def test_official_sdk_custom_loss_handle_runs_client_side(clients):
+    """create_custom_loss traces the loss; the gateway's session says custom_loss_server_side: false, so the
+    handle stays client-side, and forward_backward_custom with it equals cross_entropy on the same batch."""
+    official, _ = clients
+    tc = official.create_lora_training_client(base_model="tiny", rank=RANK, seed=SEED).result()
+    data = _ce(tt, _pairs(tc.get_tokenizer(), TEXTS[:2]))
+    handle = official.create_custom_loss(_neg_ll, {"logprobs": 1, "weights": 1}).result()
+    assert handle.loss_id is None
+    got = tc.forward_backward_custom(data, handle).result()
+    want = tc.forward(data, "cross_entropy").result()
+    assert got.metrics["custom/neg_ll:sum"] == pytest.approx(want.metrics["loss:sum"], rel=1e-5)
