@@ -58,6 +58,16 @@ def test_worker_reserves_a_gpu_caches_hf_and_restarts():
     assert worker["command"][0] == "worker"
 
 
+@pytest.mark.parametrize("devices", [None, "4"])
+def test_worker_reserves_one_gpu_per_rank_of_its_device_group(devices):
+    # `--devices N` uses cuda:0..N-1: the reservation must give the container exactly that many GPUs.
+    worker = load()["services"]["worker"]
+    env = {} if devices is None else {"TREADLE_WORKER_DEVICES": devices}
+    count = interpolate(worker["deploy"]["resources"]["reservations"]["devices"][0]["count"], env)
+    ranks = interpolate(worker["environment"]["TREADLE_WORKER_DEVICES"], env)
+    assert str(count) == str(ranks) == (devices or "1")
+
+
 def test_worker_command_parses_with_the_real_cli():
     from treadle.cli import build_parser
 
