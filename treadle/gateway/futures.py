@@ -5,6 +5,8 @@ of answering at once, or the client would spin. A worker's result records the op
 and is rendered from that op's response type in the op table: forward_backward and sample outputs as
 protobuf (the SDK rejects JSON for them), every other response as the Tinker type of the same name.
 A failed op is a 200 JSON `{"error", "category"}`, which the SDK raises as `RequestFailedError`.
+A held poll also asks, every couple of seconds per future, whether the future can still resolve
+(`OpsClient.check_future`), so a client of a lost model gets that error, not try_again forever.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import time
 import typing
+from collections import OrderedDict
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
@@ -33,6 +36,32 @@ router = APIRouter()
 
 POLL_START_S = 0.002
 POLL_MAX_S = 0.05
+# A held poll asks whether its future can still resolve (a lost or stopped model, a seq or sample never
+# submitted) at most this often per future: the SDK polls again at once after try_again.
+CHECK_EVERY_S = 2.0
+CHECK_FIRST_S = 0.5
+
+
+class _CheckClock:
+    """When each future is next due a check; bounded (the oldest entries go), and used on the event loop only."""
+
+    def __init__(self, capacity: int = 100_000):
+        self._due: OrderedDict[str, float] = OrderedDict()
+        self._capacity = capacity
+
+    def due(self, future_id: str) -> bool:
+        now = time.monotonic()
+        at = self._due.setdefault(future_id, now + CHECK_FIRST_S)
+        self._due.move_to_end(future_id)
+        while len(self._due) > self._capacity:
+            self._due.popitem(last=False)
+        if now < at:
+            return False
+        self._due[future_id] = now + CHECK_EVERY_S
+        return True
+
+
+_CHECKS = _CheckClock()
 
 
 @router.post("/retrieve_future")
@@ -48,6 +77,8 @@ async def retrieve_future(request: Request, owner: str = Depends(require_owner),
             value = await run_in_threadpool(backend.local.poll, record)
             if value is not None:
                 return await run_in_threadpool(render_result, backend, record, value)
+            if record.future_id is not None and _CHECKS.due(record.future_id):
+                await run_in_threadpool(backend.ops.check_future, record.future_id)
         except TreadleError as exc:
             return JSONResponse({"error": exc.message, "category": exc.category})
         except Exception as exc:  # a result the gateway cannot render is a server error, not a hung client
