@@ -78,6 +78,13 @@ class _Request(BaseModel):
 TokenId = Annotated[int, Field(ge=0, lt=2**31)]
 SEED_MAX = 2**63 - 1
 MAX_TOKENS_PER_SEQUENCE = 2**20
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+# Generous limits on counts, so no request can ask for unbounded work or memory: a tensor has at most
+# 8 dimensions; a protobuf tensor (sparse ones are densified) at most 2**24 values; a datum at most 64
+# loss inputs; a ModelInput at most one chunk per token.
+MAX_TENSOR_DIMS = 8
+MAX_TENSOR_VALUES = 2**24
+MAX_LOSS_INPUTS = 64
 
 
 class _Response(BaseModel):
@@ -101,7 +108,7 @@ class EncodedTextChunk(_Request):
 class ModelInput(_Request):
     """A token sequence, as a list of chunks (only encoded text is supported)."""
 
-    chunks: list[EncodedTextChunk] = Field(default_factory=list, description="Chunks in order.")
+    chunks: list[EncodedTextChunk] = Field(default_factory=list, max_length=MAX_TOKENS_PER_SEQUENCE, description="Chunks in order.")
 
     @classmethod
     def from_ints(cls, tokens: Sequence[int]) -> "ModelInput":
@@ -143,7 +150,7 @@ class TensorData(_Request):
 
     data: list[int] | list[float] = Field(description="Flattened values, row-major (made from the array on first use).")
     dtype: DType = Field(description="`int64` or `float32`.")
-    shape: list[int] | None = Field(default=None, description="Shape; None means 1-D.")
+    shape: list[Annotated[int, Field(ge=0)]] | None = Field(default=None, max_length=MAX_TENSOR_DIMS, description="Shape; None means 1-D.")
     _array: np.ndarray | None = PrivateAttr(default=None)
 
     @model_validator(mode="wrap")
@@ -159,6 +166,10 @@ class TensorData(_Request):
             return self
         if self.shape is not None and math.prod(self.shape) != len(self.data):
             raise ValueError(f"shape {self.shape} holds {math.prod(self.shape)} values but data has {len(self.data)}")
+        if self.dtype == "int64":  # numpy would raise a bare OverflowError later, far from the field
+            j = next((j for j, v in enumerate(self.data) if not INT64_MIN <= v <= INT64_MAX), None)
+            if j is not None:
+                raise ValueError(f"data[{j}]: {self.data[j]} is outside int64 (-2^63 to 2^63-1)")
         return self
 
     @model_serializer(mode="wrap")
@@ -191,6 +202,9 @@ class TensorData(_Request):
         dtype, shape = wire.get("dtype"), wire.get("shape")
         if dtype not in _NP_DTYPES:
             raise ValueError(f"dtype: {dtype!r} is not one of {', '.join(_NP_DTYPES)}")
+        if shape is not None and not (isinstance(shape, list) and len(shape) <= MAX_TENSOR_DIMS
+                                      and all(type(d) is int and d >= 0 for d in shape)):
+            raise ValueError(f"shape: {shape!r:.80} is not a list of at most {MAX_TENSOR_DIMS} dimensions >= 0")
         try:
             array = np.frombuffer(base64.b64decode(wire["b64"], validate=True), dtype=_NP_DTYPES[dtype])
         except (binascii.Error, ValueError, TypeError) as exc:
@@ -214,7 +228,12 @@ class TensorData(_Request):
     def from_list(cls, values: Sequence[Any], dtype: DType | None = None) -> "TensorData":
         if dtype is None:
             dtype = "int64" if all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in values) else "float32"
-        return cls.from_numpy(np.asarray(values, dtype=_NP_DTYPES[dtype]))
+        try:
+            array = np.asarray(values, dtype=_NP_DTYPES[dtype])
+        except OverflowError:  # a ValueError, so a validator reports it as the field's error
+            bad = next((v for v in values if not INT64_MIN <= v <= INT64_MAX), None)
+            raise ValueError(f"{bad} is outside int64 (-2^63 to 2^63-1)") from None
+        return cls.from_numpy(array)
 
     def to_numpy(self) -> np.ndarray:
         """The values as an array of `shape` (read-only when it came off the wire)."""
@@ -254,7 +273,7 @@ class Datum(_Request):
 
     model_input: ModelInput = Field(description="Input tokens, i.e. tokens[:-1].")
     loss_fn_inputs: dict[str, TensorData] = Field(
-        default_factory=dict,
+        default_factory=dict, max_length=MAX_LOSS_INPUTS,
         description="Per-token loss inputs: target_tokens, weights, logprobs, advantages, ...",
     )
 

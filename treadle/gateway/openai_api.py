@@ -21,7 +21,7 @@ from treadle.errors import InvalidRequestError
 from treadle.gateway.auth import require_owner
 from treadle.gateway.backend import Backend, get_backend
 from treadle.queue.ops import SampleRequest, parse_request
-from treadle.types import SamplingParams
+from treadle.types import MAX_TOKENS_PER_SEQUENCE, SEED_MAX, SamplingParams
 
 router = APIRouter()
 
@@ -32,11 +32,11 @@ class _OpenAIRequest(BaseModel):
 
     model: str = Field(description="A sampler path (tinker:// or treadle://), a sampler id, or a served base model.")
     n: int = Field(default=1, ge=1, le=128, description="Completions to generate.")
-    max_tokens: int | None = Field(default=None, ge=1, description="Most new tokens per completion.")
+    max_tokens: int | None = Field(default=None, ge=1, le=MAX_TOKENS_PER_SEQUENCE, description="Most new tokens per completion.")
     temperature: float = Field(default=1.0, ge=0.0, le=2.0, description="Sampling temperature; 0 is greedy.")
     top_p: float = Field(default=1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
     stop: str | list[str] | None = Field(default=None, description="Stop strings (not included in the output).")
-    seed: int | None = Field(default=None, description="Random seed; the same seed gives the same completion.")
+    seed: int | None = Field(default=None, ge=0, le=SEED_MAX, description="Random seed; the same seed gives the same completion.")
     stream: bool = Field(default=False, description="Streaming is not supported.")
 
 
@@ -49,7 +49,7 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_OpenAIRequest):
     messages: list[ChatMessage] = Field(min_length=1, description="The conversation so far.")
-    max_completion_tokens: int | None = Field(default=None, ge=1, description="Newer spelling of max_tokens.")
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=MAX_TOKENS_PER_SEQUENCE, description="Newer spelling of max_tokens.")
     logprobs: bool = Field(default=False, description="Return the logprob of each generated token.")
     top_logprobs: int | None = Field(default=None, ge=0, le=0, description="Only 0 is supported.")
 
@@ -60,7 +60,7 @@ class ChatCompletionRequest(_OpenAIRequest):
 
 class CompletionRequest(_OpenAIRequest):
     prompt: str | list[int] = Field(description="A prompt string, or its token ids.")
-    max_tokens: int | None = Field(default=16, ge=1, description="Most new tokens per completion (OpenAI's default is 16).")
+    max_tokens: int | None = Field(default=16, ge=1, le=MAX_TOKENS_PER_SEQUENCE, description="Most new tokens per completion (OpenAI's default is 16).")
     logprobs: int | None = Field(default=None, ge=0, le=0, description="0 returns each token's logprob; top alternatives are not supported.")
     echo: Literal[False] = Field(default=False, description="Echoing the prompt is not supported.")
 

@@ -11,12 +11,22 @@ from __future__ import annotations
 import math
 
 import numpy as np
+from pydantic import ValidationError
 from tinker.proto import tinker_public_pb2 as pb
 
 from treadle.errors import InvalidRequestError
 from treadle.gateway.sample_targets import listed_scores
 from treadle.queue.ops import ForwardBackwardRequest, ForwardRequest
-from treadle.types import Datum, ForwardBackwardOutput, ModelInput, SampleResponse, TensorData
+from treadle.types import (
+    MAX_TENSOR_DIMS,
+    MAX_TENSOR_VALUES,
+    MAX_TOKENS_PER_SEQUENCE,
+    Datum,
+    ForwardBackwardOutput,
+    ModelInput,
+    SampleResponse,
+    TensorData,
+)
 
 PROTO_MEDIA_TYPE = "application/x-protobuf"
 
@@ -37,11 +47,22 @@ def parse_forward_backward(body: bytes) -> pb.ForwardBackwardRequest:
     return msg
 
 
-def forward_backward_request(msg: pb.ForwardBackwardRequest) -> ForwardRequest:
+def forward_backward_request(msg: pb.ForwardBackwardRequest, data: list[Datum] | None = None) -> ForwardRequest:
     """treadle's typed forward (forward_only) or forward_backward request; tensors stay arrays."""
     cls = ForwardRequest if msg.forward_only else ForwardBackwardRequest
-    return cls.build(data=[_datum(i, d) for i, d in enumerate(msg.data)], loss_fn=msg.loss_fn,
+    return cls.build(data=decode_data(msg) if data is None else data, loss_fn=msg.loss_fn,
                      loss_fn_config=_loss_config(msg) or None)
+
+
+def decode_data(msg: pb.ForwardBackwardRequest) -> list[Datum]:
+    """The batch as treadle's Datums; a token, shape or sparse index the message cannot mean is an
+    InvalidRequestError naming it (never a numpy error, which would be a 500)."""
+    # Sparse tensors are the one place a small body becomes a large allocation: bound them all together.
+    sparse = sum(math.prod(abs(d) for d in t.shape) for d in msg.data for t in d.loss_fn_inputs.values()
+                 if t.WhichOneof("encoding") == "sparse_csr")
+    if sparse > MAX_TENSOR_VALUES:
+        raise InvalidRequestError(f"data: its sparse tensors hold {sparse} values once dense; at most {MAX_TENSOR_VALUES} (2^24) per request")
+    return [_datum(i, d) for i, d in enumerate(msg.data)]
 
 
 def _loss_config(msg: pb.ForwardBackwardRequest) -> dict:
@@ -52,43 +73,86 @@ def _loss_config(msg: pb.ForwardBackwardRequest) -> dict:
 
 
 def _datum(index: int, datum: pb.Datum) -> Datum:
-    tokens: list[int] = []
-    for chunk in datum.model_input:
+    chunks = []
+    for c, chunk in enumerate(datum.model_input):
         kind = chunk.WhichOneof("chunk")
         if kind != "encoded_text":
             raise InvalidRequestError(f"data[{index}].model_input: {kind} chunks are not supported; only encoded_text")
-        tokens.extend(np.frombuffer(chunk.encoded_text.tokens, dtype="<i4").tolist())
+        chunks.append(_tokens(f"data[{index}].model_input.chunks[{c}].tokens", chunk.encoded_text.tokens))
+    total = sum(len(c) for c in chunks)
+    if total > MAX_TOKENS_PER_SEQUENCE:
+        raise InvalidRequestError(f"data[{index}].model_input: {total} tokens; at most {MAX_TOKENS_PER_SEQUENCE} (2^20)")
     inputs = {name: _tensor(f"data[{index}].loss_fn_inputs.{name}", t) for name, t in datum.loss_fn_inputs.items()}
-    return Datum(model_input=ModelInput.from_ints(tokens), loss_fn_inputs=inputs)
+    tokens = np.concatenate(chunks).tolist() if chunks else []
+    try:
+        return Datum(model_input=ModelInput.from_ints(tokens), loss_fn_inputs=inputs)
+    except ValidationError as exc:  # a bound of the wire types (the number of loss inputs, ...)
+        err = exc.errors()[0]
+        where = ".".join(str(p) for p in err["loc"])
+        raise InvalidRequestError(f"data[{index}].{where}: {err['msg']} (got {err.get('input')!r:.80})") from None
+
+
+def _tokens(field: str, raw: bytes) -> np.ndarray:
+    ids = _array(field, raw, np.dtype("<i4"))
+    bad = np.flatnonzero(ids < 0)  # int32 holds no id above 2^31-1: only negatives are out of range
+    if bad.size:
+        j = int(bad[0])
+        raise InvalidRequestError(f"{field}[{j}]: {int(ids[j])} is not a token id; token ids are 0 to 2^31-1")
+    return ids
+
+
+def _array(field: str, raw: bytes, dtype: np.dtype) -> np.ndarray:
+    if len(raw) % dtype.itemsize:
+        raise InvalidRequestError(f"{field}: {len(raw)} bytes is not a whole number of {dtype.name} values")
+    return np.frombuffer(raw, dtype=dtype)
 
 
 def _tensor(field: str, tensor: pb.Tensor) -> TensorData:
     dtype = _DTYPE_NAMES.get(tensor.dtype)
-    if dtype is None:
-        raise InvalidRequestError(f"{field}: dtype {pb.DType.Name(tensor.dtype)} is not supported; use float32 or int64")
-    shape = list(tensor.shape) or None
+    if dtype is None:  # proto3 enums are open: an unknown number has no name
+        name = pb.DType.Name(tensor.dtype) if tensor.dtype in pb.DType.values() else tensor.dtype
+        raise InvalidRequestError(f"{field}: dtype {name} is not supported; use float32 or int64")
+    shape = _shape(field, list(tensor.shape)) or None
     if tensor.WhichOneof("encoding") == "sparse_csr":
         raw = _densify_csr(field, tensor.sparse_csr, dtype, shape)
     else:
         raw = tensor.dense
-    if len(raw) % _NP[dtype].itemsize:
-        raise InvalidRequestError(f"{field}: {len(raw)} bytes is not a whole number of {dtype} values")
-    array = np.frombuffer(raw, dtype=_NP[dtype])
+    array = _array(field, raw, _NP[dtype])
     if shape is not None and math.prod(shape) != array.size:
         raise InvalidRequestError(f"{field}: shape {shape} holds {math.prod(shape)} values but the tensor has {array.size}")
     return TensorData.from_numpy(array.reshape(shape) if shape is not None else array)
 
 
+def _shape(field: str, shape: list[int]) -> list[int]:
+    if len(shape) > MAX_TENSOR_DIMS:
+        raise InvalidRequestError(f"{field}.shape: {len(shape)} dimensions; at most {MAX_TENSOR_DIMS}")
+    if any(d < 0 for d in shape):
+        raise InvalidRequestError(f"{field}.shape: {shape} has a negative dimension; dimensions are >= 0")
+    if math.prod(shape) > MAX_TENSOR_VALUES:
+        raise InvalidRequestError(f"{field}.shape: {shape} holds {math.prod(shape)} values; at most {MAX_TENSOR_VALUES} (2^24)")
+    return shape
+
+
 def _densify_csr(field: str, csr: pb.SparseCsr, dtype: str, shape: list[int] | None) -> bytes:
     if shape is None or len(shape) != 2:
         raise InvalidRequestError(f"{field}: a sparse CSR tensor needs a 2-D shape, got {shape}")
-    values = np.frombuffer(csr.values, dtype=_NP[dtype])
-    crow = np.frombuffer(csr.crow_indices, dtype="<i8")
-    cols = np.frombuffer(csr.col_indices, dtype="<i8")
+    rows, width = shape
+    values = _array(f"{field}.sparse_csr.values", csr.values, _NP[dtype])
+    crow = _array(f"{field}.sparse_csr.crow_indices", csr.crow_indices, np.dtype("<i8"))
+    cols = _array(f"{field}.sparse_csr.col_indices", csr.col_indices, np.dtype("<i8"))
+    # Offsets within [0, nnz] first, so their differences cannot overflow.
+    if (crow.size != rows + 1 or crow[0] != 0 or crow[-1] != values.size or np.any((crow < 0) | (crow > values.size))
+            or np.any(np.diff(crow) < 0)):
+        raise InvalidRequestError(f"{field}.sparse_csr.crow_indices: {crow.tolist()!s:.80}; {rows} rows need {rows + 1} "
+                                  f"non-decreasing offsets from 0 to the {values.size} values")
+    if cols.size != values.size:
+        raise InvalidRequestError(f"{field}.sparse_csr.col_indices: {cols.size} indices for {values.size} values")
+    bad = np.flatnonzero((cols < 0) | (cols >= width))
+    if bad.size:
+        j = int(bad[0])
+        raise InvalidRequestError(f"{field}.sparse_csr.col_indices[{j}]: {int(cols[j])} is outside 0 to {width - 1} (shape {shape})")
     dense = np.zeros(shape, dtype=_NP[dtype])
-    for row in range(shape[0]):
-        start, end = int(crow[row]), int(crow[row + 1])
-        dense[row, cols[start:end]] = values[start:end]
+    dense[np.repeat(np.arange(rows), np.diff(crow)), cols] = values
     return dense.tobytes()
 
 

@@ -20,13 +20,13 @@ from treadle.gateway import downloads
 from treadle.gateway.auth import require_owner
 from treadle.gateway.backend import Backend, get_backend
 from treadle.gateway.store import PREFIX
-from treadle.queue.ops import parse_request
+from treadle.queue.ops import MAX_TTL_SECONDS, parse_request
 from treadle.storage.paths import CheckpointPath
 
 router = APIRouter()
 
 # The SDK documents these bounds for every TTL it sends (copies, external weights).
-MIN_TTL_S, MAX_TTL_S = 3600, 10 * 365 * 24 * 3600
+MIN_TTL_S, MAX_TTL_S = 3600, MAX_TTL_SECONDS
 # Download links last an hour (as Tinker's do), never past the checkpoint's own expiry.
 URL_LIFETIME_S = 3600
 # The SDK retries a copy with the same X-Idempotency-Key; the first copy's path answers the retries.

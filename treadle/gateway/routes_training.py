@@ -16,7 +16,7 @@ from tinker import types as tt
 from treadle.errors import InvalidRequestError, TreadleError
 from treadle.gateway.auth import require_owner
 from treadle.gateway.backend import Backend, get_backend, model_session_id
-from treadle.gateway.proto_codec import forward_backward_request, parse_forward_backward
+from treadle.gateway.proto_codec import decode_data, forward_backward_request, parse_forward_backward
 from treadle.queue.ops import (
     CreateSessionRequest,
     LoadStateRequest,
@@ -82,7 +82,12 @@ async def forward_backward(request: Request, owner: str = Depends(require_owner)
     body = await request.body()  # zstd already decompressed, within the body limits (gateway/bodies.py)
     msg = parse_forward_backward(body)
     await run_in_threadpool(backend.owners.model, msg.model_id, owner)
-    return _future(await _submit(backend, owner, msg.model_id, msg.seq_id, lambda: forward_backward_request(msg),
+    try:
+        data = await run_in_threadpool(decode_data, msg)
+    except InvalidRequestError as exc:  # tensors or tokens the message cannot mean: a 400, as a bad JSON field is, that takes its seq
+        await run_in_threadpool(_take_refused, backend, owner, msg.model_id, msg.seq_id, exc, body)
+        raise
+    return _future(await _submit(backend, owner, msg.model_id, msg.seq_id, lambda: forward_backward_request(msg, data),
                                  kind="forward_backward", body=body), msg.model_id)
 
 

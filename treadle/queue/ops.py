@@ -36,9 +36,14 @@ from treadle.types import (
     TensorData,
     UNSERVED_LOSSES,
     LOSS_CONFIGS,
+    MAX_TOKENS_PER_SEQUENCE,
+    TokenId,
 )
 
 Route = Literal["session", "model"]
+# Generous bounds (docs/gateway.md states them): a TTL of ten years at most (as the Tinker SDK
+# documents), a batch of 16384 datums, an automatic checkpoint every million steps.
+MAX_TTL_SECONDS, MAX_DATUMS, MAX_CHECKPOINT_EVERY = 10 * 365 * 24 * 3600, 16384, 10**6
 
 
 class EmptyResponse(BaseModel):
@@ -92,7 +97,7 @@ class ForwardRequest(OpRequest):
     op: ClassVar[str] = "forward"
     response: ClassVar[type[BaseModel]] = ForwardBackwardOutput
 
-    data: list[Datum] = Field(description="The batch; model_input is tokens[:-1], target_tokens tokens[1:].")
+    data: list[Datum] = Field(max_length=MAX_DATUMS, description="The batch; model_input is tokens[:-1], target_tokens tokens[1:].")
     loss_fn: LossFnType = Field(description="Built-in loss computed on the logprobs of target_tokens.")
     loss_fn_config: dict[str, float] | None = Field(default=None, description="Loss parameters, e.g. clip thresholds.")
 
@@ -147,7 +152,7 @@ class SaveStateRequest(OpRequest):
     response: ClassVar[type[BaseModel]] = SaveWeightsResponse
 
     name: str = Field(description="Checkpoint name: treadle://<run_id>/weights/<name>.")
-    ttl_seconds: int | None = Field(default=None, ge=1, description="Delete the checkpoint after this long (None: keep).")
+    ttl_seconds: int | None = Field(default=None, ge=1, le=MAX_TTL_SECONDS, description="Delete the checkpoint after this long (None: keep).")
     overwrite: bool = Field(default=False, description="Replace a checkpoint of the same name.")
     user_metadata: dict | None = Field(default=None, description="Stored with the checkpoint's manifest.")
 
@@ -157,7 +162,7 @@ class SaveWeightsForSamplerRequest(OpRequest):
     response: ClassVar[type[BaseModel]] = SaveWeightsForSamplerResponse
 
     name: str | None = Field(default=None, description="None: an ephemeral snapshot with a generated name.")
-    ttl_seconds: int | None = Field(default=None, ge=1, description="Delete after this long (ephemeral default: a day).")
+    ttl_seconds: int | None = Field(default=None, ge=1, le=MAX_TTL_SECONDS, description="Delete after this long (ephemeral default: a day).")
     merge_weights: bool = Field(default=False, description="Also write a merged model (SageMaker's spelling).")
 
 
@@ -166,7 +171,7 @@ class SaveWeightsExternalRequest(OpRequest):
     response: ClassVar[type[BaseModel]] = SaveWeightsExternalResponse
 
     name: str = Field(description="Checkpoint name: treadle://<run_id>/external_weights/<name>.")
-    ttl_seconds: int | None = Field(default=None, ge=1, description="Delete the export after this long (None: keep).")
+    ttl_seconds: int | None = Field(default=None, ge=1, le=MAX_TTL_SECONDS, description="Delete the export after this long (None: keep).")
     age_encryption_recipients: list[str] | None = Field(default=None, max_length=64, description="age or SSH public keys; "
                                                         "each file is stored encrypted to them, as <file>.age (None: plain).")
 
@@ -204,7 +209,7 @@ class SampleRequest(OpRequest):
 
     base_model: str = Field(description="The served base model; its workers sample.")
     model_path: str | None = Field(default=None, description="A sampler checkpoint path; None samples the base model.")
-    prompt: list[int] = Field(description="Prompt token ids.")
+    prompt: list[TokenId] = Field(max_length=MAX_TOKENS_PER_SEQUENCE, description="Prompt token ids.")
     num_samples: int = Field(default=1, ge=1, le=1024, description="Independent samples of the prompt.")
     sampling_params: SamplingParams = Field(default_factory=SamplingParams, description="How to sample.")
     include_prompt_logprobs: bool = Field(default=False, description="Also return each prompt token's logprob.")
@@ -232,7 +237,7 @@ class CreateSessionRequest(OpRequest):
     user_metadata: dict | None = Field(default=None, description="Stored with the training run.")
     from_state: str | None = Field(default=None, description="Start from this save_state checkpoint.")
     with_optimizer: bool = Field(default=False, description="With from_state: restore Adam moments too.")
-    checkpoint_every: int | None = Field(default=None, ge=0, description="Automatic checkpoint period in steps (None: the worker's).")
+    checkpoint_every: int | None = Field(default=None, ge=0, le=MAX_CHECKPOINT_EVERY, description="Automatic checkpoint period in steps (None: the worker's).")
 
 
 # ---------------------------------------------------------------- the table
