@@ -1,8 +1,10 @@
 """Property-based tests (hypothesis): the wire types, valid and invalid, and the gateway's routes.
 
 Bounded example counts keep CI time fixed: 150 examples for each wire-type property (no stack), and
-120 requests over the gateway's training routes plus 60 raw forward_backward bodies against one
-running gateway (about 25 s after the shared stack is up). Derandomized, so a CI failure reproduces.
+against one running gateway 120 requests over its training routes, 60 raw forward_backward bodies, 50
+protobuf forward_backward messages (any int32 token, shape and sparse CSR) and 40 /asample prompts of
+any integers: the whole file took 30 s on a shared 2-core machine, half of it starting the stack.
+Derandomized, so a CI failure reproduces.
 """
 
 from __future__ import annotations
@@ -12,11 +14,13 @@ import math
 import time
 
 import httpx
+import numpy as np
 import pytest
 import zstandard
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
+from tinker.proto import tinker_public_pb2 as pb
 
 from tests.fixtures.gateway import settle
 from treadle.errors import InvalidRequestError
@@ -237,6 +241,85 @@ def test_forward_backward_bodies_never_5xx(fuzz_gateway, raw, compress):
     response = client.post("/forward_backward", content=body, headers=headers)
     assert response.status_code < 500, response.text
     assert time.monotonic() - started < ANSWER_S
+
+
+# Protobuf forward_backwards as the SDK would never send them: any int32 token, any shape (negative,
+# huge, too many dimensions), dense bytes of any length, sparse CSR with any offsets and indices, any
+# dtype number. Mostly near-valid (small tokens, the datum's own length), so many reach the worker.
+INT32 = st.integers(-2**31, 2**31 - 1)
+TOKENS = st.one_of(st.lists(st.integers(0, 250), max_size=8), st.lists(st.one_of(st.integers(0, 250), INT32), max_size=8))
+RAGGED = st.sampled_from([b""] * 7 + [b"\x07"])  # now and then a byte too many
+DIM = st.one_of(st.integers(-3, 20), st.integers(-2**62, 2**62))
+FLOAT32 = st.one_of(st.floats(-1e3, 1e3, width=32), NON_FINITE)
+
+
+@st.composite
+def _tensor_into(draw, tensor, n: int) -> None:
+    tensor.dtype = draw(st.sampled_from([pb.DTYPE_FLOAT32] * 4 + [pb.DTYPE_INT64] * 3 + [7]))
+    tensor.shape.extend(draw(st.one_of(st.just([n]), st.just([n]), st.just([]), st.lists(DIM, max_size=9))))
+    itemsize, np_dtype = (8, "<i8") if tensor.dtype == pb.DTYPE_INT64 else (4, "<f4")
+    values = st.integers(-2**63, 2**63 - 1) if itemsize == 8 else FLOAT32
+    if draw(st.integers(0, 3)) == 0:  # sparse CSR
+        nnz = draw(st.integers(0, 4))
+        tensor.sparse_csr.values = np.asarray(draw(st.lists(values, min_size=nnz, max_size=nnz)), dtype=np_dtype).tobytes()
+        tensor.sparse_csr.crow_indices = np.asarray(draw(st.lists(st.integers(-2, 6), max_size=6)), dtype="<i8").tobytes()
+        tensor.sparse_csr.col_indices = np.asarray(draw(st.lists(st.one_of(st.integers(-2, 20), st.integers(-2**62, 2**62)),
+                                                                 min_size=nnz, max_size=nnz + 1)), dtype="<i8").tobytes()
+    else:
+        size = draw(st.one_of(st.just(n), st.just(n), st.integers(0, n + 2)))
+        tensor.dense = np.asarray(draw(st.lists(values, min_size=size, max_size=size)), dtype=np_dtype).tobytes()
+
+
+@st.composite
+def forward_backward_messages(draw) -> "pb.ForwardBackwardRequest":
+    """A ForwardBackwardRequest without model_id and seq_id (the test sets them against the live model)."""
+    msg = pb.ForwardBackwardRequest(loss_fn=draw(st.sampled_from(["cross_entropy", "cross_entropy", "importance_sampling", "hinge"])),
+                                    forward_only=draw(st.booleans()))
+    for _ in range(draw(st.integers(0, 2))):
+        datum = msg.data.add()
+        tokens = draw(TOKENS)
+        datum.model_input.add().encoded_text.tokens = np.asarray(tokens, dtype="<i4").tobytes() + draw(RAGGED)
+        for name in draw(st.lists(st.sampled_from(["target_tokens", "weights", "advantages", "logprobs"]), unique=True, max_size=3)):
+            draw(_tensor_into(datum.loss_fn_inputs[name], len(tokens)))
+    return msg
+
+
+def _answered(client, response, started: float, what) -> None:
+    """No 5xx; a future settles within seconds and is not a server error; every error in the one JSON form."""
+    assert response.status_code < 500, (what, response.text)
+    if response.status_code != 200:
+        assert response.json()["error"], response.text
+    elif "request_id" in response.json():
+        settled = settle(client, response.json()["request_id"], ANSWER_S)
+        assert settled.status_code == 200
+        if settled.headers["content-type"].startswith("application/json"):
+            outcome = settled.json()
+            assert outcome.get("type") != "try_again", (what, "still pending")
+            assert outcome.get("category") != "server", (what, outcome)
+    assert time.monotonic() - started < ANSWER_S + 1, what
+
+
+@settings(max_examples=50, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(msg=forward_backward_messages())
+def test_forward_backward_messages_never_5xx_nor_hang(fuzz_gateway, msg):
+    client, model, ops = fuzz_gateway
+    msg.model_id, msg.seq_id = model, ops.next_seq(model) + 1
+    started = time.monotonic()
+    response = client.post("/forward_backward", content=msg.SerializeToString(), headers=PROTO)
+    _answered(client, response, started, msg)
+    if response.status_code == 400 and "data" in response.json()["error"]:
+        assert ops.next_seq(model) == msg.seq_id, "a forward_backward refused for its data still takes its seq"
+
+
+@settings(max_examples=40, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(tokens=st.lists(st.one_of(st.integers(0, 250), st.integers(0, 250), st.integers(-2**70, 2**70)), max_size=6),
+       max_tokens=st.integers(1, 2))
+def test_asample_prompt_tokens_never_5xx_nor_hang(fuzz_gateway, tokens, max_tokens):
+    client, _, _ = fuzz_gateway
+    body = {"base_model": "tiny", "num_samples": 1, "prompt": {"chunks": [{"type": "encoded_text", "tokens": tokens}]},
+            "sampling_params": {"max_tokens": max_tokens, "seed": 1}}
+    started = time.monotonic()
+    _answered(client, client.post("/asample", json=body), started, tokens)
 
 
 def test_the_fuzzed_model_is_healthy_afterwards(fuzz_gateway):

@@ -8,6 +8,7 @@ One stack, one gateway with small body limits, and two twin pairs (SDK, HTTP) se
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import time
@@ -98,6 +99,12 @@ def http(gw, sdk):
                                                      "lora_config": {"rank": 4, "seed": 7}}).json()
         assert settle(client, created["request_id"]).json()["model_id"] == created["model_id"]
         models.append(created["model_id"])
+    other = client.post("/create_session", json={"tags": [], "user_metadata": None, "sdk_version": "0.38.0"}).json()["session_id"]
+    created = client.post("/create_model", json={"session_id": other, "model_seq_id": 0, "base_model": "tiny", "lora_config": {"rank": 8}}).json()
+    settle(client, created["request_id"])
+    saved = client.post("/save_weights", json={"model_id": created["model_id"], "seq_id": 1, "path": "rank8"}).json()
+    HTTP_RANK8["path"] = settle(client, saved["request_id"]).json()["path"]
+    client.post(f"/sessions/{other}/finish")
     yield client, models[0], models[1], ops
     client.close()
 
@@ -254,6 +261,34 @@ SDK_CASES = [
     SdkCase("future_never_submitted", lambda tc, sc, p: tc.future(f"{tc.session_id}:{sc.ops.next_seq(tc.session_id) + 50}").result(),
             InvalidRequestError, ("never submitted",)),
     SdkCase("future_of_missing_session", lambda tc, sc, p: sc.future("no-such-session:3").result(), SessionNotFoundError, ("no-such-session",)),
+    SdkCase("future_seq_zero", lambda tc, sc, p: tc.future(f"{tc.session_id}:0").result(timeout=ANSWER_S), InvalidRequestError, ("seq 0", "1")),
+    SdkCase("future_tail_not_digits", lambda tc, sc, p: sc.future(f"{tc.session_id}:-1").result(timeout=ANSWER_S), InvalidRequestError,
+            (":-1", "not a future id")),
+    SdkCase("future_unknown_sample", lambda tc, sc, p: sc.future("sample:" + "0" * 32).result(timeout=ANSWER_S), InvalidRequestError,
+            ("sample:" + "0" * 32,)),
+    SdkCase("future_async_never_submitted", lambda tc, sc, p: asyncio.run(tc.future(
+        f"{tc.session_id}:{sc.ops.next_seq(tc.session_id) + 50}").result_async(timeout=ANSWER_S)), InvalidRequestError, ("never submitted",)),
+    SdkCase("future_async_missing_session", lambda tc, sc, p: asyncio.run(sc.future("no-such-session:3").result_async(timeout=ANSWER_S)),
+            SessionNotFoundError, ("no-such-session",)),
+    SdkCase("future_async_unknown_sample", lambda tc, sc, p: asyncio.run(sc.future("sample:" + "1" * 32).result_async(timeout=ANSWER_S)),
+            InvalidRequestError, ("sample:",)),
+    SdkCase("tensor_shape_negative", _fb(lambda: [Datum(model_input=ModelInput.from_ints([5, 6]), loss_fn_inputs={
+        "target_tokens": [6, 7], "weights": {"data": [1.0, 1.0], "dtype": "float32", "shape": [-1, -2]}})]), ValidationError, ("shape",)),
+    SdkCase("tensor_too_many_dims", _fb(lambda: [Datum(model_input=ModelInput.from_ints([5, 6]), loss_fn_inputs={
+        "target_tokens": [6, 7], "weights": {"data": [1.0, 1.0], "dtype": "float32", "shape": [2] + [1] * 8}})]), ValidationError, ("shape",)),
+    SdkCase("int64_beyond_64_bits", _fb(lambda: [Datum(model_input=ModelInput.from_ints([5, 6]), loss_fn_inputs={
+        "target_tokens": [2**70, 7], "weights": [1.0, 1.0]})]), ValidationError, ("loss_fn_inputs", str(2**70), "int64")),
+    SdkCase("tensordata_int64_beyond_64_bits", lambda tc, sc, p: TensorData(data=[7, -(2**70)], dtype="int64"), ValidationError,
+            ("data[1]", "int64")),
+    SdkCase("too_many_loss_inputs", _fb(lambda: [Datum(model_input=ModelInput.from_ints([5, 6]), loss_fn_inputs={
+        "target_tokens": [6, 7], **{f"x{i}": [1.0, 1.0] for i in range(64)}})]), ValidationError, ("loss_fn_inputs", "64")),
+    SdkCase("too_many_datums", _fb(lambda: _batch() * 16385), InvalidRequestError, ("data", "16384")),
+    SdkCase("save_state_ttl_beyond_10_years", lambda tc, sc, p: tc.save_state("ok", ttl_seconds=10**12), InvalidRequestError,
+            ("ttl_seconds", "315360000")),
+    SdkCase("sampler_ttl_beyond_10_years", lambda tc, sc, p: tc.save_weights_for_sampler("ok", ttl_seconds=10**12), InvalidRequestError,
+            ("ttl_seconds",)),
+    SdkCase("checkpoint_every_huge", lambda tc, sc, p: sc.create_lora_training_client("tiny", rank=4, checkpoint_every=10**9),
+            InvalidRequestError, ("checkpoint_every", "1000000")),
 ]
 
 
@@ -304,6 +339,39 @@ def _zstd(data: bytes) -> bytes:
 ZSTD = {**PROTO, "Content-Encoding": "zstd"}
 BOMB = _zstd(b"\0" * (512 << 20))  # ~16 kB that expands to 512 MB
 JSON_RAW = {"Content-Type": "application/json"}
+
+
+def _fb_edit(edit: Callable[[Any], None]):
+    """A valid forward_backward whose protobuf `edit` then breaks (the SDK's own types would refuse it before sending)."""
+    def make(model_id: str, seq_id: int) -> bytes:
+        msg = pb.ForwardBackwardRequest.FromString(_fb_proto(model_id, seq_id))
+        edit(msg)
+        return msg.SerializeToString()
+    return _fbp(make)
+
+
+def _tokens(msg, tokens) -> None:
+    msg.data[0].model_input[0].encoded_text.tokens = np.asarray(tokens, dtype="<i4").tobytes()
+
+
+def _weights(msg, shape, dense=None, csr=None) -> None:
+    t = msg.data[0].loss_fn_inputs["weights"]
+    del t.shape[:]
+    t.shape.extend(shape)
+    if csr is not None:
+        values, crow, cols = csr
+        t.sparse_csr.values, t.sparse_csr.crow_indices = np.asarray(values, "<f4").tobytes(), np.asarray(crow, "<i8").tobytes()
+        t.sparse_csr.col_indices = np.asarray(cols, "<i8").tobytes()
+    elif dense is not None:
+        t.dense = np.asarray(dense, "<f4").tobytes()
+
+
+HTTP_RANK8: dict[str, str] = {}  # a rank-8 checkpoint of the catalog's owner (the `http` fixture saves it)
+
+
+def _v1(path: str, body: dict):
+    """The OpenAI-compatible routes live under /v1, beside /api/v1."""
+    return lambda client, m, s: client.post(client.base_url.copy_with(path=path), json=body)
 
 
 def _opt(**adam):
@@ -369,6 +437,32 @@ HTTP_CASES = [
     HttpCase("asample_temperature_inf", _post("/asample", lambda m, s: json.dumps({"base_model": "tiny", "num_samples": 1, "prompt": {
         "chunks": [{"type": "encoded_text", "tokens": [5]}]}, "sampling_params": {"max_tokens": 2, "temperature": INF}}).encode(),
         JSON_RAW), 200, ("temperature",)),
+    HttpCase("fb_negative_token", _fb_edit(lambda msg: _tokens(msg, [5, -1] + [7] * 14)), 400, ("tokens[1]", "-1"), True),
+    HttpCase("fb_token_bytes_ragged", _fb_edit(lambda msg: setattr(msg.data[0].model_input[0].encoded_text, "tokens", b"\1\2\3")),
+             400, ("tokens", "3 bytes"), True),
+    HttpCase("fb_negative_shape", _fb_edit(lambda msg: _weights(msg, [-4, -4])), 400, ("weights.shape", "-4"), True),
+    HttpCase("fb_shape_too_many_dims", _fb_edit(lambda msg: _weights(msg, [16] + [1] * 8)), 400, ("weights.shape", "8"), True),
+    HttpCase("fb_shape_huge", _fb_edit(lambda msg: _weights(msg, [2**62, 2**62])), 400, ("weights.shape", "2^24"), True),
+    HttpCase("fb_csr_col_out_of_bounds", _fb_edit(lambda msg: _weights(msg, [1, 16], csr=([1.0], [0, 1], [99]))), 400,
+             ("col_indices[0]", "99"), True),
+    HttpCase("fb_csr_bad_offsets", _fb_edit(lambda msg: _weights(msg, [4, 4], csr=([1.0], [0, 1], [0]))), 400, ("crow_indices",), True),
+    HttpCase("fb_csr_huge", _fb_edit(lambda msg: _weights(msg, [1, 2**40], csr=([], [0, 0], []))), 400, ("sparse", "2^24"), True),
+    HttpCase("fb_unknown_dtype", _fb_edit(lambda msg: setattr(msg.data[0].loss_fn_inputs["weights"], "dtype", 77)), 400,
+             ("weights", "dtype 77"), True),
+    HttpCase("save_ttl_beyond_10_years", _post("/save_weights", lambda m, s: {"model_id": m, "seq_id": s, "path": "x", "ttl_seconds": 10**12}),
+             200, ("ttl_seconds", "315360000"), True),
+    HttpCase("external_ttl_beyond_10_years", _post("/save_weights_external", lambda m, s: {"model_id": m, "seq_id": s, "path": "x",
+             "ttl_seconds": 10**12}), 200, ("ttl_seconds",), True),
+    HttpCase("load_other_lora_rank", _post("/load_weights", lambda m, s: {"model_id": m, "seq_id": s, "path": HTTP_RANK8["path"],
+             "optimizer": True}), 200, ("rank", "8", "4"), True),
+    HttpCase("asample_prompt_out_of_range", _post("/asample", lambda m, s: {"base_model": "tiny", "num_samples": 1, "prompt": {"chunks": [
+        {"type": "encoded_text", "tokens": [-1, 2**70]}]}, "sampling_params": {"max_tokens": 2}}), 200, ("prompt",)),
+    HttpCase("v1_completions_prompt_out_of_range", _v1("/v1/completions", {"model": "tiny", "prompt": [-1, 2**70], "max_tokens": 2}),
+             400, ("prompt",)),
+    HttpCase("v1_completions_seed_beyond_64_bits", _v1("/v1/completions", {"model": "tiny", "prompt": [5, 6], "max_tokens": 2,
+             "seed": 2**70}), 400, ("seed",)),
+    HttpCase("v1_chat_max_tokens_huge", _v1("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
+             "max_tokens": 2**40}), 400, ("max_tokens",)),
     HttpCase("asample_unserved_model", _post("/asample", lambda m, s: {"base_model": "huge", "num_samples": 1, "prompt": {"chunks": [
         {"type": "encoded_text", "tokens": [5]}]}, "sampling_params": {"max_tokens": 2}}), 400, ("base_model",)),
 ]
@@ -387,8 +481,9 @@ def test_http_catalog(http, case: HttpCase):
         assert body.get("category") == "user", body
     elapsed = time.monotonic() - started
     assert elapsed < ANSWER_S, f"{case.name} answered after {elapsed:.1f} s"
+    error = body["error"]["message"] if isinstance(body["error"], dict) else body["error"]  # /v1 answers in OpenAI's error form
     for text in case.names:
-        assert text in body["error"], f"{case.name}: {text!r} not in {body['error']!r}"
+        assert text in error, f"{case.name}: {text!r} not in {error!r}"
     assert ops.next_seq(victim) == before + (1 if case.takes_seq else 0), "the seq rule: a refused op takes its seq, or none"
     assert _http_step(client, victim, ops) == _http_step(client, twin, ops)
 
@@ -495,3 +590,41 @@ def test_ops_and_pending_futures_of_a_lost_or_expired_session_fail_within_second
     sc.ops.submit(tc.session_id, NoopRequest(), seq=gap)
     sc.ops.wait(pending, timeout=30)
     tc._submit(StopRequest()).result(timeout=30)
+
+
+def test_a_pending_gateway_future_of_a_lost_model_fails_within_seconds(http):
+    """retrieve_future asks whether a held future can still resolve: a Tinker client of a lost model gets
+    the error in the one error form, not try_again for ever."""
+    from treadle.queue.ops import NoopRequest
+
+    client, _, _, ops = http
+    session_id = client.post("/create_session", json={"tags": [], "user_metadata": None, "sdk_version": "0.38.0"}).json()["session_id"]
+    created = client.post("/create_model", json={"session_id": session_id, "model_seq_id": 0, "base_model": "tiny",
+                                                 "lora_config": {"rank": 4, "seed": 3}}).json()
+    model = settle(client, created["request_id"]).json()["model_id"]
+    pending = client.post("/forward_backward", content=_fb_proto(model, 2), headers=PROTO).json()["request_id"]  # behind a gap: it waits
+    assert client.post("/retrieve_future", json={"request_id": pending}).json()["type"] == "try_again"
+    ops.sessions.update(model, status="lost")
+    started = time.monotonic()
+    body = settle(client, pending, timeout=ANSWER_S).json()
+    assert model in body.get("error", "") and "lost" in body["error"], body
+    assert body["category"] == "server" and time.monotonic() - started < ANSWER_S
+    ops.sessions.update(model, status="active")  # fill the gap and finish, so the worker frees the adapter
+    ops.submit(model, NoopRequest(), seq=1)
+    assert deserialize_forward_backward_output(settle(client, pending, timeout=30).content).metrics["loss:sum"] > 0
+    client.post(f"/sessions/{session_id}/finish")
+
+
+def test_a_submitted_sample_is_known_for_as_long_as_its_result(sdk):
+    """A sample id is recorded when submitted, so check_future passes it while pending (restarts included)
+    and refuses one never submitted; the record lives as long as the result would."""
+    from treadle.queue import names
+    from treadle.queue.celery_app import RESULT_EXPIRES_S
+
+    ops = sdk[2].ops
+    future = sdk[2].create_sampling_client(base_model="tiny").sample(ModelInput.from_ints([5, 6]), 1, SamplingParams(max_tokens=2))
+    ops.check_future(future.id)
+    assert ops.redis.ttl(names.submitted_key(future.id)) > RESULT_EXPIRES_S - 60
+    assert len(future.result(timeout=60).sequences) == 1
+    with pytest.raises(InvalidRequestError, match="no sample was submitted"):
+        ops.check_future("sample:" + "2" * 32)
