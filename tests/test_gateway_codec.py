@@ -122,3 +122,40 @@ def test_keys_come_from_a_toml_file_and_must_start_with_tml(tmp_path, monkeypatc
     with pytest.raises(ValueError, match="must start with 'tml-'"):
         GatewaySettings(api_keys={"sk-nope": "eve"})
 
+
+
+def test_target_ids_and_their_scores_keep_the_requests_layout_through_the_sdks_decoder():
+    import torch
+
+    from tinker.types._pydantic_types.tensor_data import TensorData as WireTensor
+
+    from treadle.gateway.sample_targets import dense_target_ids
+    from treadle.types import PromptAltTokens, SampledSequence
+
+    ids = torch.full((10, 2), -1, dtype=torch.int64)  # sparse enough that the SDK sends CSR
+    ids[2] = torch.tensor([7, 9])
+    sparse = tt.TensorData.from_torch_sparse(ids, pad_value=-1)
+    wire = WireTensor(data=sparse.data, dtype="int64", shape=sparse.shape, sparse_crow_indices=sparse.sparse_crow_indices,
+                      sparse_col_indices=sparse.sparse_col_indices)
+    dense, layout = dense_target_ids(wire, 10)
+    assert (dense.to_numpy() == ids.numpy()).all() and layout == {"crow": [0, 0, 0] + [2] * 8, "col": [0, 1]}
+    scores = np.where(ids.numpy() >= 0, -1.5, 0.0).astype(np.float32)
+    alt = PromptAltTokens(tokens=TensorData.from_numpy(np.zeros((10, 3), dtype=np.int64)),
+                          logprobs=TensorData.from_numpy(np.full((10, 3), -2.0, dtype=np.float32)))
+    response = SampleResponse(sequences=[SampledSequence(tokens=[5, 6], logprobs=[-0.1, -0.2], stop_reason="length",
+                                                         topk_logprobs=[[(5, -0.1), (8, -2.0)], [(6, -0.2)]])],
+                              target_prompt_logprobs=TensorData.from_numpy(scores), prompt_alt_tokens=alt)
+    got = deserialize_sample_response(encode_sample_response(response, layout))
+    assert got.target_prompt_logprobs.sparse_crow_indices == [0, 0, 0] + [2] * 8
+    assert (got.target_prompt_logprobs.to_numpy() == scores).all()
+    assert (deserialize_sample_response(encode_sample_response(response)).target_prompt_logprobs.to_numpy() == scores).all()
+    assert got.prompt_alt_tokens.tokens.to_numpy().shape == (10, 3) and got.prompt_alt_tokens.tokens.dtype == "int64"
+    # A short top-k row is padded with the SDK's sentinel, which its list form drops again.
+    assert got.sequences[0].topk_logprobs == [[(5, pytest.approx(-0.1)), (8, -2.0)], [(6, pytest.approx(-0.2))]]
+    for bad, match in ((WireTensor(data=[2**70], dtype="int64", shape=[4, 1]), "not a token id"),
+                       (WireTensor(data=[1.5] * 4, dtype="int64", shape=[4, 1]), "1.5 is not a token id"),
+                       (WireTensor(data=[1] * 4, dtype="int64", shape=[3, 1]), r"must be int64 \[len\(prompt\) - 1 = 4, K\]"),
+                       (WireTensor(data=[1], dtype="int64", shape=[4, 1], sparse_crow_indices=[0, 1], sparse_col_indices=[0]),
+                        "not a valid sparse CSR")):
+        with pytest.raises(InvalidRequestError, match=match):
+            dense_target_ids(bad, 4)

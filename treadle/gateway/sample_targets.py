@@ -27,6 +27,11 @@ def dense_target_ids(target: TinkerTensorData, rows: int) -> tuple[TensorData, d
     if target.dtype != "int64" or shape is None or len(shape) != 2 or shape[0] != rows or not 1 <= shape[1] <= MAX_TARGET_IDS:
         raise InvalidRequestError(f"{FIELD}: {target.dtype} of shape {shape}; must be int64 "
                                   f"[len(prompt) - 1 = {rows}, K] with 1 <= K <= {MAX_TARGET_IDS}")
+    if len(target.data) > shape[0] * shape[1]:  # bounded before any per-value work
+        raise InvalidRequestError(f"{FIELD}: {len(target.data)} values for shape {shape}")
+    # A float, or an int past int64 (numpy would raise a bare OverflowError), is never a token id.
+    if (bad := next((v for v in target.data if type(v) is not int or not -1 <= v < 2**63), None)) is not None:
+        raise InvalidRequestError(f"{FIELD}: {bad!r:.40} is not a token id or -1")
     values = np.asarray(target.data, dtype=np.int64)
     if target.sparse_crow_indices is None:
         if values.size != shape[0] * shape[1]:
