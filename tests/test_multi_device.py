@@ -11,6 +11,7 @@ to float rounding (`close`); whatever one rank computes alone is bitwise equal.
 from __future__ import annotations
 
 import os
+import random
 import signal
 import tempfile
 import time
@@ -19,7 +20,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.test_durability import adapter_of
+from tests.test_durability import adapter_of, owner_process
 from treadle import AdamParams, Datum, ModelInput, ServiceClient
 from treadle.local_stack import LocalStack
 
@@ -219,31 +220,64 @@ def test_checkpoints_move_between_worker_sizes(stack, sc, ref):
     assert_close_adapter(adapter_of(sc, two_tc.save_state("end").result(timeout=60).path), ref.adapter("from-one"))
 
 
-def test_a_dead_rank_takes_the_group_down_and_the_session_moves(stack, sc, ref):
-    worker = only_worker(stack, 2)
-    tc = sc.create_lora_training_client("tiny", rank=8, seed=SEED)
-    adopter = stack.start_worker()  # one device: it adopts what the group leaves behind
-    stack.devices[adopter] = 1
+def kill_a_rank(stack: LocalStack, sc: ServiceClient, session_id: str, rank: int) -> float:
+    """SIGKILL one rank of the 2-rank group that owns the session; returns how long the whole group took to
+    go (rank 0 and its follower), and starts a fresh 2-rank worker in its place, as a supervisor would."""
+    owner = owner_process(stack, sc, session_id)
+    (follower,) = children(owner.pid)
+    os.kill(follower if rank == 1 else owner.pid, signal.SIGKILL)
+    t0 = time.monotonic()
+    wait_until(lambda: owner.poll() is not None and not alive(follower), f"the group outlived its dead rank {rank}")
+    gone_s = time.monotonic() - t0
+    # Rank 0 exits 1 on a dead follower; a killed rank 0 reads -9.
+    assert owner.returncode == (1 if rank == 1 else -signal.SIGKILL)
+    stack.workers.remove(owner)
+    stack.devices[stack.start_worker(["--devices", "2"])] = 2
+    return gone_s
+
+
+def test_dead_ranks_take_their_group_down_and_the_loop_sees_nothing(stack, sc, ref):
+    """The durability test's schedule (three kills at random points of a 40-step run, a fresh worker after
+    each) on 2-rank workers, killing rank 1, rank 0, then rank 1: each time the whole group goes within
+    `GROUP_EXIT_BOUND_S`, another 2-rank worker adopts the session, and the loop sees no error.
+
+    The killed run must equal an uninterrupted run on a 2-rank group bitwise (a group sums its shards in
+    one fixed order, and adoption replays the same ops on the same split). Against one device, the two
+    agree to rounding only, and rounding grows with the steps (past 30 steps it exceeds 1e-5 relative
+    on this model), so that comparison covers the first 20 steps, as in the test above."""
+    only_worker(stack, 2)
+    spare = stack.start_worker(["--devices", "2"])  # a second group: it adopts what the first leaves behind
+    stack.devices[spare] = 2
     stack.wait_for_workers(2, 180)
-    steps, kill_at = 12, 4
-    pairs = []
+    steps = 40
+    twin = sc.create_lora_training_client("tiny", rank=8, seed=SEED)
+    twin_losses, _ = train(twin, range(steps))
+    kill_at = sorted(random.Random(7).sample(range(3, steps - 2), 3))
+    tc = sc.create_lora_training_client("tiny", rank=8, seed=SEED)
+    pairs, exits = [], []
     for step in range(steps):
         data, loss_fn = batch(step)
         pairs.append((tc.forward_backward(data, loss_fn), tc.optim_step(ADAM)))
-        if step == kill_at:
-            pairs[step - 1][1].result(timeout=120)  # the run is going on the group; now kill rank 1
-            assert sc.ops.session_info(tc.session_id).worker in {w.hostname for w in sc.ops.workers.live_workers()
-                                                                  if w.pid == worker.pid}
-            (follower,) = children(worker.pid)
-            os.kill(follower, signal.SIGKILL)
-            exit_s = wait_until(lambda: worker.poll() is not None, "rank 0 outlived its dead follower")
-            print(f"rank 1 killed: rank 0 exited {exit_s:.2f} s later with status {worker.returncode}")
-            assert worker.returncode == 1
-            stack.workers.remove(worker)
+        if step in kill_at:
+            pairs[step - 1][1].result(timeout=120)  # the run is going on a group; kill one of its ranks
+            exits.append(kill_a_rank(stack, sc, tc.session_id, rank=(1, 0, 1)[kill_at.index(step)]))
     losses = [fb.result(timeout=300).metrics["loss:sum"] for fb, _ in pairs]
     assert [opt.result(timeout=300).metrics["step:max"] for _, opt in pairs] == list(range(1, steps + 1))
+    print("kills at steps", kill_at, "; the group was gone after", [f"{s:.2f} s" for s in exits])
+    assert max(exits) < GROUP_EXIT_BOUND_S
+    assert losses == twin_losses
+    assert adapter_files(sc, tc) == adapter_files(sc, twin)
+    assert sc.ops.session_info(tc.session_id).epoch == 4  # created on a group, taken over three times
     ref.engine.create_session("killed", ref.lora)
-    ref_losses, _ = ref.run("killed", range(steps))
-    assert all(close(a, b) for a, b in zip(losses, ref_losses)), list(zip(losses, ref_losses))
-    assert_close_adapter(adapter_of(sc, tc.save_state("final").result(timeout=60).path), ref.adapter("killed"))
-    assert sc.ops.session_info(tc.session_id).epoch == 2  # created on the group, taken over once
+    ref_losses, _ = ref.run("killed", range(20))
+    far = [(i, a, b) for i, (a, b) in enumerate(zip(losses, ref_losses)) if not close(a, b)]
+    assert not far, far
+
+
+def adapter_files(sc: ServiceClient, tc) -> dict:
+    return {k: v.tolist() for k, v in adapter_of(sc, tc.save_state(f"end-{tc.session_id}").result(timeout=60).path).items()}
+
+
+# docs/scaling.md: a dead follower is noticed within 0.5 s (watchdog); a dead rank 0 at once (EOF). The bound
+# leaves room for a loaded CI machine.
+GROUP_EXIT_BOUND_S = 5.0
