@@ -10,8 +10,10 @@ import torch
 from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from treadle.gpu_worker.adapters import AdapterBank, peft_lora_config
+from treadle.gpu_worker import batch_decode
 from treadle.gpu_worker.batch_decode import SampleJob
 from treadle.gpu_worker.device_lock import DeviceLock
+from treadle.gpu_worker.mixed_lora import adapter_runs
 from treadle.gpu_worker.model_host import ModelHost
 from treadle.gpu_worker.sample_extras import SampleExtras
 from treadle.gpu_worker.sample_scheduler import SampleScheduler
@@ -45,19 +47,22 @@ def scheduler(bank):
 
 
 class StepCounter:
-    """Counts decode-loop forwards and the distinct adapters and rows of each (observed from outside)."""
+    """Counts decode-loop forwards (prefills and steps) and the rows and distinct adapters of each, at
+    `batch_decode.forward_rows`, the one door every sampling forward goes through."""
 
     def __init__(self, bank: AdapterBank):
         self.calls: list[tuple[int, frozenset]] = []
-        layer = bank.host.model.model.layers[0].self_attn.q_proj  # a LoRA layer once adapters exist
-        self._handle = layer.register_forward_hook(self._record, with_kwargs=True)
+        self._original = batch_decode.forward_rows
 
-    def _record(self, module, args, kwargs, output):
-        names = kwargs.get("adapter_names")
-        self.calls.append((args[0].shape[0], frozenset(names) if names else frozenset()))
+        def counted(bank, adapters, **inputs):
+            names = {"__base__" if a is None else a for a in adapters}
+            self.calls.append((len(adapters), frozenset(names) if len(names) > 1 else frozenset()))
+            return self._original(bank, adapters, **inputs)
+
+        batch_decode.forward_rows = counted
 
     def close(self):
-        self._handle.remove()
+        batch_decode.forward_rows = self._original
 
 
 def job(bank, prompt, adapter=None, num_samples=2, **params) -> SampleJob:
@@ -106,6 +111,37 @@ def test_mixed_adapter_batch_logprobs_equal_forward(bank, scheduler):
     seq = responses[0].sequences[0]
     other = forward_logprobs(bank, "two", PROMPTS[0], seq.tokens)
     assert np.abs(np.asarray(seq.logprobs) - other).max() > 1e-2
+
+
+def test_mixed_steps_by_runs_equal_peft_mixed_batches_bitwise(bank, scheduler, monkeypatch):
+    # The same mixed requests through mixed_lora (deltas added over runs of rows) and through PEFT's own
+    # adapter_names batches: the same tokens and logprobs to the bit.
+    def run():
+        jobs = [job(bank, p, a, num_samples=3, max_tokens=8, seed=i) for i, (p, a) in enumerate(zip(PROMPTS, [*ADAPTERS, None]))]
+        return [[(s.tokens, s.logprobs) for s in r.sequences] for r in submit_together(scheduler, jobs)]
+
+    by_runs = run()
+    monkeypatch.setattr(batch_decode, "plain_linear_adapters", lambda bank, adapters: False)
+    assert run() == by_runs
+
+
+def test_adapter_runs_and_adapters_off(bank):
+    assert adapter_runs(["a", "a", None, "b", "a", "a", None]) == [(0, 2, "a"), (3, 4, "b"), (4, 6, "a")]
+    ids = torch.tensor([PROMPTS[1]])
+    with bank.using("one", trainable=True) as model, torch.no_grad():
+        adapted = model(input_ids=ids).logits
+        with bank.adapters_off():
+            base = model(input_ids=ids).logits
+        again = model(input_ids=ids).logits
+        still_trainable = all(p.requires_grad for p in bank.parameters("one").values())
+    with bank.using(None, trainable=False) as model, torch.no_grad():
+        via_using = model(input_ids=ids).logits
+    with torch.no_grad(), bank.peft_model.disable_adapter():  # PEFT's own way
+        peft_base = bank.peft_model(input_ids=ids).logits
+    assert torch.equal(base, peft_base) and torch.equal(base, via_using)
+    assert torch.equal(adapted, again) and not torch.equal(base, adapted) and still_trainable
+    with bank.using("one", trainable=False):  # PEFT's disable_adapter left it trainable: frozen again for the other tests
+        assert not any(p.requires_grad for p in bank.parameters("one").values())
 
 
 def test_stop_strings_ids_and_max_tokens_per_row(bank, scheduler):

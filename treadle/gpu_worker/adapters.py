@@ -21,6 +21,7 @@ from typing import Iterator
 
 import peft
 import torch
+from peft.tuners.lora import LoraLayer
 from peft.utils import get_peft_model_state_dict, load_peft_weights
 from safetensors.torch import save_file
 from torch import nn
@@ -63,6 +64,7 @@ class AdapterBank:
         # (adapter, trainable) of the last set_adapter: PEFT's set_adapter walks every module of the model
         # (a quarter of a short forward op's worker time on the tiny model), so `using` skips a repeat.
         self._active: tuple[str, bool] | None = None
+        self._lora_layers: list[LoraLayer] | None = None  # found once per set of adapters, see `lora_layers`
 
     def new_name(self) -> str:
         self._counter += 1
@@ -85,6 +87,7 @@ class AdapterBank:
                 self.peft_model.eval()
             else:
                 self.peft_model.add_adapter(name, config)
+        self._lora_layers = None  # an adapter may target modules no other adapter has
         self._activate(name, trainable=False)  # frozen until a training op activates it
 
     def _check_targets(self, config: peft.LoraConfig) -> None:
@@ -99,6 +102,7 @@ class AdapterBank:
         with warnings.catch_warnings():  # peft warns when the active adapter goes; every op re-activates its own
             warnings.simplefilter("ignore", UserWarning)
             self.peft_model.delete_adapter(name)
+        self._lora_layers = None
         if self._active is not None and self._active[0] == name:
             self._active = None
 
@@ -162,14 +166,32 @@ class AdapterBank:
             if self.peft_model is None:
                 yield self.host.model
             else:
-                try:
-                    with self.peft_model.disable_adapter():
-                        yield self.peft_model
-                finally:  # re-enabling the adapter layers makes the active adapter trainable again
-                    self._active = None
+                with self.adapters_off():
+                    yield self.peft_model
             return
         self._activate(name, trainable=trainable)
         yield self.peft_model
+
+    def lora_layers(self) -> list[LoraLayer]:
+        """The model's LoRA layers (PEFT's wrappers of the targeted modules)."""
+        if self._lora_layers is None:
+            self._lora_layers = [m for m in self.peft_model.modules() if isinstance(m, LoraLayer)]
+        return self._lora_layers
+
+    @contextmanager
+    def adapters_off(self) -> Iterator[None]:
+        """Within the block every LoRA layer computes its base layer alone. PEFT's `disable_adapter()` does
+        this too, but first builds a status report of every layer (`get_model_status`): a third of a
+        SmolLM2 decode step (py-spy), and it leaves the active adapter trainable when it ends. Here it is
+        the flag each layer's forward reads, and nothing else changes."""
+        layers = self.lora_layers()
+        for layer in layers:
+            layer._disable_adapters = True
+        try:
+            yield
+        finally:
+            for layer in layers:
+                layer._disable_adapters = False
 
     def _activate(self, name: str, *, trainable: bool) -> None:
         """Make `name` the active adapter, its tensors trainable or frozen (every other adapter's frozen)."""

@@ -2,9 +2,9 @@
 
 Every row of the batch is one sequence being sampled; rows of different requests, sessions,
 snapshots and the bare base model step together. Each row names its adapter; a step whose rows use
-one adapter runs it as the active adapter, a mixed step passes PEFT's `adapter_names=[...]` (one
-entry per row, `"__base__"` for the base model), which adds each LoRA delta to its own sub-batch of
-rows, so a row's numbers are those of its adapter alone.
+one adapter runs it as the active adapter; a mixed step adds each adapter's LoRA delta to its own
+runs of rows (`mixed_lora`; PEFT's `adapter_names=[...]` for adapters that are not plain LoRA
+linears), so a row's numbers are those of its adapter alone.
 
 A request's prompt is prefilled once, as one row (the prompts admitted together share one left-padded
 prefill forward); that row's KV cache is then repeated for the request's `num_samples` rows. Rows join at step boundaries: the newcomer's cache and the batch's cache are
@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from treadle.gpu_worker.adapters import AdapterBank
+from treadle.gpu_worker.mixed_lora import mixed_adapters, plain_linear_adapters
 from treadle.gpu_worker.model_host import ModelHost
 from treadle.gpu_worker.row_invariant import invariant_forward, row_runs
 from treadle.gpu_worker.sample_extras import SampleExtras, score_prompt, top_of_rows
@@ -84,6 +85,9 @@ def forward_rows(bank: AdapterBank, adapters: list[str | None], **inputs):
     with torch.no_grad(), invariant_forward(bank.host.model):
         if len(distinct) == 1:
             with bank.using(adapters[0], trainable=False) as model:
+                return model(**inputs)
+        if plain_linear_adapters(bank, distinct):
+            with mixed_adapters(bank, adapters) as model:
                 return model(**inputs)
         return bank.peft_model(**inputs, adapter_names=[BASE if a is None else a for a in adapters])
 
