@@ -28,7 +28,7 @@ def test_status_of_a_dead_worker_queued_ops_and_usage(redis_client):
         models=[ServedModel(name="tiny", path="/m", max_seq_len=64, vocab_size=100)]))
     sessions = SessionRegistry(redis_client)
     sessions.create(SessionRecord(session_id="s-1", run_id="r-1", base_model="tiny", owner="alice", worker="w-gone@h",
-                                  applied=2, checkpoint="treadle://r-1/weights/auto-2", checkpoint_seq=2))
+                                  applied=2, step=1, checkpoint="treadle://r-1/weights/auto-2", checkpoint_seq=2))
     sessions.create(SessionRecord(session_id="s-old", run_id="r-2", base_model="tiny", status="stopped"))
     redis_client.hset(names.session_key("s-1"), "next_seq", 5)
     redis_client.rpush(names.session_queue("s-1"), b"m3", b"m4", b"m5")
@@ -70,6 +70,11 @@ def test_treadle_status_json_on_the_live_stack(stack, service_client):
     mine = next(s for s in report["sessions"] if s["session_id"] == tc.session_id)
     assert mine["applied"] >= 6 and mine["queued_ops"] == 0 and mine["owner"] is None
     assert mine["step"] == 3  # three optim_steps
+    # A session created from its checkpoint goes on from step 3, before it runs any op.
+    resumed = service_client.create_training_client_from_state(tc.save_state("s3").result(timeout=60).path)
+    out = subprocess.run([sys.executable, "-m", "treadle.cli", "status", "--json"], env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert next(s for s in json.loads(out.stdout)["sessions"] if s["session_id"] == resumed.session_id)["step"] == 3
     worker = next(w for w in report["workers"] if w["hostname"] == mine["worker"])
     assert worker["alive"] and "tiny" in worker["models"] and tc.session_id in worker["sessions"]
     assert worker["memory"]["rss"] > 0

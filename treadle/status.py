@@ -39,8 +39,8 @@ class SessionStatus(BaseModel):
     status: str = Field(description="active | stopped | expired")
     worker: str | None = Field(description="The worker holding its lease.")
     applied: int = Field(description="Highest seq applied.")
-    step: int = Field(description="Optimizer steps applied: its metered optim_step ops, each counted once (a session "
-                      "created from a checkpoint counts from 0).")
+    step: int = Field(description="Optimizer steps of the session's weights, as its worker last recorded them (a "
+                      "session created from a checkpoint goes on from the checkpoint's step).")
     submitted: int = Field(description="Highest seq submitted.")
     queued_ops: int = Field(description="Ops submitted and not yet applied.")
     last_op: str | None = Field(default=None, description="Name of the last op metered.")
@@ -88,7 +88,7 @@ def collect_status(redis, include_stopped: bool = False) -> StatusReport:
         ops = meter.session_ops(record.session_id)
         sessions.append(SessionStatus(
             session_id=record.session_id, owner=record.owner, base_model=record.base_model, status=record.status,
-            worker=record.worker, applied=record.applied, step=sum(op.op == "optim_step" for op in ops),
+            worker=record.worker, applied=record.applied, step=record.step,
             submitted=max(submitted, record.applied),
             queued_ops=max(0, submitted - record.applied), last_op=ops[-1].op if ops else None,
             last_activity=record.last_activity, idle_s=max(0.0, now - record.last_activity),

@@ -107,6 +107,7 @@ class SessionHost:
                     if manifest.lora_config:
                         record.lora = record.lora.model_validate(manifest.lora_config)
                         self.registry.update(req.session_id, lora=record.lora)
+                    self.registry.update(req.session_id, step=engine.step(req.session_id))
                 else:
                     engine.create_session(req.session_id, lora)
             except Exception:

@@ -101,16 +101,22 @@ class Sequencer:
         # down while the result is stored, a redelivered doorbell must find the seq applied, or the op
         # would run twice (gradients added twice).
         owned.applied = entry.seq
+        step = self._step(owned) if entry.stateful else None
         usage = None
         if request is not None:
             usage = self.usage.observe(
                 session_id=entry.session_id, op_id=str(entry.seq), request=request, response=response,
                 owner=owned.record.owner, base_model=owned.record.base_model, seconds=time.monotonic() - started,
                 outcome="ok" if error is None else f"{error.category}_error")
-        _through_outages(lambda: self._record(entry, usage, payload, error))
+        _through_outages(lambda: self._record(entry, usage, payload, error, step))
         self._after_op(owned, entry.op)
 
-    def _record(self, entry: JournalEntry, usage: OpUsage | None, payload: dict | None, error: TreadleError | None) -> None:
+    def _step(self, owned: OwnedSession) -> int | None:
+        engine, session_id = self.host.engine(owned.record.base_model), owned.record.session_id
+        return engine.step(session_id) if engine.has_session(session_id) else None
+
+    def _record(self, entry: JournalEntry, usage: OpUsage | None, payload: dict | None, error: TreadleError | None,
+                step: int | None) -> None:
         """Meter the op, store its result, mark its seq applied: in this order (a seq is never marked applied
         without its result, see treadle.gpu_worker.usage for the meter), and in one MULTI/EXEC when results
         live in the broker's Redis. Safe to repeat: the meter counts an op once, the rest are plain sets."""
@@ -125,7 +131,8 @@ class Sequencer:
                     self.results.store_ok(entry.future_id, payload)
                 else:
                     self.results.store_error(entry.future_id, error)
-            self.host.registry.update(entry.session_id, client=pipe, applied=entry.seq, last_activity=time.time())
+            stepped = {} if step is None else {"step": step}
+            self.host.registry.update(entry.session_id, client=pipe, applied=entry.seq, last_activity=time.time(), **stepped)
             pipe.execute()
 
     def _not_ours(self, session_id: str, seq: int) -> None:

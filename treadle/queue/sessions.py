@@ -24,6 +24,8 @@ class SessionRecord(BaseModel):
     worker: str | None = Field(default=None, description="Hostname of the worker holding the lease.")
     epoch: int = Field(default=0, description="Fencing epoch: bumped on every change of owner.")
     applied: int = Field(default=0, description="Highest seq whose op has run and whose result is stored.")
+    step: int = Field(default=0, description="Optimizer steps of the session's weights after that op (a session "
+                      "created from a checkpoint starts at the checkpoint's).")
     checkpoint: str | None = Field(default=None, description="Path of the latest automatic checkpoint.")
     checkpoint_seq: int = Field(default=0, description="Seq that checkpoint covers.")
     checkpoint_with_optimizer: bool = Field(default=True, description="Restore Adam moments from that checkpoint.")
