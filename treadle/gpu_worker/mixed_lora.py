@@ -2,8 +2,8 @@
 
 PEFT's own mixed-adapter batches (`adapter_names=[...]`) gather each adapter's rows with a Python list
 of indices and scatter its delta back, in every LoRA layer: for 4 sessions of 8 rows on SmolLM2 that
-indexing was 38 % of the mixed forward's time (py-spy), and a 4-session step cost 1.5x the same rows
-under one adapter. The sampler keeps a request's rows next to each other, so an adapter's rows form a
+indexing was 38 % of the time in PEFT's mixed-batch LoRA forward (py-spy), and with it a 4-session step
+took 1.5-1.8x the time of the same rows under one adapter. The sampler keeps a request's rows next to each other, so an adapter's rows form a
 few runs: here each LoRA layer runs its base layer on the whole batch (adapters disabled), and a
 forward hook adds each run's delta on a slice, `out[a:b] += B(A(x[a:b])) * scaling`, with no gather
 or scatter. That is the same arithmetic as PEFT's single-adapter forward (`result + B(A(x)) *
