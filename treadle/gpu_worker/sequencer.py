@@ -69,11 +69,11 @@ class Sequencer:
                 if ahead >= READ_AHEAD_OPS:
                     return
                 ahead += 1
-            entry = self.host.journal.get(session_id, owned.applied + 1)
+            entry, lease = self.host.journal.get_with(session_id, owned.applied + 1, names.lease_key(session_id))
             if entry is None:
                 return
             owned.max_seen = max(owned.max_seen, entry.seq)
-            if not self.host.lease.holds(session_id, owned.epoch):
+            if not self.host.lease.is_ours(lease, owned.epoch):
                 log.warning("lost the lease of session %s; handing it over", session_id)
                 self.host.release(session_id, drop_lease=False)
                 self._not_ours(session_id, entry.seq)

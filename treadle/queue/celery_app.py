@@ -7,11 +7,15 @@ kombu never redelivers a live op (failover is driven by the session lease instea
 Task events (for Flower's task views) are off unless a worker asks for them: each event is a fanout
 publish for which kombu builds a Redis client, and with them on they took a third of a worker's CPU
 per op (py-spy, a stream of noops). Publishers never send `task-sent` (Flower lists an op from `received`).
+A plain redis:// broker goes through `treadle.queue.redis_transport` (kombu's, without a client object
+per command); rediss:// and sentinel:// keep kombu's own, whose TLS and discovery come from the scheme.
 """
 
 from __future__ import annotations
 
 from celery import Celery
+
+from treadle.queue import redis_transport
 
 VISIBILITY_TIMEOUT_S = 6 * 3600
 RESULT_EXPIRES_S = 7 * 24 * 3600
@@ -28,6 +32,8 @@ def make_app(broker_url: str, result_url: str | None = None, *, task_events: boo
         "retry_on_timeout": True,
         "health_check_interval": 25,
     }
+    if broker_url.startswith("redis://"):
+        app.conf.broker_transport = redis_transport.TRANSPORT
     app.conf.update(
         task_serializer="json",
         result_serializer="json",

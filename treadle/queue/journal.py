@@ -56,7 +56,19 @@ class Journal:
         return bool(added)
 
     def get(self, session_id: str, seq: int) -> JournalEntry | None:
-        raw = self.redis.hget(names.journal_key(session_id), str(seq))
+        return self._entry(session_id, seq, self.redis.hget(names.journal_key(session_id), str(seq)))
+
+    def get_with(self, session_id: str, seq: int, key: str) -> tuple[JournalEntry | None, bytes | None]:
+        """The entry and the value of another key, in one round trip (the worker reads its lease with
+        each op it runs: fencing costs no extra trip)."""
+        with self.redis.pipeline(transaction=False) as pipe:
+            pipe.hget(names.journal_key(session_id), str(seq))
+            pipe.get(key)
+            raw, value = pipe.execute()
+        return self._entry(session_id, seq, raw), value
+
+    @staticmethod
+    def _entry(session_id: str, seq: int, raw: bytes | None) -> JournalEntry | None:
         if raw is None:
             return None
         op, submitted_at, body = raw.split(b"\n", 2)

@@ -51,7 +51,10 @@ class LeaseManager:
         return bool(self._renew(keys=[names.lease_key(session_id)], args=[self._token(epoch), self.ttl_ms]))
 
     def holds(self, session_id: str, epoch: int) -> bool:
-        value = self.redis.get(names.lease_key(session_id))
+        return self.is_ours(self.redis.get(names.lease_key(session_id)), epoch)
+
+    def is_ours(self, value: bytes | str | None, epoch: int) -> bool:
+        """Whether a value read from the lease key (see `holds`) is this holder's lease at `epoch`."""
         value = value.decode() if isinstance(value, bytes) else value
         return value == self._token(epoch)
 

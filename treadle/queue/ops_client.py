@@ -235,10 +235,11 @@ class OpsClient:
         started = time.monotonic()
         # The first liveness check comes soon: a future that can never resolve fails within a second.
         delay, outage_since, next_worker_check, no_worker_since = 0.0005, None, started + 0.5, None
+        published = None
         with self.results.watch(future_id) as watch:
             while True:
                 try:
-                    done, value = self.results.poll(future_id)
+                    done, value = self.results.poll(future_id, published)
                     outage_since = None
                 except (redis_lib.ConnectionError, redis_lib.TimeoutError, OSError) as exc:
                     outage_since = outage_since or time.monotonic()
@@ -265,7 +266,7 @@ class OpsClient:
                 else:
                     pause = min(delay, 0.001 if now - started < 0.25 else 0.02)
                     delay *= 1.5
-                watch.sleep(max(0.0, pause if deadline is None else min(pause, deadline - now)))
+                published = watch.sleep(max(0.0, pause if deadline is None else min(pause, deadline - now)))
 
 
 # How often a wait that sleeps on its result's channel polls anyway (a wake-up lost in a reconnect).

@@ -51,9 +51,10 @@ class ResultStore:
         pipe.set(key, encoded, ex=self.backend.expires or None)
         pipe.publish(key, encoded)
 
-    def poll(self, future_id: str) -> tuple[bool, dict | None]:
-        """(done, value). Raises the stored TreadleError if the op failed."""
-        meta = self.backend.get_task_meta(future_id)
+    def poll(self, future_id: str, published: bytes | None = None) -> tuple[bool, dict | None]:
+        """(done, value). Raises the stored TreadleError if the op failed. `published`: the result as its
+        channel carried it (see `ResultWatch.sleep`), which spares the read."""
+        meta = self.backend.get_task_meta(future_id) if published is None else self.backend.decode_result(published)
         status = meta.get("status")
         if status == states.SUCCESS:
             return True, meta.get("result")
@@ -101,16 +102,18 @@ class ResultWatch:
     def subscribed(self) -> bool:
         return self.pubsub is not None
 
-    def sleep(self, seconds: float) -> None:
-        """Return after `seconds`, or as soon as the result is published."""
+    def sleep(self, seconds: float) -> bytes | None:
+        """Return after `seconds` (None), or as soon as the result is published (what was published: the
+        stored result itself, so the waiter need not read it back)."""
         deadline = time.monotonic() + seconds
         while (left := deadline - time.monotonic()) > 0:
             if self.pubsub is None:
                 time.sleep(left)
-                return
+                return None
             message = self._guard(lambda: self.pubsub.get_message(timeout=left))
             if message is not None and message.get("channel") == self.channel:
-                return  # other channels' messages are late ones of earlier watches on this thread
+                return message.get("data")  # other channels' messages are late ones of earlier watches on this thread
+        return None
 
     def close(self) -> None:
         if self.pubsub is not None:
