@@ -106,7 +106,7 @@ def measure(n: int) -> dict[str, float]:
     return out
 
 
-# The two steps alternate in blocks, with a pause after each: steps in turn made the in-process one 1.5x
+# The two steps alternate in blocks, with a pause after each: steps in turn made the in-process one 1.4x
 # slower (torch's idle worker threads of one process spin on the cores the other one needs).
 STEP_BLOCK, QUIET_S = 10, 0.2
 
