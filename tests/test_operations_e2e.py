@@ -153,7 +153,7 @@ def test_usage_is_exact_across_a_worker_sigkill_and_replay(ops_stack):
             pairs[2][1].result(timeout=120)  # checkpoint at step 2 is written; steps 3.. replay or run anew
             kill_owner(ops_stack, sc, tc.session_id, replace=False)  # SIGKILL: the other worker adopts the session
     assert [opt.result(timeout=300).metrics["step:max"] for _, opt in pairs] == list(range(1, 7))
-    assert "unacked_restored" in (sc.ops.session_info(tc.session_id).last_recovery or "")  # it was taken over
+    assert "replayed_to" in (sc.ops.session_info(tc.session_id).last_recovery or "")  # it was taken over
     assert moved(survivor_before, scrape(survivor_url), "treadle_lease_takeovers_total", base_model="tiny") == 1
     sampler = tc.save_weights_and_get_sampling_client()
     prompt = [11, 12, 13, 14]

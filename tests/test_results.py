@@ -74,8 +74,11 @@ def test_an_ops_usage_result_and_applied_seq_are_all_written(redis_client, redis
     assert sequencer._one_write == (results_db == "same")
     entry = JournalEntry(session_id="s1", seq=4, op="forward_backward", submitted_at=0.0, raw_request=b"")
     usage = OpUsage(session_id="s1", op_id="4", op="forward_backward", base_model="tiny", trained_tokens=12, compute_s=0.5)
+    redis_client.hset(names.journal_key("s1"), "5", b"optim_step\n0.0\n{}")  # the op after it, journaled
+    redis_client.set(names.lease_key("s1"), b"lease")
     for _ in range(2):  # a retry through a Redis outage repeats the whole write: still counted once
-        sequencer._record(entry, usage, {"loss": 2.0}, None, step=3)
+        following, lease = sequencer._record(entry, usage, {"loss": 2.0}, None, step=3)
+    assert (following.seq, following.op, lease) == (5, "optim_step", b"lease")  # read in the same round trip
     assert ResultStore(app).poll("s1:4") == (True, {"loss": 2.0})
     assert redis_client.hget(names.session_key("s1"), "applied") == b"4"
     assert redis_client.hget(names.session_key("s1"), "step") == b"3"  # the engine's step, in the same write

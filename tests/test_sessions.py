@@ -82,6 +82,36 @@ def test_duplicate_delivery_runs_once(service_client):
     tc.stop()
 
 
+def test_a_submit_whose_reply_is_lost_journals_the_op_once(service_client):
+    """The append ran in Redis but its answer never came back (a dropped connection): the retry gets the
+    same seq, so the op is neither journaled twice (it would run twice) nor left with a gap behind it."""
+    import redis
+
+    tc = service_client.create_lora_training_client("tiny", rank=4, seed=0)
+    ops = service_client.ops
+    real, lost = ops.journal._append, []
+
+    def reply_lost_once(**kwargs):
+        answer = real(**kwargs)
+        if not lost:
+            lost.append(answer)
+            raise redis.ConnectionError("reply lost")
+        return answer
+
+    ops.journal._append = reply_lost_once
+    try:
+        fb = tc.forward_backward(sft_batch(1), "cross_entropy")
+    finally:
+        ops.journal._append = real
+    _, seq = names.split_future_id(fb.id)
+    assert lost == [seq]
+    assert ops.journal.seqs(tc.session_id).count(seq) == 1 and ops.next_seq(tc.session_id) == seq
+    optim = tc.optim_step(ADAM)
+    assert names.split_future_id(optim.id)[1] == seq + 1
+    assert optim.result(timeout=60).metrics["step:max"] == 1  # the op after it ran: no gap stalled the session
+    tc.stop()
+
+
 def test_future_resolves_by_id_from_a_fresh_process(service_client, stack):
     tc = service_client.create_lora_training_client("tiny", rank=4, seed=0)
     fut = tc.forward_backward(sft_batch(2), "cross_entropy")

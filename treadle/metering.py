@@ -100,8 +100,9 @@ class Meter:
                 _timeline_key(usage.owner), OWNERS_KEY]
         args = [usage.op_id, usage.model_dump_json(), repr(usage.at), self.retention_s,
                 f"{usage.op_id}@{usage.session_id}", usage.owner, "ops", 1]
-        for name in METRICS:
-            args += [name, repr(getattr(usage, name))]
+        for name in METRICS:  # zeros are left out: a missing field reads as 0, and each one is a write
+            if getattr(usage, name):
+                args += [name, repr(getattr(usage, name))]
         if client is not None:  # EVAL, not the cached script: a pipeline would first ask Redis if it has it
             client.eval(_RECORD, len(keys), *keys, *args)
             return True

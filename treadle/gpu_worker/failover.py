@@ -1,14 +1,12 @@
 """Failover: adopting the sessions of a dead worker, so that its crash is invisible to the loop.
 
-When a session's lease lapses (its owner died), a worker serving its base model takes it: it moves
-the dead owner's in-flight message back to the head of the session queue, rebuilds the session from
-its last checkpoint and journal, subscribes to the queue, and runs whatever the journal holds. The
-client's futures simply resolve later. A caretaker pass does this for every orphan, and unloads
-sessions that sat idle.
+When a session's lease lapses (its owner died), a worker serving its base model takes it: it rebuilds
+the session from its last checkpoint and journal, subscribes to the queue, and runs whatever the
+journal holds. The client's futures simply resolve later. A caretaker pass does this for every orphan,
+and unloads sessions that sat idle.
 
-kombu keeps a delivered-but-unacked message in the `unacked` hash until the visibility timeout (hours,
-on purpose). When a session changes owner we move its entry back ourselves, to the head (RPUSH: kombu
-consumes with BRPOP from the right), in one transaction like kombu's own `restore_by_tag`.
+Nothing is taken back from the dead owner's Celery messages: they are doorbells, and the journal has
+every op they rang for (the broker runs without kombu's ack emulation, see treadle.queue.celery_app).
 """
 
 from __future__ import annotations
@@ -26,33 +24,6 @@ from treadle.observability import metrics
 from treadle.queue import names
 
 log = logging.getLogger("treadle.worker")
-
-UNACKED = "unacked"
-UNACKED_INDEX = "unacked_index"
-
-
-def restore_unacked(redis, queue: str, session_id: str) -> int:
-    """Move the session's delivered-but-unacked messages back to the head of its queue."""
-    session_prefix = f"{session_id}:"
-    restored = 0
-    for tag, raw in list(redis.hgetall(UNACKED).items()):
-        try:
-            payload, _exchange, _routing_key = json.loads(raw)
-            delivery = payload["properties"].get("delivery_info") or {}
-            target = delivery.get("routing_key") or payload["headers"].get("routing_key")
-        except (ValueError, TypeError, KeyError, AttributeError):
-            continue
-        if target != queue and not str(payload.get("headers", {}).get("id", "")).startswith(session_prefix):
-            continue
-        payload.get("headers", {})["redelivered"] = True
-        with redis.pipeline(transaction=True) as pipe:
-            pipe.hdel(UNACKED, tag)
-            pipe.zrem(UNACKED_INDEX, tag)
-            pipe.rpush(queue, json.dumps(payload))
-            removed, _, _ = pipe.execute()
-        restored += 1 if removed else 0
-    return restored
-
 
 class Failover:
     def __init__(self, host: SessionHost, sequencer: Sequencer, autosaver: Autosaver, *, idle_unload_s: float,
@@ -85,7 +56,6 @@ class Failover:
         if epoch is None:
             return False
         t0 = time.monotonic()
-        restored = restore_unacked(host.registry.redis, names.session_queue(session_id), session_id)
         with host.device_lock:
             record = host.registry.get(session_id)
             # Owned before the rebuild, so the heartbeat renews the lease while a long replay runs
@@ -107,10 +77,10 @@ class Failover:
                 raise
             timings["total_s"] = time.monotonic() - t0
             host.registry.update(session_id, worker=host.hostname, last_recovery=json.dumps(
-                {**timings, "at": time.time(), "unacked_restored": restored, "replayed_to": record.applied}))
+                {**timings, "at": time.time(), "replayed_to": record.applied}))
             metrics.LEASE_TAKEOVERS.labels(record.base_model).inc()
-            log.info("took over session %s (epoch %d, %d unacked restored, applied %d) in %.2f s",
-                     session_id, epoch, restored, record.applied, timings["total_s"])
+            log.info("took over session %s (epoch %d, applied %d) in %.2f s",
+                     session_id, epoch, record.applied, timings["total_s"])
         host.subscribe(names.session_queue(session_id))
         with host.device_lock:
             # Ops whose doorbell died with the old owner are in the journal: run them now.

@@ -30,7 +30,7 @@ from treadle.gpu_worker.op_handlers import handler_for
 from treadle.gpu_worker.usage import UsageRecorder
 from treadle.metering import OpUsage
 from treadle.queue import names
-from treadle.queue.journal import JournalEntry
+from treadle.queue.journal import Journal, JournalEntry
 from treadle.queue.ops import OpRequest, encode_result
 from treadle.queue.ops_client import ring
 from treadle.queue.results import ResultStore
@@ -63,13 +63,13 @@ class Sequencer:
     def drain(self, session_id: str) -> None:
         """Run every op of the session that is next in line, in seq order (and a few journaled after it)."""
         owned = self.host.owned[session_id]
-        ahead = 0
+        ahead, next_read = 0, None
         while True:
             if owned.applied >= owned.max_seen:
                 if ahead >= READ_AHEAD_OPS:
                     return
                 ahead += 1
-            entry, lease = self.host.journal.get_with(session_id, owned.applied + 1, names.lease_key(session_id))
+            entry, lease = next_read or self.host.journal.get_with(session_id, owned.applied + 1, names.lease_key(session_id))
             if entry is None:
                 return
             owned.max_seen = max(owned.max_seen, entry.seq)
@@ -80,12 +80,13 @@ class Sequencer:
                 return
             if owned.unloaded:
                 self._reload(owned)
-            self._run(owned, entry)
+            next_read = self._run(owned, entry)
             if entry.op == "stop":
                 self.host.finish(session_id)
                 return
 
-    def _run(self, owned: OwnedSession, entry: JournalEntry) -> None:
+    def _run(self, owned: OwnedSession, entry: JournalEntry) -> tuple[JournalEntry | None, bytes | None]:
+        """Run one op and record it; returns the next seq's journal entry and the lease, read with the record."""
         started, request, response, payload, error = time.monotonic(), None, None, None, None
         try:
             handler = handler_for(entry.op)
@@ -108,18 +109,23 @@ class Sequencer:
                 session_id=entry.session_id, op_id=str(entry.seq), request=request, response=response,
                 owner=owned.record.owner, base_model=owned.record.base_model, seconds=time.monotonic() - started,
                 outcome="ok" if error is None else f"{error.category}_error")
-        _through_outages(lambda: self._record(entry, usage, payload, error, step))
+        next_read = _through_outages(lambda: self._record(entry, usage, payload, error, step))
         self._after_op(owned, entry.op)
+        return next_read
 
     def _step(self, owned: OwnedSession) -> int | None:
         engine, session_id = self.host.engine(owned.record.base_model), owned.record.session_id
         return engine.step(session_id) if engine.has_session(session_id) else None
 
     def _record(self, entry: JournalEntry, usage: OpUsage | None, payload: dict | None, error: TreadleError | None,
-                step: int | None) -> None:
+                step: int | None) -> tuple[JournalEntry | None, bytes | None]:
         """Meter the op, store its result, mark its seq applied: in this order (a seq is never marked applied
         without its result, see treadle.gpu_worker.usage for the meter), and in one MULTI/EXEC when results
-        live in the broker's Redis. Safe to repeat: the meter counts an op once, the rest are plain sets."""
+        live in the broker's Redis. Safe to repeat: the meter counts an op once, the rest are plain sets.
+
+        The same round trip reads the next seq's journal entry and the lease, which the drain needs next:
+        a pipelining client has usually journaled that op already."""
+        session_id, following = entry.session_id, entry.seq + 1
         with self.host.registry.redis.pipeline(transaction=True) as pipe:
             if usage is not None:
                 self.usage.record(usage, client=pipe)
@@ -132,8 +138,10 @@ class Sequencer:
                 else:
                     self.results.store_error(entry.future_id, error)
             stepped = {} if step is None else {"step": step}
-            self.host.registry.update(entry.session_id, client=pipe, applied=entry.seq, last_activity=time.time(), **stepped)
-            pipe.execute()
+            self.host.registry.update(session_id, client=pipe, applied=entry.seq, last_activity=time.time(), **stepped)
+            Journal.read_with(pipe, session_id, following, names.lease_key(session_id))
+            *_, raw, lease = pipe.execute()
+        return Journal.parse(session_id, following, raw), lease
 
     def _not_ours(self, session_id: str, seq: int) -> None:
         """A doorbell for a session this worker does not own: answer if the session is gone, else pass it on."""

@@ -1,9 +1,13 @@
 """The Celery app and its configuration, shared by the SDK (which only publishes) and the worker.
 
-Why each setting: JSON only, never pickle; one unacked message per
-worker (acks_late + prefetch 1) so a crash loses at most the op that was running, and treadle's own
-seq discipline restores order after a crash; the visibility timeout is far longer than any op, so
-kombu never redelivers a live op (failover is driven by the session lease instead); results live 7 days.
+Why each setting: JSON only, never pickle; one message at a time per worker (acks_late + prefetch 1),
+so a worker busy with an op leaves the next ones to the queue; results live 7 days. No ack emulation:
+kombu's Redis transport would copy every delivered message into an `unacked` hash and delete it again
+on ack (two transactions per message, on the critical path of every op) to redeliver it after a
+visibility timeout. treadle needs neither: a session message is a doorbell for an op the journal
+already holds, and the worker that adopts a dead owner's session runs what the journal holds. A
+control message (create_session, sample) in flight when its worker dies is lost; its client's wait
+is bounded.
 Task events (for Flower's task views) are off unless a worker asks for them: each event is a fanout
 publish for which kombu builds a Redis client, and with them on they took a third of a worker's CPU
 per op (py-spy, a stream of noops). Publishers never send `task-sent` (Flower lists an op from `received`).
@@ -17,16 +21,13 @@ from celery import Celery
 
 from treadle.queue import redis_transport
 
-VISIBILITY_TIMEOUT_S = 6 * 3600
 RESULT_EXPIRES_S = 7 * 24 * 3600
 
 
 def make_app(broker_url: str, result_url: str | None = None, *, task_events: bool = False) -> Celery:
     app = Celery("treadle", broker=broker_url, backend=result_url or broker_url, set_as_current=False)
     transport = {
-        "visibility_timeout": VISIBILITY_TIMEOUT_S,
-        "unacked_restore_interval": 10,
-        "unacked_restore_throttle": 1,
+        "ack_emulation": False,
         "socket_connect_timeout": 5,
         "socket_timeout": 30,
         "retry_on_timeout": True,
@@ -48,8 +49,6 @@ def make_app(broker_url: str, result_url: str | None = None, *, task_events: boo
         task_send_sent_event=False,
         worker_send_task_events=task_events,
         broker_transport_options=transport,
-        result_backend_transport_options={"visibility_timeout": VISIBILITY_TIMEOUT_S},
-        visibility_timeout=VISIBILITY_TIMEOUT_S,
         broker_connection_retry=True,
         broker_connection_retry_on_startup=True,
         broker_connection_max_retries=None,

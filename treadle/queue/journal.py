@@ -6,6 +6,11 @@ the worker independent of Celery's delivery order: an op that arrives early wait
 predecessor, a redelivered op finds its seq applied, and a new owner after a crash replays the journal
 on top of the last checkpoint. An entry is `<op>\\n<submitted_at>\\n<request JSON>`: the op name is read
 without parsing the request, and the request is parsed once, straight into its typed class.
+
+A submit takes its seq and journals the op in one atomic step (`Journal.append`), which also checks
+that the session takes ops. Each submit carries a token: when a reply is lost and the client retries,
+the retry finds the token and gets the seq the first try took, so an op is never journaled twice
+(it would run twice) and no seq is skipped (the session would stall waiting for it).
 """
 
 from __future__ import annotations
@@ -18,6 +23,36 @@ from treadle.queue.ops import OpRequest, op_request
 
 # Long enough for any run to checkpoint (which trims), short enough that an abandoned session's ops go.
 JOURNAL_TTL_S = 7 * 24 * 3600
+# A submit's token outlives the client's retries through a Redis outage (treadle.queue.ops_client).
+SUBMIT_TOKEN_TTL_S = 600
+
+# KEYS: session hash, journal hash, submit token. ARGV: wanted seq ('' = the next one), '1' for a stop,
+# the entry, the journal's TTL, the token's TTL. Answers the op's seq, or -1 when the session does not
+# exist, is stopping or stopped, expired or lost. An explicit seq (the gateway's) moves the counter too, so
+# a later automatic seq never reuses it. A stop records its seq, after which nothing is accepted, except
+# an explicit seq below the stop's: a gateway client's op that arrived late (chunks come concurrently)
+# runs before the stop it precedes.
+_APPEND = """
+local taken = redis.call('GET', KEYS[3])
+if taken then return tonumber(taken) end
+local st = redis.call('HMGET', KEYS[1], 'status', 'stop_seq')
+if (not st[1]) or st[1] ~= 'active' then return -1 end
+local stop = tonumber(st[2] or '0') or 0
+if stop > 0 and (ARGV[1] == '' or tonumber(ARGV[1]) >= stop) then return -1 end
+local seq
+if ARGV[1] == '' then
+  seq = redis.call('HINCRBY', KEYS[1], 'next_seq', 1)
+else
+  seq = tonumber(ARGV[1])
+  local cur = tonumber(redis.call('HGET', KEYS[1], 'next_seq') or '0')
+  if cur < seq then redis.call('HSET', KEYS[1], 'next_seq', seq) end
+end
+if ARGV[2] == '1' then redis.call('HSET', KEYS[1], 'stop_seq', seq) end
+redis.call('HSETNX', KEYS[2], seq, ARGV[3])
+redis.call('EXPIRE', KEYS[2], ARGV[4])
+redis.call('SET', KEYS[3], seq, 'EX', ARGV[5])
+return seq
+"""
 
 
 @dataclass(frozen=True)
@@ -44,31 +79,35 @@ class JournalEntry:
 class Journal:
     def __init__(self, redis):
         self.redis = redis
+        self._append = redis.register_script(_APPEND)
 
-    def record(self, session_id: str, seq: int, request: OpRequest) -> bool:
-        """Add an op; False if that seq is already recorded (a retried publish)."""
-        key = names.journal_key(session_id)
+    def append(self, session_id: str, request: OpRequest, *, token: str, seq: int | None = None) -> int:
+        """Give the op the session's next seq (or `seq`, the gateway's) and journal it; -1 when the session
+        takes no ops. Repeating it with the same `token` answers the same seq and journals nothing new."""
         entry = f"{request.op}\n{time.time():.6f}\n".encode() + request.encode()
-        with self.redis.pipeline() as pipe:
-            pipe.hsetnx(key, str(seq), entry)
-            pipe.expire(key, JOURNAL_TTL_S)
-            added, _ = pipe.execute()
-        return bool(added)
+        keys = [names.session_key(session_id), names.journal_key(session_id), names.submit_key(session_id, token)]
+        args = ["" if seq is None else str(seq), "1" if request.op == "stop" else "", entry, JOURNAL_TTL_S, SUBMIT_TOKEN_TTL_S]
+        return int(self._append(keys=keys, args=args))
 
     def get(self, session_id: str, seq: int) -> JournalEntry | None:
-        return self._entry(session_id, seq, self.redis.hget(names.journal_key(session_id), str(seq)))
+        return self.parse(session_id, seq, self.redis.hget(names.journal_key(session_id), str(seq)))
 
     def get_with(self, session_id: str, seq: int, key: str) -> tuple[JournalEntry | None, bytes | None]:
         """The entry and the value of another key, in one round trip (the worker reads its lease with
         each op it runs: fencing costs no extra trip)."""
         with self.redis.pipeline(transaction=False) as pipe:
-            pipe.hget(names.journal_key(session_id), str(seq))
-            pipe.get(key)
+            self.read_with(pipe, session_id, seq, key)
             raw, value = pipe.execute()
-        return self._entry(session_id, seq, raw), value
+        return self.parse(session_id, seq, raw), value
 
     @staticmethod
-    def _entry(session_id: str, seq: int, raw: bytes | None) -> JournalEntry | None:
+    def read_with(pipe, session_id: str, seq: int, key: str) -> None:
+        """Queue the reads of `get_with` on `pipe`: its last two answers are the raw entry and the value."""
+        pipe.hget(names.journal_key(session_id), str(seq))
+        pipe.get(key)
+
+    @staticmethod
+    def parse(session_id: str, seq: int, raw: bytes | None) -> JournalEntry | None:
         if raw is None:
             return None
         op, submitted_at, body = raw.split(b"\n", 2)

@@ -53,6 +53,11 @@ def journal_key(session_id: str) -> str:
     return f"{PREFIX}:journal:{session_id}"
 
 
+def submit_key(session_id: str, token: str) -> str:
+    """The seq one submit was given, kept a few minutes, so a retried submit gets it again (see treadle.queue.journal)."""
+    return f"{PREFIX}:submit:{session_id}:{token}"
+
+
 def tokenizer_key(base_model: str) -> str:
     """Hash filename -> bytes of a served model's tokenizer files, published by its workers."""
     return f"{PREFIX}:tokenizer:{base_model}"

@@ -71,23 +71,6 @@ class OpsClient:
         self.workers = WorkerRegistry(self.redis)
         self.journal = Journal(self.redis)
         self._publish_lock = threading.Lock()
-        # Taking a seq is one atomic step that also checks the session takes ops: it answers -1 for a
-        # session that does not exist, is stopping or stopped, expired or lost (see `submit`). An explicit
-        # seq (the gateway's) moves the counter too, so a later automatic seq never reuses it. A stop
-        # records its seq, after which nothing is accepted, except an explicit seq below the stop's: a
-        # gateway client's op that arrived late (chunks come concurrently) runs before the stop it precedes.
-        self._take_seq = self.redis.register_script(
-            "local st = redis.call('HMGET', KEYS[1], 'status', 'stop_seq') "
-            "if (not st[1]) or st[1] ~= 'active' then return -1 end "
-            "local stop = tonumber(st[2] or '0') or 0 "
-            "if stop > 0 and (ARGV[1] == '' or tonumber(ARGV[1]) >= stop) then return -1 end "
-            "local seq "
-            "if ARGV[1] == '' then seq = redis.call('HINCRBY', KEYS[1], 'next_seq', 1) else "
-            "seq = tonumber(ARGV[1]) "
-            "local cur = tonumber(redis.call('HGET', KEYS[1], 'next_seq') or '0') "
-            "if cur < seq then redis.call('HSET', KEYS[1], 'next_seq', seq) end end "
-            "if ARGV[2] == '1' then redis.call('HSET', KEYS[1], 'stop_seq', seq) end "
-            "return seq")
 
     # ------------------------------------------------------------ models and sessions
     def served_models(self) -> list[ServedModel]:
@@ -139,15 +122,14 @@ class OpsClient:
         The journal gets the op's only copy; the message is a doorbell naming (session_id, seq).
         """
         with self._publish_lock:
-            wanted, stopping = "" if seq is None else str(seq), "1" if request.op == "stop" else ""
-            seq = int(self._retrying(lambda: self._take_seq(keys=[names.session_key(session_id)], args=[wanted, stopping])))
+            # One token per submit: a retry after a lost reply gets the seq the first try took (see Journal).
+            token, wanted = uuid.uuid4().hex, seq
+            seq = self._retrying(lambda: self.journal.append(session_id, request, token=token, seq=wanted))
             if seq < 0:  # nothing would run it: fail now, saying why (stopped, expired with its checkpoint, ...)
                 raise inactive_error(session_id, self.sessions.get(session_id))
-            # Once the seq is taken, retry the publish with that same seq: a repeated message is
-            # harmless (the worker dedupes by seq), a skipped seq would stall the session.
-            # Journal first, then ring the doorbell: a message lost between a worker's BRPOP and its
-            # crash (kombu records `unacked` only after the pop) cannot lose the op itself.
-            self._retrying(lambda: self.journal.record(session_id, seq, request))
+            # Journaled first, then the doorbell: a doorbell lost with a crashed worker cannot lose the op
+            # (the session's next owner runs what the journal holds). A repeated doorbell is harmless
+            # (the worker dedupes by seq).
             fid = names.future_id(session_id, seq)
             self._retrying(lambda: self.ring(session_id, seq, request.op))
         return fid
