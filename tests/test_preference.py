@@ -140,7 +140,11 @@ def test_kto_recipe_learns_from_binary_labels_on_the_tiny_model(service_client, 
     assert [r["step"] for r in rows] == list(range(7))
     assert rows[1]["kto/loss"] == pytest.approx(0.5, abs=1e-4)  # r = z0 = 0 at the start: 1 - sigmoid(0) for every example
     assert all(r["kto/kl"] >= 0.0 for r in rows[1:])  # the reference point is floored at 0
-    assert any(r["kto/kl"] > 0.0 for r in rows[1:])  # ... and moves once the policy leaves the reference
+    # ... from the estimate, which moves once the policy leaves the reference (up or down: on some CPUs the
+    # mismatched pairs' logprobs fall and the floor keeps z0 at 0 on every step).
+    assert all(r["kto/kl"] == pytest.approx(max(0.0, r["kto/kl_estimate"])) for r in rows[1:])
+    assert rows[1]["kto/kl_estimate"] == pytest.approx(0.0, abs=1e-4)
+    assert any(abs(r["kto/kl_estimate"]) > 1e-4 for r in rows[2:])
     losses = [r["kto/loss"] for r in rows[1:]]
     assert losses[-1] < losses[0] - 0.05, losses
     assert result.eval_after["eval/margin"] > result.eval_before["eval/margin"] + 0.2

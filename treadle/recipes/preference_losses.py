@@ -136,5 +136,10 @@ def kto_on_batch(ref: np.ndarray, desirable: np.ndarray, ref_mismatched: np.ndar
                  desirable_weight: float = 1.0, undesirable_weight: float = 1.0) -> SequenceLoss:
     """The KTO loss of a batch laid out [examples..., mismatched pairs...]; z0 comes from the mismatched ones."""
     n = len(ref)
-    return lambda policy: kto_loss(policy[:n], ref, desirable, kto_reference_point(policy[n:], ref_mismatched), beta,
-                                   desirable_weight, undesirable_weight)
+
+    def loss(policy: np.ndarray) -> PreferenceLoss:
+        out = kto_loss(policy[:n], ref, desirable, kto_reference_point(policy[n:], ref_mismatched), beta,
+                       desirable_weight, undesirable_weight)
+        out.metrics["kto/kl_estimate"] = float(np.mean(policy[n:] - ref_mismatched))  # before the floor
+        return out
+    return loss
