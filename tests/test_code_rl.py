@@ -181,12 +181,21 @@ def test_two_turn_episode_shows_the_tool_result_in_the_second_prompt(service_cli
     training = service_client.create_training_client_from_state(warm_start)
     tokenizer = training.get_tokenizer()
     sampler = training.save_weights_and_get_sampling_client()
+    seeds = []  # of each sample request, through the real sampler
+
+    class Recording:
+        def sample(self, prompt, num_samples, params):
+            seeds.append(params.seed)
+            return sampler.sample(prompt, num_samples, params)
+
     problem = next(p for p in load_code_problems(tiny_problems) if p.name == "triple")  # echo fails it: a report of failures
     cfg = _config("unused", tiny_problems, warm_start, max_turns=2)
-    attempts = code_rl.run_episodes(sampler, tokenizer, sandbox, problem, cfg, 8,
+    attempts = code_rl.run_episodes(Recording(), tokenizer, sandbox, problem, cfg, 8,
                                     code_rl.SamplingParams(max_tokens=40, temperature=0.6, seed=3))
     two_turn = [a for a in attempts if a.tool_report is not None]
     assert two_turn, [a.answer for a in attempts]
+    # every second answer has its own seed: episodes with the same first answer must not all draw the same second one
+    assert len(seeds) == 1 + len(two_turn) and len(set(seeds)) == len(seeds), seeds
     for a in two_turn:
         (prompt, _), (first, first_lp), (after, no_lp), (second, second_lp) = a.pieces
         assert first_lp is not None and no_lp is None and second_lp is not None

@@ -120,20 +120,19 @@ def run_episodes(sampler: Any, tokenizer: Any, sandbox: Sandbox, problem: CodePr
         text = tokenizer.decode(seq.tokens, skip_special_tokens=True)
         pieces = [(prompt, None), (list(seq.tokens), list(seq.logprobs))]
         code = extract_code(text) if cfg.max_turns == 2 else None
-        if code is None:  # one turn, or no code to check: the first answer is final
-            episodes.append((pieces, text, None, None))
-            second.append(None)
-            continue
-        report = check_solution_report(run_tests(sandbox, problem, code, problem.tests[: cfg.public_tests], stop_at_failure=False))
-        ended = seq.stop_reason == "stop" and bool(seq.tokens) and seq.tokens[-1] == tokenizer.eos_token_id
-        after = render_continuation(tokenizer, messages, text, ended, [tool_message(tokenizer, "check_solution", report)])
-        if len(prompt) + len(seq.tokens) + len(after) + cfg.max_tokens > cfg.max_context:
-            episodes.append((pieces, text, None, None))  # no room for a second answer: the first is final
-            second.append(None)
-            continue
-        pieces.append((after, None))
-        episodes.append((pieces, None, text, report))
-        second.append(sampler.sample(ModelInput.from_ints([*prompt, *seq.tokens, *after]), 1, params))
+        if code is not None:
+            report = check_solution_report(run_tests(sandbox, problem, code, problem.tests[: cfg.public_tests], stop_at_failure=False))
+            ended = seq.stop_reason == "stop" and bool(seq.tokens) and seq.tokens[-1] == tokenizer.eos_token_id
+            after = render_continuation(tokenizer, messages, text, ended, [tool_message(tokenizer, "check_solution", report)])
+            if len(prompt) + len(seq.tokens) + len(after) + cfg.max_tokens <= cfg.max_context:
+                pieces.append((after, None))
+                episodes.append((pieces, None, text, report))
+                # A seed per episode: with the group's, episodes with equal first answers draw equal second ones.
+                own = params if params.seed is None else params.model_copy(update={"seed": (params.seed + len(episodes)) % 2**63})
+                second.append(sampler.sample(ModelInput.from_ints([*prompt, *seq.tokens, *after]), 1, own))
+                continue
+        episodes.append((pieces, text, None, None))  # one turn, no code to check, or no room for a second answer: final
+        second.append(None)
     attempts = []
     for (pieces, text, first_text, report), future in zip(episodes, second):
         if future is not None:
