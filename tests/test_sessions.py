@@ -104,11 +104,55 @@ def test_a_submit_whose_reply_is_lost_journals_the_op_once(service_client):
     finally:
         ops.journal._append = real
     _, seq = names.split_future_id(fb.id)
-    assert lost == [seq]
+    assert [answer[0] for answer in lost] == [seq]
     assert ops.journal.seqs(tc.session_id).count(seq) == 1 and ops.next_seq(tc.session_id) == seq
     optim = tc.optim_step(ADAM)
     assert names.split_future_id(optim.id)[1] == seq + 1
     assert optim.result(timeout=60).metrics["step:max"] == 1  # the op after it ran: no gap stalled the session
+    tc.stop()
+
+
+def _worker_log(stack) -> str:
+    with open(f"{stack.home}/logs/worker-0.log", errors="replace") as f:
+        return f.read()
+
+
+def test_an_op_behind_one_not_yet_applied_rings_no_doorbell_and_still_runs(service_client, stack):
+    """The write that marks op s-1 applied also reads op s, so only an op whose predecessor is applied needs a
+    message; a burst longer than the drain's read-ahead bound is finished by the doorbell the drain rings itself."""
+    import uuid
+
+    from treadle.gpu_worker.sequencer import READ_AHEAD_OPS
+    from treadle.queue.ops import NoopRequest
+
+    tc = service_client.create_lora_training_client("tiny", rank=4, seed=0)
+    ops, sid = service_client.ops, tc.session_id
+    burst = [ops.journal.append(sid, NoopRequest(), token=uuid.uuid4().hex) for _ in range(READ_AHEAD_OPS + 4)]
+    first = burst[0][0]
+    assert burst == [(first, True)] + [(first + i, False) for i in range(1, len(burst))]
+    ops.ring(sid, first, "noop")  # the burst's one message
+    for seq, _ in burst:
+        assert ops.wait(names.future_id(sid, seq), timeout=60) == {"op": "noop"}
+    later = ops.journal.append(sid, NoopRequest(), token=uuid.uuid4().hex)
+    assert later == (first + len(burst), True)  # the worker went idle: the next op rings
+    ops.ring(sid, later[0], "noop")
+    ops.wait(names.future_id(sid, later[0]), timeout=60)
+    assert f"session {sid}: op" not in _worker_log(stack)  # no op waited for the caretaker's nudge
+    tc.stop()
+
+
+def test_an_op_whose_doorbell_never_comes_is_rung_by_the_caretaker(service_client, stack):
+    """A backstop: an op journaled next in line with no doorbell on its way (one lost) runs after a delay."""
+    import uuid
+
+    from treadle.queue.ops import NoopRequest
+
+    tc = service_client.create_lora_training_client("tiny", rank=4, seed=0)
+    ops, sid = service_client.ops, tc.session_id
+    seq, needs_doorbell = ops.journal.append(sid, NoopRequest(), token=uuid.uuid4().hex)
+    assert needs_doorbell  # ... and it is never rung
+    assert ops.wait(names.future_id(sid, seq), timeout=60) == {"op": "noop"}
+    assert f"session {sid}: op {seq} was journaled with no doorbell coming" in _worker_log(stack)
     tc.stop()
 
 

@@ -32,9 +32,12 @@ class Autosaver:
         # Uploads run here, off the op loop; one at a time keeps them ordered.
         self._uploads = ThreadPoolExecutor(max_workers=1, thread_name_prefix="treadle-ckpt")
 
-    def after_op(self, owned: OwnedSession, op: str) -> None:
+    def after_op(self, owned: OwnedSession, op: str) -> bool:
+        """Checkpoint the session if one is due after this op; True when it did."""
         if op == "optim_step" and self._due(owned):
             self.checkpoint(owned, background=True)
+            return True
+        return False
 
     def _due(self, owned: OwnedSession) -> bool:
         every = owned.record.checkpoint_every if owned.record.checkpoint_every is not None else self.checkpoint_every

@@ -41,6 +41,7 @@ class Failover:
             if (record.status == "active" and record.worker and record.base_model in host.engines
                     and record.session_id not in host.owned and not host.lease.is_held(record.session_id)):
                 self.take_over(record.session_id)
+        self.sequencer.nudge_stalled()
         if self.session_idle_ttl_s:
             expire_idle(host, self.autosaver, self.sequencer.results, self.session_idle_ttl_s)
         if self.idle_unload_s:

@@ -40,6 +40,7 @@ class OwnedSession:
     # Highest seq whose doorbell this worker has heard: a doorbell runs the ops up to it, so one
     # session's backlog does not run inside a single Celery task while other sessions wait.
     max_seen: int = 0
+    stalled_at: int | None = None  # `applied` when the caretaker last saw an op waiting (Sequencer.nudge_stalled)
     last_checkpoint_at: float = field(default_factory=time.monotonic)
     pending_upload: Future | None = None
 

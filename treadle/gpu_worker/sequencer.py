@@ -7,11 +7,13 @@ arrives early waits in the journal for its predecessor; a redelivered doorbell f
 and its result already stored. Before each op it checks that this worker still holds the session's
 lease (fencing), and results are stored under the op's future id, whichever doorbell ran it.
 
-The sequencer also reads ahead: after the doorbell's own op it runs the ops already journaled after it
-(a client that pipelines, `forward_backward` then `optim_step`, has usually journaled the next one
-while the first ran), up to `READ_AHEAD_OPS` past the doorbells it has seen so that other sessions'
-doorbells still get their turn. The later doorbells then find their ops applied. This takes one
-Celery delivery off the critical path of every pipelined op.
+The sequencer also reads ahead: the write that marks an op applied also reads the next seq's entry,
+and the drain runs it. An op journaled before its predecessor was marked applied rings no doorbell
+at all (treadle.queue.journal): this read is what runs it, so a pipelining client (`forward_backward`
+then `optim_step`) costs one Celery message per burst. After `READ_AHEAD_OPS` ops past the doorbells
+it has seen, a drain rings the next op's doorbell itself and returns, so that other sessions' doorbells
+get their turn. Should a doorbell ever be missing (a drain that died with an op next in line), the
+caretaker's `nudge_stalled` rings it.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ log = logging.getLogger("treadle.worker")
 
 
 class Sequencer:
-    def __init__(self, host: SessionHost, app: Celery, *, after_op: Callable[[OwnedSession, str], None],
+    def __init__(self, host: SessionHost, app: Celery, *, after_op: Callable[[OwnedSession, str], bool],
                  reload: Callable[[OwnedSession], None], usage: UsageRecorder):
         self.host = host
         self.app = app
@@ -48,7 +50,7 @@ class Sequencer:
         # Results in the broker's Redis (the default): an op's usage, result and applied seq are one write.
         self._one_write = self.results.in_redis(app.conf.broker_url)
         self.usage = usage
-        self._after_op = after_op  # automatic checkpoints
+        self._after_op = after_op  # automatic checkpoints; True when it saved one (which takes a while)
         self._reload = reload  # an idle-unloaded session comes back before its next op
 
     def on_doorbell(self, session_id: str, seq: int) -> None:
@@ -65,13 +67,14 @@ class Sequencer:
         owned = self.host.owned[session_id]
         ahead, next_read = 0, None
         while True:
-            if owned.applied >= owned.max_seen:
-                if ahead >= READ_AHEAD_OPS:
-                    return
-                ahead += 1
             entry, lease = next_read or self.host.journal.get_with(session_id, owned.applied + 1, names.lease_key(session_id))
             if entry is None:
                 return
+            if entry.seq > owned.max_seen:
+                if ahead >= READ_AHEAD_OPS:  # its turn comes back through the queue, after other sessions' doorbells
+                    ring(self.app, session_id, entry.seq, entry.op)
+                    return
+                ahead += 1
             owned.max_seen = max(owned.max_seen, entry.seq)
             if not self.host.lease.is_ours(lease, owned.epoch):
                 log.warning("lost the lease of session %s; handing it over", session_id)
@@ -85,8 +88,9 @@ class Sequencer:
                 self.host.finish(session_id)
                 return
 
-    def _run(self, owned: OwnedSession, entry: JournalEntry) -> tuple[JournalEntry | None, bytes | None]:
-        """Run one op and record it; returns the next seq's journal entry and the lease, read with the record."""
+    def _run(self, owned: OwnedSession, entry: JournalEntry) -> tuple[JournalEntry | None, bytes | None] | None:
+        """Run one op and record it; returns the next seq's journal entry and the lease, read with the record
+        (None after an automatic checkpoint: the lease read before it may be stale by now)."""
         started, request, response, payload, error = time.monotonic(), None, None, None, None
         try:
             handler = handler_for(entry.op)
@@ -110,8 +114,7 @@ class Sequencer:
                 owner=owned.record.owner, base_model=owned.record.base_model, seconds=time.monotonic() - started,
                 outcome="ok" if error is None else f"{error.category}_error")
         next_read = _through_outages(lambda: self._record(entry, usage, payload, error, step))
-        self._after_op(owned, entry.op)
-        return next_read
+        return None if self._after_op(owned, entry.op) else next_read
 
     def _step(self, owned: OwnedSession) -> int | None:
         engine, session_id = self.host.engine(owned.record.base_model), owned.record.session_id
@@ -142,6 +145,26 @@ class Sequencer:
             Journal.read_with(pipe, session_id, following, names.lease_key(session_id))
             *_, raw, lease = pipe.execute()
         return Journal.parse(session_id, following, raw), lease
+
+    def nudge_stalled(self) -> None:
+        """Ring the next op of every owned session that has one journaled but is not running it, and was
+        found so on the previous call too (a doorbell normally arrives within milliseconds). A backstop:
+        every path that leaves an op behind rings it; this makes a path that fails to a delay, not a stall."""
+        for session_id, owned in list(self.host.owned.items()):
+            next_seq = self.host.registry.redis.hget(names.session_key(session_id), "next_seq")
+            if int(next_seq or 0) <= owned.applied:
+                owned.stalled_at = None
+                continue
+            if not self.host.device_lock.acquire(blocking=False):
+                continue  # an op is running (or a recovery): not stalled
+            try:
+                stalled, owned.stalled_at = owned.stalled_at == owned.applied, owned.applied
+                entry = self.host.journal.get(session_id, owned.applied + 1) if stalled else None
+            finally:
+                self.host.device_lock.release()
+            if entry is not None:
+                log.warning("session %s: op %d was journaled with no doorbell coming; ringing it", session_id, entry.seq)
+                ring(self.app, session_id, entry.seq, entry.op)
 
     def _not_ours(self, session_id: str, seq: int) -> None:
         """A doorbell for a session this worker does not own: answer if the session is gone, else pass it on."""

@@ -11,6 +11,12 @@ A submit takes its seq and journals the op in one atomic step (`Journal.append`)
 that the session takes ops. Each submit carries a token: when a reply is lost and the client retries,
 the retry finds the token and gets the seq the first try took, so an op is never journaled twice
 (it would run twice) and no seq is skipped (the session would stall waiting for it).
+
+The same step says whether the op needs a doorbell. The worker's write that marks seq `s-1` applied also
+reads entry `s` (treadle.gpu_worker.sequencer); both are atomic in Redis, so an op journaled while its
+predecessor is still to be marked applied is found by that read and needs no message. Only an op whose
+predecessor is already applied (the worker is idle, or it is the first) rings. A pipelining client so
+sends one message per burst, not one per op.
 """
 
 from __future__ import annotations
@@ -27,18 +33,19 @@ JOURNAL_TTL_S = 7 * 24 * 3600
 SUBMIT_TOKEN_TTL_S = 600
 
 # KEYS: session hash, journal hash, submit token. ARGV: wanted seq ('' = the next one), '1' for a stop,
-# the entry, the journal's TTL, the token's TTL. Answers the op's seq, or -1 when the session does not
-# exist, is stopping or stopped, expired or lost. An explicit seq (the gateway's) moves the counter too, so
+# the entry, the journal's TTL, the token's TTL. Answers {seq, 1 if the op needs a doorbell}; seq is -1
+# when the session does not exist, is stopping or stopped, expired or lost. A retry rings (a duplicate
+# doorbell is harmless; a missing one would stall the op). An explicit seq (the gateway's) moves the counter too, so
 # a later automatic seq never reuses it. A stop records its seq, after which nothing is accepted, except
 # an explicit seq below the stop's: a gateway client's op that arrived late (chunks come concurrently)
 # runs before the stop it precedes.
 _APPEND = """
 local taken = redis.call('GET', KEYS[3])
-if taken then return tonumber(taken) end
-local st = redis.call('HMGET', KEYS[1], 'status', 'stop_seq')
-if (not st[1]) or st[1] ~= 'active' then return -1 end
+if taken then return {tonumber(taken), 1} end
+local st = redis.call('HMGET', KEYS[1], 'status', 'stop_seq', 'applied')
+if (not st[1]) or st[1] ~= 'active' then return {-1, 0} end
 local stop = tonumber(st[2] or '0') or 0
-if stop > 0 and (ARGV[1] == '' or tonumber(ARGV[1]) >= stop) then return -1 end
+if stop > 0 and (ARGV[1] == '' or tonumber(ARGV[1]) >= stop) then return {-1, 0} end
 local seq
 if ARGV[1] == '' then
   seq = redis.call('HINCRBY', KEYS[1], 'next_seq', 1)
@@ -51,7 +58,8 @@ if ARGV[2] == '1' then redis.call('HSET', KEYS[1], 'stop_seq', seq) end
 redis.call('HSETNX', KEYS[2], seq, ARGV[3])
 redis.call('EXPIRE', KEYS[2], ARGV[4])
 redis.call('SET', KEYS[3], seq, 'EX', ARGV[5])
-return seq
+if (tonumber(st[3] or '0') or 0) >= seq - 1 then return {seq, 1} end
+return {seq, 0}
 """
 
 
@@ -81,13 +89,15 @@ class Journal:
         self.redis = redis
         self._append = redis.register_script(_APPEND)
 
-    def append(self, session_id: str, request: OpRequest, *, token: str, seq: int | None = None) -> int:
-        """Give the op the session's next seq (or `seq`, the gateway's) and journal it; -1 when the session
-        takes no ops. Repeating it with the same `token` answers the same seq and journals nothing new."""
+    def append(self, session_id: str, request: OpRequest, *, token: str, seq: int | None = None) -> tuple[int, bool]:
+        """Give the op the session's next seq (or `seq`, the gateway's) and journal it: (seq, whether it needs a
+        doorbell); seq is -1 when the session takes no ops. Repeating it with the same `token` answers the same
+        seq and journals nothing new."""
         entry = f"{request.op}\n{time.time():.6f}\n".encode() + request.encode()
         keys = [names.session_key(session_id), names.journal_key(session_id), names.submit_key(session_id, token)]
         args = ["" if seq is None else str(seq), "1" if request.op == "stop" else "", entry, JOURNAL_TTL_S, SUBMIT_TOKEN_TTL_S]
-        return int(self._append(keys=keys, args=args))
+        seq, needs_doorbell = self._append(keys=keys, args=args)
+        return int(seq), bool(needs_doorbell)
 
     def get(self, session_id: str, seq: int) -> JournalEntry | None:
         return self.parse(session_id, seq, self.redis.hget(names.journal_key(session_id), str(seq)))

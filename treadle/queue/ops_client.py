@@ -124,14 +124,15 @@ class OpsClient:
         with self._publish_lock:
             # One token per submit: a retry after a lost reply gets the seq the first try took (see Journal).
             token, wanted = uuid.uuid4().hex, seq
-            seq = self._retrying(lambda: self.journal.append(session_id, request, token=token, seq=wanted))
+            seq, needs_doorbell = self._retrying(lambda: self.journal.append(session_id, request, token=token, seq=wanted))
             if seq < 0:  # nothing would run it: fail now, saying why (stopped, expired with its checkpoint, ...)
                 raise inactive_error(session_id, self.sessions.get(session_id))
             # Journaled first, then the doorbell: a doorbell lost with a crashed worker cannot lose the op
             # (the session's next owner runs what the journal holds). A repeated doorbell is harmless
-            # (the worker dedupes by seq).
+            # (the worker dedupes by seq). An op behind one not yet applied needs none (see Journal).
             fid = names.future_id(session_id, seq)
-            self._retrying(lambda: self.ring(session_id, seq, request.op))
+            if needs_doorbell:
+                self._retrying(lambda: self.ring(session_id, seq, request.op))
         return fid
 
     def ring(self, session_id: str, seq: int, op: str) -> None:
