@@ -151,7 +151,9 @@ def _treadle(command: str, env: dict[str, str], log) -> subprocess.Popen:
     """`treadle <command>` with no flags at all; the TREADLE_* of the test process are dropped first."""
     base = {k: v for k, v in os.environ.items() if not k.startswith(("TREADLE_", "FLOWER_"))}
     return subprocess.Popen([sys.executable, "-m", "treadle.cli", command], env={**base, "OMP_NUM_THREADS": "1", **env},
-                            stdout=log, stderr=subprocess.STDOUT)
+                            stdout=log, stderr=subprocess.STDOUT,
+                            # as from a terminal: a test run started in the background (`... &`) ignores SIGINT
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
 def _wait(what: str, check, procs, timeout: float = 180):

@@ -20,7 +20,9 @@ def test_treadle_up_is_found_and_ctrl_c_leaves_no_orphans(tiny_model_dir, tmp_pa
     home = str(tmp_path / "home")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "treadle.cli", "up", "--model", f"tiny={tiny_model_dir}", "--home", home],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            # as from a terminal: a test run started in the background (`... &`) ignores SIGINT
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         deadline = time.monotonic() + 180
         while find_running_stack(home) is None:

@@ -75,7 +75,16 @@ def test_treadle_status_json_on_the_live_stack(stack, service_client):
     out = subprocess.run([sys.executable, "-m", "treadle.cli", "status", "--json"], env=env, capture_output=True,
                          text=True, timeout=120)
     assert next(s for s in json.loads(out.stdout)["sessions"] if s["session_id"] == resumed.session_id)["step"] == 3
-    worker = next(w for w in report["workers"] if w["hostname"] == mine["worker"])
+    # A worker's announcement (its sessions) is refreshed every heartbeat, so a just-created session may be
+    # missing from the first report: read it again for a few heartbeats.
+    deadline = time.monotonic() + 20
+    while True:
+        worker = next(w for w in report["workers"] if w["hostname"] == mine["worker"])
+        if tc.session_id in worker["sessions"] or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+        report = json.loads(subprocess.run([sys.executable, "-m", "treadle.cli", "status", "--json"], env=env, capture_output=True,
+                                           text=True, timeout=120).stdout)
     assert worker["alive"] and "tiny" in worker["models"] and tc.session_id in worker["sessions"]
     assert worker["memory"]["rss"] > 0
     tc.stop()
