@@ -151,8 +151,7 @@ class Sequencer:
         found so on the previous call too (a doorbell normally arrives within milliseconds). A backstop:
         every path that leaves an op behind rings it; this makes a path that fails to a delay, not a stall."""
         for session_id, owned in list(self.host.owned.items()):
-            next_seq = self.host.registry.redis.hget(names.session_key(session_id), "next_seq")
-            if int(next_seq or 0) <= owned.applied:
+            if self.host.registry.next_seq(session_id) <= owned.applied:
                 owned.stalled_at = None
                 continue
             if not self.host.device_lock.acquire(blocking=False):

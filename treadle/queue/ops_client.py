@@ -199,7 +199,7 @@ class OpsClient:
         raise inactive_error(session_id, record)
 
     def next_seq(self, session_id: str) -> int:
-        return int(self.redis.hget(names.session_key(session_id), "next_seq") or 0)
+        return self.sessions.next_seq(session_id)
 
     def poll(self, future_id: str) -> dict | None:
         done, value = self.results.poll(future_id)

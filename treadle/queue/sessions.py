@@ -74,6 +74,10 @@ class SessionRegistry:
         self.redis.hset(key, mapping=self._encode(record.model_dump()))
         return True
 
+    def next_seq(self, session_id: str) -> int:
+        """The highest seq given out so far (0 before the first op); kept by the journal's append script."""
+        return int(self.redis.hget(names.session_key(session_id), "next_seq") or 0)
+
     def get(self, session_id: str) -> SessionRecord | None:
         raw = self.redis.hgetall(names.session_key(session_id))
         if not raw:

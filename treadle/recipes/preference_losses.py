@@ -77,7 +77,12 @@ def kto_reference_point(kl_policy: np.ndarray, kl_ref: np.ndarray) -> float:
 
     As in the KTO paper it is a constant of the loss: no gradient flows through it.
     """
-    return max(0.0, float(np.mean(kl_policy - kl_ref)))
+    return max(0.0, kto_kl_estimate(kl_policy, kl_ref))
+
+
+def kto_kl_estimate(kl_policy: np.ndarray, kl_ref: np.ndarray) -> float:
+    """The mismatched pairs' mean log-ratio: z0 before the floor (logged, so a run shows where it stands)."""
+    return float(np.mean(kl_policy - kl_ref))
 
 
 def kto_loss(policy: np.ndarray, ref: np.ndarray, desirable: np.ndarray, z0: float, beta: float,
@@ -140,6 +145,6 @@ def kto_on_batch(ref: np.ndarray, desirable: np.ndarray, ref_mismatched: np.ndar
     def loss(policy: np.ndarray) -> PreferenceLoss:
         out = kto_loss(policy[:n], ref, desirable, kto_reference_point(policy[n:], ref_mismatched), beta,
                        desirable_weight, undesirable_weight)
-        out.metrics["kto/kl_estimate"] = float(np.mean(policy[n:] - ref_mismatched))  # before the floor
+        out.metrics["kto/kl_estimate"] = kto_kl_estimate(policy[n:], ref_mismatched)
         return out
     return loss
