@@ -3,7 +3,9 @@
 Each measurement starts its own local stack (redis + one worker) on a tiny random model, so the
 figures are the overhead of SDK -> Redis/Celery -> worker -> result backend -> SDK, not of the model.
 The tiny step (4 datums x 32 tokens, forward_backward + optim_step) is also run on an engine in the
-benchmark's own process as the baseline, alternating with the step through treadle in blocks of 10.
+benchmark's own process as the baseline, alternating with the step through treadle in blocks of 10; and
+on a second engine that gives every op all of torch's threads (as engines did before they ran toy-sized
+ops on one thread), so that the thread sizing is not what makes treadle's ratio look good.
 
     .venv/bin/python benchmarks/op_latency.py [--n 300]
     .venv/bin/python benchmarks/op_latency.py --compare /path/to/other/checkout [--rounds 3]
@@ -63,7 +65,7 @@ def measure(n: int) -> dict[str, float]:
     out: dict[str, float] = {}
     with tempfile.TemporaryDirectory() as tmp:
         model = build_tiny_model(f"{tmp}/tiny", arch="llama", seed=0)
-        inprocess_step = inprocess_stepper(model)
+        inprocess_step, default_threads_step = inprocess_stepper(model), inprocess_stepper(model, sized_threads=False)
         with LocalStack([f"tiny={model}"], home=f"{tmp}/stack") as stack:
             sc = ServiceClient(broker_url=stack.broker_url, storage_url=stack.storage_url)
             tc = sc.create_lora_training_client("tiny", rank=8, seed=0)
@@ -83,17 +85,17 @@ def measure(n: int) -> dict[str, float]:
                 tc.optim_step(ADAM).result()
 
             for _ in range(20):  # warm-up, left out of the figures
-                noop(), forward(), train_step(), inprocess_step()
+                noop(), forward(), train_step(), inprocess_step(), default_threads_step()
             for name, fn in [("noop", noop), ("forward", forward)]:
                 lat = [timed(fn) for _ in range(n)]
                 out[f"{name}_p50_ms"], out[f"{name}_p99_ms"] = statistics.median(lat), pct(lat, 0.99)
-            through, inprocess = [], []
+            through, inprocess, default_threads = [], [], []
             for _ in range(max(2, n // 50)):
-                through += [timed(train_step) for _ in range(STEP_BLOCK)]
-                time.sleep(QUIET_S)
-                inprocess += [timed(inprocess_step) for _ in range(STEP_BLOCK)]
-                time.sleep(QUIET_S)
+                for fn, times in ((train_step, through), (inprocess_step, inprocess), (default_threads_step, default_threads)):
+                    times += [timed(fn) for _ in range(STEP_BLOCK)]
+                    time.sleep(QUIET_S)
             out["step_p50_ms"], out["inprocess_step_p50_ms"] = statistics.median(through), statistics.median(inprocess)
+            out["default_threads_step_p50_ms"] = statistics.median(default_threads)
             t0 = time.perf_counter()
             for fid in [submit_noop() for _ in range(n)]:
                 sc.ops.wait(fid)
@@ -117,12 +119,16 @@ def timed(fn) -> float:
     return (time.perf_counter() - t0) * 1000
 
 
-def inprocess_stepper(model_dir: str):
-    """The same 4x32 step on an engine in this process: the limit treadle's step is compared with."""
+def inprocess_stepper(model_dir: str, sized_threads: bool = True):
+    """The same 4x32 step on an engine in this process: the limit treadle's step is compared with.
+    `sized_threads=False`: with every torch thread on every op, as before the engine ran toy-sized ops on one
+    thread (treadle.gpu_worker.cpu_threads), so that the sizing cannot flatter the ratio by slowing the baseline."""
     from treadle.gpu_worker.engine import Engine
     from treadle.types import LoraConfig
 
     engine = Engine(model_dir)
+    if not sized_threads and hasattr(engine, "_threads"):
+        engine._threads.enabled = False
     engine.create_session("s", LoraConfig(rank=8, seed=0))
     batch = step_batch()
 
@@ -148,6 +154,7 @@ ROWS = [
     ("noop p50 ms", "noop_p50_ms"), ("noop p99 ms", "noop_p99_ms"), ("noop pipelined ops/s", "noop_pipelined_ops_s"),
     ("forward p50 ms", "forward_p50_ms"), ("forward pipelined ops/s", "forward_pipelined_ops_s"),
     ("4x32 step p50 ms", "step_p50_ms"), ("same step in-process p50 ms", "inprocess_step_p50_ms"),
+    ("  in-process, all threads p50 ms", "default_threads_step_p50_ms"),
 ]
 
 
@@ -173,6 +180,7 @@ def main() -> None:
     for rs in results.values():
         for x in rs:
             x["step_ratio"] = x["step_p50_ms"] / x["inprocess_step_p50_ms"]
+            x["step_ratio_default_threads"] = x["step_p50_ms"] / x["default_threads_step_p50_ms"]
     med = {side: {k: statistics.median(x[k] for x in rs) for k in rs[0]} for side, rs in results.items()}
     print(f"\nop latency through treadle (one session, {args.n} ops each, loopback Redis, 1 worker, "
           f"torch threads {args.threads or 'default'}; medians of {len(results['this'])} round(s))")
@@ -186,6 +194,9 @@ def main() -> None:
     for side in sides:
         rounds = ", ".join(f"{x['step_ratio']:.2f}x" for x in results[side])
         print(f"{side}: 4x32 step through treadle / in-process (alternating) = {med[side]['step_ratio']:.2f}x "
+              f"(median of the rounds: {rounds})")
+        rounds = ", ".join(f"{x['step_ratio_default_threads']:.2f}x" for x in results[side])
+        print(f"{side}: ... / in-process with all threads on every op = {med[side]['step_ratio_default_threads']:.2f}x "
               f"(median of the rounds: {rounds})")
 
 

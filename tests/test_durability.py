@@ -196,3 +196,26 @@ def test_single_worker_restarted_by_a_supervisor_adopts_its_sessions(make_stack,
     losses = [fb.result(timeout=300).metrics["loss:sum"] for fb, _ in pairs]
     assert [opt.result(timeout=60).metrics["step:max"] for _, opt in pairs] == list(range(1, 7))
     assert losses == reference(tiny_model_dir, 6)[0]
+
+
+def test_an_op_handed_to_an_owner_that_died_waiting_runs_after_adoption(make_stack, tiny_model_dir):
+    """The hand-off's crash case (treadle.gpu_worker.linger): the owner dies while it waits for the next op, so
+    its idle key outlives it and the next op goes onto a dead worker's wake list, ringing nothing; the worker
+    that adopts the session runs it from the journal, and the run equals the uninterrupted one."""
+    import uuid
+
+    from treadle.queue import names
+    from treadle.queue.ops import OptimStepRequest
+
+    stack = make_stack(extra=["--linger_ms", "8000"])
+    sc = ServiceClient(broker_url=stack.broker_url, storage_url=stack.storage_url)
+    tc = sc.create_lora_training_client("tiny", rank=8, seed=SEED)
+    fb = tc.forward_backward(batch(0), "cross_entropy")
+    fb.result(timeout=60)  # the owner now waits for the next op, for up to 8 s
+    kill_owner(stack, sc, tc.session_id, replace=False)
+    seq, needs_doorbell = sc.ops.journal.append(tc.session_id, OptimStepRequest.build(adam_params=ADAM), token=uuid.uuid4().hex)
+    assert not needs_doorbell  # handed to the dead owner
+    assert sc.ops.wait(names.future_id(tc.session_id, seq), timeout=120)["metrics"]["step:max"] == 1
+    second = tc.forward_backward(batch(1), "cross_entropy").result(timeout=120).metrics["loss:sum"]
+    assert [fb.result().metrics["loss:sum"], second] == reference(tiny_model_dir, 2)[0]
+    tc.stop()

@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from treadle.errors import InvalidRequestError
+from treadle.gpu_worker.linger import Linger
 from treadle.gpu_worker.sequencer import Sequencer
 from treadle.gpu_worker.usage import UsageRecorder
 from treadle.metering import Meter, OpUsage, Usage
@@ -70,7 +71,7 @@ def test_an_ops_usage_result_and_applied_seq_are_all_written(redis_client, redis
     app.backend.client.flushdb()
     registry = SessionRegistry(redis_client)
     sequencer = Sequencer(SimpleNamespace(registry=registry), app, after_op=None, reload=None,
-                          usage=UsageRecorder(redis_client))
+                          usage=UsageRecorder(redis_client), linger=Linger(redis_client, "w", 0))
     assert sequencer._one_write == (results_db == "same")
     entry = JournalEntry(session_id="s1", seq=4, op="forward_backward", submitted_at=0.0, raw_request=b"")
     usage = OpUsage(session_id="s1", op_id="4", op="forward_backward", base_model="tiny", trained_tokens=12, compute_s=0.5)

@@ -122,7 +122,9 @@ def test_an_op_behind_one_not_yet_applied_rings_no_doorbell_and_still_runs(servi
     message; a burst longer than the drain's read-ahead bound is finished by the doorbell the drain rings itself."""
     import uuid
 
+    from treadle.gpu_worker.linger import KEY_SLACK_MS
     from treadle.gpu_worker.sequencer import READ_AHEAD_OPS
+    from treadle.gpu_worker.worker_main import WorkerConfig
     from treadle.queue.ops import NoopRequest
 
     tc = service_client.create_lora_training_client("tiny", rank=4, seed=0)
@@ -133,6 +135,8 @@ def test_an_op_behind_one_not_yet_applied_rings_no_doorbell_and_still_runs(servi
     ops.ring(sid, first, "noop")  # the burst's one message
     for seq, _ in burst:
         assert ops.wait(names.future_id(sid, seq), timeout=60) == {"op": "noop"}
+    # The worker waits a moment for a next op (tests/test_handoff.py); once that is over, it is idle.
+    time.sleep(WorkerConfig.model_fields["linger_ms"].default / 1000 + KEY_SLACK_MS / 1000)
     later = ops.journal.append(sid, NoopRequest(), token=uuid.uuid4().hex)
     assert later == (first + len(burst), True)  # the worker went idle: the next op rings
     ops.ring(sid, later[0], "noop")

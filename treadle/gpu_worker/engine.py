@@ -14,7 +14,6 @@ Every request is validated completely before any tensor is touched.
 from __future__ import annotations
 
 import threading
-
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -25,6 +24,7 @@ from peft.utils import load_peft_weights
 from treadle.errors import InvalidRequestError, SessionNotFoundError
 from treadle.gpu_worker.adapters import AdapterBank, peft_lora_config
 from treadle.gpu_worker.batch_decode import SampleJob
+from treadle.gpu_worker.cpu_threads import CpuThreads
 from treadle.gpu_worker.device_lock import DeviceLock
 from treadle.gpu_worker.logprobs import micro_batches, target_logprobs
 from treadle.gpu_worker.losses import LOSSES
@@ -79,6 +79,8 @@ class Engine:
         self.max_tokens_per_microbatch = max_tokens_per_microbatch
         self.sampler = make_sampler(sampler, self._bank, self._host, self._lock, max_batch_tokens=sampling_max_batch_tokens,
                                        max_forward_tokens=max_tokens_per_microbatch, vllm=vllm)
+        self._threads = CpuThreads(self._host.device)
+        self._base_params = sum(p.numel() for p in self._host.model.parameters())
 
     # ------------------------------------------------------------ sessions
 
@@ -115,15 +117,11 @@ class Engine:
 
     # ------------------------------------------------------------ training ops
 
-    def forward(
-        self, session_id: str, data: list[Datum], loss_fn: str, loss_fn_config: dict | None = None
-    ) -> ForwardBackwardOutput:
+    def forward(self, session_id: str, data: list[Datum], loss_fn: str, loss_fn_config: dict | None = None) -> ForwardBackwardOutput:
         """Logprobs and loss without gradients (what a client-side custom loss needs)."""
         return self._checked_run(session_id, data, loss_fn, loss_fn_config, backward=False)
 
-    def forward_backward(
-        self, session_id: str, data: list[Datum], loss_fn: str, loss_fn_config: dict | None = None
-    ) -> ForwardBackwardOutput:
+    def forward_backward(self, session_id: str, data: list[Datum], loss_fn: str, loss_fn_config: dict | None = None) -> ForwardBackwardOutput:
         """Like `forward`, and adds the loss's gradients to the session's accumulated gradients."""
         return self._checked_run(session_id, data, loss_fn, loss_fn_config, backward=True)
 
@@ -134,7 +132,8 @@ class Engine:
             session = self._session(session_id)
             config = check_loss(loss_fn, loss_fn_config)
             prepared = prepare_data(data, loss_fn, max_seq_len=self.max_seq_len, vocab_size=self.vocab_size)
-            return self._run(session, prepared, loss_fn, config, backward=backward)
+            with self._threads.sized(sum(d.length for d in prepared) * self._base_params):
+                return self._run(session, prepared, loss_fn, config, backward=backward)
 
     def _run(
         self, session: _Session, prepared: list[PreparedDatum], loss_fn: str, config: dict[str, float], *, backward: bool
@@ -171,7 +170,8 @@ class Engine:
         """Apply the accumulated gradients with AdamW(params) and clear them."""
         with self._lock:
             session = self._session(session_id)
-            metrics = session.optimizer.step(params)
+            with self._threads.sized(10 * session.optimizer.size):
+                metrics = session.optimizer.step(params)
             session.step += 1
             return OptimStepResponse(metrics={**metrics, "step:max": float(session.step)})
 

@@ -30,6 +30,7 @@ class SessionOptimizer:
             eps=defaults.eps,
             weight_decay=defaults.weight_decay,
         )
+        self.size = sum(p.numel() for p in params.values())  # trainable parameters
 
     def zero_grad(self) -> None:
         self.adamw.zero_grad(set_to_none=True)

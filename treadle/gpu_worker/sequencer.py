@@ -14,10 +14,15 @@ then `optim_step`) costs one Celery message per burst. After `READ_AHEAD_OPS` op
 it has seen, a drain rings the next op's doorbell itself and returns, so that other sessions' doorbells
 get their turn. Should a doorbell ever be missing (a drain that died with an op next in line), the
 caretaker's `nudge_stalled` rings it.
+
+When the drain has nothing left, the same Celery task waits a few milliseconds for the next op of any
+session this worker owns (treadle.gpu_worker.linger): a loop that submits its next step right after
+reading a result then costs no Celery message at all.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from typing import Callable
@@ -28,6 +33,7 @@ from kombu import exceptions as kombu_errors
 
 from treadle.errors import ServerError, TreadleError
 from treadle.gpu_worker.hosting import OwnedSession, SessionHost
+from treadle.gpu_worker.linger import Linger
 from treadle.gpu_worker.op_handlers import handler_for
 from treadle.gpu_worker.usage import UsageRecorder
 from treadle.metering import OpUsage
@@ -43,8 +49,10 @@ log = logging.getLogger("treadle.worker")
 
 class Sequencer:
     def __init__(self, host: SessionHost, app: Celery, *, after_op: Callable[[OwnedSession, str], bool],
-                 reload: Callable[[OwnedSession], None], usage: UsageRecorder):
+                 reload: Callable[[OwnedSession], None], usage: UsageRecorder, linger: Linger):
         self.host = host
+        self.linger = linger
+        self._rotation = 0
         self.app = app
         self.results = ResultStore(app)
         # Results in the broker's Redis (the default): an op's usage, result and applied seq are one write.
@@ -54,16 +62,39 @@ class Sequencer:
         self._reload = reload  # an idle-unloaded session comes back before its next op
 
     def on_doorbell(self, session_id: str, seq: int) -> None:
+        """A Celery task: run the session's ops up to `seq` (and what follows), then take the ops handed to
+        this worker directly for as long as they come (treadle.gpu_worker.linger)."""
+        handed: tuple[str, int] | None = (session_id, seq)
+        try:
+            while handed is not None:
+                self._serve(*handed)
+                handed = self.linger.next([names.model_queue(m) for m in self.host.engines], self._next_ops())
+        except BaseException:
+            with contextlib.suppress(Exception):  # Redis may be what failed; the key then expires by itself
+                if (left := self.linger.abandon()) is not None:
+                    self._ring_on(*left)
+            raise
+
+    def _serve(self, session_id: str, seq: int) -> None:
         with self.host.device_lock:
             owned = self.host.owned.get(session_id)
             if owned is None:
                 self._not_ours(session_id, seq)
                 return
             owned.max_seen = max(owned.max_seen, seq)
-            self.drain(session_id)
+            self.drain(session_id, handoff=True)
 
-    def drain(self, session_id: str) -> None:
-        """Run every op of the session that is next in line, in seq order (and a few journaled after it)."""
+    def _next_ops(self) -> list[tuple[str, int]]:
+        """(session_id, next seq) of every owned session, starting at a turning point: a session that keeps
+        submitting does not keep the others waiting."""
+        pending = [(sid, owned.applied + 1) for sid, owned in list(self.host.owned.items())]
+        self._rotation += 1
+        cut = self._rotation % len(pending) if pending else 0
+        return pending[cut:] + pending[:cut]
+
+    def drain(self, session_id: str, *, handoff: bool = False) -> None:
+        """Run every op of the session that is next in line, in seq order (and a few journaled after it).
+        `handoff`: the caller waits for hand-offs afterwards (a Celery task does; a failover does not)."""
         owned = self.host.owned[session_id]
         ahead, next_read = 0, None
         while True:
@@ -83,12 +114,12 @@ class Sequencer:
                 return
             if owned.unloaded:
                 self._reload(owned)
-            next_read = self._run(owned, entry)
+            next_read = self._run(owned, entry, handoff)
             if entry.op == "stop":
                 self.host.finish(session_id)
                 return
 
-    def _run(self, owned: OwnedSession, entry: JournalEntry) -> tuple[JournalEntry | None, bytes | None] | None:
+    def _run(self, owned: OwnedSession, entry: JournalEntry, handoff: bool) -> tuple[JournalEntry | None, bytes | None] | None:
         """Run one op and record it; returns the next seq's journal entry and the lease, read with the record
         (None after an automatic checkpoint: the lease read before it may be stale by now)."""
         started, request, response, payload, error = time.monotonic(), None, None, None, None
@@ -113,7 +144,7 @@ class Sequencer:
                 session_id=entry.session_id, op_id=str(entry.seq), request=request, response=response,
                 owner=owned.record.owner, base_model=owned.record.base_model, seconds=time.monotonic() - started,
                 outcome="ok" if error is None else f"{error.category}_error")
-        next_read = _through_outages(lambda: self._record(entry, usage, payload, error, step))
+        next_read = _through_outages(lambda: self._record(entry, usage, payload, error, step, handoff))
         return None if self._after_op(owned, entry.op) else next_read
 
     def _step(self, owned: OwnedSession) -> int | None:
@@ -121,13 +152,14 @@ class Sequencer:
         return engine.step(session_id) if engine.has_session(session_id) else None
 
     def _record(self, entry: JournalEntry, usage: OpUsage | None, payload: dict | None, error: TreadleError | None,
-                step: int | None) -> tuple[JournalEntry | None, bytes | None]:
+                step: int | None, handoff: bool = False) -> tuple[JournalEntry | None, bytes | None]:
         """Meter the op, store its result, mark its seq applied: in this order (a seq is never marked applied
         without its result, see treadle.gpu_worker.usage for the meter), and in one MULTI/EXEC when results
         live in the broker's Redis. Safe to repeat: the meter counts an op once, the rest are plain sets.
 
         The same round trip reads the next seq's journal entry and the lease, which the drain needs next:
-        a pipelining client has usually journaled that op already."""
+        a pipelining client has usually journaled that op already. With `handoff` it also sets the idle key
+        (treadle.gpu_worker.linger): the next op, submitted once this result is read, is handed over."""
         session_id, following = entry.session_id, entry.seq + 1
         with self.host.registry.redis.pipeline(transaction=True) as pipe:
             if usage is not None:
@@ -142,6 +174,8 @@ class Sequencer:
                     self.results.store_error(entry.future_id, error)
             stepped = {} if step is None else {"step": step}
             self.host.registry.update(session_id, client=pipe, applied=entry.seq, last_activity=time.time(), **stepped)
+            if handoff:
+                self.linger.mark(pipe)
             Journal.read_with(pipe, session_id, following, names.lease_key(session_id))
             *_, raw, lease = pipe.execute()
         return Journal.parse(session_id, following, raw), lease
@@ -165,6 +199,12 @@ class Sequencer:
                 log.warning("session %s: op %d was journaled with no doorbell coming; ringing it", session_id, entry.seq)
                 ring(self.app, session_id, entry.seq, entry.op)
 
+    def _ring_on(self, session_id: str, seq: int) -> None:
+        """Ring the doorbell of a journaled op: it goes through Celery to whoever owns the session."""
+        entry = self.host.journal.get(session_id, seq)
+        if entry is not None:
+            ring(self.app, session_id, seq, entry.op)
+
     def _not_ours(self, session_id: str, seq: int) -> None:
         """A doorbell for a session this worker does not own: answer if the session is gone, else pass it on."""
         record = self.host.registry.get(session_id)
@@ -173,9 +213,7 @@ class Sequencer:
             if not self.results.is_done(fid):
                 self.results.store_error(fid, inactive_error(session_id, record))
             return
-        entry = self.host.journal.get(session_id, seq)
-        if entry is not None:  # the journal holds the op; a fresh doorbell reaches whoever owns (or will own) it
-            ring(self.app, session_id, seq, entry.op)
+        self._ring_on(session_id, seq)  # a fresh doorbell reaches whoever owns (or will own) it
 
 
 REDIS_OUTAGE_TOLERANCE_S = 300.0

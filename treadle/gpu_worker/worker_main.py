@@ -19,7 +19,7 @@ import time
 import uuid
 from typing import Literal
 
-from celery.signals import worker_ready
+from celery.signals import worker_ready, worker_shutting_down
 from pydantic import BaseModel, Field
 
 from treadle.queue import names
@@ -67,6 +67,7 @@ class WorkerConfig(BaseModel):
     owner_session_limits: dict[str, int] = Field(default_factory=dict, description='Per-owner overrides of max_sessions_per_owner, JSON: {"alice": 8}.')
     metrics_port: int = Field(default=0, ge=0, le=65535, description="Serve Prometheus metrics on this port (0: off).")
     metrics_address: str = Field(default="127.0.0.1", description="Interface of the metrics port (0.0.0.0 inside a private network).")
+    linger_ms: float = Field(default=20.0, ge=0.0, le=10000.0, description="After running a session's ops, wait this long for the next op of any session this worker owns before going back to Celery: a loop that submits its next step right after reading a result then costs no Celery message (treadle.gpu_worker.linger). A sample request or session creation arriving meanwhile ends the wait within 5 ms (0: off).")
     task_events: bool = Field(default=False, description="Send Celery task events (received, started, succeeded, failed) so that Flower lists and times ops; off by default: they cost about a third of the worker's CPU per op.")
     loglevel: str = Field(default="INFO", description="Log level.")
 
@@ -78,6 +79,7 @@ class WorkerService:
         from treadle.gpu_worker.engine import Engine
         from treadle.gpu_worker.failover import Failover
         from treadle.gpu_worker.hosting import SessionHost
+        from treadle.gpu_worker.linger import Linger
         from treadle.gpu_worker.sampling import SamplerCache, Sampling
         from treadle.gpu_worker.sequencer import Sequencer
         from treadle.gpu_worker.usage import UsageRecorder
@@ -133,7 +135,9 @@ class WorkerService:
         self.autosaver = Autosaver(self.host, checkpoint_every=config.checkpoint_every,
                                    checkpoint_interval_s=config.checkpoint_interval_s)
         usage = UsageRecorder(self.redis)
-        sequencer = Sequencer(self.host, self.app, after_op=self.autosaver.after_op, reload=self.autosaver.reload, usage=usage)
+        self.linger = Linger(self.redis, self.hostname, config.linger_ms / 1000)
+        sequencer = Sequencer(self.host, self.app, after_op=self.autosaver.after_op, reload=self.autosaver.reload, usage=usage,
+                              linger=self.linger)
         self.failover = Failover(self.host, sequencer, self.autosaver, idle_unload_s=config.idle_unload_s,
                                  session_idle_ttl_s=config.session_idle_ttl_s)
         register_tasks(self.app, sequencer, self.host, Sampling(samplers, device_lock), usage)
@@ -213,6 +217,7 @@ class WorkerService:
         # Adopting sessions needs the consumer up (it subscribes to their queues), so wait for ready.
         caretaker = threading.Thread(target=self._caretaker_loop, name="treadle-caretaker", daemon=True)
         worker_ready.connect(lambda sender=None, **kw: caretaker.start(), weak=False)
+        worker_shutting_down.connect(lambda sender=None, **kw: self.linger.close(), weak=False)  # the op thread stops waiting
         worker = self.app.Worker(
             hostname=self.hostname, pool="threads", concurrency=1,
             queues=[names.model_queue(name) for name in self.engines],

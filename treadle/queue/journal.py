@@ -17,6 +17,13 @@ reads entry `s` (treadle.gpu_worker.sequencer); both are atomic in Redis, so an 
 predecessor is still to be marked applied is found by that read and needs no message. Only an op whose
 predecessor is already applied (the worker is idle, or it is the first) rings. A pipelining client so
 sends one message per burst, not one per op.
+
+Nor does an op whose owner is waiting for it. A worker that has just run a session's last op waits a
+few milliseconds for the next one (treadle.gpu_worker.linger) with its idle key set; the append takes
+that key (the session record names its owner) and puts `<session_id> <seq>` on the owner's wake list,
+which the waiting thread pops at once. Taking the key is atomic with the journal write, and the worker
+ends its wait by deleting the same key, so each op either wakes the waiting worker or rings. (The keys
+are named inside the script, from the record: treadle runs on a single Redis or Sentinel, not Cluster.)
 """
 
 from __future__ import annotations
@@ -31,10 +38,14 @@ from treadle.queue.ops import OpRequest, op_request
 JOURNAL_TTL_S = 7 * 24 * 3600
 # A submit's token outlives the client's retries through a Redis outage (treadle.queue.ops_client).
 SUBMIT_TOKEN_TTL_S = 600
+# A wake left on a dead worker's list: its op runs when the session is adopted (from the journal), so the
+# entry only needs to outlive the wait it was meant for.
+WAKE_TTL_MS = 60_000
 
-# KEYS: session hash, journal hash, submit token. ARGV: wanted seq ('' = the next one), '1' for a stop,
-# the entry, the journal's TTL, the token's TTL. Answers {seq, 1 if the op needs a doorbell}; seq is -1
-# when the session does not exist, is stopping or stopped, expired or lost. A retry rings (a duplicate
+# KEYS: session hash, journal hash, submit token. ARGV: wanted seq ('' = the next one), '1' for a stop, the
+# entry, the journal's TTL, the token's TTL, the session id, the idle and wake key prefixes, the wake list's
+# TTL (ms). Answers {seq, 1 if the op needs a doorbell}; seq is -1 when the session does not exist, is
+# stopping or stopped, expired or lost. A retry rings (a duplicate
 # doorbell is harmless; a missing one would stall the op). An explicit seq (the gateway's) moves the counter too, so
 # a later automatic seq never reuses it. A stop records its seq, after which nothing is accepted, except
 # an explicit seq below the stop's: a gateway client's op that arrived late (chunks come concurrently)
@@ -58,8 +69,15 @@ if ARGV[2] == '1' then redis.call('HSET', KEYS[1], 'stop_seq', seq) end
 redis.call('HSETNX', KEYS[2], seq, ARGV[3])
 redis.call('EXPIRE', KEYS[2], ARGV[4])
 redis.call('SET', KEYS[3], seq, 'EX', ARGV[5])
-if (tonumber(st[3] or '0') or 0) >= seq - 1 then return {seq, 1} end
-return {seq, 0}
+if (tonumber(st[3] or '0') or 0) < seq - 1 then return {seq, 0} end
+local worker = redis.call('HGET', KEYS[1], 'worker')
+if worker and redis.call('DEL', ARGV[7] .. worker) == 1 then
+  local wake = ARGV[8] .. worker
+  redis.call('RPUSH', wake, ARGV[6] .. ' ' .. seq)
+  redis.call('PEXPIRE', wake, ARGV[9])
+  return {seq, 0}
+end
+return {seq, 1}
 """
 
 
@@ -95,7 +113,8 @@ class Journal:
         seq and journals nothing new."""
         entry = f"{request.op}\n{time.time():.6f}\n".encode() + request.encode()
         keys = [names.session_key(session_id), names.journal_key(session_id), names.submit_key(session_id, token)]
-        args = ["" if seq is None else str(seq), "1" if request.op == "stop" else "", entry, JOURNAL_TTL_S, SUBMIT_TOKEN_TTL_S]
+        args = ["" if seq is None else str(seq), "1" if request.op == "stop" else "", entry, JOURNAL_TTL_S, SUBMIT_TOKEN_TTL_S,
+                session_id, names.IDLE_PREFIX, names.WAKE_PREFIX, WAKE_TTL_MS]
         seq, needs_doorbell = self._append(keys=keys, args=args)
         return int(seq), bool(needs_doorbell)
 

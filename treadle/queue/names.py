@@ -61,3 +61,17 @@ def submit_key(session_id: str, token: str) -> str:
 def tokenizer_key(base_model: str) -> str:
     """Hash filename -> bytes of a served model's tokenizer files, published by its workers."""
     return f"{PREFIX}:tokenizer:{base_model}"
+
+
+# A worker's hand-off (treadle.gpu_worker.linger): set while its op thread waits for the next op of a session
+# it owns; an op journaled meanwhile goes onto its wake list instead of ringing a Celery doorbell.
+IDLE_PREFIX = f"{PREFIX}:idle:"
+WAKE_PREFIX = f"{PREFIX}:wake:"
+
+
+def idle_key(hostname: str) -> str:
+    return IDLE_PREFIX + hostname
+
+
+def wake_key(hostname: str) -> str:
+    return WAKE_PREFIX + hostname

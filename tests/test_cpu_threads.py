@@ -1,0 +1,46 @@
+"""Toy-sized ops run on one torch thread (treadle.gpu_worker.cpu_threads); real-sized ones on all of them."""
+
+from __future__ import annotations
+
+import torch
+
+from treadle.gpu_worker.cpu_threads import MIN_PARALLEL_WORK, CpuThreads
+from treadle.gpu_worker.engine import Engine
+from treadle.types import AdamParams, LoraConfig
+from tests.test_sessions import sft_batch
+
+
+def test_work_below_the_bound_runs_on_one_thread_and_the_count_comes_back():
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        threads = CpuThreads(torch.device("cpu"))
+        with threads.sized(MIN_PARALLEL_WORK - 1):
+            assert torch.get_num_threads() == 1
+        assert torch.get_num_threads() == 2
+        with threads.sized(MIN_PARALLEL_WORK):
+            assert torch.get_num_threads() == 2
+        assert not CpuThreads(torch.device("cuda")).enabled  # an accelerator's ops are left alone
+        torch.set_num_threads(1)
+        assert not CpuThreads(torch.device("cpu")).enabled  # one thread configured: nothing to lower
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_the_engine_sizes_its_training_ops(tiny_model_dir):
+    """On the tiny model a forward_backward and an optim_step are toy-sized: they run on one thread, and the
+    count is back to the configured two afterwards."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        engine = Engine(tiny_model_dir)
+        engine.create_session("s", LoraConfig(rank=4, seed=0))
+        seen = []
+        engine._host.model.register_forward_pre_hook(lambda *_: seen.append(torch.get_num_threads()))
+        engine.forward_backward("s", sft_batch(0), "cross_entropy")
+        assert seen and set(seen) == {1}
+        assert torch.get_num_threads() == 2
+        engine.optim_step("s", AdamParams(learning_rate=1e-3))
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
