@@ -69,8 +69,9 @@ class InProcess:
         mask = torch.zeros((len(rows), width), dtype=torch.long)
         for i, p in enumerate(rows):
             ids[i, width - len(p):], mask[i, width - len(p):] = torch.tensor(p), 1
+        device = self.host.device
         with self.bank.using("policy", trainable=False) as model, torch.no_grad():
-            out = model.generate(input_ids=ids, attention_mask=mask, generation_config=self.config(tokens),
+            out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), generation_config=self.config(tokens),
                                  return_dict_in_generate=True, output_logits=True)
         new = out.sequences[:, width:]
         logprobs = torch.stack([torch.log_softmax(step.float(), dim=-1) for step in out.logits], dim=1)

