@@ -8,6 +8,7 @@ case (the owner dies while it waits) is in tests/test_durability.py.
 from __future__ import annotations
 
 import os
+import signal
 import time
 import uuid
 
@@ -111,3 +112,17 @@ def test_an_op_that_rang_while_the_worker_was_busy_is_run_from_the_journal(linge
     assert a.forward(sft_batch(0), "cross_entropy").result(timeout=60).metrics["loss:sum"] > 0
     assert "was journaled with no doorbell coming" not in _worker_log(stack)
     a.stop()
+
+
+def test_a_warm_shutdown_ends_the_wait(lingering):
+    """SIGTERM while the op thread waits (this module's last test: it stops the worker): the worker hands its
+    sessions over and exits without waiting out the 8 s window."""
+    sc, stack = lingering
+    a = sc.create_lora_training_client("tiny", rank=4, seed=0)
+    _run_noop(sc, a.session_id)  # the worker now waits for up to 8 s
+    proc = stack.workers[0]
+    started = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=60)
+    assert time.monotonic() - started < WINDOW_S - 2
+    assert f"handed over session {a.session_id}" in _worker_log(stack)
