@@ -112,7 +112,8 @@ class LocalStack:
         return self
 
     def start_redis(self) -> None:
-        """Redis with AOF on (a restart loses nothing) and no eviction (evicted routing keys break Celery).
+        """Redis with AOF on (a restart loses nothing) and no eviction (evicted routing keys break Celery),
+        at hz 100: a worker's hand-off wait then ends on time (treadle.gpu_worker.linger).
 
         With a password, Redis refuses every command of a client that has not sent it (`requirepass`).
         """
@@ -121,7 +122,7 @@ class LocalStack:
         self.redis_proc = subprocess.Popen(
             [redis_server_binary(), "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
              "--appendonly", "yes", "--appendfsync", "everysec", "--maxmemory-policy", "noeviction",
-             "--dir", os.path.join(self.home, "redis"), "--protected-mode", "no", *self._password_config()],
+             "--hz", "100", "--dir", os.path.join(self.home, "redis"), "--protected-mode", "no", *self._password_config()],
             stdout=self._log("redis"), stderr=subprocess.STDOUT, preexec_fn=_die_with_parent,
         )
         client = redis_lib.Redis.from_url(self.broker_url, socket_connect_timeout=1)

@@ -15,7 +15,13 @@ write, and the wait ends by deleting the key and popping what was pushed before 
 are the truth, the wake only ends a wait early: every `POLL_S` the thread looks for an owned session
 whose next op is journaled (one submitted while no key was set rang too; its doorbell later finds it
 run) and for a message on a control queue (a sample request, a session to create), which ends the
-wait, so control messages wait `POLL_S` at most. A warm shutdown ends it too (`close`). The key
+wait. A warm shutdown ends it too (`close`).
+
+Redis ends a blocking pop that nothing woke only when it next checks its clients' timeouts, every
+1/`hz` seconds (100 ms at Redis's default hz 10), and it reads the timeout in whole milliseconds:
+below 1 ms it becomes 0, which blocks for ever. So every pop asks for `POLL_S`, never the window's
+remainder (the key's slack covers the overshoot), and the stacks treadle starts run Redis at hz 100,
+where a control message waits about 10 ms at most. The key
 expires `KEY_SLACK_MS` after its window, so one left by a worker that died lets submits ring again;
 an op pushed to a dead worker runs when its session is adopted, from the journal, and one pushed
 while an op failed is rung on (`abandon`).
@@ -35,7 +41,8 @@ log = logging.getLogger("treadle.worker")
 # KEYS: the idle key, the wake list, the control queues this worker consumes, then the journals of the sessions
 # it owns. ARGV: the number of control queues, then per session its next seq, then per session its id.
 # Answers 'celery' when a control queue holds a message, else '<session_id> <seq>' of the first owned session
-# whose next op is journaled, else nil, having dropped the wakes of ops that are run by now.
+# whose next op is journaled (dropping that op's wake, if its submit pushed one: it runs now), else nil.
+# Other wakes stay: one may be for a session adopted since the wait began, which is not among KEYS.
 _CHECK = """
 local n = tonumber(ARGV[1])
 for i = 1, n do
@@ -43,9 +50,12 @@ for i = 1, n do
 end
 local m = #KEYS - 2 - n
 for j = 1, m do
-  if redis.call('HEXISTS', KEYS[2 + n + j], ARGV[1 + j]) == 1 then return ARGV[1 + m + j] .. ' ' .. ARGV[1 + j] end
+  if redis.call('HEXISTS', KEYS[2 + n + j], ARGV[1 + j]) == 1 then
+    local found = ARGV[1 + m + j] .. ' ' .. ARGV[1 + j]
+    redis.call('LREM', KEYS[2], 0, found)
+    return found
+  end
 end
-redis.call('DEL', KEYS[2])
 return false
 """
 # KEYS: the idle key, the wake list. Deleting the key ends the wait: a submit after it rings. A key already
@@ -89,21 +99,29 @@ class Linger:
         args = [len(control_queues), *(seq for _, seq in next_ops), *(sid for sid, _ in next_ops)]
         deadline, raw = time.monotonic() + self.window_s, None
         try:
-            while not self._closed and (left := deadline - time.monotonic()) > 0:
+            while not self._closed and time.monotonic() < deadline:
                 raw = self._check(keys=keys, args=args)
                 if raw is not None:
                     break
-                popped = self.redis.blpop([self.wake_key], timeout=min(POLL_S, left))
+                popped = self.redis.blpop([self.wake_key], timeout=POLL_S)  # see the module docstring
                 if popped:
                     raw = popped[1]
                     break
             if raw is None or raw == b"celery":
                 raw = self._end(keys=[self.idle_key, self.wake_key])
         except (redis_lib.ConnectionError, redis_lib.TimeoutError, OSError):
-            # Redis is restarting: the key expires by itself, and ops submitted meanwhile ring.
             log.warning("hand-off wait failed; back to Celery", exc_info=True)
-            return None
+            return self._end_after_failure()
         return None if raw is None else _parse(raw)
+
+    def _end_after_failure(self) -> tuple[str, int] | None:
+        """End a wait that a Redis error cut short, so that submits ring again at once: what was handed over
+        meanwhile, to be run. Should Redis still be down, the key expires by itself (the window plus
+        `KEY_SLACK_MS`); an op handed over till then waits for the caretaker's nudge."""
+        try:
+            return self.abandon()
+        except (redis_lib.ConnectionError, redis_lib.TimeoutError, OSError):
+            return None
 
     def abandon(self) -> tuple[str, int] | None:
         """End the wait after a failure: what was handed over meanwhile, for the caller to ring."""
