@@ -21,10 +21,11 @@ Redis ends a blocking pop that nothing woke only when it next checks its clients
 1/`hz` seconds (100 ms at Redis's default hz 10), and it reads the timeout in whole milliseconds:
 below 1 ms it becomes 0, which blocks for ever. So every pop asks for `POLL_S`, never the window's
 remainder (the key's slack covers the overshoot), and the stacks treadle starts run Redis at hz 100,
-where a control message waits about 10 ms at most. The key
-expires `KEY_SLACK_MS` after its window, so one left by a worker that died lets submits ring again;
-an op pushed to a dead worker runs when its session is adopted, from the journal, and one pushed
-while an op failed is rung on (`abandon`).
+where a control message waits about 10 ms at most.
+
+The key expires `KEY_SLACK_MS` after its window, so one left by a worker that died lets submits ring
+again; an op pushed to a dead worker runs when its session is adopted, from the journal, and one
+pushed while an op failed is rung on (`abandon`).
 """
 
 from __future__ import annotations
