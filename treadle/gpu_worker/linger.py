@@ -112,23 +112,19 @@ class Linger:
                 raw = self._end(keys=[self.idle_key, self.wake_key])
         except (redis_lib.ConnectionError, redis_lib.TimeoutError, OSError):
             log.warning("hand-off wait failed; back to Celery", exc_info=True)
-            return self._end_after_failure()
+            return self.abandon()  # what was handed over meanwhile runs now
         return None if raw is None else _parse(raw)
 
-    def _end_after_failure(self) -> tuple[str, int] | None:
-        """End a wait that a Redis error cut short, so that submits ring again at once: what was handed over
-        meanwhile, to be run. Should Redis still be down, the key expires by itself (the window plus
-        `KEY_SLACK_MS`); an op handed over till then waits for the caretaker's nudge."""
-        try:
-            return self.abandon()
-        except (redis_lib.ConnectionError, redis_lib.TimeoutError, OSError):
-            return None
-
     def abandon(self) -> tuple[str, int] | None:
-        """End the wait after a failure: what was handed over meanwhile, for the caller to ring."""
+        """End the wait after a failure, so that submits ring again at once: what was handed over meanwhile.
+        Should Redis be down, the key expires by itself (the window plus `KEY_SLACK_MS`), and an op handed
+        over till then waits for the caretaker's nudge."""
         if self.window_s <= 0:
             return None
-        raw = self._end(keys=[self.idle_key, self.wake_key])
+        try:
+            raw = self._end(keys=[self.idle_key, self.wake_key])
+        except (redis_lib.ConnectionError, redis_lib.TimeoutError, OSError):
+            return None
         return None if raw is None else _parse(raw)
 
 

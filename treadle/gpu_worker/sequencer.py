@@ -70,7 +70,7 @@ class Sequencer:
                 self._serve(*handed)
                 handed = self.linger.next([names.model_queue(m) for m in self.host.engines], self._next_ops())
         except BaseException:
-            with contextlib.suppress(Exception):  # Redis may be what failed; the key then expires by itself
+            with contextlib.suppress(Exception):  # ringing needs Redis too, which may be what failed
                 if (left := self.linger.abandon()) is not None:
                     self._ring_on(*left)
             raise
