@@ -51,7 +51,9 @@ def test_cookbook_on_policy_distillation_two_steps(cookbook_tiny, tmp_path):
     answer = renderer.tokenizer.encode(ANSWER, add_special_tokens=False)
 
     service = tinker.ServiceClient()
-    student = service.create_lora_training_client("tiny", rank=4)
+    # A fixed LoRA seed: unseeded, the SFT start varied (49 to 67 nats above the teacher) and so did the drop
+    # after two steps (2 to 215 nats over 7 runs; the 2, from the 49 start, failed CI). Sampling stays random.
+    student = service.create_lora_training_client("tiny", rank=4, seed=0)
     data = [tinker.Datum(model_input=tinker.ModelInput.from_ints(p + answer[:-1]),
                          loss_fn_inputs={"target_tokens": (p + answer)[1:],
                                          "weights": [0.0] * (len(p) - 1) + [1.0] * len(answer)}) for p in prompts]
@@ -82,5 +84,6 @@ def test_cookbook_on_policy_distillation_two_steps(cookbook_tiny, tmp_path):
 
     measured = [[_answer_logprob(s, p, answer) for s in (base, final, start_sampler)] for p in prompts]
     # Reverse KL pushes down what the student over-weights: ANSWER, which the SFT had raised far above the
-    # teacher's log-probability, loses much of it (by 16 to 190 nats in 3 runs; mode-seeking, it may overshoot).
+    # teacher's log-probability, loses much of it (by 13 to 196 nats over 12 seeded runs; mode-seeking, it may
+    # overshoot).
     assert all(before > teacher + 20 and after < before - 5 for teacher, after, before in measured), measured
