@@ -38,6 +38,10 @@ def new_cache(config) -> DynamicCache:
 
 def supported(config) -> str | None:
     """None if the batched sampler can run a model with `config`, else why not."""
+    text = config.get_text_config(decoder=True)
+    if "chunked_attention" in (getattr(text, "layer_types", None) or ()) or getattr(text, "attention_chunk_size", None):
+        # Llama 4's chunked layers attend within fixed chunks, not a sliding window: not implemented here.
+        return "chunked attention layers (attention_chunk_size) are not supported by the batched sampler"
     try:
         new_cache(config)
     except (ValueError, KeyError) as exc:

@@ -6,7 +6,8 @@ whatever its modules are called. So the targets are read off the decoder layers 
 - **attention**: every `nn.Linear` inside a layer's token mixer: `q/k/v/o_proj` (Llama, Qwen, Gemma,
   gpt-oss), the fused `qkv_proj` (Phi-3), DeepSeek's latent projections (`q_a_proj`, `q_b_proj`,
   `kv_a_proj_with_mqa`, `kv_b_proj`, `o_proj`), the projections of a linear-attention layer (Qwen3.5's
-  gated delta net: `in_proj_qkv`, `in_proj_z`, `in_proj_a`, `in_proj_b`, `out_proj`);
+  gated delta net: `in_proj_qkv`, `in_proj_z`, `in_proj_a`, `in_proj_b`, `out_proj`), a Mamba-2 mixer's
+  `in_proj` (Falcon-H1, Nemotron-H; not its `out_proj`, which the fused kernel reads directly);
 - **mlp**: every `nn.Linear` inside a layer's feed-forward block (`gate/up/down_proj`, Phi-3's fused
   `gate_up_proj`, DeepSeek's shared experts), and every expert weight stored as one 3-D tensor
   (`experts.gate_up_proj` / `experts.down_proj`: Qwen3-MoE, gpt-oss, DeepSeek-V3), adapted through
@@ -86,7 +87,7 @@ def find_targets(model: nn.Module) -> LoraTargets:
                     f"model: decoder layer part {child_name!r} ({type(child).__name__}) has weights but is neither "
                     "attention nor a feed-forward block; treadle does not know how to adapt it")
             for name in linears:
-                if _is_router(f"{child_name}.{name}", child.get_submodule(name)):
+                if _is_router(f"{child_name}.{name}", child.get_submodule(name)) or _fused_in_kernel(child_name, child, name):
                     continue
                 (attention if kind == "attention" else mlp)[f"{child_name}.{name}"] = None
             for name in tensors:
@@ -110,6 +111,13 @@ def _kind(child_name: str, child: nn.Module) -> str | None:
         if _FEED_FORWARD.search(text):
             return "mlp"
     return None
+
+
+def _fused_in_kernel(mixer_name: str, mixer: nn.Module, name: str) -> bool:
+    """A Mamba mixer's fused CUDA kernel reads `out_proj.weight` itself, past any LoRA wrapper (PEFT refuses
+    that target on Mamba models); the mixer's `in_proj` stays adaptable."""
+    is_mamba = "mamba" in f"{mixer_name} {type(mixer).__name__}".lower()
+    return is_mamba and name.rsplit(".", 1)[-1] == "out_proj"
 
 
 def _is_router(path: str, module: nn.Module) -> bool:

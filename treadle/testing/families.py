@@ -122,6 +122,22 @@ def _qwen3_5(**kw):
                              linear_conv_kernel_dim=4)
 
 
+def _falcon_h1(**kw):
+    from transformers import FalconH1Config
+
+    # Every layer runs a Mamba-2 mixer and attention side by side (a hybrid cache layer holds both).
+    return FalconH1Config(**kw, mamba_d_ssm=64, mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8, mamba_n_groups=1,
+                          mamba_chunk_size=16)
+
+
+def _nemotron_h(**kw):
+    from transformers import NemotronHConfig
+
+    # A Mamba-2 layer, then an attention layer (NemotronH's pattern string: M = Mamba, * = attention).
+    return NemotronHConfig(**kw, hybrid_override_pattern="M*", mamba_num_heads=4, mamba_head_dim=16, ssm_state_size=8,
+                           n_groups=1, chunk_size=16)
+
+
 FAMILIES: dict[str, Callable[..., Any]] = {
     "llama": _llama,
     "qwen2": _qwen2,
@@ -136,6 +152,8 @@ FAMILIES: dict[str, Callable[..., Any]] = {
     "gpt_oss": _gpt_oss,
     "deepseek_v3": _deepseek_v3,
     "qwen3_5": _qwen3_5,
+    "falcon_h1": _falcon_h1,
+    "nemotron_h": _nemotron_h,
 }
 
 
