@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 
 from pydantic import BaseModel, Field
@@ -18,36 +19,39 @@ class ModelsCheckConfig(BaseModel):
 
 def cmd_models(ns) -> None:
     cfg = config_of(ns)
+    failed = [f"{model}: {problem}" for model in ns.models for problem in check_one(model, cfg)]
+    if failed:
+        sys.exit("treadle models check: " + "; ".join(failed))
+
+
+def check_one(model: str, cfg: ModelsCheckConfig) -> list[str]:
+    """Load, profile and smoke-test one model, printing the result; returns what failed."""
     from treadle.errors import InvalidRequestError
     from treadle.gpu_worker import model_check
     from treadle.gpu_worker.engine import Engine
 
-    print(f"loading {ns.model} ...", file=sys.stderr, flush=True)
+    print(f"loading {model} ...", file=sys.stderr, flush=True)
     try:
-        engine = Engine(ns.model, device=cfg.device, dtype=cfg.dtype)
+        engine = Engine(model, device=cfg.device, dtype=cfg.dtype)
     except (InvalidRequestError, ValueError) as exc:
-        sys.exit(f"treadle models check: cannot serve {ns.model}: {exc}")
+        return [f"cannot serve {model}: {exc}"]
     try:
         result = model_check.smoke(engine) if cfg.smoke else None
     finally:
         engine.close()
     if cfg.as_json:
-        body = engine.profile.model_dump()
-        if result is not None:
-            body["smoke"] = vars(result)
-        import json
-
+        body = engine.profile.model_dump() | ({"smoke": vars(result)} if result is not None else {})
         print(json.dumps(body, indent=2))
     else:
+        print(f"model         {model}")
         print(model_check.render(engine.profile, result))
-    problems = model_check.check_result(engine.profile, result) if result is not None else []
-    if problems:
-        sys.exit("treadle models check: " + "; ".join(problems))
+    print(flush=True)  # a blank line between models
+    return model_check.check_result(engine.profile, result) if result is not None else []
 
 
 def add_model_commands(sub) -> None:
     p = sub.add_parser("models", help="Check that a worker can serve a model: family, LoRA targets, sampler, a smoke run.")
     p.add_argument("action", choices=["check"])
-    p.add_argument("model", help="A local directory or a cached hub id.")
+    p.add_argument("models", nargs="+", metavar="MODEL", help="Local directories or cached hub ids.")
     add_config_args(p, ModelsCheckConfig, "TREADLE_MODELS_", section="models")
     p.set_defaults(func=cmd_models)

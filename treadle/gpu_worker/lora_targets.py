@@ -32,7 +32,7 @@ from torch import nn
 from treadle.errors import InvalidRequestError
 
 # A decoder layer's children are its token mixer, its feed-forward block and norms. Matched on the
-# child's attribute name, then on its class name.
+# child's class name, then on its attribute name.
 _ATTENTION = re.compile(r"attn|attention|mixer|mamba|linear_attn", re.IGNORECASE)
 _FEED_FORWARD = re.compile(r"mlp|moe|ffn|feed_forward|experts", re.IGNORECASE)
 # Routers and gates that weigh experts: a module or parameter named so, or a class named *Router.
@@ -105,7 +105,9 @@ def _owner(module: nn.Module, parameter_name: str) -> nn.Module:
 
 
 def _kind(child_name: str, child: nn.Module) -> str | None:
-    for text in (child_name, type(child).__name__):
+    # The class name first: Nemotron-H calls every layer's block `mixer`, whether Mamba, attention or MLP.
+    # Attention first: MoE models' attention classes carry "Moe" in their names (Qwen3MoeAttention).
+    for text in (type(child).__name__, child_name):
         if _ATTENTION.search(text):
             return "attention"
         if _FEED_FORWARD.search(text):

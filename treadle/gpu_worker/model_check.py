@@ -19,6 +19,14 @@ from treadle.types import AdamParams, Datum, LoraConfig, ModelInput, SamplingPar
 # Agreement of sampled-token logprobs with the training forward (max |difference| in nats): fp32 agrees
 # to rounding; bf16 rounds every matmul to 8 bits of mantissa (tests/test_model_families.py measures it).
 TOLERANCE = {"float32": 1e-4, "float16": 0.5, "bfloat16": 0.5}
+# Nemotron-H: transformers' own cached decode of its Mamba-2 layers (the step recurrence) differs from its
+# own full forward (the chunked scan) by ~3e-3 nats in fp32 on a tiny peaked model; the sampler decodes the same way.
+FP32_FAMILY_TOLERANCE = {"nemotron_h": 1e-2}
+
+
+def tolerance(family: str, dtype: str) -> float:
+    """The largest sampled-vs-trained logprob difference (nats) a healthy model shows in `dtype`."""
+    return FP32_FAMILY_TOLERANCE.get(family, TOLERANCE["float32"]) if dtype == "float32" else TOLERANCE.get(dtype, 0.5)
 
 
 @dataclass
@@ -99,7 +107,7 @@ def check_result(profile, result: SmokeResult) -> list[str]:
     problems = []
     if not result.losses[-1] < result.losses[0]:
         problems.append(f"the loss did not fall over the training steps ({result.losses})")
-    tolerance = TOLERANCE.get(profile.dtype, 0.5)
-    if not result.sample_gap <= tolerance:
-        problems.append(f"sampled logprobs differ from the training forward's by {result.sample_gap:.3g} (> {tolerance})")
+    bound = tolerance(profile.family, profile.dtype)
+    if not result.sample_gap <= bound:
+        problems.append(f"sampled logprobs differ from the training forward's by {result.sample_gap:.3g} (> {bound})")
     return problems

@@ -62,7 +62,7 @@ def profile(model: nn.Module, targets: LoraTargets, dtype: str) -> ModelProfile:
         vllm = "yes"
     return ModelProfile(
         family=family, dtype=dtype, max_seq_len=int(config.max_position_embeddings), layers=len(layers),
-        attention=_attention_kinds(model, config), experts=int(_experts(config)),
+        attention=_attention_kinds(model, config), experts=int(_experts(config)) if targets.experts else 0,
         lora_attention=list(targets.attention), lora_mlp=list(targets.mlp), lora_experts=list(targets.experts),
         lora_unembed=list(targets.unembed), trainable_at_rank_32=counts,
         sampler=SAMPLER_SPLIT if targets.experts else SAMPLER_MIXED, vllm=vllm,
@@ -81,6 +81,8 @@ def _attention_kinds(model: nn.Module, config) -> list[str]:
     window = getattr(config, "sliding_window", None)
     layer_types = getattr(config, "layer_types", None)
     for layer_type in layer_types or ["full_attention"] * config.num_hidden_layers:
+        if layer_type in ("mlp", "moe"):  # a layer with no token mixer (Nemotron-H's MLP layers)
+            continue
         kind = f"sliding({window})" if layer_type == "sliding_attention" else layer_type.removesuffix("_attention")
         if layer_type == "full_attention" and window and not layer_types:
             kind = f"sliding({window})"  # every layer slides (Mistral v0.1)

@@ -133,8 +133,9 @@ def _falcon_h1(**kw):
 def _nemotron_h(**kw):
     from transformers import NemotronHConfig
 
-    # A Mamba-2 layer, then an attention layer (NemotronH's pattern string: M = Mamba, * = attention).
-    return NemotronHConfig(**kw, hybrid_override_pattern="M*", mamba_num_heads=4, mamba_head_dim=16, ssm_state_size=8,
+    # A Mamba-2 layer, an attention layer, an MLP layer (the pattern string: M = Mamba, * = attention, - = MLP).
+    kw = {**kw, "num_hidden_layers": 3}
+    return NemotronHConfig(**kw, hybrid_override_pattern="M*-", mamba_num_heads=4, mamba_head_dim=16, ssm_state_size=8,
                            n_groups=1, chunk_size=16)
 
 
