@@ -1,5 +1,5 @@
-"""The docs stay true to the code: every file the architecture guide names exists, every local link
-resolves, and every code block marked `<!-- runnable -->` runs as written against a local stack.
+"""The docs stay true to the code: every file and method the architecture guide names exists, every local
+link resolves, and every code block marked `<!-- runnable -->` runs as written against a local stack.
 
 A runnable block is the fenced block right after a `<!-- runnable -->` line. A `bash` block runs
 with `bash -euo pipefail`, a `python` block with this interpreter, each in a fresh directory, with
@@ -10,6 +10,7 @@ a gateway in front of it, and the venv's `bin/` first on PATH (so `treadle` and 
 
 from __future__ import annotations
 
+import ast
 import os
 import pathlib
 import re
@@ -32,6 +33,7 @@ BLOCK_TIMEOUT_S = 600
 COMING_WITH_MODEL_FAMILIES = {"docs/models.md", "tests/test_model_families.py"}
 
 _REPO_PATH = re.compile(r"`((?:treadle|tests|benchmarks|scripts|docs|deploy|requirements)/[\w./-]+?)`")
+_METHOD = re.compile(r"`([A-Z]\w*)\.(\w+)[`(]")
 _LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
 _BLOCK = re.compile(re.escape(MARK) + r"\s*\n```(\w+)\n(.*?)\n```", re.S)
 
@@ -58,6 +60,30 @@ def test_every_file_the_architecture_guide_names_exists():
     named = set(_REPO_PATH.findall(_text("docs/architecture.md")))
     assert len(named) > 40, sorted(named)  # the trace, the durability story and the checklists name files
     assert not _missing(named), f"docs/architecture.md names files that do not exist: {sorted(_missing(named))}"
+
+
+def _class_members() -> dict[str, set[str]]:
+    """Every class of the treadle package by name, with the names its body defines."""
+    members: dict[str, set[str]] = {}
+    for path in (ROOT / "treadle").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                names = members.setdefault(node.name, set())
+                for item in node.body:
+                    if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                        names.add(item.name)
+                    elif isinstance(item, (ast.Assign, ast.AnnAssign)):
+                        targets = item.targets if isinstance(item, ast.Assign) else [item.target]
+                        names.update(t.id for t in targets if isinstance(t, ast.Name))
+    return members
+
+
+def test_every_method_the_architecture_guide_names_exists():
+    members = _class_members()
+    named = set(_METHOD.findall(_text("docs/architecture.md")))
+    assert len(named) > 15, sorted(named)
+    missing = sorted(f"{cls}.{name}" for cls, name in named if name not in members.get(cls, ()))
+    assert not missing, f"docs/architecture.md names methods the code does not have: {missing}"
 
 
 def test_every_local_link_resolves():
@@ -110,4 +136,5 @@ def test_runnable_block_runs_as_written(block, stack, gateway, tmp_path):
     else:
         pytest.fail(f"{page}:{line}: a runnable block must be bash or python, not {language}")
     done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=BLOCK_TIMEOUT_S)
-    assert done.returncode == 0, f"{page}:{line} failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    if done.returncode != 0:
+        pytest.fail(f"{page}:{line} exited with {done.returncode}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
