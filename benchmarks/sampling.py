@@ -48,14 +48,14 @@ class InProcess:
         import torch
         from transformers import GenerationConfig
 
-        from treadle.gpu_worker.adapters import AdapterBank, peft_lora_config
+        from treadle.gpu_worker.adapters import AdapterBank
         from treadle.gpu_worker.model_host import ModelHost
         from treadle.types import LoraConfig
 
         self.torch = torch
         self.host = ModelHost(model_dir)
         self.bank = AdapterBank(self.host)
-        self.bank.add("policy", peft_lora_config(LoraConfig(rank=rank, alpha=rank), model_dir), seed=0)
+        self.bank.add("policy", self.bank.lora_config(LoraConfig(rank=rank, alpha=rank)), seed=0)
         self.config = lambda tokens: GenerationConfig(do_sample=True, max_new_tokens=tokens, temperature=1.0, top_k=0,
                                                       top_p=1.0, pad_token_id=self.host.pad_token_id,
                                                       eos_token_id=self.host.eos_token_id)

@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-from treadle.gpu_worker.adapters import AdapterBank, peft_lora_config
+from treadle.gpu_worker.adapters import AdapterBank
 from treadle.gpu_worker import batch_decode
 from treadle.gpu_worker.batch_decode import SampleJob
 from treadle.gpu_worker.device_lock import DeviceLock
@@ -30,7 +30,7 @@ def bank(tiny_model_dir) -> AdapterBank:
     """Three adapters with random (non-zero) B matrices, so each one changes the model's outputs."""
     bank = AdapterBank(ModelHost(tiny_model_dir))
     for seed, name in enumerate(ADAPTERS):
-        bank.add(name, peft_lora_config(LoraConfig(rank=4, alpha=8), tiny_model_dir), seed=seed)
+        bank.add(name, bank.lora_config(LoraConfig(rank=4, alpha=8)), seed=seed)
         generator = torch.Generator().manual_seed(100 + seed)
         with torch.no_grad():
             for key, param in bank.parameters(name).items():
@@ -113,9 +113,10 @@ def test_mixed_adapter_batch_logprobs_equal_forward(bank, scheduler):
     assert np.abs(np.asarray(seq.logprobs) - other).max() > 1e-2
 
 
-def test_mixed_steps_by_runs_equal_peft_mixed_batches_bitwise(bank, scheduler, monkeypatch):
-    # The same mixed requests through mixed_lora (deltas added over runs of rows) and through PEFT's own
-    # adapter_names batches: the same tokens and logprobs to the bit.
+def test_mixed_steps_by_runs_equal_split_forwards_bitwise(bank, scheduler, monkeypatch):
+    # The same mixed requests through mixed_lora (deltas added over runs of rows) and through one forward
+    # per adapter run on its slice of the cache (the path of expert adapters): the same tokens and
+    # logprobs to the bit.
     def run():
         jobs = [job(bank, p, a, num_samples=3, max_tokens=8, seed=i) for i, (p, a) in enumerate(zip(PROMPTS, [*ADAPTERS, None]))]
         return [[(s.tokens, s.logprobs) for s in r.sequences] for r in submit_together(scheduler, jobs)]

@@ -27,27 +27,21 @@ from safetensors.torch import save_file
 from torch import nn
 
 from treadle.errors import CheckpointNotFoundError, InvalidRequestError
+from treadle.gpu_worker.lora_targets import LoraTargets, check_requested
 from treadle.gpu_worker.model_host import ModelHost
 from treadle.types import LoraConfig
 
-# Llama / Qwen2 / Mistral / SmolLM naming.
-ATTN_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj"]
-MLP_MODULES = ["gate_proj", "up_proj", "down_proj"]
-UNEMBED_MODULES = ["lm_head"]
-
-
-def peft_lora_config(lora: LoraConfig, base_model: str) -> peft.LoraConfig:
-    """The PEFT config of a session's adapter: target modules from train_attn/train_mlp/train_unembed."""
-    targets = (
-        (ATTN_MODULES if lora.train_attn else [])
-        + (MLP_MODULES if lora.train_mlp else [])
-        + (UNEMBED_MODULES if lora.train_unembed else [])
-    )
+def peft_lora_config(lora: LoraConfig, base_model: str, targets: LoraTargets) -> peft.LoraConfig:
+    """The PEFT config of a session's adapter: train_attn/train_mlp/train_unembed resolved to `targets`,
+    the parts of this model they name (`lora_targets`); 3-D expert weights through `target_parameters`."""
+    flags = dict(attn=lora.train_attn, mlp=lora.train_mlp, unembed=lora.train_unembed)
+    check_requested(targets, **flags, model_name=base_model)
     return peft.LoraConfig(
         r=lora.rank,
         lora_alpha=lora.alpha,
         lora_dropout=0.0,  # dropout would make steps depend on RNG state; Tinker has none
-        target_modules=targets,
+        target_modules=targets.modules(**flags),
+        target_parameters=targets.parameters(mlp=lora.train_mlp) or None,
         bias="none",
         task_type="CAUSAL_LM",
         base_model_name_or_path=base_model,
@@ -66,6 +60,10 @@ class AdapterBank:
         self._active: tuple[str, bool] | None = None
         self._lora_layers: list[LoraLayer] | None = None  # found once per set of adapters, see `lora_layers`
 
+    def lora_config(self, lora: LoraConfig) -> peft.LoraConfig:
+        """The PEFT config of a new session's adapter on this model."""
+        return peft_lora_config(lora, self.host.name, self.host.targets)
+
     def new_name(self) -> str:
         self._counter += 1
         return f"adapter_{self._counter}"
@@ -75,7 +73,6 @@ class AdapterBank:
 
         The init runs on a forked RNG, so adding an adapter never moves the process's global RNG.
         """
-        self._check_targets(config)
         devices = [self.host.device] if self.host.device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices), warnings.catch_warnings():
             # peft warns when lm_head is tied to the embeddings; the engine never merges in place and
@@ -89,14 +86,6 @@ class AdapterBank:
                 self.peft_model.add_adapter(name, config)
         self._lora_layers = None  # an adapter may target modules no other adapter has
         self._activate(name, trainable=False)  # frozen until a training op activates it
-
-    def _check_targets(self, config: peft.LoraConfig) -> None:
-        present = {module_name.rsplit(".", 1)[-1] for module_name, _ in self.host.model.named_modules()}
-        missing = sorted(set(config.target_modules) - present)
-        if missing:
-            raise InvalidRequestError(
-                f"lora target modules {missing} do not exist in {self.host.model_type} model {self.host.name}"
-            )
 
     def remove(self, name: str) -> None:
         with warnings.catch_warnings():  # peft warns when the active adapter goes; every op re-activates its own

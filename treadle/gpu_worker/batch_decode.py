@@ -3,15 +3,16 @@
 Every row of the batch is one sequence being sampled; rows of different requests, sessions,
 snapshots and the bare base model step together. Each row names its adapter; a step whose rows use
 one adapter runs it as the active adapter; a mixed step adds each adapter's LoRA delta to its own
-runs of rows (`mixed_lora`; PEFT's `adapter_names=[...]` for adapters that are not plain LoRA
-linears), so a row's numbers are those of its adapter alone.
+runs of rows (`mixed_lora`), so a row's numbers are those of its adapter alone. Adapters that are not
+plain LoRA linears (MoE expert adapters, DoRA loaded from a user's directory) cannot be added as a
+delta after the layer: such a step runs one forward per run of rows, each on its slice of the cache.
 
 A request's prompt is prefilled once, as one row (the prompts admitted together share one left-padded
 prefill forward); that row's KV cache is then repeated for the request's `num_samples` rows. Rows join at step boundaries: the newcomer's cache and the batch's cache are
 left-padded to one length (padding is masked out and every row carries its own position ids, so
 padding never changes a row's numbers) and concatenated; finished rows leave, and columns that have
-become padding for every remaining row are cut off. This works on HF's `DynamicCache` (full
-attention layers); sliding-window caches would need their own bookkeeping.
+become padding for every remaining row are cut off. `cache_rows` does this for every cache layer
+kind (attention layers, sliding-window layers kept whole, linear-attention and recurrent states).
 
 The caller serialises calls (one decode step or one prefill at a time on the device).
 """
@@ -20,11 +21,13 @@ from __future__ import annotations
 
 import secrets
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
+from treadle.gpu_worker import cache_rows
 from treadle.gpu_worker.adapters import AdapterBank
 from treadle.gpu_worker.mixed_lora import mixed_adapters, plain_linear_adapters
 from treadle.gpu_worker.model_host import ModelHost
@@ -33,8 +36,6 @@ from treadle.gpu_worker.sample_extras import SampleExtras, score_prompt, top_of_
 from treadle.gpu_worker.token_choice import draw, finished, processed_logprobs
 from treadle.gpu_worker.validation import PreparedSample
 from treadle.types import SampledSequence, SampleResponse, SamplingParams
-
-BASE = "__base__"  # PEFT's name for "no adapter" in a mixed-adapter batch
 
 
 @dataclass
@@ -78,8 +79,9 @@ class _Row:
 
 
 def forward_rows(bank: AdapterBank, adapters: list[str | None], **inputs):
-    """The model's output for a left-padded batch whose row i runs with adapter `adapters[i]` (None:
-    base); batch-invariant (`row_invariant`): each row's numbers are those it would get alone."""
+    """The model's output (`.logits`, `.cache`) for a left-padded batch whose row i runs with adapter
+    `adapters[i]` (None: base); batch-invariant (`row_invariant`): each row's numbers are those it
+    would get alone."""
     distinct = set(adapters)
     inputs["row_runs"] = row_runs(inputs["attention_mask"])
     with torch.no_grad(), invariant_forward(bank.host.model):
@@ -89,7 +91,27 @@ def forward_rows(bank: AdapterBank, adapters: list[str | None], **inputs):
         if plain_linear_adapters(bank, distinct):
             with mixed_adapters(bank, adapters) as model:
                 return model(**inputs)
-        return bank.peft_model(**inputs, adapter_names=[BASE if a is None else a for a in adapters])
+    return _split_forward(bank, adapters, inputs)
+
+
+def _split_forward(bank: AdapterBank, adapters: list[str | None], inputs: dict) -> SimpleNamespace:
+    """One forward per run of rows with the same adapter, each on its rows of the inputs and the cache."""
+    runs, begin = [], 0
+    for end in range(1, len(adapters) + 1):
+        if end == len(adapters) or adapters[end] != adapters[begin]:
+            runs.append((begin, end))
+            begin = end
+    config, cache = bank.host.model.config, inputs.get("cache")
+    outputs = []
+    for begin, end in runs:
+        part = {key: value[begin:end] for key, value in inputs.items() if isinstance(value, torch.Tensor)}
+        part |= {key: value for key, value in inputs.items() if key not in part and key not in ("cache", "row_runs")}
+        if cache is not None:
+            part["cache"] = cache_rows.slice_rows(cache, begin, end, config)
+        outputs.append(forward_rows(bank, adapters[begin:end], **part))
+    caches = [out.cache for out in outputs]
+    return SimpleNamespace(logits=torch.cat([out.logits for out in outputs]),
+                           cache=cache_rows.concat_rows(caches) if all(c is not None for c in caches) else None)
 
 
 def prompt_logprobs_from_logits(
@@ -155,6 +177,7 @@ class DecodeBatch:
         out = forward_rows(
             self.bank, [job.adapter for job in jobs], input_ids=ids, attention_mask=mask,
             position_ids=(mask.cumsum(dim=1) - 1).clamp(min=0), use_cache=True, logits_to_keep=0 if any(wants_logits) else 1,
+            cache=cache_rows.new_cache(self.host.model.config),
         )
         for i, job in enumerate(jobs):
             job.prompt_extras = score_prompt(out.logits[i, width - lengths[i]:], job.extras, job.params.temperature,
@@ -237,16 +260,11 @@ class DecodeBatch:
     def _join(self, rows: list[_Row], cache, mask: torch.Tensor, source: torch.Tensor, last: torch.Tensor) -> None:
         """Add rows whose cache and mask are rows `source` of a prefill's (left-padded) cache and mask."""
         width = max(self.width, mask.shape[1])
-        for layer_index, layer in enumerate(cache.layers):
-            keys, values = layer.keys[source], layer.values[source]
-            if self._cache is None:
-                layer.keys, layer.values = keys, values
-                continue
-            mine = self._cache.layers[layer_index]
-            mine.keys = torch.cat([_pad_left(mine.keys, width), _pad_left(keys, width)])
-            mine.values = torch.cat([_pad_left(mine.values, width), _pad_left(values, width)])
+        cache_rows.select_rows(cache, source)
         if self._cache is None:
             self._cache = cache
+        else:
+            cache_rows.join(self._cache, cache, width)
         mask = mask[source]
         self._mask = torch.cat([F.pad(self._mask, (width - self.width, 0)), F.pad(mask, (width - mask.shape[1], 0))])
         self._positions = torch.cat([self._positions, mask.sum(dim=1)])
@@ -265,10 +283,5 @@ class DecodeBatch:
         mask = self._mask[index]
         cut = int((mask.cumsum(dim=1) == 0).sum(dim=1).min())
         self._mask, self._positions = mask[:, cut:], self._positions[index]
-        for layer in self._cache.layers:
-            layer.keys, layer.values = layer.keys[index, :, cut:], layer.values[index, :, cut:]
-
-
-def _pad_left(states: torch.Tensor, width: int) -> torch.Tensor:
-    """(batch, heads, length, dim) padded with zeros on the left of the length axis to `width`."""
-    return F.pad(states, (0, 0, width - states.shape[-2], 0))
+        cache_rows.select_rows(self._cache, index)
+        cache_rows.cut_left(self._cache, cut)

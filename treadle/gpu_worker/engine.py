@@ -22,7 +22,7 @@ import torch
 from peft.utils import load_peft_weights
 
 from treadle.errors import InvalidRequestError, SessionNotFoundError
-from treadle.gpu_worker.adapters import AdapterBank, peft_lora_config
+from treadle.gpu_worker.adapters import AdapterBank
 from treadle.gpu_worker.batch_decode import SampleJob
 from treadle.gpu_worker.cpu_threads import CpuThreads
 from treadle.gpu_worker.device_lock import DeviceLock
@@ -92,7 +92,7 @@ class Engine:
 
     def _new_session(self, lora: LoraConfig) -> _Session:
         adapter = self._bank.new_name()
-        self._bank.add(adapter, peft_lora_config(lora, self.base_model), seed=lora.seed)
+        self._bank.add(adapter, self._bank.lora_config(lora), seed=lora.seed)
         return _Session(adapter=adapter, lora=lora, optimizer=SessionOptimizer(self._bank.parameters(adapter)))
 
     def has_session(self, session_id: str) -> bool:

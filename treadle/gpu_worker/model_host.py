@@ -10,6 +10,8 @@ import torch
 from accelerate import PartialState
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
+from treadle.gpu_worker.lora_targets import find_targets
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -38,10 +40,12 @@ class ModelHost:
         self.model = AutoModelForCausalLM.from_pretrained(model, dtype=self.dtype).to(self.device)
         self.model.eval()  # no dropout anywhere: training steps must be deterministic
         self.model.requires_grad_(False)
-        config = self.model.config
+        config = self.model.config.get_text_config(decoder=True)
         self.max_seq_len: int = int(config.max_position_embeddings)
         self.vocab_size: int = int(self.model.get_input_embeddings().num_embeddings)
         self.model_type: str = config.model_type
+        # What LoRA can adapt on this model; a model whose layers cannot be classified is refused here, at load.
+        self.targets = find_targets(self.model)
         self.eos_token_id: int = self.tokenizer.eos_token_id
         self.pad_token_id: int = (
             self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_token_id

@@ -62,23 +62,44 @@ def row_runs(mask: torch.Tensor) -> list[tuple[int, int, int]]:
 
 
 def _rows_attention(module, query, key, value, attention_mask, scaling: float, dropout: float = 0.0,
-                    row_runs: list[tuple[int, int, int]] | None = None, **kwargs):
-    """HF attention interface: query (B, H, Lq, D), key/value (B, Hkv, Lk, D) -> (B, Lq, H, D), None."""
+                    row_runs: list[tuple[int, int, int]] | None = None, sliding_window: int | None = None,
+                    s_aux: torch.Tensor | None = None, softcap: float | None = None, **kwargs):
+    """HF attention interface: query (B, H, Lq, D), key (B, Hkv, Lk, D), value (B, Hkv, Lk, Dv) -> (B, Lq, H, Dv), None.
+
+    Every attention variant the model families use is applied here, as the model's own attention does:
+    a sliding window (a query at position p sees keys p - window < k <= p: Gemma 3, gpt-oss, OLMo 3),
+    attention sinks (one learned logit per head that takes part in the softmax and is then dropped:
+    gpt-oss), logit soft-capping (Gemma 2), and value heads narrower than query heads (DeepSeek's
+    latent attention). The cache always holds every position (`cache_rows`), so the window is a mask.
+    """
     if row_runs is None:
         raise RuntimeError(f"{IMPLEMENTATION} attention needs row_runs (only sampling forwards use it)")
     groups = query.shape[1] // key.shape[1]
     lq, lk = query.shape[2], key.shape[2]
-    out = query.new_zeros(query.shape)
+    out = query.new_zeros((*query.shape[:3], value.shape[-1]))
     for begin, end, start in row_runs:
         first_query = max(0, start - (lk - lq))  # queries before it sit on padding: their output stays 0
+        # Query a sits on column `last + a`, key b on column `start + b`: causal is b - a <= diagonal.
+        diagonal = lk - lq + first_query - start
+        first_key = start
+        if lq - first_query == 1 and sliding_window is not None:  # one query: the window is a slice
+            first_key = max(start, lk - sliding_window)
         q = query[begin:end, :, first_query:]
-        k = key[begin:end, :, start:].repeat_interleave(groups, dim=1)
-        v = value[begin:end, :, start:].repeat_interleave(groups, dim=1)
+        k = key[begin:end, :, first_key:].repeat_interleave(groups, dim=1)
+        v = value[begin:end, :, first_key:].repeat_interleave(groups, dim=1)
         scores = torch.matmul(q, k.transpose(2, 3)) * scaling
-        if q.shape[2] > 1:  # query a sits on column lk - lq + first_query + a; it sees keys up to there
-            visible = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device)
-            scores = scores.masked_fill(~visible.tril(lk - lq + first_query - start), float("-inf"))
-        weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
+        if q.shape[2] > 1:
+            visible = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril(diagonal)
+            if sliding_window is not None:
+                visible = visible.triu(diagonal - sliding_window + 1)
+            scores = scores.masked_fill(~visible, float("-inf"))
+        if s_aux is not None:  # the sink: one more logit per head, in the softmax, not in the output
+            sink = s_aux.reshape(1, -1, 1, 1).expand(*scores.shape[:3], 1).to(scores.dtype)
+            weights = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1, dtype=torch.float32)[..., :-1].to(q.dtype)
+        else:
+            weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
         out[begin:end, :, first_query:] = torch.matmul(weights, v)
     return out.transpose(1, 2).contiguous(), None
 

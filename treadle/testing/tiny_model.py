@@ -6,7 +6,9 @@ Everything is built from a config and a seeded synthetic corpus, so the same see
 files. The tokenizer speaks ChatML (`<|im_start|>role\\n...<|im_end|>`) and its chat template marks
 assistant turns with `{% generation %}` so `return_assistant_tokens_mask=True` works.
 
-    python -m treadle.testing.tiny_model DIR [--arch llama|qwen2] [--seed 0]
+    python -m treadle.testing.tiny_model DIR [--arch llama|qwen3_moe|gpt_oss|...] [--seed 0]
+
+`--arch` takes any family of `treadle.testing.families` (llama, the default, is the tests' usual model).
 """
 
 from __future__ import annotations
@@ -14,9 +16,8 @@ from __future__ import annotations
 import argparse
 import random
 from pathlib import Path
-from typing import Literal
 
-Arch = Literal["llama", "qwen2"]
+from treadle.testing.families import FAMILIES, family_config
 
 VOCAB_SIZE = 512
 MAX_POSITION_EMBEDDINGS = 512
@@ -77,31 +78,17 @@ def build_tokenizer(seed: int = 0):
     )
 
 
-def _config(arch: Arch, tokenizer, tie_word_embeddings: bool, head_dim: int | None):
-    from transformers import LlamaConfig, Qwen2Config
-
-    common = dict(
-        vocab_size=VOCAB_SIZE,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=MAX_POSITION_EMBEDDINGS,
-        tie_word_embeddings=tie_word_embeddings,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=None,
-        head_dim=head_dim or 64 // 4,
-    )
-    if arch == "llama":
-        return LlamaConfig(**common)
-    if arch == "qwen2":
-        return Qwen2Config(**common)
-    raise ValueError(f"arch: unknown {arch!r}; expected llama or qwen2")
+def _config(arch: str, tokenizer, tie_word_embeddings: bool, head_dim: int | None):
+    config = family_config(arch, vocab_size=VOCAB_SIZE, max_position_embeddings=MAX_POSITION_EMBEDDINGS,
+                           eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    if tie_word_embeddings:
+        config.tie_word_embeddings = True
+    if head_dim:
+        config.head_dim = head_dim
+    return config
 
 
-def build_tiny_model(directory: str | Path, arch: Arch = "llama", seed: int = 0, *, tie_word_embeddings: bool = False,
+def build_tiny_model(directory: str | Path, arch: str = "llama", seed: int = 0, *, tie_word_embeddings: bool = False,
                      head_dim: int | None = None) -> str:
     """Write a tiny random-init causal LM and its tokenizer to `directory`; returns the path as a str.
 
@@ -130,7 +117,7 @@ def build_tiny_model(directory: str | Path, arch: Arch = "llama", seed: int = 0,
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("directory", help="Output directory (created if missing).")
-    parser.add_argument("--arch", choices=["llama", "qwen2"], default="llama", help="Model architecture.")
+    parser.add_argument("--arch", choices=list(FAMILIES), default="llama", help="Model family.")
     parser.add_argument("--seed", type=int, default=0, help="Seed of the weights and the tokenizer corpus.")
     parser.add_argument("--tie-word-embeddings", action="store_true", help="Share lm_head with the input embeddings.")
     parser.add_argument("--head-dim", type=int, default=None, help="Attention head size (default 16; vLLM's CPU kernels need >= 32).")

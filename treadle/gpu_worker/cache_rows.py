@@ -1,0 +1,144 @@
+"""Row operations on a decode batch's cache, for every kind of cache layer the model families use.
+
+The continuous batcher (`batch_decode`) adds rows to a running batch, drops finished ones and cuts
+columns that became padding for every row. HF caches hold two kinds of per-layer state, and each
+operation treats them as what they are:
+
+- **attention layers** (`keys`/`values`, batch x heads x length x dim): grow with the sequence; rows
+  of different lengths are left-padded to one width. Sliding-window layers are kept as full layers
+  (`new_cache`): a sliding layer trims its history to the window, which would break the batch's
+  shared column layout; the window is applied by the batch-invariant attention as a mask instead.
+- **linear-attention / recurrent layers** (`conv_states`/`recurrent_states`, batch x fixed size;
+  Qwen3.5's gated delta net, Mamba-style mixers): one fixed-size state per row, no length axis, so
+  joining rows is a concatenation and padding columns never touch them.
+
+A hybrid layer class holding both kinds is handled as both.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, LinearAttentionCacheLayerMixin
+
+
+def new_cache(config) -> DynamicCache:
+    """An empty cache for a sampling forward of a model with `config`: the model's own layer kinds, with
+    every sliding-window attention layer replaced by a full one (see the module docstring)."""
+    cache = DynamicCache(config=config)
+    for index, layer in enumerate(cache.layers):
+        if isinstance(layer, DynamicSlidingWindowLayer) and not isinstance(layer, LinearAttentionCacheLayerMixin):
+            cache.layers[index] = DynamicLayer()
+    unsupported = sorted({type(layer).__name__ for layer in cache.layers if not _known(layer)})
+    if unsupported:
+        raise ValueError(f"cache layers {unsupported} are not supported by the batched sampler")
+    return cache
+
+
+def supported(config) -> str | None:
+    """None if the batched sampler can run a model with `config`, else why not."""
+    try:
+        new_cache(config)
+    except (ValueError, KeyError) as exc:
+        return str(exc)
+    return None
+
+
+def _known(layer) -> bool:
+    if isinstance(layer, DynamicSlidingWindowLayer):
+        return False  # (a linear-attention + sliding layer: its trimmed history cannot be batched)
+    return type(layer).__name__ == "DummyLayer" or _has_kv(layer) or _has_states(layer)
+
+
+def _has_kv(layer) -> bool:
+    return isinstance(layer, DynamicLayer) and not isinstance(layer, DynamicSlidingWindowLayer)
+
+
+def _has_states(layer) -> bool:
+    return isinstance(layer, LinearAttentionCacheLayerMixin)
+
+
+def _states(layer) -> list[tuple[dict, int]]:
+    """(dict, key) of every initialised per-row state tensor of a linear-attention layer."""
+    found = []
+    for index in range(layer.number_of_states):
+        if layer.is_conv_states_initialized[index]:
+            found.append((layer.conv_states, index))
+        if layer.is_recurrent_states_initialized[index]:
+            found.append((layer.recurrent_states, index))
+    return found
+
+
+def _kv_ready(layer) -> bool:
+    return _has_kv(layer) and layer.keys is not None and layer.keys.dim() == 4
+
+
+def select_rows(cache: DynamicCache, index: torch.Tensor) -> None:
+    """Keep rows `index` (in that order, repeats allowed) of every layer, in place."""
+    for layer in cache.layers:
+        if _kv_ready(layer):
+            layer.keys, layer.values = layer.keys[index], layer.values[index]
+        if _has_states(layer):
+            for states, key in _states(layer):
+                states[key] = states[key][index]
+
+
+def cut_left(cache: DynamicCache, columns: int) -> None:
+    """Drop the first `columns` positions of every attention layer (padding for every row)."""
+    if not columns:
+        return
+    for layer in cache.layers:
+        if _kv_ready(layer):
+            layer.keys, layer.values = layer.keys[:, :, columns:], layer.values[:, :, columns:]
+
+
+def join(mine: DynamicCache, theirs: DynamicCache, width: int) -> None:
+    """Append `theirs`' rows to `mine`, both left-padded to `width` positions; `mine` is updated in place."""
+    for own, other in zip(mine.layers, theirs.layers):
+        if _kv_ready(own) or _kv_ready(other):
+            own.keys = torch.cat([_pad_left(own.keys, width), _pad_left(other.keys, width)])
+            own.values = torch.cat([_pad_left(own.values, width), _pad_left(other.values, width)])
+        if _has_states(own):
+            for (states, key), (other_states, _) in zip(_states(own), _states(other)):
+                states[key] = torch.cat([states[key], other_states[key]])
+
+
+def slice_rows(cache: DynamicCache, begin: int, end: int, config) -> DynamicCache:
+    """A new cache holding rows begin:end of `cache` (sharing its tensors): one run of a split forward."""
+    part = new_cache(config)
+    for own, other in zip(part.layers, cache.layers):
+        if _kv_ready(other):
+            own.lazy_initialization(other.keys, other.values)
+            own.keys, own.values = other.keys[begin:end], other.values[begin:end]
+        if _has_states(other):
+            _copy_state_flags(own, other)
+            for (states, key), (other_states, _) in zip(_states(own), _states(other)):
+                states[key] = other_states[key][begin:end]
+    return part
+
+
+def concat_rows(parts: list[DynamicCache]) -> DynamicCache:
+    """One cache from caches over consecutive runs of rows (each as long as the others)."""
+    whole = parts[0]
+    for part in parts[1:]:
+        for own, other in zip(whole.layers, part.layers):
+            if _kv_ready(own):
+                own.keys, own.values = torch.cat([own.keys, other.keys]), torch.cat([own.values, other.values])
+            if _has_states(own):
+                for (states, key), (other_states, _) in zip(_states(own), _states(other)):
+                    states[key] = torch.cat([states[key], other_states[key]])
+    return whole
+
+
+def _copy_state_flags(own, other) -> None:
+    for attribute in ("is_conv_states_initialized", "is_recurrent_states_initialized", "has_previous_state",
+                      "conv_kernel_size"):
+        setattr(own, attribute, dict(getattr(other, attribute)))
+    own.device, own.dtype = other.device, other.dtype
+    own.conv_states, own.recurrent_states = dict(other.conv_states), dict(other.recurrent_states)
+
+
+def _pad_left(states: torch.Tensor, width: int) -> torch.Tensor:
+    """(batch, heads, length, dim) padded with zeros on the left of the length axis to `width`."""
+    return F.pad(states, (0, 0, width - states.shape[-2], 0))
