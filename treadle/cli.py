@@ -1,4 +1,4 @@
-"""`treadle up | worker | gateway | demo | flower | status | usage | checkpoints | runs | runner | training-runs`.
+"""`treadle up | worker | gateway | demo | flower | status | usage | checkpoints | models | runs | runner | training-runs`.
 
 Each command's options are generated from a pydantic config, so `--help` documents every knob, and
 each is read with one precedence everywhere (`treadle.config`): flag > environment > config file >
@@ -213,8 +213,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_usage)
 
     from treadle.checkpoints_cli import add_checkpoint_commands
+    from treadle.models_cli import add_model_commands
 
     add_checkpoint_commands(sub)
+    add_model_commands(sub)
     add_batch_run_commands(sub)
     return parser
 

@@ -51,6 +51,14 @@ class SessionStatus(BaseModel):
     usage: Usage = Field(description="What its ops consumed.")
 
 
+class ModelStatus(BaseModel):
+    name: str
+    family: str | None = Field(description="transformers' model_type; None if its workers predate the field.")
+    dtype: str | None = Field(description="Weights' dtype on the worker.")
+    sampler: str | None = Field(description="The sampler path the worker chose for it at load.")
+    workers: list[str] = Field(description="Live workers serving it.")
+
+
 class QueueDepth(BaseModel):
     queue: str
     depth: int
@@ -59,6 +67,7 @@ class QueueDepth(BaseModel):
 class StatusReport(BaseModel):
     at: float = Field(description="When this was read (Unix time).")
     workers: list[WorkerStatus]
+    models: list[ModelStatus] = Field(default_factory=list)
     sessions: list[SessionStatus]
     queues: list[QueueDepth]
 
@@ -97,7 +106,9 @@ def collect_status(redis, include_stopped: bool = False) -> StatusReport:
         ))
     models = sorted({m for w in workers.values() for m in w.models} | {s.base_model for s in sessions})
     queues = [names.model_queue(m) for m in models] + [names.session_queue(s.session_id) for s in sessions if s.status == "active"]
-    return StatusReport(at=now, workers=sorted(workers.values(), key=lambda w: w.hostname), sessions=sessions,
+    served = [ModelStatus(name=m.name, family=m.family, dtype=m.dtype, sampler=m.sampler, workers=m.workers)
+              for m in WorkerRegistry(redis).served_models()]
+    return StatusReport(at=now, workers=sorted(workers.values(), key=lambda w: w.hostname), models=served, sessions=sessions,
                         queues=[QueueDepth(queue=q, depth=queue_depth(redis, q)) for q in queues])
 
 
@@ -120,11 +131,14 @@ def _bytes(memory: dict[str, int]) -> str:
 
 
 def render(report: StatusReport) -> str:
-    """The report as three plain-text tables."""
+    """The report as four plain-text tables."""
     lines = [f"workers ({sum(w.alive for w in report.workers)} alive)"]
     lines += _table(["HOSTNAME", "ALIVE", "MODELS", "SESSIONS", "UNLOADED", "UPTIME", "MEMORY"], [
         [w.hostname, "yes" if w.alive else "NO", ",".join(w.models) or "-", str(len(w.sessions)), str(len(w.unloaded)),
          _ago(w.uptime_s), _bytes(w.memory)] for w in report.workers])
+    lines += ["", f"models ({len(report.models)})"]
+    lines += _table(["MODEL", "FAMILY", "DTYPE", "SAMPLER", "WORKERS"], [
+        [m.name, m.family or "-", m.dtype or "-", m.sampler or "-", str(len(m.workers))] for m in report.models])
     lines += ["", f"sessions ({len(report.sessions)})"]
     lines += _table(["SESSION", "OWNER", "MODEL", "STATUS", "WORKER", "APPLIED", "STEP", "QUEUED", "LAST OP", "IDLE", "TRAINED TOK",
                      "LAST CHECKPOINT"], [

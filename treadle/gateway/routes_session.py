@@ -67,7 +67,8 @@ async def finish_session(session_id: str, request: Request, owner: str = Depends
 async def get_server_capabilities(request: Request, owner: str = Depends(require_owner), backend: Backend = Depends(get_backend)) -> dict:
     served = await run_in_threadpool(backend.owners.served_models)
     return {"supported_models": [
-        {"model_name": m.name, "max_context_length": m.max_seq_len, "trainable": True, "sampleable": True} for m in served
+        {"model_name": m.name, "max_context_length": m.max_seq_len, "trainable": True, "sampleable": True,
+         "family": m.family, "sampler": m.sampler} for m in served
     ]}
 
 

@@ -35,6 +35,7 @@ from treadle.gpu_worker.sampler_backend import SamplerKind, VllmOptions, make_sa
 from treadle.gpu_worker.state import TrainingState, capture_rng, read_state, restore_rng, write_state
 from treadle.gpu_worker.validation import (PreparedDatum, check_loss, check_same_adapter, check_tokens, prepare_data,
                                           prepare_sample)
+from treadle.gpu_worker.vllm_sampler import VllmSampler
 from treadle.types import (
     AdamParams,
     Datum,
@@ -77,8 +78,10 @@ class Engine:
         self.vocab_size = self._host.vocab_size
         self.tokenizer = self._host.tokenizer
         self.max_tokens_per_microbatch = max_tokens_per_microbatch
+        self.profile = self._host.profile  # family, LoRA targets, sampler path (`model_profile`)
         self.sampler = make_sampler(sampler, self._bank, self._host, self._lock, max_batch_tokens=sampling_max_batch_tokens,
                                        max_forward_tokens=max_tokens_per_microbatch, vllm=vllm)
+        self.sampler_path = "vllm" if isinstance(self.sampler, VllmSampler) else self.profile.sampler
         self._threads = CpuThreads(self._host.device)
         self._base_params = sum(p.numel() for p in self._host.model.parameters())
 

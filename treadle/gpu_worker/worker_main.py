@@ -22,6 +22,7 @@ from typing import Literal
 from celery.signals import worker_ready, worker_shutting_down
 from pydantic import BaseModel, Field
 
+from treadle.errors import InvalidRequestError
 from treadle.queue import names
 from treadle.queue.celery_app import make_app
 from treadle.queue.lease import LeaseManager
@@ -110,15 +111,20 @@ class WorkerService:
         for spec in config.model:
             name, path = parse_model_spec(spec)
             t0 = time.monotonic()
-            engine = Engine(path, device=group.device if group else config.device, dtype=config.dtype,
-                            max_tokens_per_microbatch=config.max_tokens_per_microbatch,
-                            sampling_max_batch_tokens=config.sampling_max_batch_tokens,
-                            sampler=config.sampler, vllm=VllmOptions(
-                                python=config.vllm_python, max_lora_rank=config.vllm_max_lora_rank,
-                                max_loras=config.vllm_max_loras, gpu_memory_share=config.vllm_memory_share,
-                                cpu_kv_cache_gib=config.vllm_cpu_kv_cache_gib, max_logprobs=config.vllm_max_logprobs))
+            try:
+                engine = Engine(path, device=group.device if group else config.device, dtype=config.dtype,
+                                max_tokens_per_microbatch=config.max_tokens_per_microbatch,
+                                sampling_max_batch_tokens=config.sampling_max_batch_tokens,
+                                sampler=config.sampler, vllm=VllmOptions(
+                                    python=config.vllm_python, max_lora_rank=config.vllm_max_lora_rank,
+                                    max_loras=config.vllm_max_loras, gpu_memory_share=config.vllm_memory_share,
+                                    cpu_kv_cache_gib=config.vllm_cpu_kv_cache_gib, max_logprobs=config.vllm_max_logprobs))
+            except (InvalidRequestError, ValueError) as exc:  # a model treadle cannot serve: say what, and stop
+                raise SystemExit(f"treadle worker: cannot serve {name} ({path}): {exc}") from exc
             self.engines[name] = engine
-            self.served.append(ServedModel(name=name, path=path, max_seq_len=engine.max_seq_len, vocab_size=engine.vocab_size))
+            self.served.append(ServedModel(name=name, path=path, max_seq_len=engine.max_seq_len, vocab_size=engine.vocab_size,
+                                           family=engine.profile.family, dtype=engine.profile.dtype,
+                                           sampler=engine.sampler_path))
             log.info("loaded %s from %s in %.1f s", name, path, time.monotonic() - t0)
         if group:
             self.engines = group.join(self.engines)

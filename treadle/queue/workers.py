@@ -15,6 +15,9 @@ class ServedModel(BaseModel):
     path: str
     max_seq_len: int
     vocab_size: int
+    family: str | None = None  # transformers' model_type (None: announced by an older worker)
+    dtype: str | None = None
+    sampler: str | None = None  # how the worker's sampler serves it (`model_profile`)
     workers: list[str] = []
 
 

@@ -78,23 +78,27 @@ def build_tokenizer(seed: int = 0):
     )
 
 
-def _config(arch: str, tokenizer, tie_word_embeddings: bool, head_dim: int | None):
+def _config(arch: str, tokenizer, tie_word_embeddings: bool, head_dim: int | None, initializer_range: float | None):
     config = family_config(arch, vocab_size=VOCAB_SIZE, max_position_embeddings=MAX_POSITION_EMBEDDINGS,
                            eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     if tie_word_embeddings:
         config.tie_word_embeddings = True
     if head_dim:
         config.head_dim = head_dim
+    if initializer_range:
+        config.initializer_range = initializer_range
     return config
 
 
 def build_tiny_model(directory: str | Path, arch: str = "llama", seed: int = 0, *, tie_word_embeddings: bool = False,
-                     head_dim: int | None = None) -> str:
+                     head_dim: int | None = None, initializer_range: float | None = None) -> str:
     """Write a tiny random-init causal LM and its tokenizer to `directory`; returns the path as a str.
 
     `tie_word_embeddings=True` shares lm_head with the input embeddings, as many small real models do.
     `head_dim` widens each attention head (default 16, hidden size / heads): vLLM's CPU attention
-    kernels take head sizes of 32 and up only.
+    kernels take head sizes of 32 and up only. `initializer_range` (the std of the random weights;
+    transformers' default 0.02) makes a model's outputs far from uniform when raised (0.2): a check that
+    compares two ways of computing logprobs then sees a wrong mask or cache, which a near-uniform model hides.
     """
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig
@@ -103,7 +107,7 @@ def build_tiny_model(directory: str | Path, arch: str = "llama", seed: int = 0, 
     directory.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer(seed)
     assert len(tokenizer) == VOCAB_SIZE, f"tokenizer has {len(tokenizer)} tokens, expected {VOCAB_SIZE}"
-    config = _config(arch, tokenizer, tie_word_embeddings, head_dim)
+    config = _config(arch, tokenizer, tie_word_embeddings, head_dim, initializer_range)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.generation_config = GenerationConfig(

@@ -1,0 +1,115 @@
+"""What a loaded model is, as treadle serves it: family, attention kinds, LoRA targets, sampler path.
+
+Computed once when a worker loads a model; `treadle models check` prints it, the worker announces it
+(`treadle status`, the gateway's capabilities route) and refuses at start a model it cannot serve,
+naming what is missing, instead of failing on the first session or the first sample.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, Field
+from torch import nn
+
+from treadle.gpu_worker import cache_rows
+from treadle.gpu_worker.lora_targets import LoraTargets, decoder_layers
+
+PROFILE_RANK = 32  # the rank trainable-parameter counts are given at (Tinker's default)
+
+# Families whose PEFT adapters vLLM's LoRA loader reads as treadle writes them: dense models with LoRA
+# on plain linear layers. Expert adapters (PEFT target_parameters on 3-D expert tensors) and adapters on
+# linear-attention layers have no counterpart in vLLM's LoRA layout, so those families sample with `hf`.
+VLLM_FAMILIES = frozenset({"llama", "qwen2", "qwen3", "mistral", "granite", "gemma3_text", "phi3"})
+
+SAMPLER_MIXED = "hf: continuous batching, mixed adapters in one forward"
+SAMPLER_SPLIT = "hf: continuous batching, one forward per adapter in mixed steps (expert adapters)"
+
+
+class ModelProfile(BaseModel):
+    """A served model's shape as treadle sees it (also the body of `treadle models check --json`)."""
+
+    family: str = Field(description="transformers' model_type of the decoder.")
+    dtype: str = Field(description="Weights' dtype on the worker.")
+    max_seq_len: int = Field(description="Longest sequence (max_position_embeddings).")
+    layers: int = Field(description="Decoder layers.")
+    attention: list[str] = Field(description="Kinds of token mixer: full, sliding(W), sinks, latent, linear_attention.")
+    experts: int = Field(default=0, description="Routed experts per MoE layer (0: dense).")
+    lora_attention: list[str] = Field(description="train_attn targets, relative to a decoder layer.")
+    lora_mlp: list[str] = Field(description="train_mlp targets (linear modules).")
+    lora_experts: list[str] = Field(description="train_mlp targets that are 3-D expert tensors.")
+    lora_unembed: list[str] = Field(description="train_unembed targets.")
+    trainable_at_rank_32: dict[str, int] = Field(description="Adapter parameters at rank 32: attn, mlp, experts, unembed.")
+    sampler: str = Field(description="How the hf sampler batches this model.")
+    vllm: str = Field(description="Whether the vllm sampler backend serves this family, and if not why.")
+
+
+def profile(model: nn.Module, targets: LoraTargets, dtype: str) -> ModelProfile:
+    """The profile of a loaded model; raises ValueError naming what treadle cannot serve."""
+    config = model.config.get_text_config(decoder=True)
+    missing = cache_rows.supported(model.config)
+    if missing:
+        raise ValueError(f"model {config.model_type}: {missing}")
+    layers = decoder_layers(model)
+    counts = {
+        "attn": _lora_params(layers, targets.attention),
+        "mlp": _lora_params(layers, targets.mlp),
+        "experts": _expert_params(layers, targets.experts),
+        "unembed": _lora_params([model], targets.unembed),
+    }
+    family = config.model_type
+    if family not in VLLM_FAMILIES:
+        vllm = f"no: vLLM's LoRA loader has no layout for {family}'s adapters; use --sampler hf"
+    else:
+        vllm = "yes"
+    return ModelProfile(
+        family=family, dtype=dtype, max_seq_len=int(config.max_position_embeddings), layers=len(layers),
+        attention=_attention_kinds(model, config), experts=int(_experts(config)),
+        lora_attention=list(targets.attention), lora_mlp=list(targets.mlp), lora_experts=list(targets.experts),
+        lora_unembed=list(targets.unembed), trainable_at_rank_32=counts,
+        sampler=SAMPLER_SPLIT if targets.experts else SAMPLER_MIXED, vllm=vllm,
+    )
+
+
+def _experts(config) -> int:
+    for name in ("num_local_experts", "num_experts", "n_routed_experts"):
+        if getattr(config, name, None):
+            return getattr(config, name)
+    return 0
+
+
+def _attention_kinds(model: nn.Module, config) -> list[str]:
+    kinds: list[str] = []
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    for layer_type in layer_types or ["full_attention"] * config.num_hidden_layers:
+        kind = f"sliding({window})" if layer_type == "sliding_attention" else layer_type.removesuffix("_attention")
+        if layer_type == "full_attention" and window and not layer_types:
+            kind = f"sliding({window})"  # every layer slides (Mistral v0.1)
+        if kind not in kinds:
+            kinds.append(kind)
+    names = {name.rsplit(".", 1)[-1] for name, _ in model.named_parameters()}
+    if "sinks" in names:
+        kinds.append("sinks")
+    if getattr(config, "kv_lora_rank", None):
+        kinds.append("latent")
+    return kinds
+
+
+def _lora_params(roots, suffixes) -> int:
+    """Rank-32 LoRA parameters of the Linear modules under `roots` whose names end in `suffixes`."""
+    total = 0
+    for root in roots:
+        for name, module in root.named_modules():
+            if isinstance(module, nn.Linear) and any(name == s or name.endswith("." + s) for s in suffixes):
+                total += PROFILE_RANK * (module.in_features + module.out_features)
+    return total
+
+
+def _expert_params(layers, suffixes) -> int:
+    """Rank-32 LoRA parameters of expert tensors: each of E experts its own rank-32 A and B."""
+    total = 0
+    for layer in layers:
+        for name, param in layer.named_parameters():
+            if param.dim() == 3 and name in suffixes:
+                experts, rows, cols = param.shape
+                total += PROFILE_RANK * experts * (rows + cols)
+    return total

@@ -1,0 +1,53 @@
+"""`treadle models check MODEL`: the pre-flight an operator runs before pointing a worker at a model."""
+
+from __future__ import annotations
+
+import sys
+
+from pydantic import BaseModel, Field
+
+from treadle.config import add_config_args, config_of
+
+
+class ModelsCheckConfig(BaseModel):
+    device: str | None = Field(default=None, description="Device (default: the one a worker would pick: CUDA, else CPU).")
+    dtype: str | None = Field(default=None, description="float32 | bfloat16 | float16 (default: bf16 on CUDA, fp32 on CPU).")
+    smoke: bool = Field(default=True, description="Also train two steps and sample (--no-smoke: load and profile only).")
+    as_json: bool = Field(default=False, description="Print the profile (and smoke result) as JSON.")
+
+
+def cmd_models(ns) -> None:
+    cfg = config_of(ns)
+    from treadle.errors import InvalidRequestError
+    from treadle.gpu_worker import model_check
+    from treadle.gpu_worker.engine import Engine
+
+    print(f"loading {ns.model} ...", file=sys.stderr, flush=True)
+    try:
+        engine = Engine(ns.model, device=cfg.device, dtype=cfg.dtype)
+    except (InvalidRequestError, ValueError) as exc:
+        sys.exit(f"treadle models check: cannot serve {ns.model}: {exc}")
+    try:
+        result = model_check.smoke(engine) if cfg.smoke else None
+    finally:
+        engine.close()
+    if cfg.as_json:
+        body = engine.profile.model_dump()
+        if result is not None:
+            body["smoke"] = vars(result)
+        import json
+
+        print(json.dumps(body, indent=2))
+    else:
+        print(model_check.render(engine.profile, result))
+    problems = model_check.check_result(engine.profile, result) if result is not None else []
+    if problems:
+        sys.exit("treadle models check: " + "; ".join(problems))
+
+
+def add_model_commands(sub) -> None:
+    p = sub.add_parser("models", help="Check that a worker can serve a model: family, LoRA targets, sampler, a smoke run.")
+    p.add_argument("action", choices=["check"])
+    p.add_argument("model", help="A local directory or a cached hub id.")
+    add_config_args(p, ModelsCheckConfig, "TREADLE_MODELS_", section="models")
+    p.set_defaults(func=cmd_models)
