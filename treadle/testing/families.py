@@ -28,6 +28,10 @@ _COMMON: dict[str, Any] = dict(
     bos_token_id=None,
 )
 
+# YaRN as gpt-oss and DeepSeek-V3 ship it, scaled to the tiny context (512 = 8 x 64 positions).
+_YARN = dict(rope_type="yarn", factor=8.0, original_max_position_embeddings=64, beta_fast=32.0, beta_slow=1.0,
+             rope_theta=10000.0)
+
 _ALTERNATING = dict(layer_types=["sliding_attention", "full_attention"], sliding_window=SLIDING_WINDOW)
 
 
@@ -98,7 +102,8 @@ def _gpt_oss(**kw):
     from transformers import GptOssConfig
 
     kw = {**kw, "intermediate_size": 32}  # per expert
-    return GptOssConfig(**kw, num_local_experts=4, num_experts_per_tok=2, attention_bias=True, **_ALTERNATING)
+    return GptOssConfig(**kw, num_local_experts=4, num_experts_per_tok=2, attention_bias=True, rope_parameters=_YARN,
+                        **_ALTERNATING)
 
 
 def _deepseek_v3(**kw):
@@ -110,7 +115,8 @@ def _deepseek_v3(**kw):
     # low-rank latents (q_a/q_b, kv_a_with_mqa/kv_b), rotary and plain head parts of 8 each.
     return DeepseekV3Config(**kw, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=32,
                             first_k_dense_replace=1, n_group=1, topk_group=1, q_lora_rank=24, kv_lora_rank=16,
-                            qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, rope_interleave=True)
+                            qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, rope_interleave=True,
+                            rope_parameters={**_YARN, "mscale": 1.0, "mscale_all_dim": 1.0})
 
 
 def _qwen3_5(**kw):
