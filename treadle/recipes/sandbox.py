@@ -68,9 +68,16 @@ OPEN_FILES = 64  # RLIMIT_NOFILE: each open pipe or socket can hold kernel buffe
 # 16 KiB and 8 semaphore sets (the kernel's defaults allow terabytes of each).
 IPC_SYSCTLS = {"shmmax": 1 << 20, "shmall": 256, "shmmni": 16, "msgmni": 8, "msgmnb": 16384, "sem": "32 256 32 8"}
 IPC_MB = 2  # what IPC_SYSCTLS let a run hold, rounded up
-PROTECTIONS = ("namespaces", "seccomp", "cgroup")
-OPTIONAL = {"cgroup"}  # without a cgroup the channels RLIMIT_AS misses are closed one by one instead
+# What the sandbox refuses to start without, unless the caller names it in allow_missing. Namespaces are
+# not optional (without them no run starts: the probe run fails); a cgroup is used where there is one, and
+# where there is none the channels RLIMIT_AS misses are closed one by one instead, by the seccomp filter
+# among others.
+REQUIRED = ("seccomp",)
 
+# Not bubblewrap: it would replace the mounts below and nothing else. Without a user namespace it cannot
+# run the program as the slot's uid (setpriv would remain), it neither caps an IPC namespace nor joins a
+# cgroup (the shell would remain), and it would be one more system package on every host.
+#
 # Runs inside the new namespaces as root, in the host-side run directory: assemble the run's root in
 # $1 (a fresh tmpfs) and cap its IPC namespace. Arguments: root, work MiB, uid, interpreter, then the
 # directories to bind read-only.
@@ -207,9 +214,9 @@ class LocalSandbox:
             raise RuntimeError(f"LocalSandbox needs util-linux's {', '.join(missing)} on PATH")
         if not 1 <= pool_size <= MAX_POOL_SIZE:
             raise ValueError(f"pool_size must be in [1, {MAX_POOL_SIZE}], got {pool_size}")
-        unknown = set(allow_missing) - (set(PROTECTIONS) - OPTIONAL - {"namespaces"})
+        unknown = set(allow_missing) - set(REQUIRED)
         if unknown:
-            raise ValueError(f"allow_missing may name only 'seccomp', got {sorted(unknown)}")
+            raise ValueError(f"allow_missing may name only {', '.join(map(repr, REQUIRED))}, got {sorted(unknown)}")
         self.limits = limits or Limits()
         self.pool_size = pool_size
         host_mb = _host_memory_mb()
@@ -258,7 +265,7 @@ class LocalSandbox:
                             f"run total {self.limits.run_memory_mb} MiB")
         found["uids"] = f"{self.uids[0]}..{self.uids[-1]}"
         log.info("treadle sandbox protections on this host: %s", "; ".join(f"{name}: {what}" for name, what in found.items()))
-        refused = [name for name in PROTECTIONS if found.get(name, "").startswith("missing") and name not in OPTIONAL | allow_missing]
+        refused = [name for name in REQUIRED if found[name].startswith("missing") and name not in allow_missing]
         if refused:
             raise RuntimeError(f"LocalSandbox needs {', '.join(refused)}, missing on this host "
                                f"({'; '.join(found[name] for name in refused)}); pass allow_missing={tuple(refused)!r} to run without")

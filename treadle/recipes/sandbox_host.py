@@ -116,15 +116,15 @@ def find_cgroup_parents() -> tuple[dict[str, str], str]:
         for line in f:
             _, controllers, path = line.rstrip("\n").split(":", 2)
             for controller in controllers.split(",") if controllers else ["v2"]:
-                own[controller] = path.lstrip("/")
+                own[controller] = path
     if "v2" in mounts and "v2" in own:
-        here = os.path.join(mounts["v2"], own["v2"])
-        candidates = [here] + ([os.path.dirname(here)] if own["v2"] else [])
+        here = os.path.normpath(mounts["v2"] + own["v2"])
+        candidates = [here] + ([os.path.dirname(here)] if own["v2"] != "/" else [])
         parent = _writable_parent(candidates, {"memory", "pids"})
         if parent:
             return {"memory": parent, "pids": parent}, f"cgroup v2 under {parent}"
     if {"memory", "pids"} <= mounts.keys() & own.keys():
-        parents = {c: os.path.join(mounts[c], own[c]) for c in ("memory", "pids")}
+        parents = {c: os.path.normpath(mounts[c] + own[c]) for c in ("memory", "pids")}
         try:
             for parent in parents.values():
                 os.rmdir(tempfile.mkdtemp(prefix="treadle-probe-", dir=parent))
