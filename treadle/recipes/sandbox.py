@@ -1,35 +1,24 @@
 """Run untrusted Python programs (model-written solutions) in a throwaway Linux sandbox.
 
 `LocalSandbox` starts every run in fresh namespaces with util-linux `unshare` (no network: a new,
-empty network namespace; its own pid, mount, IPC and UTS namespaces) and `chroot`s into a root
-assembled for that run from read-only bind mounts of `/usr` and the interpreter's prefix, with
-tmpfs `/work` (the program's directory) and `/tmp`. Nothing else of the host is visible: not the
-caller's home, working tree or environment (the run gets a three-variable environment), and its
-`/proc` shows only the run's own processes (`hidepid`). The program runs under a uid of its own (one
-per pool slot, from a block drawn at random per sandbox, so two graders on one host, in one container
-or two, do not share uids), with no capabilities and `no_new_privs`, under rlimits on CPU time,
-address space, processes (per uid, so one run's fork bomb cannot starve another's), open files, file
-size (which also caps stdout and stderr, written to files) and core dumps, and under a seccomp filter
-(`sandbox_host.DENIED_CALLS`: kernel keyrings, memfds, new namespaces, io_uring and other kernel
-surfaces graded code never needs). A shell is the namespace's pid 1 and the program its child, so
-when the program ends, or when the wall-time limit kills the whole process group, the kernel kills
-everything left in the namespace: nothing outlives a run.
+empty network namespace; its own pid, mount, IPC, UTS and cgroup namespaces) and `chroot`s into a root
+assembled for that run from read-only bind mounts of `/usr` and the interpreter's prefix, with tmpfs
+`/work` (the program's directory) and `/tmp`, and a `/proc` that shows only the run's processes. The
+program runs under a uid of its own (one per pool slot, from a block drawn at random per sandbox), with
+no capabilities and `no_new_privs`, under rlimits (CPU time, address space, processes, open files, file
+size, which also caps stdout and stderr) and a seccomp filter (`sandbox_host.DENIED_CALLS`). All the
+memory a run can pin is bounded by `Limits.run_memory_mb`: a cgroup's `memory.max` where the host has a
+writable one, and everywhere the channels RLIMIT_AS misses closed or capped (no memfds, IPC namespace
+caps). A shell is the namespace's pid 1 and the program its child, so when the program ends, or when
+the wall-time limit kills the whole process group, the kernel kills everything left in the namespace:
+nothing outlives a run. docs/security.md ("The code sandbox") has the whole list and the reasons.
 
-Memory: everything a run can pin is bounded by `Limits.run_memory_mb`. Where the host has a writable
-cgroup (v2, or v1's memory and pids controllers), each run gets one with that `memory.max` and a
-`pids.max`; the kernel counts all of it (pages, tmpfs files, kernel objects). Everywhere, the channels
-that RLIMIT_AS does not count are closed or capped: no memfds (seccomp), SysV shared memory, message
-queues and semaphores capped in the run's IPC namespace, no POSIX message queues (RLIMIT_MSGQUEUE 0),
-no `/dev/shm`, and a small open-file limit. The sandbox refuses to start when `pool_size` runs at
-their limits would not fit in its memory budget (half the host's memory unless given).
-
-At start it checks what the host offers, reports it once (the `treadle.sandbox` logger, and
-`LocalSandbox.protections`), runs one probe program to prove the chain works, and refuses to start
-when seccomp is missing unless the caller names it in `allow_missing`.
-
-It needs root (to create the namespaces and switch uids); anything else can implement the
-`Sandbox` protocol instead, e.g. a client of an HTTP sandbox service such as SandboxFusion.
-Many runs may be in flight from many threads; `pool_size` bounds how many execute at once.
+At start it reports the protections the host offers (the `treadle.sandbox` logger and
+`LocalSandbox.protections`), proves them with one probe run, and refuses to start without seccomp
+unless the caller names it in `allow_missing`, or when `pool_size` runs would not fit in its memory
+budget. It needs root; anything else can implement the `Sandbox` protocol instead, e.g. a client of an
+HTTP sandbox service such as SandboxFusion. Many runs may be in flight from many threads; `pool_size`
+bounds how many execute at once.
 """
 
 from __future__ import annotations
@@ -68,10 +57,8 @@ OPEN_FILES = 64  # RLIMIT_NOFILE: each open pipe or socket can hold kernel buffe
 # 16 KiB and 8 semaphore sets (the kernel's defaults allow terabytes of each).
 IPC_SYSCTLS = {"shmmax": 1 << 20, "shmall": 256, "shmmni": 16, "msgmni": 8, "msgmnb": 16384, "sem": "32 256 32 8"}
 IPC_MB = 2  # what IPC_SYSCTLS let a run hold, rounded up
-# What the sandbox refuses to start without, unless the caller names it in allow_missing. Namespaces are
-# not optional (without them no run starts: the probe run fails); a cgroup is used where there is one, and
-# where there is none the channels RLIMIT_AS misses are closed one by one instead, by the seccomp filter
-# among others.
+# What the sandbox refuses to start without unless the caller names it in allow_missing. Without namespaces
+# no run starts (the probe fails); without a cgroup the channels RLIMIT_AS misses are closed one by one.
 REQUIRED = ("seccomp",)
 
 # Not bubblewrap: it would replace the mounts below and nothing else. Without a user namespace it cannot
@@ -115,31 +102,7 @@ sh -eu -c "$setup" setup "$@" || {{ echo "{SETUP_FAILED}" >&2; exit {SETUP_EXIT}
 unshare --cgroup --root="$1" --wd=/work setpriv --reuid="$3" --regid="$3" --clear-groups --no-new-privs \\
   --bounding-set=-all --inh-caps=-all -- /usr/bin/env -i PATH=/usr/bin:/bin LANG=C.UTF-8 HOME=/work "$4" -I -S -c "$loader" "$filter"
 """
-# The run's last step, as its uid with no_new_privs: load the seccomp filter (libseccomp's BPF, as
-# hex; empty when opted out), then become the program. The filter survives the exec and binds every
-# process the program starts.
-_LOADER = f"""
-import ctypes, os, sys
-bpf = bytes.fromhex(sys.argv[1])
-if bpf:
-    class Program(ctypes.Structure):
-        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_char_p)]
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_ulong]
-    if libc.prctl(22, 2, ctypes.byref(Program(len(bpf) // 8, bpf)), 0, 0):  # PR_SET_SECCOMP, SECCOMP_MODE_FILTER
-        print("{SETUP_FAILED}: seccomp:", os.strerror(ctypes.get_errno()), file=sys.stderr)
-        os._exit({SETUP_EXIT})
-os.execv(sys.executable, [sys.executable, "-I", "-S", "main.py"])
-"""
-# Run once at start: proves the whole chain works and that the filter is in force.
-_PROBE = """
-import os
-try:
-    os.memfd_create("probe")
-    print("memfd allowed")
-except OSError:
-    print("memfd refused")
-"""
+_LOADER = sandbox_host.seccomp_loader(SETUP_FAILED, SETUP_EXIT)
 
 
 class Limits(BaseModel):
@@ -189,11 +152,6 @@ def _prlimit(limits: Limits) -> list[str]:
             f"--nofile={OPEN_FILES}", "--msgqueue=0"]
 
 
-def _host_memory_mb() -> int:
-    with open("/proc/meminfo") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("MemTotal:")) // 1024
-
-
 def _read(path: str, limit: int) -> str:
     with open(path, "rb") as f:
         return f.read(limit).decode("utf-8", errors="replace")
@@ -219,7 +177,7 @@ class LocalSandbox:
             raise ValueError(f"allow_missing may name only {', '.join(map(repr, REQUIRED))}, got {sorted(unknown)}")
         self.limits = limits or Limits()
         self.pool_size = pool_size
-        host_mb = _host_memory_mb()
+        host_mb = sandbox_host.host_memory_mb()
         budget = memory_budget_mb if memory_budget_mb is not None else host_mb // 2
         if pool_size * self.limits.run_memory_mb > budget:
             raise ValueError(
@@ -253,11 +211,11 @@ class LocalSandbox:
         self._cgroup_parents, cgroup_found = sandbox_host.find_cgroup_parents()
         found["cgroup"] = (f"{cgroup_found}: memory.max {self.limits.run_memory_mb} MiB and pids.max {self._max_tasks} per run"
                            if self._cgroup_parents else f"missing: {cgroup_found}")
-        probe = self._run(_PROBE, "", self.uids[0])
+        probe = self._run(sandbox_host.SECCOMP_PROBE, "", self.uids[0])
         if probe.status != "ok":
             raise RuntimeError(f"LocalSandbox cannot run programs on this host ({probe.status}, exit {probe.exit_code}): "
                                f"{probe.stderr.strip()[-2000:]}")
-        if self._filter and probe.stdout != "memfd refused\n":
+        if self._filter and probe.stdout != sandbox_host.SECCOMP_PROBE_REFUSED:
             raise RuntimeError(f"LocalSandbox loaded its seccomp filter but memfd_create was not refused: {probe.stdout!r}")
         found["namespaces"] = "net, pid, mount, ipc, uts (util-linux unshare), chroot to a read-only root, /proc with hidepid"
         found["rlimits"] = (f"address space {self.limits.memory_mb} MiB x {self.limits.max_processes} processes, "

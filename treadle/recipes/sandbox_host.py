@@ -70,6 +70,41 @@ def seccomp_filter() -> bytes:
         return f.read()
 
 
+def seccomp_loader(failed: str, exit_code: int) -> str:
+    """The run's last step, as its uid with no_new_privs: load the filter (argv[1], hex; empty when opted
+    out), then become the program. The filter survives the exec and binds every process the program starts."""
+    return f"""
+import ctypes, os, sys
+bpf = bytes.fromhex(sys.argv[1])
+if bpf:
+    class Program(ctypes.Structure):
+        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_char_p)]
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_ulong]
+    if libc.prctl(22, 2, ctypes.byref(Program(len(bpf) // 8, bpf)), 0, 0):  # PR_SET_SECCOMP, SECCOMP_MODE_FILTER
+        print("{failed}: seccomp:", os.strerror(ctypes.get_errno()), file=sys.stderr)
+        os._exit({exit_code})
+os.execv(sys.executable, [sys.executable, "-I", "-S", "main.py"])
+"""
+
+
+# Run once when a sandbox starts: proves that the whole chain works and that the filter is in force.
+SECCOMP_PROBE = """
+import os
+try:
+    os.memfd_create("probe")
+    print("memfd allowed")
+except OSError:
+    print("memfd refused")
+"""
+SECCOMP_PROBE_REFUSED = "memfd refused\n"
+
+
+def host_memory_mb() -> int:
+    with open("/proc/meminfo") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("MemTotal:")) // 1024
+
+
 # ---- cgroups ----------------------------------------------------------------------------------------
 
 def _read(path: str) -> str:
