@@ -646,9 +646,13 @@ attempt("write another run's tmp", overwrite)
 
 # ---- what the sandbox reports and refuses -------------------------------------------------------
 
-def test_it_reports_its_protections_and_refuses_without_seccomp_unless_told(sandbox, monkeypatch):
+def test_it_reports_its_protections_and_refuses_without_seccomp_unless_told(sandbox, monkeypatch, caplog):
     assert not sandbox.protections["seccomp"].startswith("missing") and "keyctl" in sandbox.protections["seccomp"]
     assert set(sandbox.protections) >= {"namespaces", "seccomp", "cgroup", "rlimits", "uids"}
+    with caplog.at_level("INFO", logger="treadle.sandbox"):
+        reported = LocalSandbox(LIMITS, pool_size=1)
+    [record] = caplog.records  # once, at start
+    assert all(f"{name}: {what}" in record.getMessage() for name, what in reported.protections.items())
 
     def no_libseccomp():
         raise ImportError("libseccomp not found")

@@ -126,7 +126,7 @@ def _writable_parent(candidates: list[str], controllers: set[str]) -> str | None
     return None
 
 
-def find_cgroup_parents() -> tuple[dict[str, str], str]:
+def find_cgroup_parents(mountinfo: str = "/proc/self/mountinfo", own_cgroups: str = "/proc/self/cgroup") -> tuple[dict[str, str], str]:
     """Where the runs' cgroups go, by controller ({'memory': dir, 'pids': dir}), and a sentence on what was found.
 
     cgroup v2 first: the process's own cgroup if it already hands memory and pids to its children (the
@@ -135,7 +135,7 @@ def find_cgroup_parents() -> tuple[dict[str, str], str]:
     cgroups (v1 has no rule against processes beside children). Empty where none is writable.
     """
     mounts: dict[str, str] = {}
-    with open("/proc/self/mountinfo") as f:
+    with open(mountinfo) as f:
         for line in f:
             fields = line.split()
             fstype, options = fields[fields.index("-") + 1], fields[fields.index("-") + 3]
@@ -147,7 +147,7 @@ def find_cgroup_parents() -> tuple[dict[str, str], str]:
                 for controller in set(options.split(",")) & {"memory", "pids"}:
                     mounts[controller] = fields[4]
     own: dict[str, str] = {}
-    with open("/proc/self/cgroup") as f:
+    with open(own_cgroups) as f:
         for line in f:
             _, controllers, path = line.rstrip("\n").split(":", 2)
             for controller in controllers.split(",") if controllers else ["v2"]:
