@@ -371,12 +371,22 @@ attempt("perf_event_open", lambda: sys_call({SYSCALLS['perf_event_open']}, (ctyp
     _contained(_run_attempt(sandbox, body), 8)
 
 
-def test_other_architectures_system_calls_kill_the_program(sandbox):
-    # the x32 numbering of keyctl: the filter's rules name native numbers, so the filter kills the call instead
+INT_80 = """
+import mmap  # add_key through the 32-bit entry (int 0x80, eax = 286), from machine code in an executable page
+code = bytes([0xb8, 0x1e, 0x01, 0x00, 0x00, 0x31, 0xdb, 0x31, 0xc9, 0x31, 0xd2, 0xcd, 0x80, 0xc3])
+page = mmap.mmap(-1, 4096, prot=mmap.PROT_READ | mmap.PROT_WRITE | mmap.PROT_EXEC)
+page.write(code)
+ctypes.CFUNCTYPE(ctypes.c_long)(ctypes.addressof(ctypes.c_char.from_buffer(page)))()
+"""
+
+
+@pytest.mark.parametrize("call", [f"sys_call(0x40000000 | {SYSCALLS['keyctl']}, 0, -3, 0)", INT_80], ids=["x32", "int_0x80"])
+def test_other_architectures_system_calls_kill_the_program(sandbox, call):
+    # the filter's rules name native numbers, so it kills a call made under another numbering instead
     body = f"""
 print("contained before the call", flush=True)
-sys_call(0x40000000 | {SYSCALLS['keyctl']}, 0, -3, 0)
-print("ESCAPED x32 keyctl returned", flush=True)
+{call}
+print("ESCAPED the call returned", flush=True)
 """
     result = _run_attempt(sandbox, body)
     _contained(result, 1, "runtime_error")
