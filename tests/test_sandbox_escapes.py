@@ -33,7 +33,7 @@ SECRET = "s3cr3t-on-the-host"
 # Defined in every hostile program: `attempt(name, call)` prints `contained` when the call fails and
 # `ESCAPED` when it succeeds; `sys_call` is a raw system call through ctypes that raises OSError on -1.
 PRELUDE = """
-import ctypes, errno, os, subprocess, sys, time
+import ctypes, os, subprocess, sys, time
 libc = ctypes.CDLL(None, use_errno=True)
 libc.syscall.restype = ctypes.c_long
 def sys_call(number, *args):
@@ -55,7 +55,7 @@ def attempt(name, call):
 """
 # x86_64 system call numbers the programs use through ctypes
 SYSCALLS = dict(ptrace=101, mount=165, reboot=169, sethostname=170, init_module=175, add_key=248, request_key=249, keyctl=250,
-                unshare=272, setns=308, perf_event_open=298, bpf=321, userfaultfd=323, memfd_create=319, io_uring_setup=425, clone=56)
+                unshare=272, setns=308, perf_event_open=298, bpf=321, userfaultfd=323, io_uring_setup=425, clone=56)
 
 
 def _uids_in(path: str, column: int, uids: list[int]) -> list[str]:
