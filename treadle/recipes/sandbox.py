@@ -217,7 +217,7 @@ class LocalSandbox:
                                f"{probe.stderr.strip()[-2000:]}")
         if self._filter and probe.stdout != sandbox_host.SECCOMP_PROBE_REFUSED:
             raise RuntimeError(f"LocalSandbox loaded its seccomp filter but memfd_create was not refused: {probe.stdout!r}")
-        found["namespaces"] = "net, pid, mount, ipc, uts (util-linux unshare), chroot to a read-only root, /proc with hidepid"
+        found["namespaces"] = "net, pid, mount, ipc, uts, cgroup (util-linux unshare), chroot to a read-only root, /proc with hidepid"
         found["rlimits"] = (f"address space {self.limits.memory_mb} MiB x {self.limits.max_processes} processes, "
                             f"{OPEN_FILES} open files, no POSIX message queues; IPC namespace caps {IPC_SYSCTLS}; "
                             f"run total {self.limits.run_memory_mb} MiB")
