@@ -11,6 +11,15 @@ fi
 # -qq prints errors only: where pip's configuration names package indexes that do not exist, its
 # warnings about them would fill pages.
 PIP=(pip install -qq --disable-pip-version-check)
+# The code sandbox's seccomp filter is compiled by the system's libseccomp (through the pinned pyseccomp);
+# Debian and Ubuntu images have it already (apt itself needs it).
+if ! ldconfig -p | grep -q 'libseccomp\.so\.2 '; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    apt-get install -y -qq libseccomp2
+  else
+    echo "setup.sh: libseccomp.so.2 is missing: install libseccomp2 (or pass allow_missing=('seccomp',) to LocalSandbox)" >&2
+  fi
+fi
 "${PIP[@]}" torch==2.13.0
 "${PIP[@]}" -e '.[all]'
 # Installed without their declared dependencies, which are not needed and cannot all be met here:

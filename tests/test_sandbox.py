@@ -10,6 +10,7 @@ import threading
 import pytest
 
 from treadle.recipes.sandbox import Limits, LocalSandbox, run_all
+from treadle.recipes.sandbox_host import find_cgroup_parents
 
 LIMITS = Limits(cpu_seconds=1, wall_seconds=2.0, memory_mb=256, max_processes=8, max_output_bytes=64 * 1024, work_mb=4)
 
@@ -231,3 +232,27 @@ def test_concurrent_callers_share_the_pool_safely(sandbox):
     for thread in threads:
         thread.join(timeout=60)
     assert sorted(outputs) == sorted(f"{i}\n" for i in range(6))
+
+
+def test_cgroup_discovery_takes_a_delegated_v2_subtree_then_v1(tmp_path):
+    """The discovery on a host's tables, written here (this host's cgroup v2 has no memory controller to try it on)."""
+    v2 = tmp_path / "v2"
+    service, leaf = v2 / "grader.service", v2 / "grader.service" / "main"
+    leaf.mkdir(parents=True)
+    (leaf / "cgroup.subtree_control").write_text("\n")  # the grader's own leaf: it may not have children with controllers
+    (service / "cgroup.subtree_control").write_text("cpu memory pids\n")  # its delegated parent does
+    v1 = {c: tmp_path / "v1" / c / "box" for c in ("memory", "pids")}
+    for path in v1.values():
+        path.mkdir(parents=True)
+    mountinfo, own = tmp_path / "mountinfo", tmp_path / "cgroup"
+    mountinfo.write_text(f"30 20 0:26 / {v2} rw - cgroup2 cgroup2 rw\n"
+                         f"31 20 0:27 / {tmp_path / 'v1' / 'memory'} rw - cgroup cgroup rw,memory\n"
+                         f"32 20 0:28 / {tmp_path / 'v1' / 'pids'} rw - cgroup cgroup rw,pids\n")
+    own.write_text("2:memory:/box\n1:pids:/box\n0::/grader.service/main\n")
+    parents, found = find_cgroup_parents(str(mountinfo), str(own))
+    assert parents == {"memory": str(service), "pids": str(service)} and found == f"cgroup v2 under {service}"
+    (service / "cgroup.subtree_control").write_text("cpu pids\n")  # memory not delegated: v1's hierarchies instead
+    parents, found = find_cgroup_parents(str(mountinfo), str(own))
+    assert parents == {c: str(path) for c, path in v1.items()} and found.startswith("cgroup v1")
+    own.write_text("0::/grader.service/main\n")  # neither
+    assert find_cgroup_parents(str(mountinfo), str(own))[0] == {}
