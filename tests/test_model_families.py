@@ -42,6 +42,7 @@ import torch
 from treadle.gpu_worker.engine import Engine
 from treadle.gpu_worker.lora_targets import decoder_layers
 from treadle.gpu_worker.model_check import cross_entropy_datum, forward_logprobs, tolerance
+from treadle.gpu_worker.model_profile import VLLM_FAMILIES
 from treadle.testing.families import FAMILIES, SLIDING_WINDOW
 from treadle.testing.tiny_model import build_tiny_model
 from treadle.types import AdamParams, Datum, LoraConfig, LossFnType, ModelInput, SamplingParams
@@ -274,6 +275,12 @@ def test_a_model_treadle_cannot_serve_is_refused_by_name(tmp_path, family_stack)
     worker = _run("worker", "--model", f"l4={tmp_path / 'llama4'}", "--broker_url", family_stack.broker_url, timeout=300)
     assert worker.returncode != 0
     assert "cannot serve l4" in worker.stderr and "chunked attention" in worker.stderr
+
+
+@pytest.mark.parametrize("family", [f for f in FAMILY_NAMES if ROWS_FAMILY.get(f, f) not in VLLM_FAMILIES])
+def test_the_vllm_backend_refuses_a_family_it_cannot_serve_by_name(family, family_dirs):
+    with pytest.raises(ValueError, match=f"sampler vllm: .*{ROWS_FAMILY.get(family, family)}"):
+        Engine(family_dirs[family], sampler="vllm")
 
 
 def test_models_md_is_written_from_the_matrix():
