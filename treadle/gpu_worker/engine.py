@@ -29,6 +29,7 @@ from treadle.gpu_worker.device_lock import DeviceLock
 from treadle.gpu_worker.logprobs import micro_batches, target_logprobs
 from treadle.gpu_worker.losses import LOSSES
 from treadle.gpu_worker.model_host import ModelHost
+from treadle.gpu_worker.model_profile import profile
 from treadle.gpu_worker.optimizer import SessionOptimizer
 from treadle.gpu_worker.sample_extras import SampleExtras
 from treadle.gpu_worker.sampler_backend import SamplerKind, VllmOptions, make_sampler
@@ -78,9 +79,11 @@ class Engine:
         self.vocab_size = self._host.vocab_size
         self.tokenizer = self._host.tokenizer
         self.max_tokens_per_microbatch = max_tokens_per_microbatch
-        self.profile = self._host.profile  # family, LoRA targets, sampler path (`model_profile`)
+        # Family, LoRA targets, sampler path; a model treadle cannot serve is refused here (`model_profile`).
+        self.profile = profile(self._host.model, self._host.targets, str(self._host.dtype).removeprefix("torch."))
         self.sampler = make_sampler(sampler, self._bank, self._host, self._lock, max_batch_tokens=sampling_max_batch_tokens,
-                                       max_forward_tokens=max_tokens_per_microbatch, vllm=vllm)
+                                    max_forward_tokens=max_tokens_per_microbatch, vllm=vllm, vllm_serves=self.profile.vllm,
+                                    path=self.profile.sampler)
         self.sampler_path = "vllm" if isinstance(self.sampler, VllmSampler) else self.profile.sampler
         self._threads = CpuThreads(self._host.device)
         self._base_params = sum(p.numel() for p in self._host.model.parameters())

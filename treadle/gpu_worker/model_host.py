@@ -11,7 +11,6 @@ from accelerate import PartialState
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from treadle.gpu_worker.lora_targets import find_targets
-from treadle.gpu_worker.model_profile import profile
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -47,7 +46,6 @@ class ModelHost:
         self.model_type: str = config.model_type
         # What LoRA can adapt on this model; a model whose layers cannot be classified is refused here, at load.
         self.targets = find_targets(self.model)
-        self.profile = profile(self.model, self.targets, str(self.dtype).removeprefix("torch."))
         self.eos_token_id: int = self.tokenizer.eos_token_id
         self.pad_token_id: int = (
             self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_token_id

@@ -46,23 +46,26 @@ class SamplerBackend(Protocol):
         """Stop; requests not answered yet fail with a ServerError."""
 
 
-def resolve_kind(kind: SamplerKind, options: VllmOptions, host: ModelHost) -> Literal["hf", "vllm"]:
-    """`auto` is vllm when CUDA and a vLLM installation are both there and vLLM serves the model's family,
-    hf otherwise. `vllm` asked for a family it does not serve is refused, naming the family."""
-    serves = host.profile.vllm == "yes"
+def resolve_kind(kind: SamplerKind, options: VllmOptions, host: ModelHost, vllm_serves: str) -> Literal["hf", "vllm"]:
+    """`auto` is vllm when CUDA and a vLLM installation are both there and vLLM serves the model's family
+    (`vllm_serves` is "yes", else why not), hf otherwise. `vllm` asked for a family it does not serve is
+    refused, naming the family."""
+    serves = vllm_serves == "yes"
     if kind == "vllm" and not serves:
-        raise ValueError(f"sampler vllm: {host.name} ({host.profile.family}): {host.profile.vllm}")
+        raise ValueError(f"sampler vllm: {host.name} ({host.model_type}): {vllm_serves}")
     if kind != "auto":
         return kind
     return "vllm" if serves and torch.cuda.is_available() and vllm_python(options) else "hf"
 
 
 def make_sampler(kind: SamplerKind, bank: AdapterBank, host: ModelHost, device_lock: DeviceLock, *,
-                 max_batch_tokens: int, max_forward_tokens: int, vllm: VllmOptions | None = None) -> SamplerBackend:
+                 max_batch_tokens: int, max_forward_tokens: int, vllm: VllmOptions | None = None,
+                 vllm_serves: str = "yes", path: str = "hf") -> SamplerBackend:
+    """The sampler of one engine; `vllm_serves` ("yes" or why not) and `path` (how hf batches this model)
+    come from the model's profile."""
     options = vllm or VllmOptions()
-    chosen = resolve_kind(kind, options, host)
-    log.info("sampler for %s: %s%s", host.name, "vllm" if chosen == "vllm" else host.profile.sampler,
-             " (auto)" if kind == "auto" else "")
+    chosen = resolve_kind(kind, options, host, vllm_serves)
+    log.info("sampler for %s: %s%s", host.name, "vllm" if chosen == "vllm" else path, " (auto)" if kind == "auto" else "")
     if chosen == "vllm":
         return VllmSampler(bank, host, options)
     return SampleScheduler(bank, host, device_lock, max_batch_tokens=max_batch_tokens, max_forward_tokens=max_forward_tokens)
