@@ -21,7 +21,7 @@ import torch
 
 from treadle.demo.model import prepare_smollm2
 from treadle.gpu_worker.engine import Engine
-from treadle.gpu_worker.vllm_sampler import VllmOptions
+from treadle.gpu_worker.sampling.vllm.sampler import VllmOptions
 from treadle.types import AdamParams, Datum, LoraConfig, ModelInput, SamplingParams
 
 # Dense bf16 peaks (TFLOP/s, no sparsity) by device name fragment.

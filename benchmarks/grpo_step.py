@@ -51,8 +51,8 @@ class InProcessStep(InProcess):
 
     def __init__(self, model_dir: str, rank: int):
         super().__init__(model_dir, rank)
-        from treadle.gpu_worker.logprobs import target_logprobs
-        from treadle.gpu_worker.losses import importance_sampling
+        from treadle.gpu_worker.training.logprobs import target_logprobs
+        from treadle.gpu_worker.training.losses import importance_sampling
 
         self.target_logprobs, self.loss = target_logprobs, importance_sampling
         params = list(self.bank.parameters("policy").values())

@@ -48,8 +48,8 @@ class InProcess:
         import torch
         from transformers import GenerationConfig
 
-        from treadle.gpu_worker.adapters import AdapterBank
-        from treadle.gpu_worker.model_host import ModelHost
+        from treadle.gpu_worker.model.adapters import AdapterBank
+        from treadle.gpu_worker.model.host import ModelHost
         from treadle.types import LoraConfig
 
         self.torch = torch

@@ -4,7 +4,7 @@
 #   scripts/setup_vllm.sh cuda   vllm 0.33.0 for a GPU worker
 # vLLM cannot live in the worker's venv: its pins (transformers<5.20, numpy<2.4, fastapi<0.137,
 # torch 2.14 for CUDA) conflict with treadle's, so the worker runs it as a child process with this
-# venv's interpreter (treadle/gpu_worker/vllm_server.py); it finds it at .venv-vllm/bin/python, or
+# venv's interpreter (treadle/gpu_worker/sampling/vllm/server.py); it finds it at .venv-vllm/bin/python, or
 # wherever --vllm_python / TREADLE_VLLM_PYTHON points. The venv itself lives under ~/.cache/treadle,
 # named by the hash of its requirements file, so checkouts on one machine share it.
 set -euo pipefail

@@ -9,7 +9,7 @@ import sys
 import time
 
 from treadle.cli import main
-from treadle.gpu_worker import op_handlers
+from treadle.gpu_worker.sessions import op_handlers
 from treadle.queue.ops import op_request
 
 

@@ -9,16 +9,16 @@ import pytest
 import torch
 from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-from treadle.gpu_worker.adapters import AdapterBank
-from treadle.gpu_worker import batch_decode
-from treadle.gpu_worker.batch_decode import SampleJob
-from treadle.gpu_worker.device_lock import DeviceLock
-from treadle.gpu_worker.mixed_lora import adapter_runs
-from treadle.gpu_worker.model_host import ModelHost
-from treadle.gpu_worker.sample_extras import SampleExtras
-from treadle.gpu_worker.sample_scheduler import SampleScheduler
-from treadle.gpu_worker.token_choice import processed_logprobs
-from treadle.gpu_worker.validation import prepare_sample
+from treadle.gpu_worker.model.adapters import AdapterBank
+from treadle.gpu_worker.sampling.hf import batch_decode
+from treadle.gpu_worker.sampling.hf.batch_decode import SampleJob
+from treadle.gpu_worker.model.device_lock import DeviceLock
+from treadle.gpu_worker.sampling.hf.mixed_lora import adapter_runs
+from treadle.gpu_worker.model.host import ModelHost
+from treadle.gpu_worker.sampling.extras import SampleExtras
+from treadle.gpu_worker.sampling.hf.scheduler import SampleScheduler
+from treadle.gpu_worker.sampling.hf.token_choice import processed_logprobs
+from treadle.gpu_worker.training.validation import prepare_sample
 from treadle.types import LoraConfig, ModelInput, SamplingParams
 
 ADAPTERS = ["one", "two", "three"]

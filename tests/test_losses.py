@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from treadle.gpu_worker.losses import LOSSES, resolve_config
+from treadle.gpu_worker.training.losses import LOSSES, resolve_config
 
 LP = [-0.5, -1.0, -2.0, -0.1, -3.0]
 Q = [-1.0, -0.8, -1.0, -0.1, -1.5]  # ratios r = exp(lp - q): 1.6487, 0.8187, 0.3679, 1.0, 0.2231

@@ -40,7 +40,7 @@ import pytest
 import torch
 
 from treadle.gpu_worker.engine import Engine
-from treadle.gpu_worker.lora_targets import decoder_layers
+from treadle.gpu_worker.model.lora_targets import decoder_layers
 from treadle.gpu_worker.model_check import cross_entropy_datum, forward_logprobs, tolerance
 from treadle.gpu_worker.model_profile import VLLM_FAMILIES
 from treadle.testing.families import FAMILIES, SLIDING_WINDOW
@@ -321,7 +321,7 @@ def render() -> str:
             f"{'yes' if p.vllm == 'yes' else 'no'} | {gaps[0]} | {gaps[1]} | {fp32['tokens_per_s']:.0f} |")
     lines += [
         "",
-        "- **Targets** are found from the loaded model (`treadle/gpu_worker/lora_targets.py`): every linear layer of a",
+        "- **Targets** are found from the loaded model (`treadle/gpu_worker/model/lora_targets.py`): every linear layer of a",
         "  decoder layer's token mixer (`train_attn`) and feed-forward block (`train_mlp`, shared experts included),",
         "  3-D expert tensors through PEFT's `target_parameters` (`train_mlp`), `lm_head` (`train_unembed`). Routers",
         "  are never adapted. A Mamba-2 mixer's `out_proj` is not adapted (its fused kernel reads the weight directly).",

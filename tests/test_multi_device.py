@@ -165,7 +165,7 @@ def test_two_ranks_train_like_one_device(stack, sc, ref):
     followers = children(worker.pid)
     assert len(followers) == 1 and all(alive(f) for f in followers)
     with open(f"/proc/{followers[0]}/cmdline") as f:
-        assert "treadle.gpu_worker.device_group" in f.read()
+        assert "treadle.gpu_worker.parallel.device_group" in f.read()
     tc = sc.create_lora_training_client("tiny", rank=8, seed=SEED)
     losses, norms = train(tc, range(20))
     ref.engine.create_session("same", ref.lora)

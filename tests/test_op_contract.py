@@ -11,9 +11,9 @@ import pytest
 from celery import Celery
 from pydantic import BaseModel
 
-from treadle.gpu_worker import op_handlers
-from treadle.gpu_worker.celery_tasks import register_tasks
-from treadle.gpu_worker.losses import LOSSES
+from treadle.gpu_worker.sessions import op_handlers
+from treadle.gpu_worker.executor.celery_tasks import register_tasks
+from treadle.gpu_worker.training.losses import LOSSES
 from treadle.queue import ops
 from treadle.types import LossFnType
 

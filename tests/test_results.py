@@ -9,9 +9,9 @@ from types import SimpleNamespace
 import pytest
 
 from treadle.errors import InvalidRequestError
-from treadle.gpu_worker.linger import Linger
-from treadle.gpu_worker.sequencer import Sequencer
-from treadle.gpu_worker.usage import UsageRecorder
+from treadle.gpu_worker.executor.linger import Linger
+from treadle.gpu_worker.executor.sequencer import Sequencer
+from treadle.gpu_worker.executor.usage import UsageRecorder
 from treadle.metering import Meter, OpUsage, Usage
 from treadle.queue.celery_app import make_app
 from treadle.queue import names

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from treadle.gpu_worker.engine import Engine
-from treadle.gpu_worker.vllm_sampler import VllmOptions, vllm_python
+from treadle.gpu_worker.sampling.vllm.sampler import VllmOptions, vllm_python
 from treadle.testing.tiny_model import build_tiny_model
 from treadle.types import AdamParams, Datum, LoraConfig, ModelInput, SamplingParams
 
@@ -250,7 +250,7 @@ def test_what_vllm_cannot_honour_is_refused_by_name(trained):
 def test_prompt_and_sample_side_logprob_options_are_served_or_refused_by_name(trained):
     """hf serves them (tests/test_batch_sampling.py checks their values); vllm refuses each by name."""
     from treadle.errors import InvalidRequestError
-    from treadle.gpu_worker.sample_extras import SampleExtras
+    from treadle.gpu_worker.sampling.extras import SampleExtras
 
     engine = trained
     targets = np.full((len(PROMPT) - 1, 1), -1)

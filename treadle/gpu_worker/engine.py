@@ -22,21 +22,21 @@ import torch
 from peft.utils import load_peft_weights
 
 from treadle.errors import InvalidRequestError, SessionNotFoundError
-from treadle.gpu_worker.adapters import AdapterBank
-from treadle.gpu_worker.batch_decode import SampleJob
-from treadle.gpu_worker.cpu_threads import CpuThreads
-from treadle.gpu_worker.device_lock import DeviceLock
-from treadle.gpu_worker.logprobs import micro_batches, target_logprobs
-from treadle.gpu_worker.losses import LOSSES
-from treadle.gpu_worker.model_host import ModelHost
+from treadle.gpu_worker.model.adapters import AdapterBank
+from treadle.gpu_worker.sampling.hf.batch_decode import SampleJob
+from treadle.gpu_worker.model.cpu_threads import CpuThreads
+from treadle.gpu_worker.model.device_lock import DeviceLock
+from treadle.gpu_worker.training.logprobs import micro_batches, target_logprobs
+from treadle.gpu_worker.training.losses import LOSSES
+from treadle.gpu_worker.model.host import ModelHost
 from treadle.gpu_worker.model_profile import profile
-from treadle.gpu_worker.optimizer import SessionOptimizer
-from treadle.gpu_worker.sample_extras import SampleExtras
-from treadle.gpu_worker.sampler_backend import SamplerKind, VllmOptions, make_sampler
-from treadle.gpu_worker.state import TrainingState, capture_rng, read_state, restore_rng, write_state
-from treadle.gpu_worker.validation import (PreparedDatum, check_loss, check_same_adapter, check_tokens, prepare_data,
+from treadle.gpu_worker.training.optimizer import SessionOptimizer
+from treadle.gpu_worker.sampling.extras import SampleExtras
+from treadle.gpu_worker.sampling.backend import SamplerKind, VllmOptions, make_sampler
+from treadle.gpu_worker.training.state import TrainingState, capture_rng, read_state, restore_rng, write_state
+from treadle.gpu_worker.training.validation import (PreparedDatum, check_loss, check_same_adapter, check_tokens, prepare_data,
                                           prepare_sample)
-from treadle.gpu_worker.vllm_sampler import VllmSampler
+from treadle.gpu_worker.sampling.vllm.sampler import VllmSampler
 from treadle.types import (
     AdamParams,
     Datum,
@@ -223,7 +223,7 @@ class Engine:
                      include_prompt_logprobs: bool = False, topk_prompt_logprobs: int = 0, extras: SampleExtras = SampleExtras()) -> Future:
         """Queue a sample request on a frozen sampler (None: the base model); the future resolves to its
         `SampleResponse`. Logprobs are those of the distribution actually sampled from (see
-        `treadle.gpu_worker.token_choice`). A rejected request raises here, before it is queued. Queueing
+        `treadle.gpu_worker.sampling.hf.token_choice`). A rejected request raises here, before it is queued. Queueing
         never waits for the device: a burst would enter the batch one decode step apart."""
         with self._catalog:
             adapter = self._sampler(sampler_id) if sampler_id is not None else None

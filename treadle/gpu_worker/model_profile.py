@@ -10,8 +10,8 @@ from __future__ import annotations
 from pydantic import BaseModel, Field
 from torch import nn
 
-from treadle.gpu_worker import cache_rows
-from treadle.gpu_worker.lora_targets import LoraTargets, decoder_layers
+from treadle.gpu_worker.sampling.hf import cache_rows
+from treadle.gpu_worker.model.lora_targets import LoraTargets, decoder_layers
 
 PROFILE_RANK = 32  # the rank trainable-parameter counts are given at (Tinker's default)
 

@@ -68,23 +68,23 @@ class WorkerConfig(BaseModel):
     owner_session_limits: dict[str, int] = Field(default_factory=dict, description='Per-owner overrides of max_sessions_per_owner, JSON: {"alice": 8}.')
     metrics_port: int = Field(default=0, ge=0, le=65535, description="Serve Prometheus metrics on this port (0: off).")
     metrics_address: str = Field(default="127.0.0.1", description="Interface of the metrics port (0.0.0.0 inside a private network).")
-    linger_ms: float = Field(default=20.0, ge=0.0, le=10000.0, description="After running a session's ops, wait this long for the next op of any session this worker owns before going back to Celery: a loop that submits its next step right after reading a result then costs no Celery message (treadle.gpu_worker.linger). A sample request or session creation arriving meanwhile ends the wait within 5 ms (0: off).")
+    linger_ms: float = Field(default=20.0, ge=0.0, le=10000.0, description="After running a session's ops, wait this long for the next op of any session this worker owns before going back to Celery: a loop that submits its next step right after reading a result then costs no Celery message (treadle.gpu_worker.executor.linger). A sample request or session creation arriving meanwhile ends the wait within 5 ms (0: off).")
     task_events: bool = Field(default=False, description="Send Celery task events (received, started, succeeded, failed) so that Flower lists and times ops; off by default: they cost about a third of the worker's CPU per op.")
     loglevel: str = Field(default="INFO", description="Log level.")
 
 
 class WorkerService:
     def __init__(self, config: WorkerConfig):
-        from treadle.gpu_worker.autosave import Autosaver
-        from treadle.gpu_worker.celery_tasks import register_tasks
+        from treadle.gpu_worker.sessions.autosave import Autosaver
+        from treadle.gpu_worker.executor.celery_tasks import register_tasks
         from treadle.gpu_worker.engine import Engine
-        from treadle.gpu_worker.failover import Failover
-        from treadle.gpu_worker.hosting import SessionHost
-        from treadle.gpu_worker.linger import Linger
-        from treadle.gpu_worker.sampling import SamplerCache, Sampling
-        from treadle.gpu_worker.sequencer import Sequencer
-        from treadle.gpu_worker.usage import UsageRecorder
-        from treadle.gpu_worker.vllm_sampler import VllmOptions
+        from treadle.gpu_worker.executor.failover import Failover
+        from treadle.gpu_worker.sessions.hosting import SessionHost
+        from treadle.gpu_worker.executor.linger import Linger
+        from treadle.gpu_worker.executor.sample_requests import SamplerCache, Sampling
+        from treadle.gpu_worker.executor.sequencer import Sequencer
+        from treadle.gpu_worker.executor.usage import UsageRecorder
+        from treadle.gpu_worker.sampling.vllm.sampler import VllmOptions
         from treadle.observability import metrics  # prometheus-client: the worker extra, not every CLI
         from treadle.quotas import SessionQuota
         from treadle.storage.checkpoint_store import CheckpointStore
@@ -104,7 +104,7 @@ class WorkerService:
         self.served: list[ServedModel] = []
         group = None
         if config.devices > 1:  # the followers load their models while this process loads its own
-            from treadle.gpu_worker.device_group import DeviceGroup
+            from treadle.gpu_worker.parallel.device_group import DeviceGroup
 
             group = DeviceGroup(config)
             group.spawn()

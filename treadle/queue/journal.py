@@ -13,13 +13,13 @@ the retry finds the token and gets the seq the first try took, so an op is never
 (it would run twice) and no seq is skipped (the session would stall waiting for it).
 
 The same step says whether the op needs a doorbell. The worker's write that marks seq `s-1` applied also
-reads entry `s` (treadle.gpu_worker.sequencer); both are atomic in Redis, so an op journaled while its
+reads entry `s` (treadle.gpu_worker.executor.sequencer); both are atomic in Redis, so an op journaled while its
 predecessor is still to be marked applied is found by that read and needs no message. Only an op whose
 predecessor is already applied (the worker is idle, or it is the first) rings. A pipelining client so
 sends one message per burst, not one per op.
 
 Nor does an op whose owner is waiting for it. A worker that has just run a session's last op waits a
-few milliseconds for the next one (treadle.gpu_worker.linger) with its idle key set; the append takes
+few milliseconds for the next one (treadle.gpu_worker.executor.linger) with its idle key set; the append takes
 that key (the session record names its owner) and puts `<session_id> <seq>` on the owner's wake list,
 which the waiting thread pops at once. Taking the key is atomic with the journal write, and the worker
 ends its wait by deleting the same key, so each op either wakes the waiting worker or rings. (The keys

@@ -15,7 +15,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from treadle.errors import TreadleError
-from treadle.gpu_worker.hosting import OwnedSession, SessionHost
+from treadle.gpu_worker.sessions.hosting import OwnedSession, SessionHost
 from treadle.observability import metrics
 from treadle.storage.paths import CheckpointPath
 

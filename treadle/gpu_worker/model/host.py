@@ -10,7 +10,7 @@ import torch
 from accelerate import PartialState
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-from treadle.gpu_worker.lora_targets import find_targets
+from treadle.gpu_worker.model.lora_targets import find_targets
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -20,10 +20,10 @@ from celery import Celery
 from pydantic import BaseModel
 
 from treadle.errors import ServerError, TreadleError
-from treadle.gpu_worker.hosting import SessionHost
-from treadle.gpu_worker.sampling import Sampling
-from treadle.gpu_worker.sequencer import Sequencer
-from treadle.gpu_worker.usage import UsageRecorder
+from treadle.gpu_worker.sessions.hosting import SessionHost
+from treadle.gpu_worker.executor.sample_requests import Sampling
+from treadle.gpu_worker.executor.sequencer import Sequencer
+from treadle.gpu_worker.executor.usage import UsageRecorder
 from treadle.queue.ops import OPS, CreateSessionRequest, OpRequest, SampleRequest, encode_result, task_name
 from treadle.queue.results import ResultStore
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from treadle.errors import InvalidRequestError
-from treadle.gpu_worker.losses import LOSSES, resolve_config
+from treadle.gpu_worker.training.losses import LOSSES, resolve_config
 from treadle.queue.ops import parse_request
 from treadle.types import Datum, LoraConfig, ModelInput, SamplingParams
 

@@ -15,8 +15,8 @@ from collections import OrderedDict
 from concurrent.futures import Future
 from typing import Callable
 
-from treadle.gpu_worker.checkpoint_io import load_sampler
-from treadle.gpu_worker.sample_extras import SampleExtras
+from treadle.gpu_worker.sessions.checkpoint_io import load_sampler
+from treadle.gpu_worker.sampling.extras import SampleExtras
 from treadle.queue.ops import SampleRequest
 from treadle.storage.checkpoint_store import CheckpointStore
 from treadle.storage.paths import CheckpointPath

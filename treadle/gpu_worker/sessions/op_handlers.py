@@ -18,8 +18,8 @@ from typing import Callable
 from pydantic import BaseModel
 
 from treadle.errors import CheckpointExistsError, ServerError
-from treadle.gpu_worker.checkpoint_io import load_checkpoint
-from treadle.gpu_worker.external_export import export_adapter
+from treadle.gpu_worker.sessions.checkpoint_io import load_checkpoint
+from treadle.gpu_worker.sessions.external_export import export_adapter
 from treadle.observability import metrics
 from treadle.queue.ops import (
     EmptyResponse,

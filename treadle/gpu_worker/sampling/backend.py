@@ -20,12 +20,12 @@ from typing import Callable, Literal, Protocol
 import numpy as np
 import torch
 
-from treadle.gpu_worker.adapters import AdapterBank
-from treadle.gpu_worker.batch_decode import SampleJob
-from treadle.gpu_worker.device_lock import DeviceLock
-from treadle.gpu_worker.model_host import ModelHost
-from treadle.gpu_worker.sample_scheduler import SampleScheduler
-from treadle.gpu_worker.vllm_sampler import VllmOptions, VllmSampler, vllm_python
+from treadle.gpu_worker.model.adapters import AdapterBank
+from treadle.gpu_worker.sampling.hf.batch_decode import SampleJob
+from treadle.gpu_worker.model.device_lock import DeviceLock
+from treadle.gpu_worker.model.host import ModelHost
+from treadle.gpu_worker.sampling.hf.scheduler import SampleScheduler
+from treadle.gpu_worker.sampling.vllm.sampler import VllmOptions, VllmSampler, vllm_python
 
 log = logging.getLogger("treadle.sampler")
 

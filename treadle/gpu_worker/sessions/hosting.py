@@ -17,8 +17,8 @@ from concurrent.futures import Future
 from typing import Callable
 
 from treadle.errors import ServerError, SessionLostError, TreadleError, UnknownModelError
-from treadle.gpu_worker.checkpoint_io import load_checkpoint
-from treadle.gpu_worker.op_handlers import OpContext, handler_for
+from treadle.gpu_worker.sessions.checkpoint_io import load_checkpoint
+from treadle.gpu_worker.sessions.op_handlers import OpContext, handler_for
 from treadle.metering import SDK_OWNER
 from treadle.queue import names
 from treadle.queue.journal import Journal

@@ -16,10 +16,10 @@ import logging
 import time
 
 from treadle.errors import SessionLostError
-from treadle.gpu_worker.autosave import Autosaver
-from treadle.gpu_worker.expiry import expire_idle
-from treadle.gpu_worker.hosting import OwnedSession, SessionHost
-from treadle.gpu_worker.sequencer import Sequencer
+from treadle.gpu_worker.sessions.autosave import Autosaver
+from treadle.gpu_worker.sessions.expiry import expire_idle
+from treadle.gpu_worker.sessions.hosting import OwnedSession, SessionHost
+from treadle.gpu_worker.executor.sequencer import Sequencer
 from treadle.observability import metrics
 from treadle.queue import names
 

@@ -27,14 +27,14 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from treadle.gpu_worker import cache_rows
-from treadle.gpu_worker.adapters import AdapterBank
-from treadle.gpu_worker.mixed_lora import mixed_adapters, plain_linear_adapters
-from treadle.gpu_worker.model_host import ModelHost
-from treadle.gpu_worker.row_invariant import invariant_forward, row_runs
-from treadle.gpu_worker.sample_extras import SampleExtras, score_prompt, top_of_rows
-from treadle.gpu_worker.token_choice import draw, finished, processed_logprobs
-from treadle.gpu_worker.validation import PreparedSample
+from treadle.gpu_worker.sampling.hf import cache_rows
+from treadle.gpu_worker.model.adapters import AdapterBank
+from treadle.gpu_worker.sampling.hf.mixed_lora import mixed_adapters, plain_linear_adapters
+from treadle.gpu_worker.model.host import ModelHost
+from treadle.gpu_worker.sampling.hf.row_invariant import invariant_forward, row_runs
+from treadle.gpu_worker.sampling.extras import SampleExtras, score_prompt, top_of_rows
+from treadle.gpu_worker.sampling.hf.token_choice import draw, finished, processed_logprobs
+from treadle.gpu_worker.training.validation import PreparedSample
 from treadle.types import SampledSequence, SampleResponse, SamplingParams
 
 

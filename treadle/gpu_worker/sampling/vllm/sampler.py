@@ -1,7 +1,7 @@
 """The vLLM sampler backend: one vLLM engine per base model, in a child process with its own venv.
 
 Why a child process: vLLM's pins (transformers, numpy, torch, fastapi) do not resolve beside the
-worker's; see `vllm_server`. The child is started with the worker's engine and loads the same base
+worker's; see `server`. The child is started with the worker's engine and loads the same base
 model, in the same dtype, on the same device; requests and answers cross a socketpair as JSON lines.
 
 Each sampler snapshot is written once, on first use, to a local directory in PEFT format and sent as
@@ -43,14 +43,14 @@ import numpy as np
 from pydantic import BaseModel, Field
 
 from treadle.errors import InvalidRequestError, ServerError
-from treadle.gpu_worker.adapters import AdapterBank
-from treadle.gpu_worker.batch_decode import SampleJob
-from treadle.gpu_worker.model_host import ModelHost
+from treadle.gpu_worker.model.adapters import AdapterBank
+from treadle.gpu_worker.sampling.hf.batch_decode import SampleJob
+from treadle.gpu_worker.model.host import ModelHost
 from treadle.types import SampledSequence, SampleResponse
 
 log = logging.getLogger("treadle.sampler.vllm")
 
-SERVER = Path(__file__).with_name("vllm_server.py")
+SERVER = Path(__file__).with_name("server.py")
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the max_lora_rank values vLLM accepts
 STARTUP_TIMEOUT_S = 900.0
 

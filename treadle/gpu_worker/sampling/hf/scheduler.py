@@ -34,11 +34,11 @@ import numpy as np
 import torch
 
 from treadle.errors import ServerError, TreadleError
-from treadle.gpu_worker.adapters import AdapterBank
-from treadle.gpu_worker.batch_decode import DecodeBatch, SampleJob, forward_rows, prompt_logprobs_from_logits
-from treadle.gpu_worker.device_lock import DeviceLock
-from treadle.gpu_worker.logprobs import micro_batches
-from treadle.gpu_worker.model_host import ModelHost
+from treadle.gpu_worker.model.adapters import AdapterBank
+from treadle.gpu_worker.sampling.hf.batch_decode import DecodeBatch, SampleJob, forward_rows, prompt_logprobs_from_logits
+from treadle.gpu_worker.model.device_lock import DeviceLock
+from treadle.gpu_worker.training.logprobs import micro_batches
+from treadle.gpu_worker.model.host import ModelHost
 
 log = logging.getLogger("treadle.sampler")
 

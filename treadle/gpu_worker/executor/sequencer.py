@@ -16,7 +16,7 @@ get their turn. Should a doorbell ever be missing (a drain that died with an op 
 caretaker's `nudge_stalled` rings it.
 
 When the drain has nothing left, the same Celery task waits a few milliseconds for the next op of any
-session this worker owns (treadle.gpu_worker.linger): a loop that submits its next step right after
+session this worker owns (treadle.gpu_worker.executor.linger): a loop that submits its next step right after
 reading a result then costs no Celery message at all.
 """
 
@@ -32,10 +32,10 @@ from celery import Celery
 from kombu import exceptions as kombu_errors
 
 from treadle.errors import ServerError, TreadleError
-from treadle.gpu_worker.hosting import OwnedSession, SessionHost
-from treadle.gpu_worker.linger import Linger
-from treadle.gpu_worker.op_handlers import handler_for
-from treadle.gpu_worker.usage import UsageRecorder
+from treadle.gpu_worker.sessions.hosting import OwnedSession, SessionHost
+from treadle.gpu_worker.executor.linger import Linger
+from treadle.gpu_worker.sessions.op_handlers import handler_for
+from treadle.gpu_worker.executor.usage import UsageRecorder
 from treadle.metering import OpUsage
 from treadle.queue import names
 from treadle.queue.journal import Journal, JournalEntry
@@ -63,7 +63,7 @@ class Sequencer:
 
     def on_doorbell(self, session_id: str, seq: int) -> None:
         """A Celery task: run the session's ops up to `seq` (and what follows), then take the ops handed to
-        this worker directly for as long as they come (treadle.gpu_worker.linger)."""
+        this worker directly for as long as they come (treadle.gpu_worker.executor.linger)."""
         handed: tuple[str, int] | None = (session_id, seq)
         try:
             while handed is not None:
@@ -154,12 +154,12 @@ class Sequencer:
     def _record(self, entry: JournalEntry, usage: OpUsage | None, payload: dict | None, error: TreadleError | None,
                 step: int | None, handoff: bool = False) -> tuple[JournalEntry | None, bytes | None]:
         """Meter the op, store its result, mark its seq applied: in this order (a seq is never marked applied
-        without its result, see treadle.gpu_worker.usage for the meter), and in one MULTI/EXEC when results
+        without its result, see treadle.gpu_worker.executor.usage for the meter), and in one MULTI/EXEC when results
         live in the broker's Redis. Safe to repeat: the meter counts an op once, the rest are plain sets.
 
         The same round trip reads the next seq's journal entry and the lease, which the drain needs next:
         a pipelining client has usually journaled that op already. With `handoff` it also sets the idle key
-        (treadle.gpu_worker.linger): the next op, submitted once this result is read, is handed over."""
+        (treadle.gpu_worker.executor.linger): the next op, submitted once this result is read, is handed over."""
         session_id, following = entry.session_id, entry.seq + 1
         with self.host.registry.redis.pipeline(transaction=True) as pipe:
             if usage is not None:

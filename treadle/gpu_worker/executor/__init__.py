@@ -1,0 +1,1 @@
+"""The ordered op executor: Celery tasks, the per-session sequencer and hand-off, failover, usage."""

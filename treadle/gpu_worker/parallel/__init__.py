@@ -1,0 +1,1 @@
+"""Data parallelism over several devices: the device group and its distributed training step."""

@@ -1,0 +1,1 @@
+"""Sampling: the backend protocol and its two kinds, `hf` (the batched scheduler) and `vllm`."""

@@ -1,0 +1,1 @@
+"""The `hf` sampler backend: continuous batching on the PeftModel that trains, batch-invariant."""
