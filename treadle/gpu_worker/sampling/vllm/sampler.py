@@ -70,7 +70,7 @@ class VllmOptions(BaseModel):
 def vllm_python(options: VllmOptions) -> str | None:
     """The interpreter to run the engine with, or None if no vLLM installation is found."""
     candidates = [options.python, os.environ.get("TREADLE_VLLM_PYTHON"),
-                  str(Path(__file__).resolve().parents[2] / ".venv-vllm" / "bin" / "python")]
+                  str(Path(__file__).resolve().parents[4] / ".venv-vllm" / "bin" / "python")]
     for path in candidates:
         if path and Path(path).is_file():
             found = subprocess.run([path, "-c", "import importlib.util,sys; sys.exit(importlib.util.find_spec('vllm') is None)"],
