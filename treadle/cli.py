@@ -108,7 +108,7 @@ class StatusConfig(BaseModel):
 
 def cmd_status(ns) -> None:
     """Workers, sessions and queue depths, as tables or (--json) as one JSON object."""
-    from treadle.queue.ops_client import connect_redis
+    from treadle.queue.connections import connect_redis
     from treadle.status import collect_status, render
 
     cfg = config_from_args(StatusConfig, ns, "TREADLE_STATUS_", "status")
@@ -143,7 +143,7 @@ def parse_since(value: str, now: float | None = None) -> float:
 def cmd_usage(ns) -> None:
     """Metered usage per owner (treadle.metering): ops, prefill, sampled and trained tokens, compute seconds."""
     from treadle.metering import Meter
-    from treadle.queue.ops_client import connect_redis
+    from treadle.queue.connections import connect_redis
 
     cfg = config_from_args(UsageConfig, ns, "TREADLE_USAGE_", "usage")
     since = None if cfg.since is None else parse_since(cfg.since)

@@ -116,6 +116,10 @@ class Engine:
         """Optimizer steps applied so far."""
         return self._session(session_id).step
 
+    def trainable_parameters(self, session_id: str) -> dict[str, torch.nn.Parameter]:
+        """The session's adapter parameters by portable name, as its optimizer holds them (gradients included)."""
+        return self._session(session_id).optimizer.params
+
     def _session(self, session_id: str) -> _Session:
         if session_id not in self._sessions:
             raise SessionNotFoundError(f"session_id: no session {session_id!r} on base model {self.base_model}")

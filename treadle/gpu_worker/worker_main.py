@@ -26,7 +26,7 @@ from treadle.errors import InvalidRequestError
 from treadle.queue import names
 from treadle.queue.celery_app import make_app
 from treadle.queue.lease import LeaseManager
-from treadle.queue.ops_client import connect_redis
+from treadle.queue.connections import connect_redis
 from treadle.queue.workers import ServedModel, WorkerAnnouncement, WorkerRegistry, parse_model_spec
 from treadle.settings import ConnectionSettings
 

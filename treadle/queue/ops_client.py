@@ -24,39 +24,17 @@ from treadle.errors import (
 )
 from treadle.queue import names
 from treadle.queue.celery_app import RESULT_EXPIRES_S, make_app
+from treadle.queue.connections import connect_redis, ring
 from treadle.queue.journal import Journal
 from treadle.queue.ops import CreateSessionRequest, OpRequest, SampleRequest, task_name
 from treadle.queue.results import ResultStore
 from treadle.queue.sessions import SessionRecord, SessionRegistry, inactive_error
 from treadle.queue.workers import ServedModel, WorkerRegistry
 
-CONNECT_TIMEOUT_S = 3.0
 # How long a pending op tolerates having no live worker for its model (a restart under a supervisor).
 NO_WORKER_GRACE_S = float(os.environ.get("TREADLE_NO_WORKER_GRACE_S", "120"))
 # How long result polling rides out a Redis outage (restart, failover) before giving up.
 REDIS_OUTAGE_TOLERANCE_S = 120.0
-
-
-def connect_redis(url: str) -> "redis_lib.Redis":
-    """A Redis client that fails fast (seconds, not minutes) when the server is unreachable."""
-    client = redis_lib.Redis.from_url(
-        url, socket_connect_timeout=CONNECT_TIMEOUT_S, socket_timeout=30, health_check_interval=30,
-        retry_on_timeout=True,
-    )
-    try:
-        client.ping()
-    except (redis_lib.ConnectionError, redis_lib.TimeoutError, OSError) as exc:
-        raise BrokerUnavailableError(
-            f"cannot reach Redis at {url} within {CONNECT_TIMEOUT_S:.0f} s ({exc}); start a stack with "
-            "`treadle up` or set TREADLE_BROKER_URL"
-        ) from None
-    return client
-
-
-def ring(app, session_id: str, seq: int, op: str) -> None:
-    """The doorbell of a journaled op: whoever owns the session runs it (and any before it)."""
-    app.send_task(task_name(op), args=[session_id, seq], queue=names.session_queue(session_id),
-                  task_id=names.future_id(session_id, seq), ignore_result=True)
 
 
 class OpsClient:

@@ -45,8 +45,10 @@ class ResultStore:
         reads the key to never overwrite a SUCCESS; the sequencer stores each seq once, so it need not."""
         state = states.SUCCESS if error is None else states.FAILURE
         result = self.backend.encode_result(value if error is None else error, state)
-        meta = self.backend._get_result_meta(result=result, state=state, traceback=None, request=None)
-        meta["task_id"] = future_id
+        # The meta Celery's result backend stores for a finished task with no request (its own
+        # `_get_result_meta`, which is private): readers (`get_task_meta`, `AsyncResult`) need these keys.
+        meta = {"status": state, "result": result, "traceback": None, "children": [],
+                "date_done": self.backend.app.now().isoformat(), "task_id": future_id}
         key, encoded = self.backend.get_key_for_task(future_id), self.backend.encode(meta)
         pipe.set(key, encoded, ex=self.backend.expires or None)
         pipe.publish(key, encoded)

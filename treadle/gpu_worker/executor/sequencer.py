@@ -40,7 +40,7 @@ from treadle.metering import OpUsage
 from treadle.queue import names
 from treadle.queue.journal import Journal, JournalEntry
 from treadle.queue.ops import OpRequest, encode_result
-from treadle.queue.ops_client import ring
+from treadle.queue.connections import ring
 from treadle.queue.results import ResultStore
 from treadle.queue.sessions import inactive_error
 

@@ -49,8 +49,7 @@ def run_shard(engine, session_id: str, request: ForwardRequest) -> ForwardBackwa
     """This rank's share of a data-parallel forward(_backward); gradients summed over all ranks after."""
     if not request.stateful:
         return engine.forward(session_id, request.data, request.loss_fn, request.loss_fn_config) if request.data else None
-    # The session's adapter parameters, as its optimizer holds them (the engine has no public accessor).
-    params = engine._session(session_id).optimizer.params
+    params = engine.trainable_parameters(session_id)
     # The call's gradients are computed apart from the pending ones, so that only they are summed.
     pending = {name: p.grad for name, p in params.items()}
     for p in params.values():
