@@ -166,6 +166,13 @@ def test_family_through_the_engine(family, dtype, family_dirs, tmp_path):
             trained = forward_logprobs(engine, "s", prompt + seq.tokens)
             sample_gap = max(sample_gap, agree(seq.logprobs, trained[len(prompt) - 1:], family, dtype))
         agree(response.prompt_logprobs[1:], forward_logprobs(engine, "s", prompt), family, dtype)
+        # The same rows under two adapters at once (the snapshot and the base model): the mixed-step path.
+        t0 = time.monotonic()
+        mixed = [engine.sample_async(adapter, ModelInput.from_ints(prompt), 3, SamplingParams(max_tokens=16, seed=3))
+                 for adapter in ("snap", None)]
+        mixed_tokens = sum(len(s.tokens) for f in mixed for s in f.result(timeout=300).sequences)
+        mixed_per_s = mixed_tokens / (time.monotonic() - t0)
+        assert mixed[0].result().sequences[0].tokens == response.sequences[0].tokens  # alone or mixed, the same draw
 
         # compute_logprobs past the sliding windows, batched with a shorter request of another adapter.
         long = rng.integers(5, 500, LONG).tolist()
@@ -192,7 +199,8 @@ def test_family_through_the_engine(family, dtype, family_dirs, tmp_path):
     finally:
         engine.close()
     ROWS[(family, dtype)] = dict(profile=profile, loss=(before, after), sample_gap=sample_gap, compute_gap=compute_gap,
-                                 peft_gap=peft_gap, merged_gap=merged_gap, tokens_per_s=tokens_per_s)
+                                 peft_gap=peft_gap, merged_gap=merged_gap, tokens_per_s=tokens_per_s,
+                                 mixed_per_s=mixed_per_s)
 
 
 @pytest.fixture(scope="module")
@@ -306,7 +314,7 @@ def render() -> str:
         "gap between HF's own cached decode and its full forward); bf16 max 0.5 and mean 0.06 (bf16 rounds every",
         "matmul to 8 mantissa bits; these tiny models' weights are drawn at std 0.2, so their logits are large).",
         "",
-        "| family | attention | experts | LoRA attn targets | LoRA mlp targets | expert tensors | params at r32 (attn / mlp / experts) | sampler | vLLM | fp32 gap: sample / compute / PEFT / merged | bf16 gap: sample / compute / PEFT / merged | sampled tok/s (fp32, tiny) |",
+        "| family | attention | experts | LoRA attn targets | LoRA mlp targets | expert tensors | params at r32 (attn / mlp / experts) | sampler | vLLM | fp32 gap: sample / compute / PEFT / merged | bf16 gap: sample / compute / PEFT / merged | sampled tok/s, one adapter / two mixed (fp32, tiny) |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for family in FAMILY_NAMES:
@@ -318,7 +326,7 @@ def render() -> str:
             f"| {p.family} | {', '.join(p.attention)} | {p.experts or '-'} | {', '.join(p.lora_attention)} | "
             f"{', '.join(p.lora_mlp) or '-'} | {', '.join(p.lora_experts) or '-'} | "
             f"{counts['attn']:,} / {counts['mlp']:,} / {counts['experts']:,} | {p.sampler.removeprefix('hf: ')} | "
-            f"{'yes' if p.vllm == 'yes' else 'no'} | {gaps[0]} | {gaps[1]} | {fp32['tokens_per_s']:.0f} |")
+            f"{'yes' if p.vllm == 'yes' else 'no'} | {gaps[0]} | {gaps[1]} | {fp32['tokens_per_s']:.0f} / {fp32['mixed_per_s']:.0f} |")
     lines += [
         "",
         "- **Targets** are found from the loaded model (`treadle/gpu_worker/model/lora_targets.py`): every linear layer of a",
