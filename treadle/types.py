@@ -181,10 +181,11 @@ class TensorData(_Request):
 
     def __getattr__(self, name: str) -> Any:
         if name == "data":  # built from the array on first read, then kept
-            values = self.__pydantic_private__["_array"].reshape(-1).tolist()
-            self.__dict__["data"] = values
+            private = self.__pydantic_private__ or {}
+            values = private["_array"].reshape(-1).tolist()
+            vars(self)["data"] = values
             return values
-        return super().__getattr__(name)
+        return super().__getattr__(name)  # pyright: ignore[reportAttributeAccessIssue] (pydantic defines it)
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, TensorData):
