@@ -185,7 +185,7 @@ def main(cfg: Config, service: ServiceClient | None = None, sandbox: Sandbox | N
     in_flight: deque = deque()  # (problem index, policy version, future of a CodeGroup), oldest first
     last_eval: float | None = None  # shown beside the reward once an eval has run
     before = eval_before_training(run, log, partial(evaluate, sampler, tokenizer, sandbox, heldout, cfg, log))
-    last_eval = before and before["eval/pass_rate"]  # shown beside the reward once an eval has run
+    last_eval = before["eval/pass_rate"] if before else None  # shown beside the reward once an eval has run
     for step in (progress := steps(run, cfg.steps, "code RL")):
         step_started = time.monotonic()
         # ------------------------------------------------------------ stream graded groups into forward_backward

@@ -239,7 +239,7 @@ def main(cfg: Config, service: ServiceClient | None = None) -> RunResult:
     rollouts = Rollouts(training.save_weights_and_get_sampling_client(), run.step - 1, ProblemStream.at(run.position))
     before = eval_before_training(run, log, partial(evaluate, rollouts.sampler, tokenizer, heldout, cfg, log))
     eval_seconds = [before["time/eval"]] if before else []
-    last_eval = before and before["eval/accuracy"]  # shown beside the reward once an eval has run
+    last_eval = before["eval/accuracy"] if before else None  # shown beside the reward once an eval has run
 
     for step in (progress := steps(run, cfg.steps, "GRPO")):
         step_started = time.monotonic()
