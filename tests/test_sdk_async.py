@@ -68,8 +68,10 @@ class Awaiter:
         loop_ran: list[str] = []
         # A callback queued now runs before the twin returns only if the twin gave the loop control: a twin
         # doing its blocking call on the loop's thread returns first.
+        # (`asyncio.timeout`, not `wait_for`: that runs the twin in a task of its own, which always yields first.)
         asyncio.get_running_loop().call_soon(loop_ran.append, "ran")
-        value = await asyncio.wait_for(getattr(obj, f"{method}_async")(*args, **kwargs), LIVENESS_S)
+        async with asyncio.timeout(LIVENESS_S):
+            value = await getattr(obj, f"{method}_async")(*args, **kwargs)
         assert loop_ran, f"{type(obj).__name__}.{method}_async returned without letting the event loop run"
         self.awaited.add(f"{type(obj).__name__}.{method}")
         return value
