@@ -19,10 +19,10 @@ from treadle.sdk.futures import APIFuture
 from treadle.sdk.sampling_client import SamplingClient
 from treadle.sdk.training_client import TrainingClient, TrainingSession
 from treadle.settings import ConnectionSettings
-
-if TYPE_CHECKING:
-    from treadle.sdk.rest_client import RestClient
 from treadle.types import LoraConfig, ServerCapabilities, SupportedModel
+
+if TYPE_CHECKING:  # imported where it is made: the checkpoint store's clients load only for a REST client
+    from treadle.sdk.rest_client import RestClient
 
 
 class ServiceClient:
