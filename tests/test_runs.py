@@ -116,7 +116,7 @@ def test_a_runner_that_lost_its_lease_can_no_longer_write_the_run(stack):
     first = store.claim(name, "r-old")
     assert first is not None and store.claim(name, "r-new") is None  # held: nobody else gets it
     assert store.update(name, store.token("r-old", first), state="running", pid=123)
-    wait_for(lambda: store.lease_holder(name) is None, 10, "the lease to expire")
+    wait_for(lambda: store.lease_holder(name) is None, 60, "the lease to expire")
     second = store.claim(name, "r-new")
     assert second == first + 1
     assert not store.update(name, store.token("r-old", first), state="failed", message="stale")
@@ -225,7 +225,7 @@ def test_runner_shutdown_leaves_the_run_adoptable_and_stop_kills_the_whole_group
     first = runners("r-first")
     name = submit(env, unique("sleeper"), "sh", "-c", "echo start $TREADLE_RUN_ATTEMPT; sleep 300 & sleep 301 & wait")
     record = wait_for(lambda: (r := store.get(name)).status.state == "running" and r.status.pid and r, 60, "the first start")
-    procs = wait_for(lambda: len(group := _group(record.status.pid)) == 3 and group, 30, "sh and its two sleeps")
+    procs = wait_for(lambda: len(group := _group(record.status.pid)) == 3 and group, 60, "sh and its two sleeps")
 
     first.send_signal(signal.SIGTERM)
     assert first.wait(timeout=60) == 0
@@ -236,7 +236,7 @@ def test_runner_shutdown_leaves_the_run_adoptable_and_stop_kills_the_whole_group
     runners("r-second")
     record = wait_for(lambda: (r := store.get(name)).status.attempt == 2 and r.status.pid and r, 60, "adoption")
     assert record.status.runner == "r-second" and record.status.adoptions == 1 and record.status.restarts == 0
-    procs = wait_for(lambda: len(group := _group(record.status.pid)) == 3 and group, 30, "the second start")
+    procs = wait_for(lambda: len(group := _group(record.status.pid)) == 3 and group, 60, "the second start")
 
     out = treadle(env, "runs", "stop", name, "--wait_s", "30").stdout
     assert out.strip() == f"{name}: stopped"

@@ -78,7 +78,7 @@ def test_duplicate_delivery_runs_once(service_client):
     ops.ring(tc.session_id, seq, "optim_step")
     after = tc.forward(sft_batch(1), "cross_entropy").result(timeout=60)
     assert after.metrics["step:max"] == 1  # not 2: the duplicate did not step again
-    assert tc.future(optim.id).result(timeout=5).metrics == optim.result().metrics
+    assert tc.future(optim.id).result(timeout=60).metrics == optim.result().metrics
     tc.stop()
 
 
@@ -272,17 +272,16 @@ def test_no_worker_is_a_clear_error(tmp_path):
     bare.start_redis()
     try:
         sc = ServiceClient(broker_url=bare.broker_url, storage_url=bare.storage_url)
-        t0 = time.monotonic()
-        with pytest.raises(NoWorkerError):
+        with pytest.raises(NoWorkerError) as err:
             sc.create_lora_training_client("tiny")
-        assert time.monotonic() - t0 < 30
+        assert "no worker is running" in str(err.value)
+        # Refused before anything was queued, not after waiting out the no-worker grace.
+        assert sc.ops.redis.llen(names.model_queue("tiny")) == 0
     finally:
         bare.stop_redis()
 
 
 def test_unreachable_redis_is_a_clear_error():
-    t0 = time.monotonic()
     with pytest.raises(BrokerUnavailableError) as err:
         ServiceClient(broker_url="redis://127.0.0.1:1/0")
-    assert "127.0.0.1:1" in str(err.value)
-    assert time.monotonic() - t0 < 30
+    assert "127.0.0.1:1" in str(err.value) and "cannot reach Redis" in str(err.value)

@@ -76,8 +76,8 @@ def test_treadle_status_json_on_the_live_stack(stack, service_client):
                          text=True, timeout=120)
     assert next(s for s in json.loads(out.stdout)["sessions"] if s["session_id"] == resumed.session_id)["step"] == 3
     # A worker's announcement (its sessions) is refreshed every heartbeat, so a just-created session may be
-    # missing from the first report: read it again for a few heartbeats.
-    deadline = time.monotonic() + 20
+    # missing from the first report: read it again until it is there (a liveness bound: each read starts a process).
+    deadline = time.monotonic() + 120
     while True:
         worker = next(w for w in report["workers"] if w["hostname"] == mine["worker"])
         if tc.session_id in worker["sessions"] or time.monotonic() > deadline:

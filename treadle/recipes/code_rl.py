@@ -25,36 +25,44 @@ import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import Field
 from tqdm import tqdm
 
-from treadle import AdamParams, ModelInput, SamplingParams, ServiceClient
+from treadle import ModelInput, SamplingParams, ServiceClient
 from treadle.recipes.advantages import group_advantages, is_informative
 from treadle.recipes.cli import parse_config
-from treadle.recipes.code_tasks import (CodeProblem, Grade, ProblemStream, check_solution_report, extract_code, grade,
-                                        load_code_problems, problem_at, problem_prompt, run_tests, split_problems)
+from treadle.recipes.code_tasks import (
+    CodeProblem,
+    Grade,
+    check_solution_report,
+    extract_code,
+    grade,
+    load_code_problems,
+    problem_at,
+    problem_prompt,
+    run_tests,
+    split_problems,
+)
 from treadle.recipes.datums import multi_turn_rl_datum
 from treadle.recipes.evaluation import prompt_messages
-from treadle.recipes.off_policy import StalePolicy, staleness, staleness_action
-from treadle.recipes.plot import plot_metrics
+from treadle.recipes.loop import RunResult, adam, close_run, end_step, eval_before_training, start_run, steps
+from treadle.recipes.off_policy import ProblemStream, StalePolicy, staleness, staleness_action
 from treadle.recipes.rendering import render_continuation, render_generation_prompt, tool_message
-from treadle.recipes.run_log import RunLog
+from treadle.recipes.run_log import RunConfig, RunLog
 from treadle.recipes.sandbox import Limits, LocalSandbox, Sandbox
 
 
-class Config(BaseModel):
+class Config(RunConfig):
     """GRPO on programming problems graded in a sandbox, with an optional check_solution tool turn."""
 
-    base_model: str = Field(default="SmolLM2-135M-Instruct", description="Base model served by the workers.")
     log_dir: str = Field(default="runs/code_rl", description="Where metrics.jsonl, rollouts.jsonl, samples and the PNG go.")
     problems_path: str | None = Field(default=None, description="JSONL/JSON of problems (offline set, DeepCoder, TACO or LiveCodeBench rows); None: the offline set.")
     heldout_fraction: float = Field(default=0.25, gt=0.0, lt=1.0, description="Share of problems held out (by a hash of the name).")
     eval_problems: int = Field(default=100, ge=1, description="Most held-out problems evaluated.")
     system_prompt: str | None = Field(default=None, description="System message (None: the chat template's default).")
-    seed: int = Field(default=0, description="Seed of the problem order, the sampler and the LoRA init.")
-    steps: int = Field(default=20, ge=1, description="Optimizer steps.")
     groups_per_batch: int = Field(default=8, ge=1, description="Problems (groups) per step.")
     group_size: int = Field(default=8, ge=2, description="Answers sampled per problem.")
     max_turns: int = Field(default=1, ge=1, le=2, description="1: answer once; 2: check_solution on the first answer, then answer again.")
@@ -62,15 +70,11 @@ class Config(BaseModel):
     max_tokens: int = Field(default=256, ge=1, description="Most tokens per answer (per turn).")
     max_context: int = Field(default=2048, ge=2, description="Most tokens of a second-turn prompt plus its answer; longer episodes end after the first answer.")
     temperature: float = Field(default=1.0, gt=0.0, description="Sampling temperature of rollouts.")
-    lora_rank: int = Field(default=16, ge=1, description="LoRA rank (alpha is 2 x rank).")
-    learning_rate: float = Field(default=1e-4, gt=0.0, description="AdamW learning rate.")
     loss_fn: Literal["cispo", "ppo", "importance_sampling"] = Field(default="cispo", description="Policy loss.")
     normalize_std: bool = Field(default=False, description="Divide group advantages by the group's reward std.")
     no_code_reward: float = Field(default=-0.1, le=0.0, description="Reward of an answer without a code block.")
     init_state: str | None = Field(default=None, description="Start from this save_state checkpoint's weights (e.g. after SFT).")
-    eval_every: int = Field(default=5, ge=0, description="Held-out eval every N steps (0: only before and after).")
     save_every: int = Field(default=5, ge=1, description="save_state every N steps (and at the end).")
-    resume: bool = Field(default=False, description="Continue from the last checkpoint in log_dir's checkpoints.jsonl.")
     mode: Literal["sync", "async"] = Field(default="sync", description="On-policy steps, or rollouts kept running while training.")
     num_rollout_workers: int = Field(default=8, ge=1, description="Episodes (groups) being sampled and graded at once.")
     max_steps_off_policy: int = Field(default=1, ge=0, description="Async: staleness limit of a group, in steps.")
@@ -78,16 +82,6 @@ class Config(BaseModel):
     sandbox_workers: int = Field(default=4, ge=1, le=64, description="Sandboxed programs running at once.")
     sandbox_cpu_seconds: int = Field(default=2, ge=1, le=600, description="CPU-time limit of one test run.")
     sandbox_wall_seconds: float = Field(default=5.0, gt=0.0, le=600.0, description="Wall-time limit of one test run.")
-    mlflow_experiment: str | None = Field(default=None, description="Also log to this MLflow experiment (needs mlflow).")
-
-
-@dataclass
-class RunResult:
-    eval_before: float
-    eval_after: float
-    final_state_path: str
-    metrics_path: str
-    png_path: str
 
 
 @dataclass
@@ -176,35 +170,23 @@ def main(cfg: Config, service: ServiceClient | None = None, sandbox: Sandbox | N
     service = service or ServiceClient()
     sandbox = sandbox or LocalSandbox(Limits(cpu_seconds=cfg.sandbox_cpu_seconds, wall_seconds=cfg.sandbox_wall_seconds),
                                       pool_size=cfg.sandbox_workers)
-    log = RunLog(cfg.log_dir, cfg, cfg.resume, cfg.mlflow_experiment)
+    log = RunLog.for_config(cfg)
     train, heldout = split_problems(load_code_problems(cfg.problems_path), cfg.heldout_fraction)
     heldout = heldout[: cfg.eval_problems]
 
     # ---------------------------------------------------------------- session (fresh, from init_state, or resumed)
-    last = log.last_checkpoint() if cfg.resume else None
-    if last is not None:
-        training = service.create_training_client_from_state_with_optimizer(last.state_path)
-        start_step, stream = last.step + 1, ProblemStream(last.extra["cursor"], deque(last.extra["pending"]))
-        log.rewind_to(last.step)
-        print(f"resuming from {last.state_path} after step {last.step}")
-    else:
-        training = (service.create_training_client_from_state(cfg.init_state) if cfg.init_state else
-                    service.create_lora_training_client(cfg.base_model, rank=cfg.lora_rank, alpha=2 * cfg.lora_rank, seed=cfg.seed))
-        start_step, stream = 1, ProblemStream()
-        log.rewind_to(-1)  # --resume before the first checkpoint: start over
-    tokenizer = training.get_tokenizer()
+    run = start_run(service, log, cfg, init_state=cfg.init_state)
+    training, tokenizer = run.training, run.training.get_tokenizer()
+    stream = ProblemStream.at(run.position)
     if cfg.max_turns == 2:
         print(f"check_solution results are rendered as role {tool_message(tokenizer, 'check_solution', '')['role']!r} messages")
-    sampler, version = training.save_weights_and_get_sampling_client(), start_step - 1
+    sampler, version = training.save_weights_and_get_sampling_client(), run.step - 1
     workers = ThreadPoolExecutor(max_workers=cfg.num_rollout_workers, thread_name_prefix="rollout")
     in_flight: deque = deque()  # (problem index, policy version, future of a CodeGroup), oldest first
     last_eval: float | None = None  # shown beside the reward once an eval has run
-    if start_step == 1:
-        log.log_metrics(0, before := evaluate(sampler, tokenizer, sandbox, heldout, cfg, log, 0))
-        last_eval = before["eval/pass_rate"]
-    final_state_path = last.state_path if last is not None else ""
-    progress = tqdm(range(start_step, cfg.steps + 1), desc="code RL", initial=start_step - 1, total=cfg.steps)
-    for step in progress:
+    before = eval_before_training(run, log, partial(evaluate, sampler, tokenizer, sandbox, heldout, cfg, log))
+    last_eval = before["eval/pass_rate"] if before else None  # shown beside the reward once an eval has run
+    for step in (progress := steps(run, cfg.steps, "code RL")):
         step_started = time.monotonic()
         # ------------------------------------------------------------ stream graded groups into forward_backward
         fwd_futures, attempts_used, used, sample_wait, tokens, stalenesses = [], [], 0, 0.0, 0, []
@@ -243,7 +225,7 @@ def main(cfg: Config, service: ServiceClient | None = None, sandbox: Sandbox | N
             datums = [multi_turn_rl_datum(a.pieces, adv) for a, adv in zip(group.attempts, advantages)]
             tokens += sum(d.model_input.length for d in datums)
             fwd_futures.append(training.forward_backward(datums, cfg.loss_fn))
-        optim_future = training.optim_step(AdamParams(learning_rate=cfg.learning_rate, eps=1e-8)) if fwd_futures else None
+        optim_future = training.optim_step(adam(cfg)) if fwd_futures else None
 
         # ------------------------------------------------------------ results, new snapshot
         waited = time.monotonic()
@@ -261,30 +243,15 @@ def main(cfg: Config, service: ServiceClient | None = None, sandbox: Sandbox | N
             "async/staleness_max": max(stalenesses), "async/staleness_mean": sum(stalenesses) / len(stalenesses),
             "time/sample_wait": sample_wait, "time/train_wait": time.monotonic() - waited,
         }
-        if step == cfg.steps or (cfg.eval_every and step % cfg.eval_every == 0):
-            metrics.update(evaluate(sampler, tokenizer, sandbox, heldout, cfg, log, step))
-        # ------------------------------------------------------------ checkpoint with the loop position
-        checkpoint = None
-        if step % cfg.save_every == 0 or step == cfg.steps:
-            final_state_path = training.save_state(f"step-{step:06d}").result().path
-            # Groups still in flight are not part of the state: on resume their problems are sampled again.
-            checkpoint = {"cursor": stream.cursor, "pending": [*stream.pending, *(g[0] for g in in_flight)]}
-        metrics["time/step"] = time.monotonic() - step_started
-        # The step's row before its checkpoint's: a kill between the two resumes from the previous checkpoint
-        # (this row is dropped, the step runs again); the other order would resume past a row never written.
-        log.log_metrics(step, metrics)
-        if checkpoint is not None:
-            log.record_checkpoint(f"step-{step:06d}", step, final_state_path, checkpoint)
+        # ------------------------------------------------------------ eval and checkpoint, with the loop position
+        end_step(run, log, step, metrics, cfg, partial(evaluate, sampler, tokenizer, sandbox, heldout, cfg, log),
+                 position=stream.position([g[0] for g in in_flight]), started=step_started)
         last_eval = metrics.get("eval/pass_rate", last_eval)
         progress.set_postfix(reward=f"{metrics['reward/mean']:.2f}", **({} if last_eval is None else {"eval_pass": f"{last_eval:.2f}"}))
     workers.shutdown(wait=False, cancel_futures=True)
     # -------------------------------------------------------------------- curve and summary
-    png_path = plot_metrics(log.metrics_path, f"{log.log_dir}/curve.png", ["reward/mean", "accuracy/train", "eval/pass_rate"],
-                            title=f"code RL, {cfg.max_turns} turn(s) ({cfg.base_model})")
-    log.close()
-    evals = [row["eval/pass_rate"] for row in log.metrics() if "eval/pass_rate" in row]
-    return RunResult(eval_before=evals[0], eval_after=evals[-1], final_state_path=final_state_path,
-                     metrics_path=log.metrics_path, png_path=png_path)
+    return close_run(run, log, ["reward/mean", "accuracy/train", "eval/pass_rate"],
+                     f"code RL, {cfg.max_turns} turn(s) ({cfg.base_model})", "eval/pass_rate")
 
 
 if __name__ == "__main__":

@@ -20,8 +20,7 @@ import json
 import os
 import random
 import re
-from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 from treadle.recipes.sandbox import Execution, Sandbox
@@ -118,20 +117,6 @@ def split_problems(problems: Sequence[CodeProblem], heldout_fraction: float) -> 
         raise ValueError(f"heldout_fraction={heldout_fraction} leaves {len(train)} train and {len(heldout)} held-out "
                          f"problems of {len(problems)}; both need at least one")
     return train, heldout
-
-
-@dataclass
-class ProblemStream:
-    """Training problem indices to sample next: `pending` first (those in flight at a checkpoint), then from `cursor`."""
-
-    cursor: int = 0
-    pending: deque = field(default_factory=deque)
-
-    def next_index(self) -> int:
-        if self.pending:
-            return self.pending.popleft()
-        self.cursor += 1
-        return self.cursor - 1
 
 
 def problem_at(train: Sequence[CodeProblem], seed: int, index: int) -> CodeProblem:

@@ -23,16 +23,16 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 from pydantic import Field
-from tqdm import tqdm
 
-from treadle import AdamParams, Datum, ModelInput, SamplingParams, ServiceClient
+from treadle import Datum, ModelInput, SamplingParams, ServiceClient
 from treadle.recipes.cli import parse_config
 from treadle.recipes.datums import rl_datum
 from treadle.recipes.evaluation import evaluate_problems, prompt_messages
+from treadle.recipes.loop import adam, end_step, eval_before_training, start_run, steps
 from treadle.recipes.math_tasks import Problem, arithmetic_heldout, arithmetic_problem_at
 from treadle.recipes.preference import RunResult, finish_run
 from treadle.recipes.rendering import render_generation_prompt
-from treadle.recipes.run_log import RunConfig, RunLog, is_due, resume_or_create
+from treadle.recipes.run_log import RunConfig, RunLog
 
 
 class Config(RunConfig):
@@ -45,8 +45,6 @@ class Config(RunConfig):
     prompts_path: str | None = Field(default=None, description="JSONL of {prompt}; the last eval_prompts rows are held out. None: arithmetic.")
     max_operand: int = Field(default=9, ge=1, description="Arithmetic: operands are drawn from [0, max_operand].")
     system_prompt: str | None = Field(default=None, description="System message (None: the chat template's default).")
-    seed: int = Field(default=0, description="Seed of the prompt stream, the sampler and the LoRA init.")
-    steps: int = Field(default=20, ge=1, description="Optimizer steps.")
     prompts_per_batch: int = Field(default=8, ge=1, description="Prompts per step.")
     samples_per_prompt: int = Field(default=4, ge=1, description="Student completions per prompt.")
     max_tokens: int = Field(default=16, ge=1, description="Most tokens per completion.")
@@ -56,13 +54,9 @@ class Config(RunConfig):
     # On-policy, a constant subtracted from every token's advantage leaves the expected gradient as it is and
     # cuts its variance: a student far from its teacher samples tokens that all carry about the same large KL.
     kl_baseline: bool = Field(default=True, description="Subtract the batch's mean per-token KL from each token's (a baseline).")
-    lora_rank: int = Field(default=16, ge=1, description="LoRA rank (alpha is 2 x rank).")
-    learning_rate: float = Field(default=1e-4, gt=0.0, description="AdamW learning rate.")
     eval_prompts: int = Field(default=50, ge=1, description="Held-out prompts of the KL (and accuracy) eval.")
     eval_samples: int = Field(default=2, ge=1, description="Student samples per held-out prompt in the KL eval.")
     arithmetic_eval: bool = Field(default=True, description="Arithmetic: also measure greedy held-out accuracy.")
-    eval_every: int = Field(default=5, ge=0, description="Held-out eval every N steps (0: only before and after).")
-    save_every: int = Field(default=10, ge=1, description="save_state every N steps (and at the end).")
 
 
 @dataclass
@@ -115,8 +109,8 @@ def prompt_source(cfg: Config) -> tuple[Callable[[int], str], list[str], list[Pr
 def main(cfg: Config, service: ServiceClient | None = None) -> RunResult:
     service = service or ServiceClient()
     log = RunLog.for_config(cfg)
-    training, start_step = resume_or_create(service, log, cfg.resume, cfg.base_model, cfg.lora_rank, cfg.seed)
-    tokenizer = training.get_tokenizer()
+    run = start_run(service, log, cfg)  # a fresh session, or the last checkpoint's
+    training, tokenizer = run.training, run.training.get_tokenizer()
     teacher = (service.create_sampling_client(model_path=cfg.teacher_path) if cfg.teacher_path
                else service.create_sampling_client(base_model=cfg.teacher_model or cfg.base_model))
 
@@ -140,13 +134,10 @@ def main(cfg: Config, service: ServiceClient | None = None) -> RunResult:
                                                          max_tokens=cfg.max_tokens, stop=cfg.stop, desc=f"eval @ step {step}").accuracy
         return metrics
 
-    if start_step == 1:
-        log.log_metrics(0, evaluate(0))
+    eval_before_training(run, log, evaluate)
 
     # ---------------------------------------------------------------- training loop
-    final_state_path = log.last_checkpoint().state_path if start_step > 1 else ""
-    progress = tqdm(range(start_step, cfg.steps + 1), desc="distill", initial=start_step - 1, total=cfg.steps)
-    for step in progress:
+    for step in (progress := steps(run, cfg.steps, "distill")):
         started = time.monotonic()
         student = training.save_weights_and_get_sampling_client()
         first = (step - 1) * cfg.prompts_per_batch  # the prompts of a step are a pure function of it, so --resume continues
@@ -157,20 +148,15 @@ def main(cfg: Config, service: ServiceClient | None = None) -> RunResult:
         sampled = time.monotonic()
         baseline = mean_token_kl(scored) if cfg.kl_baseline else 0.0
         fwd_bwd = training.forward_backward([reverse_kl_datum(s, cfg.kl_coef, baseline) for s in scored], "importance_sampling")
-        optim = training.optim_step(AdamParams(learning_rate=cfg.learning_rate, eps=1e-8))
+        optim = training.optim_step(adam(cfg))
         fwd_bwd.result(), optim.result()
         metrics = {"kl/student_teacher": mean_token_kl(scored), "tokens": sum(len(s.tokens) for s in scored),
                    "time/sample_and_score": sampled - started, "time/step": time.monotonic() - started}
-        if is_due(step, cfg.eval_every, cfg.steps):
-            metrics.update(evaluate(step))
-        if is_due(step, cfg.save_every, cfg.steps):
-            final_state_path = log.save_checkpoint(training, step, metrics)
-        else:
-            log.log_metrics(step, metrics)
+        end_step(run, log, step, metrics, cfg, evaluate)
         progress.set_postfix(kl=f"{metrics['kl/student_teacher']:.3f}")
 
     # ---------------------------------------------------------------- curve and summary
-    return finish_run(log, final_state_path, ["kl/student_teacher", "eval/kl_student_teacher", "eval/accuracy"],
+    return finish_run(log, run.state_path, ["kl/student_teacher", "eval/kl_student_teacher", "eval/accuracy"],
                       f"distillation ({cfg.base_model})", "eval/kl_student_teacher")
 
 

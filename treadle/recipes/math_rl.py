@@ -20,20 +20,21 @@ from __future__ import annotations
 import random
 import time
 from collections import deque
-from dataclasses import dataclass
-from typing import Literal
+from dataclasses import asdict, dataclass, field
+from functools import partial
+from typing import Any, Callable, Literal
 
 from pydantic import Field
-from tqdm import tqdm
 
-from treadle import AdamParams, ModelInput, SamplingParams, ServiceClient
+from treadle import Datum, ModelInput, SamplingParams, ServiceClient
+from treadle.recipes import loop
 from treadle.recipes.advantages import group_advantages, is_informative, kl_penalized_reward, kl_sample_ref
 from treadle.recipes.cli import parse_config
 from treadle.recipes.datums import rl_datum
 from treadle.recipes.evaluation import evaluate_problems, prompt_messages
+from treadle.recipes.loop import adam, close_run, end_step, eval_before_training, start_run, steps
 from treadle.recipes.math_tasks import Problem, arithmetic_heldout, arithmetic_problem_at, load_gsm8k, reward
-from treadle.recipes.off_policy import Group, SampledCompletion, StalePolicy, staleness, staleness_action
-from treadle.recipes.plot import plot_metrics
+from treadle.recipes.off_policy import Group, ProblemStream, SampledCompletion, StalePolicy, staleness, staleness_action
 from treadle.recipes.rendering import render_generation_prompt
 from treadle.recipes.run_log import RunConfig, RunLog
 
@@ -41,27 +42,22 @@ from treadle.recipes.run_log import RunConfig, RunLog
 class Config(RunConfig):
     """GRPO on arithmetic word problems or GSM8K, through the treadle SDK."""
 
-    base_model: str = Field(default="SmolLM2-135M-Instruct", description="Base model served by the workers.")
     log_dir: str = Field(default="runs/math_rl", description="Where metrics.jsonl, checkpoints.jsonl and the PNG go.")
     task: Literal["arithmetic", "gsm8k"] = Field(default="arithmetic", description="Synthetic arithmetic or GSM8K.")
     max_operand: int = Field(default=9, ge=1, description="Arithmetic: operands are drawn from [0, max_operand].")
     gsm8k_train_path: str | None = Field(default=None, description="GSM8K train JSONL (question/answer); None: HF datasets.")
     gsm8k_eval_path: str | None = Field(default=None, description="GSM8K test JSONL; None: HF datasets.")
     system_prompt: str | None = Field(default=None, description="System message (None: the chat template's default).")
-    seed: int = Field(default=0, description="Seed of the problem stream, the sampler and the LoRA init.")
-    steps: int = Field(default=20, ge=1, description="Optimizer steps.")
     groups_per_batch: int = Field(default=8, ge=1, description="Problems (groups) per step.")
     group_size: int = Field(default=8, ge=2, description="Completions sampled per problem (K).")
     max_tokens: int = Field(default=16, ge=1, description="Most tokens per completion.")
     temperature: float = Field(default=1.0, gt=0.0, description="Sampling temperature of rollouts.")
     stop: list[str] = Field(default_factory=lambda: ["\n"], description="Stop strings of rollouts and eval.")
-    lora_rank: int = Field(default=16, ge=1, description="LoRA rank (alpha is 2 x rank).")
     learning_rate: float = Field(default=3e-4, gt=0.0, description="AdamW learning rate.")
     loss_fn: Literal["importance_sampling", "ppo", "cispo"] = Field(default="importance_sampling", description="Policy loss.")
     normalize_std: bool = Field(default=False, description="Divide group advantages by the group's reward std.")
     format_reward: float = Field(default=0.0, ge=0.0, lt=1.0, description="Reward of a wrong answer that is still an integer.")
     kl_penalty_coef: float = Field(default=0.0, ge=0.0, description="Subtract coef * KL(policy || base) from each reward.")
-    eval_every: int = Field(default=5, ge=0, description="Held-out eval every N steps (0: only before and after).")
     eval_problems: int = Field(default=50, ge=1, description="Size of the fixed held-out set.")
     save_every: int = Field(default=5, ge=1, description="save_state every N steps (and at the end).")
     mode: Literal["sync", "async"] = Field(default="sync", description="On-policy steps, or off-policy with rollouts in flight.")
@@ -71,13 +67,44 @@ class Config(RunConfig):
 
 
 @dataclass
-class RunResult:
-    eval_before: float
-    eval_after: float
-    final_state_path: str
-    metrics_path: str
-    png_path: str
-    eval_seconds: list[float]
+class RunResult(loop.RunResult):
+    eval_seconds: list[float]  # how long each held-out eval of this process took
+
+
+@dataclass
+class InFlight:
+    """A group being sampled: K completions of problem `index` from the snapshot of `policy_version`."""
+
+    index: int
+    problem: Problem
+    prompt: list[int]
+    policy_version: int
+    samples: Any  # the future of its SampleResponse
+
+
+@dataclass
+class Rollouts:
+    """The sampling side of the loop: the snapshot being sampled and its version (the step that made it), the
+    problems to sample next, and the groups being sampled now, oldest first."""
+
+    sampler: Any
+    version: int
+    stream: ProblemStream
+    in_flight: deque[InFlight] = field(default_factory=deque)
+
+
+@dataclass
+class StepBatch:
+    """What one step streamed into forward_backward, and the bookkeeping of the groups it read."""
+
+    fwd_futures: list[Any] = field(default_factory=list)
+    datums_by_call: list[list[Datum]] = field(default_factory=list)
+    rewards: list[float] = field(default_factory=list)
+    kls: list[float] = field(default_factory=list)
+    stalenesses: list[int] = field(default_factory=list)
+    counts: dict[str, int] = field(default_factory=lambda: {"use": 0, "requeue": 0, "discard": 0, "skipped": 0})
+    tokens: int = 0
+    sample_wait: float = 0.0
 
 
 def problem_source(cfg: Config):
@@ -90,171 +117,159 @@ def problem_source(cfg: Config):
     return (lambda i: train[order[i % len(train)]]), load_gsm8k(cfg.gsm8k_eval_path, "test")[: cfg.eval_problems]
 
 
+def first_line_only(cfg: Config) -> bool:
+    return cfg.task == "arithmetic"  # GSM8K answers come after a chain of thought
+
+
+def evaluate(sampler: Any, tokenizer: Any, heldout: list[Problem], cfg: Config, log: RunLog, step: int) -> dict[str, float]:
+    """Greedy held-out accuracy of the snapshot `sampler`; each answer goes to eval_samples.jsonl."""
+    started = time.monotonic()
+    result = evaluate_problems(sampler, tokenizer, heldout, system_prompt=cfg.system_prompt, max_tokens=cfg.max_tokens,
+                               stop=cfg.stop, first_line_only=first_line_only(cfg), desc=f"eval @ step {step}")
+    for problem, response in zip(heldout, result.responses):
+        log.append("eval_samples.jsonl", step, {"question": problem.question, "answer": problem.answer, "response": response})
+    return {"eval/accuracy": result.accuracy, "time/eval": time.monotonic() - started}
+
+
+def top_up(rollouts: Rollouts, target: int, problem_at: Callable[[int], Problem], tokenizer: Any, cfg: Config) -> None:
+    """Keep `target` groups being sampled from the current snapshot (requeued problems first): futures, not waits."""
+    while len(rollouts.in_flight) < target:
+        index = rollouts.stream.next_index()
+        problem = problem_at(index)
+        prompt = render_generation_prompt(tokenizer, prompt_messages(problem.question, cfg.system_prompt))
+        params = SamplingParams(max_tokens=cfg.max_tokens, temperature=cfg.temperature, stop=cfg.stop,
+                                seed=cfg.seed * 1_000_003 + index * 7919 + rollouts.version)
+        samples = rollouts.sampler.sample(ModelInput.from_ints(prompt), cfg.group_size, params)
+        rollouts.in_flight.append(InFlight(index, problem, prompt, rollouts.version, samples))
+
+
+def grade_group(group: InFlight, tokenizer: Any, cfg: Config) -> Group:
+    """Wait for a group's completions and reward each: 1 for the right answer (`format_reward` for another integer)."""
+    completions = []
+    for seq in group.samples.result().sequences:
+        text = tokenizer.decode(seq.tokens, skip_special_tokens=True)
+        completions.append(SampledCompletion(seq.tokens, seq.logprobs, reward(text, group.problem.answer, cfg.format_reward,
+                                                                              first_line_only(cfg)), text))
+    return Group(group.index, group.prompt, completions, group.policy_version)
+
+
+def kl_against_reference(reference: Any, group: Group) -> list[float]:
+    """Each completion's sampled KL(policy || base), from the base model's logprobs of its tokens."""
+    futures = [reference.compute_logprobs(ModelInput.from_ints(group.prompt + c.tokens)) for c in group.completions]
+    return [kl_sample_ref(c.logprobs, f.result()[len(group.prompt):]) for c, f in zip(group.completions, futures)]
+
+
+def stream_groups(training: Any, rollouts: Rollouts, reference: Any, problem_at: Callable[[int], Problem], tokenizer: Any,
+                  log: RunLog, step: int, cfg: Config) -> StepBatch:
+    """Read graded groups, oldest first, until `groups_per_batch` are used, submitting each one's forward_backward
+    as soon as it is graded. A staler group than `max_steps_off_policy` is requeued or discarded; a group whose
+    advantages are all zero (every reward equal) has nothing to teach and is skipped."""
+    batch, used = StepBatch(), 0
+    while used < cfg.groups_per_batch:
+        if cfg.mode == "async":
+            top_up(rollouts, cfg.async_groups_in_flight, problem_at, tokenizer, cfg)
+        waited = time.monotonic()
+        group = grade_group(rollouts.in_flight.popleft(), tokenizer, cfg)
+        batch.sample_wait += time.monotonic() - waited
+        action = staleness_action(group.policy_version, rollouts.version, cfg.max_steps_off_policy, cfg.stale_policy)
+        batch.counts[action] += 1
+        log.append("rollouts.jsonl", step, {
+            "problem_index": group.problem_index, "policy_version": group.policy_version, "trained_at_version": rollouts.version,
+            "staleness": staleness(group.policy_version, rollouts.version), "action": action,
+            "reward_mean": sum(c.reward for c in group.completions) / len(group.completions)})
+        if action == "requeue":
+            rollouts.stream.pending.append(group.problem_index)
+        if action != "use":
+            continue
+        used += 1
+        batch.stalenesses.append(staleness(group.policy_version, rollouts.version))
+        rewards = [c.reward for c in group.completions]
+        batch.rewards += rewards
+        if reference is not None:
+            kls = kl_against_reference(reference, group)
+            batch.kls += kls
+            rewards = [kl_penalized_reward(r, kl, cfg.kl_penalty_coef) for r, kl in zip(rewards, kls)]
+        advantages = group_advantages(rewards, cfg.normalize_std)
+        if not is_informative(advantages):
+            batch.counts["skipped"] += 1
+            continue
+        datums = [rl_datum(group.prompt, c.tokens, c.logprobs, a) for c, a in zip(group.completions, advantages) if c.tokens]
+        batch.tokens += sum(d.model_input.length for d in datums)
+        batch.fwd_futures.append(training.forward_backward(datums, cfg.loss_fn))
+        batch.datums_by_call.append(datums)
+    return batch
+
+
+def read_results(batch: StepBatch) -> tuple[float, list[float]]:
+    """The step's summed loss, and sampler-minus-trainer logprob differences of the trained tokens."""
+    loss, diffs = 0.0, []
+    for future, datums in zip(batch.fwd_futures, batch.datums_by_call):
+        output = future.result()
+        loss += output.metrics.get("loss:sum", 0.0)
+        for datum, out in zip(datums, output.loss_fn_outputs):
+            advantages = datum.loss_fn_inputs["advantages"].to_numpy()
+            sampled = datum.loss_fn_inputs["logprobs"].to_numpy()[advantages != 0]
+            diffs += (sampled - out["logprobs"].to_numpy()[advantages != 0]).tolist()
+    return loss, diffs
+
+
+def step_metrics(batch: StepBatch, loss: float, diffs: list[float], train_wait: float) -> dict[str, float]:
+    rewards, stalenesses, counts = batch.rewards, batch.stalenesses, batch.counts
+    return {
+        "reward/mean": sum(rewards) / len(rewards), "accuracy/train": sum(r == 1.0 for r in rewards) / len(rewards),
+        "loss:sum": loss, "tokens": batch.tokens, "groups/used": counts["use"], "groups/skipped_uniform": counts["skipped"],
+        "groups/requeued": counts["requeue"], "groups/discarded": counts["discard"],
+        "async/staleness_max": max(stalenesses), "async/staleness_mean": sum(stalenesses) / len(stalenesses),
+        "optim/kl_sample_train_v1": sum(diffs) / len(diffs) if diffs else 0.0,
+        "optim/kl_sample_train_v2": 0.5 * sum(d * d for d in diffs) / len(diffs) if diffs else 0.0,
+        **({"kl/policy_base": sum(batch.kls) / len(batch.kls)} if batch.kls else {}),
+        "time/sample_wait": batch.sample_wait, "time/train_wait": train_wait,
+    }
+
+
 def main(cfg: Config, service: ServiceClient | None = None) -> RunResult:
     service = service or ServiceClient()
     log = RunLog.for_config(cfg)
     problem_at, heldout = problem_source(cfg)
-    first_line_only = cfg.task == "arithmetic"  # GSM8K answers come after a chain of thought
 
-    # ---------------------------------------------------------------- session (fresh or resumed)
-    last = log.last_checkpoint() if cfg.resume else None
-    if last is not None:
-        training = service.create_training_client_from_state_with_optimizer(last.state_path)
-        start_step, cursor, pending = last.step + 1, last.extra["cursor"], deque(last.extra["pending"])
-        log.rewind_to(last.step)
-        print(f"resuming from {last.state_path} after step {last.step}")
-    else:
-        training = service.create_lora_training_client(cfg.base_model, rank=cfg.lora_rank, alpha=2 * cfg.lora_rank, seed=cfg.seed)
-        start_step, cursor, pending = 1, 0, deque()
-        log.rewind_to(-1)  # --resume before the first checkpoint: start over
-    tokenizer = training.get_tokenizer()
+    # ---------------------------------------------------------------- session (fresh or resumed), and what samples
+    run = start_run(service, log, cfg)
+    training, tokenizer = run.training, run.training.get_tokenizer()
     reference = service.create_sampling_client(base_model=cfg.base_model) if cfg.kl_penalty_coef > 0 else None
-    sampler, version = training.save_weights_and_get_sampling_client(), start_step - 1
-    eval_times: list[float] = []
+    rollouts = Rollouts(training.save_weights_and_get_sampling_client(), run.step - 1, ProblemStream.at(run.position))
+    before = eval_before_training(run, log, partial(evaluate, rollouts.sampler, tokenizer, heldout, cfg, log))
+    eval_seconds = [before["time/eval"]] if before else []
+    last_eval = before["eval/accuracy"] if before else None  # shown beside the reward once an eval has run
 
-    def evaluate(step: int) -> dict[str, float]:
-        started = time.monotonic()
-        result = evaluate_problems(sampler, tokenizer, heldout, system_prompt=cfg.system_prompt, max_tokens=cfg.max_tokens,
-                                   stop=cfg.stop, first_line_only=first_line_only, desc=f"eval @ step {step}")
-        eval_times.append(time.monotonic() - started)
-        for problem, response in zip(heldout, result.responses):
-            log.append("eval_samples.jsonl", step, {"question": problem.question, "answer": problem.answer, "response": response})
-        return {"eval/accuracy": result.accuracy, "time/eval": eval_times[-1]}
-
-    def submit_group(index: int):
-        """Sample K completions of problem `index` from the current snapshot: a future, not a wait."""
-        problem = problem_at(index)
-        prompt = render_generation_prompt(tokenizer, prompt_messages(problem.question, cfg.system_prompt))
-        params = SamplingParams(max_tokens=cfg.max_tokens, temperature=cfg.temperature, stop=cfg.stop,
-                                seed=cfg.seed * 1_000_003 + index * 7919 + version)
-        return index, problem, prompt, version, sampler.sample(ModelInput.from_ints(prompt), cfg.group_size, params)
-
-    def grade_group(index: int, problem: Problem, prompt: list[int], sampled_by: int, future) -> Group:
-        completions = []
-        for seq in future.result().sequences:
-            text = tokenizer.decode(seq.tokens, skip_special_tokens=True)
-            score = reward(text, problem.answer, cfg.format_reward, first_line_only)
-            completions.append(SampledCompletion(seq.tokens, seq.logprobs, score, text))
-        return Group(index, prompt, completions, sampled_by)
-
-    def kl_against_reference(group: Group) -> list[float]:
-        futures = [reference.compute_logprobs(ModelInput.from_ints(group.prompt + c.tokens)) for c in group.completions]
-        return [kl_sample_ref(c.logprobs, f.result()[len(group.prompt):]) for c, f in zip(group.completions, futures)]
-
-    in_flight: deque = deque()
-
-    def top_up(target: int, cursor: int) -> int:
-        """Keep `target` groups being sampled: requeued problems first, then new ones. Returns the new cursor."""
-        while len(in_flight) < target:
-            if pending:
-                in_flight.append(submit_group(pending.popleft()))
-            else:
-                in_flight.append(submit_group(cursor))
-                cursor += 1
-        return cursor
-
-    last_eval: float | None = None  # shown beside the reward once an eval has run
-    if start_step == 1:
-        first = evaluate(0)
-        log.log_metrics(0, first)
-        last_eval = first["eval/accuracy"]
-    final_state_path = last.state_path if last is not None else ""
-    progress = tqdm(range(start_step, cfg.steps + 1), desc="GRPO", initial=start_step - 1, total=cfg.steps)
-    for step in progress:
+    for step in (progress := steps(run, cfg.steps, "GRPO")):
         step_started = time.monotonic()
         # ------------------------------------------------------------ rollouts: sync samples one batch per step
         if cfg.mode == "sync":
-            cursor = top_up(cfg.groups_per_batch, cursor)
+            top_up(rollouts, cfg.groups_per_batch, problem_at, tokenizer, cfg)
         # ------------------------------------------------------------ stream groups into forward_backward
-        fwd_futures, datums_by_call, rewards, used = [], [], [], 0
-        counts = {"use": 0, "requeue": 0, "discard": 0, "skipped": 0}
-        stalenesses, sample_wait, tokens, kls = [], 0.0, 0, []
-        while used < cfg.groups_per_batch:
-            if cfg.mode == "async":
-                cursor = top_up(cfg.async_groups_in_flight, cursor)
-            waited = time.monotonic()
-            group = grade_group(*in_flight.popleft())
-            sample_wait += time.monotonic() - waited
-            action = staleness_action(group.policy_version, version, cfg.max_steps_off_policy, cfg.stale_policy)
-            counts[action] += 1
-            log.append("rollouts.jsonl", step, {
-                "problem_index": group.problem_index, "policy_version": group.policy_version, "trained_at_version": version,
-                "staleness": staleness(group.policy_version, version), "action": action,
-                "reward_mean": sum(c.reward for c in group.completions) / len(group.completions)})
-            if action == "requeue":
-                pending.append(group.problem_index)
-            if action != "use":
-                continue
-            used += 1
-            stalenesses.append(staleness(group.policy_version, version))
-            group_rewards = [c.reward for c in group.completions]
-            rewards += group_rewards
-            if reference is not None:
-                group_kls = kl_against_reference(group)
-                kls += group_kls
-                group_rewards = [kl_penalized_reward(r, kl, cfg.kl_penalty_coef) for r, kl in zip(group_rewards, group_kls)]
-            advantages = group_advantages(group_rewards, cfg.normalize_std)
-            if not is_informative(advantages):
-                counts["skipped"] += 1
-                continue
-            datums = [rl_datum(group.prompt, c.tokens, c.logprobs, a) for c, a in zip(group.completions, advantages) if c.tokens]
-            tokens += sum(d.model_input.length for d in datums)
-            fwd_futures.append(training.forward_backward(datums, cfg.loss_fn))
-            datums_by_call.append(datums)
+        batch = stream_groups(training, rollouts, reference, problem_at, tokenizer, log, step, cfg)
         # Every step ends in an optimizer step, even one with nothing to train on (AdamW leaves the weights
         # as they are then): the session's step count is the loop's, so a run can be checked by it.
-        optim_future = training.optim_step(AdamParams(learning_rate=cfg.learning_rate, eps=1e-8))
+        optim_future = training.optim_step(adam(cfg))
 
         # ------------------------------------------------------------ results, new snapshot
         waited = time.monotonic()
-        loss, diffs = 0.0, []
-        for future, datums in zip(fwd_futures, datums_by_call):
-            output = future.result()
-            loss += output.metrics.get("loss:sum", 0.0)
-            for datum, out in zip(datums, output.loss_fn_outputs):
-                advantages = datum.loss_fn_inputs["advantages"].to_numpy()
-                sampled = datum.loss_fn_inputs["logprobs"].to_numpy()[advantages != 0]
-                diffs += (sampled - out["logprobs"].to_numpy()[advantages != 0]).tolist()
+        loss, diffs = read_results(batch)
         optim_future.result()
-        sampler, version = training.save_weights_and_get_sampling_client(), step
-        train_wait = time.monotonic() - waited
+        rollouts.sampler, rollouts.version = training.save_weights_and_get_sampling_client(), step
+        metrics = step_metrics(batch, loss, diffs, train_wait=time.monotonic() - waited)
 
-        metrics = {
-            "reward/mean": sum(rewards) / len(rewards), "accuracy/train": sum(r == 1.0 for r in rewards) / len(rewards),
-            "loss:sum": loss, "tokens": tokens, "groups/used": used, "groups/skipped_uniform": counts["skipped"],
-            "groups/requeued": counts["requeue"], "groups/discarded": counts["discard"],
-            "async/staleness_max": max(stalenesses), "async/staleness_mean": sum(stalenesses) / len(stalenesses),
-            "optim/kl_sample_train_v1": sum(diffs) / len(diffs) if diffs else 0.0,
-            "optim/kl_sample_train_v2": 0.5 * sum(d * d for d in diffs) / len(diffs) if diffs else 0.0,
-            **({"kl/policy_base": sum(kls) / len(kls)} if kls else {}),
-            "time/sample_wait": sample_wait, "time/train_wait": train_wait,
-        }
-        if step == cfg.steps or (cfg.eval_every and step % cfg.eval_every == 0):
-            metrics.update(evaluate(step))
-        # ------------------------------------------------------------ checkpoint with the loop position
-        checkpoint = None
-        if step % cfg.save_every == 0 or step == cfg.steps:
-            saved = time.monotonic()
-            final_state_path = training.save_state(f"step-{step:06d}").result().path
-            # In-flight groups are not part of the state: on resume their problems are sampled again.
-            checkpoint = {"cursor": cursor, "pending": [*pending, *(g[0] for g in in_flight)]}
-            metrics["time/save"] = time.monotonic() - saved
-        metrics["time/step"] = time.monotonic() - step_started
-        # The step's row before its checkpoint's: a kill between the two resumes from the previous
-        # checkpoint (dropping this row), where the other order would resume past a row never written.
-        log.log_metrics(step, metrics)
-        if checkpoint is not None:
-            log.record_checkpoint(f"step-{step:06d}", step, final_state_path, checkpoint)
+        # ------------------------------------------------------------ eval and checkpoint, with the stream's position
+        end_step(run, log, step, metrics, cfg, partial(evaluate, rollouts.sampler, tokenizer, heldout, cfg, log),
+                 position=rollouts.stream.position([g.index for g in rollouts.in_flight]), started=step_started)
+        if "time/eval" in metrics:
+            eval_seconds.append(metrics["time/eval"])
         last_eval = metrics.get("eval/accuracy", last_eval)
         progress.set_postfix(reward=f"{metrics['reward/mean']:.2f}", **({} if last_eval is None else {"eval_acc": f"{last_eval:.2f}"}))
 
     # -------------------------------------------------------------------- curve and summary
-    png_path = plot_metrics(log.metrics_path, f"{log.log_dir}/curve.png", ["reward/mean", "eval/accuracy"],
-                            title=f"GRPO on {cfg.task} ({cfg.base_model})")
-    log.close()
-    evals = [row["eval/accuracy"] for row in log.metrics() if "eval/accuracy" in row]
-    return RunResult(eval_before=evals[0], eval_after=evals[-1], final_state_path=final_state_path,
-                     metrics_path=log.metrics_path, png_path=png_path, eval_seconds=eval_times)
+    result = close_run(run, log, ["reward/mean", "eval/accuracy"], f"GRPO on {cfg.task} ({cfg.base_model})", "eval/accuracy")
+    return RunResult(**asdict(result), eval_seconds=eval_seconds)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,8 @@ discarded, or its problem is requeued to be sampled again by the current policy.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 from typing import Literal
 
 StalePolicy = Literal["requeue", "discard"]
@@ -32,6 +33,31 @@ class Group:
     prompt: list[int]
     completions: list[SampledCompletion]
     policy_version: int
+
+
+@dataclass
+class ProblemStream:
+    """Training problem indices to sample next: `pending` first (requeued ones, or those in flight at a
+    checkpoint), then from `cursor`. A checkpoint saves both, so a resumed run continues the stream."""
+
+    cursor: int = 0
+    pending: deque[int] = field(default_factory=deque)
+
+    def next_index(self) -> int:
+        if self.pending:
+            return self.pending.popleft()
+        self.cursor += 1
+        return self.cursor - 1
+
+    def position(self, in_flight: list[int]) -> dict[str, object]:
+        """What a checkpoint saves to continue the stream: groups `in_flight` are not part of the training
+        state, so on resume their problems are sampled again, first."""
+        return {"cursor": self.cursor, "pending": [*self.pending, *in_flight]}
+
+    @classmethod
+    def at(cls, position: dict) -> "ProblemStream":
+        """The stream a checkpoint's `position` continues (a fresh run's is empty: from problem 0)."""
+        return cls(position.get("cursor", 0), deque(position.get("pending", [])))
 
 
 def staleness(group_version: int, current_version: int) -> int:

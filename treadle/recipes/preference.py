@@ -13,19 +13,39 @@ completion: they never change during a run, so a recipe computes them up front a
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Callable, Literal, Sequence
 
 import numpy as np
+from pydantic import Field
 
 from treadle.recipes.datums import supervised_datum
 from treadle.recipes.evaluation import evaluate_problems, prompt_messages
-from treadle.recipes.math_tasks import Problem
+from treadle.recipes.math_tasks import Problem, arithmetic_heldout
 from treadle.recipes.plot import plot_metrics
-from treadle.recipes.preference_data import PreferencePair
+from treadle.recipes.preference_data import PreferencePair, arithmetic_pairs, load_pairs
 from treadle.recipes.preference_losses import dpo_loss, sequence_logprobs
 from treadle.recipes.rendering import render_conversation
-from treadle.recipes.run_log import RunLog
+from treadle.recipes.run_log import RunConfig, RunLog
 from treadle.types import Datum
+
+ReferenceSource = Literal["sampler", "forward"]
+ReferenceScorer = Callable[[Sequence[Datum]], np.ndarray]
+
+
+class PreferenceConfig(RunConfig):
+    """The fields DPO and KTO share: the reference, beta, and the held-out eval."""
+
+    base_model: str = Field(default="SmolLM2-135M-Instruct", description="Base model served by the workers (also the reference).")
+    system_prompt: str | None = Field(default=None, description="System message (None: the chat template's default).")
+    reference: ReferenceSource = Field(default="sampler", description="Reference logprobs: the base model's sampler, or a fresh adapter's batched forward.")
+    beta: float = Field(default=0.1, gt=0.0, description="Beta: the strength of the implicit KL to the reference.")
+    heldout_path: str | None = Field(default=None, description="Held-out pairs JSONL {prompt, chosen, rejected}; None: arithmetic held-out pairs.")
+    heldout_pairs: int = Field(default=50, ge=1, description="Arithmetic: held-out pairs (and problems of the accuracy eval).")
+    max_operand: int = Field(default=9, ge=1, description="Arithmetic: operands are drawn from [0, max_operand].")
+    arithmetic_eval: bool = Field(default=True, description="Also measure greedy accuracy on the held-out arithmetic problems.")
+    max_tokens: int = Field(default=16, ge=1, description="Accuracy eval: most tokens per answer.")
+    stop: list[str] = Field(default_factory=lambda: ["\n"], description="Accuracy eval: stop strings.")
 
 
 def completion_datum(tokenizer: Any, prompt: str, completion: str, system_prompt: str | None) -> Datum:
@@ -60,10 +80,6 @@ def forward_reference_logprobs(service: Any, base_model: str, datums: Sequence[D
         out = scorer.forward(list(datums), "cross_entropy").result()
     return sequence_logprobs([o["logprobs"].to_numpy() for o in out.loss_fn_outputs],
                              [d.loss_fn_inputs["weights"].to_numpy() for d in datums])
-
-
-ReferenceSource = Literal["sampler", "forward"]
-ReferenceScorer = Callable[[Sequence[Datum]], np.ndarray]
 
 
 def reference_scorer(service: Any, base_model: str, source: ReferenceSource) -> ReferenceScorer:
@@ -121,6 +137,16 @@ def heldout_metrics(training: Any, tokenizer: Any, log: RunLog, step: int, heldo
                                                      system_prompt=system_prompt, max_tokens=max_tokens, stop=stop,
                                                      desc=f"eval @ step {step}").accuracy
     return metrics
+
+
+def heldout_evaluator(training: Any, tokenizer: Any, log: RunLog, reference: ReferenceScorer, cfg: PreferenceConfig) -> Callable[[int], dict[str, float]]:
+    """A preference run's held-out eval (`heldout_metrics` by step): its pairs (`cfg.heldout_path`, else arithmetic
+    ones) rendered and scored by the reference once, and the arithmetic problems when `cfg.arithmetic_eval`."""
+    heldout = (load_pairs(cfg.heldout_path) if cfg.heldout_path
+               else arithmetic_pairs(cfg.heldout_pairs, cfg.seed, heldout=True, max_operand=cfg.max_operand))
+    problems = arithmetic_heldout(cfg.heldout_pairs, cfg.max_operand) if cfg.arithmetic_eval else []
+    return partial(heldout_metrics, training, tokenizer, log, heldout=render_pairs(tokenizer, reference, heldout, cfg.system_prompt),
+                   beta=cfg.beta, problems=problems, system_prompt=cfg.system_prompt, max_tokens=cfg.max_tokens, stop=cfg.stop)
 
 
 def eval_part(row: dict) -> dict[str, float]:

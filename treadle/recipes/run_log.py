@@ -58,8 +58,17 @@ def append_jsonl(path: str, row: dict) -> None:
 
 
 class RunConfig(BaseModel):
-    """The fields every recipe's config shares: resuming, and the MLflow mirror of its logs."""
+    """The fields every recipe's config shares: the model and the LoRA, the length of the run and its evals and
+    checkpoints, resuming, and the MLflow mirror of its logs. A recipe overrides the defaults that differ."""
 
+    base_model: str = Field(default="SmolLM2-135M-Instruct", description="Base model served by the workers.")
+    log_dir: str = Field(default="runs/run", description="Where metrics.jsonl, checkpoints.jsonl and the PNG go.")
+    seed: int = Field(default=0, description="Seed of the data order, the sampler and the LoRA init.")
+    steps: int = Field(default=20, ge=1, description="Optimizer steps.")
+    lora_rank: int = Field(default=16, ge=1, description="LoRA rank (alpha is 2 x rank).")
+    learning_rate: float = Field(default=1e-4, gt=0.0, description="AdamW learning rate.")
+    eval_every: int = Field(default=5, ge=0, description="Held-out eval every N steps (0: only before and after).")
+    save_every: int = Field(default=10, ge=1, description="save_state every N steps (and at the end).")
     resume: bool = Field(default=False, description="Continue from the last checkpoint in log_dir's checkpoints.jsonl.")
     mlflow_experiment: str | None = Field(default=None, description="Also log to this MLflow experiment (needs mlflow).")
     mlflow_tracking_uri: str | None = Field(default=None, description="MLflow store, e.g. sqlite:///mlflow.db (None: MLFLOW_TRACKING_URI or ./mlruns).")
@@ -117,7 +126,7 @@ class RunLog:
         append_jsonl(self.checkpoints_path, record.__dict__)
         self.record_sampler(state_path, step, kind="state")
         if self._mlflow is not None and self._logged is not None and self._logged[0] == step:
-            self._register(step, self._logged[1])  # its step's row is written already (see save_checkpoint)
+            self._register(step, self._logged[1])  # its step's row is written already (see loop.end_step)
         return record
 
     def record_sampler(self, path: str, step: int, kind: str = "sampler") -> None:
@@ -130,16 +139,6 @@ class RunLog:
             if step <= up_to_step:
                 self._mlflow.register_checkpoint(path, step, kind, metrics)
         self._unregistered = [c for c in self._unregistered if c[1] > up_to_step]
-
-    def save_checkpoint(self, training: Any, step: int, metrics: dict[str, float]) -> str:
-        """End `step` with a checkpoint: save_state as `step-NNNNNN` (training state and optimizer), log the
-        step's metrics row, then record the resume point. In that order, a kill at any moment resumes from a
-        checkpoint whose rows are all written (a row past it is dropped and its step run again)."""
-        name = f"step-{step:06d}"
-        path = training.save_state(name).result().path
-        self.log_metrics(step, metrics)
-        self.record_checkpoint(name, step, path)
-        return path
 
     def checkpoints(self) -> list[CheckpointRecord]:
         return [CheckpointRecord(**row) for row in _read_jsonl(self.checkpoints_path)]
@@ -169,22 +168,3 @@ class RunLog:
             for path in sorted(glob.glob(os.path.join(self.log_dir, "*.png")) + glob.glob(os.path.join(self.log_dir, "*.jsonl"))):
                 self._mlflow.log_artifact(path)
             self._mlflow.close()
-
-
-def resume_or_create(service: Any, log: RunLog, resume: bool, base_model: str, lora_rank: int, seed: int) -> tuple[Any, int]:
-    """The run's training client and its first step: from the last checkpoint with `resume`, else a fresh LoRA.
-
-    Resuming restores the optimizer too and drops the logged steps after the checkpoint.
-    """
-    last = log.last_checkpoint() if resume else None
-    if last is None:
-        log.rewind_to(-1)  # --resume before the first checkpoint: start over
-        return service.create_lora_training_client(base_model, rank=lora_rank, alpha=2 * lora_rank, seed=seed), 1
-    log.rewind_to(last.step)
-    print(f"resuming from {last.state_path} after step {last.step}")
-    return service.create_training_client_from_state_with_optimizer(last.state_path), last.step + 1
-
-
-def is_due(step: int, every: int, last_step: int) -> bool:
-    """Whether a periodic action (eval, save) runs after `step`: every `every` steps (0: never) and after the last."""
-    return step == last_step or bool(every and step % every == 0)

@@ -20,12 +20,13 @@ from typing import Literal
 from pydantic import Field
 from tqdm import tqdm
 
-from treadle import AdamParams, ServiceClient
+from treadle import ServiceClient
 from treadle.recipes.cli import parse_config
 from treadle.recipes.conversations import EXAMPLE_CONVERSATIONS, load_conversations, load_hf_conversations
 from treadle.recipes.datums import supervised_datum
-from treadle.recipes.plot import plot_metrics
+from treadle.recipes.loop import adam, batch_indices, eval_before_training, is_due, start_run, steps
 from treadle.recipes.packing import pack_conversations
+from treadle.recipes.plot import plot_metrics
 from treadle.recipes.rendering import RenderedConversation, render_conversation
 from treadle.recipes.run_log import RunConfig, RunLog
 
@@ -33,24 +34,18 @@ from treadle.recipes.run_log import RunConfig, RunLog
 class Config(RunConfig):
     """Chat SFT with an assistant-only loss mask, pipelined through the treadle SDK."""
 
-    base_model: str = Field(default="SmolLM2-135M-Instruct", description="Base model served by the workers.")
     log_dir: str = Field(default="runs/sft", description="Where metrics.jsonl, checkpoints.jsonl and the PNG go.")
     data_path: str = Field(default=EXAMPLE_CONVERSATIONS, description="Conversations file: JSONL, JSON or parquet (Tulu 3 / UltraChat layouts; unless hf_dataset).")
     hf_dataset: str | None = Field(default=None, description="HF dataset instead, e.g. allenai/tulu-3-sft-mixture (online).")
     hf_split: str = Field(default="train", description="Split of hf_dataset (UltraChat: train_sft).")
     hf_limit: int | None = Field(default=2000, description="Use the first N conversations of hf_dataset (None: all).")
     eval_size: int = Field(default=8, ge=1, description="Conversations held out for the eval loss.")
-    seed: int = Field(default=0, description="Seed of the split, the shuffling and the LoRA init.")
-    steps: int = Field(default=20, ge=1, description="Optimizer steps.")
     batch_size: int = Field(default=8, ge=1, description="Conversations per step.")
     max_length: int = Field(default=512, ge=2, description="Truncate rendered conversations to this many tokens.")
     pack_tokens: int | None = Field(default=None, ge=2, description="Pack training conversations into sequences of up to N tokens (None: one per datum).")
     train_on: Literal["all_assistant", "last_assistant"] = Field(default="all_assistant", description="Which assistant turns to train on.")
-    lora_rank: int = Field(default=16, ge=1, description="LoRA rank (alpha is 2 x rank).")
     learning_rate: float = Field(default=2e-4, gt=0.0, description="AdamW learning rate.")
     submit_ahead: int = Field(default=1, ge=0, description="Steps enqueued before the oldest result is read.")
-    eval_every: int = Field(default=5, ge=0, description="Held-out loss every N steps (0: only before and after).")
-    save_every: int = Field(default=10, ge=1, description="save_state every N steps (and at the end).")
 
 
 @dataclass
@@ -75,33 +70,11 @@ class Submitted:
     save: object | None
 
 
-def batch_indices(step: int, batch_size: int, n: int, seed: int) -> list[int]:
-    """Conversation indices of `step` (1-based): epochs in a fresh seeded order, a pure function of step."""
-    indices = []
-    for position in range((step - 1) * batch_size, step * batch_size):
-        epoch, offset = divmod(position, n)
-        order = list(range(n))
-        random.Random(seed * 1_000_003 + epoch).shuffle(order)
-        indices.append(order[offset])
-    return indices
-
-
 def main(cfg: Config, service: ServiceClient | None = None) -> RunResult:
     service = service or ServiceClient()
     log = RunLog.for_config(cfg)
-
-    # ---------------------------------------------------------------- session (fresh or resumed)
-    last = log.last_checkpoint() if cfg.resume else None
-    if last is not None:
-        training = service.create_training_client_from_state_with_optimizer(last.state_path)
-        start_step = last.step + 1
-        log.rewind_to(last.step)
-        print(f"resuming from {last.state_path} after step {last.step}")
-    else:
-        training = service.create_lora_training_client(cfg.base_model, rank=cfg.lora_rank, alpha=2 * cfg.lora_rank, seed=cfg.seed)
-        start_step = 1
-        log.rewind_to(-1)
-    tokenizer = training.get_tokenizer()
+    run = start_run(service, log, cfg)  # a fresh session, or the last checkpoint's
+    training, tokenizer = run.training, run.training.get_tokenizer()
 
     # ---------------------------------------------------------------- data: render once, split once
     if cfg.hf_dataset:
@@ -125,40 +98,36 @@ def main(cfg: Config, service: ServiceClient | None = None) -> RunResult:
         """Mean loss per trained token of the held-out split."""
         return future.result().metrics["loss:sum"] / eval_weight
 
-    if start_step == 1:
-        log.log_metrics(0, {"eval/loss": eval_loss(training.forward(eval_datums, "cross_entropy"))})
+    eval_before_training(run, log, lambda step: {"eval/loss": eval_loss(training.forward(eval_datums, "cross_entropy"))})
 
     # ---------------------------------------------------------------- pipelined loop
     def submit(step: int) -> Submitted:
         batch = [train_datums[i] for i in batch_indices(step, cfg.batch_size, len(train_datums), cfg.seed)]
         fwd_bwd = training.forward_backward(batch, "cross_entropy")
-        optim = training.optim_step(AdamParams(learning_rate=cfg.learning_rate, eps=1e-8))
-        evaluate = step == cfg.steps or (cfg.eval_every and step % cfg.eval_every == 0)
-        save = step % cfg.save_every == 0 or step == cfg.steps
+        optim = training.optim_step(adam(cfg))
+        evaluate = is_due(step, cfg.eval_every, cfg.steps)
+        save = is_due(step, cfg.save_every, cfg.steps)
         return Submitted(step, time.monotonic(), sum(sum(d.loss_fn_inputs["weights"].data) for d in batch), fwd_bwd, optim,
                          training.forward(eval_datums, "cross_entropy") if evaluate else None,
                          training.save_state(f"step-{step:06d}") if save else None)
 
-    final_state_path = last.state_path if last is not None else ""
-
     def finish(s: Submitted) -> None:
-        nonlocal final_state_path
+        """Read a step's results and log its row (and its checkpoint's record)."""
         loss = s.forward_backward.result().metrics["loss:sum"]
         s.optim.result()
         metrics = {"train/loss": loss / s.trained_weight, "tokens": s.trained_weight}
         if s.eval is not None:
             metrics["eval/loss"] = eval_loss(s.eval)
         if s.save is not None:
-            final_state_path = s.save.result().path
+            run.state_path = s.save.result().path
         metrics["time/step"] = time.monotonic() - s.started
-        log.log_metrics(s.step, metrics)  # before the checkpoint's record: see math_rl
+        log.log_metrics(s.step, metrics)  # before the checkpoint's record: see loop.end_step
         if s.save is not None:
-            log.record_checkpoint(f"step-{s.step:06d}", s.step, final_state_path)
+            log.record_checkpoint(f"step-{s.step:06d}", s.step, run.state_path)
         progress.set_postfix(loss=f"{metrics['train/loss']:.3f}")
 
     in_flight: deque[Submitted] = deque()
-    progress = tqdm(range(start_step, cfg.steps + 1), desc="SFT", initial=start_step - 1, total=cfg.steps)
-    for step in progress:
+    for step in (progress := steps(run, cfg.steps, "SFT")):
         in_flight.append(submit(step))
         while len(in_flight) > cfg.submit_ahead:
             finish(in_flight.popleft())
@@ -169,7 +138,7 @@ def main(cfg: Config, service: ServiceClient | None = None) -> RunResult:
     png_path = plot_metrics(log.metrics_path, f"{log.log_dir}/curve.png", ["train/loss", "eval/loss"], title=f"SFT ({cfg.base_model})")
     log.close()
     evals = [row["eval/loss"] for row in log.metrics() if "eval/loss" in row]
-    return RunResult(evals[0], evals[-1], final_state_path, log.metrics_path, png_path)
+    return RunResult(evals[0], evals[-1], run.state_path, log.metrics_path, png_path)
 
 
 if __name__ == "__main__":

@@ -7,16 +7,11 @@ with `TrainingClient.future(id)`.
 
 from __future__ import annotations
 
-import asyncio
-import time
-from typing import Any, Callable, Generic, TypeVar
+from typing import Any, Callable, Generator, Generic, TypeVar
 
-from treadle.errors import FutureTimeoutError
+from treadle.sdk.background import wait_off_loop
 
 T = TypeVar("T")
-
-# How often an awaited future checks that it can still resolve (`OpsClient.check_future`).
-CHECK_EVERY_S = 2.0
 
 
 class APIFuture(Generic[T]):
@@ -43,23 +38,13 @@ class APIFuture(Generic[T]):
         return self._value
 
     async def result_async(self, timeout: float | None = None) -> T:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        delay = 0.001
-        # As the blocking wait does: soon, then every CHECK_EVERY_S, ask whether the future can still
-        # resolve (its session lost or stopped, its seq or sample id never submitted), or it would wait forever.
-        next_check = time.monotonic() + 0.5
-        while not self.done():
-            now = time.monotonic()
-            if deadline is not None and now >= deadline:
-                raise FutureTimeoutError(f"{self._id}: no result within {timeout} s")
-            if now >= next_check:
-                next_check = now + CHECK_EVERY_S
-                self._ops.check_future(self._id)
-            await asyncio.sleep(delay)
-            delay = min(delay * 1.5, 0.05)
-        return self.result()
+        """`result()` without blocking the event loop: the same wait (asleep on the result's channel, the same
+        liveness checks and outage tolerance), run on a thread of its own (see `treadle.sdk.background`)."""
+        if self._resolved:
+            return self._value
+        return await wait_off_loop(self.result, timeout)
 
-    def __await__(self):
+    def __await__(self) -> Generator[Any, None, T]:
         return self.result_async().__await__()
 
     def __repr__(self) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from treadle.queue.ops import SampleRequest
+from treadle.sdk.background import submit_in_order
 from treadle.sdk.futures import APIFuture
 from treadle.types import ModelInput, SampleResponse, SamplingParams
 
@@ -41,8 +42,14 @@ class SamplingClient:
     def future(self, future_id: str) -> APIFuture[SampleResponse]:
         return APIFuture(self._ops, future_id, SampleResponse.model_validate, base_model=self._base_model)
 
-    async def sample_async(self, prompt, num_samples=1, sampling_params=None, include_prompt_logprobs=False, topk_prompt_logprobs=0):
-        return await self.sample(prompt, num_samples, sampling_params, include_prompt_logprobs, topk_prompt_logprobs)
+    # ------------------------------------------------------------ async twins
+    # As tinker's: each resolves to the response (a sample need not be ordered behind anything, but it
+    # shares the one submitting thread; see `treadle.sdk.background`).
+    async def sample_async(self, prompt: ModelInput, num_samples: int = 1, sampling_params: SamplingParams | None = None,
+                           include_prompt_logprobs: bool = False, topk_prompt_logprobs: int = 0) -> SampleResponse:
+        future = await submit_in_order(self.sample, prompt, num_samples, sampling_params, include_prompt_logprobs,
+                                       topk_prompt_logprobs)
+        return await future
 
-    async def compute_logprobs_async(self, prompt):
-        return await self.compute_logprobs(prompt)
+    async def compute_logprobs_async(self, prompt: ModelInput) -> list[float | None]:
+        return await (await submit_in_order(self.compute_logprobs, prompt))

@@ -8,15 +8,21 @@ start one; it does not start servers behind your back.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from treadle.errors import BrokerUnavailableError
 from treadle.queue.ops import CreateSessionRequest, decode_result
 from treadle.queue.ops_client import OpsClient
 from treadle.queue.sessions import SessionRecord
+from treadle.sdk.background import wait_off_loop
 from treadle.sdk.futures import APIFuture
 from treadle.sdk.sampling_client import SamplingClient
 from treadle.sdk.training_client import TrainingClient, TrainingSession
 from treadle.settings import ConnectionSettings
 from treadle.types import LoraConfig, ServerCapabilities, SupportedModel
+
+if TYPE_CHECKING:  # imported where it is made: the checkpoint store's clients load only for a REST client
+    from treadle.sdk.rest_client import RestClient
 
 
 class ServiceClient:
@@ -89,7 +95,7 @@ class ServiceClient:
         self.ops.require_model(base_model)
         return SamplingClient(self.ops, base_model=base_model, model_path=model_path)
 
-    def create_rest_client(self):
+    def create_rest_client(self) -> RestClient:
         from treadle.sdk.rest_client import RestClient
 
         return RestClient(self.settings.storage_url)
@@ -99,23 +105,25 @@ class ServiceClient:
         return APIFuture(self.ops, future_id, decode_result)
 
     # ------------------------------------------------------------ async twins
-    async def create_lora_training_client_async(self, base_model: str, **kwargs) -> TrainingClient:
-        import asyncio
-
-        return await asyncio.to_thread(self.create_lora_training_client, base_model, **kwargs)
+    # Creating a session waits for a worker to load it, and the capabilities are a Redis read: each runs
+    # on a thread of its own (see `treadle.sdk.background`), so the event loop goes on meanwhile.
+    async def create_lora_training_client_async(self, base_model: str, rank: int = 32, alpha: float = 32,
+                                                seed: int | None = None, train_mlp: bool = True, train_attn: bool = True,
+                                                train_unembed: bool = True, user_metadata: dict | None = None,
+                                                checkpoint_every: int | None = None) -> TrainingClient:
+        return await wait_off_loop(self.create_lora_training_client, base_model, rank=rank, alpha=alpha, seed=seed,
+                                   train_mlp=train_mlp, train_attn=train_attn, train_unembed=train_unembed,
+                                   user_metadata=user_metadata, checkpoint_every=checkpoint_every)
 
     async def create_training_client_from_state_async(self, path: str, user_metadata: dict | None = None) -> TrainingClient:
-        import asyncio
+        return await wait_off_loop(self.create_training_client_from_state, path, user_metadata)
 
-        return await asyncio.to_thread(self.create_training_client_from_state, path, user_metadata)
-
-    async def create_training_client_from_state_with_optimizer_async(self, path: str, user_metadata: dict | None = None) -> TrainingClient:
-        import asyncio
-
-        return await asyncio.to_thread(self.create_training_client_from_state_with_optimizer, path, user_metadata)
+    async def create_training_client_from_state_with_optimizer_async(self, path: str,
+                                                                     user_metadata: dict | None = None) -> TrainingClient:
+        return await wait_off_loop(self.create_training_client_from_state_with_optimizer, path, user_metadata)
 
     async def get_server_capabilities_async(self) -> ServerCapabilities:
-        return self.get_server_capabilities()
+        return await wait_off_loop(self.get_server_capabilities)
 
     def __enter__(self) -> "ServiceClient":
         return self

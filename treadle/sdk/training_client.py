@@ -23,7 +23,9 @@ from treadle.queue.ops import (
     StopRequest,
     decode_result,
 )
+from treadle.sdk.background import submit_in_order, wait_off_loop
 from treadle.sdk.futures import APIFuture
+from treadle.sdk.sampling_client import SamplingClient
 from treadle.types import (
     AdamParams,
     Datum,
@@ -91,27 +93,8 @@ class TrainingClient:
         a cross_entropy backward with weights = -dLoss/dlogprobs, which yields the exact gradient.
         Blocks until the backward is submitted, so ops submitted afterwards stay in order.
         """
-        import torch
-
         data = _datums(data)
-        forward = self.forward(data, "cross_entropy").result()
-        logprobs = [o["logprobs"].to_torch().float().requires_grad_(True) for o in forward.loss_fn_outputs]
-        loss, metrics = loss_fn(data, logprobs)
-        loss.backward()
-        weighted = []
-        for datum, lp in zip(data, logprobs):
-            grad = lp.grad if lp.grad is not None else torch.zeros_like(lp)
-            weighted.append(Datum(model_input=datum.model_input, loss_fn_inputs={
-                "target_tokens": datum.loss_fn_inputs["target_tokens"],
-                "weights": (-grad).detach().numpy(),
-            }))
-        user_metrics = {k if ":" in k else f"{k}:mean": float(v) for k, v in (metrics or {}).items()}
-        user_metrics["loss:sum"] = float(loss.detach())
-
-        def decode(value: dict) -> ForwardBackwardOutput:
-            out = ForwardBackwardOutput.model_validate(value)
-            return out.model_copy(update={"metrics": {**out.metrics, **user_metrics}})
-
+        weighted, decode = _custom_backward(data, self.forward(data, "cross_entropy").result(), loss_fn)
         return self._submit(ForwardBackwardRequest.build(data=weighted, loss_fn="cross_entropy"), decode)
 
     def optim_step(self, adam_params: AdamParams | None = None) -> APIFuture[OptimStepResponse]:
@@ -140,14 +123,12 @@ class TrainingClient:
         """
         return self._submit(SaveWeightsForSamplerRequest.build(name=name, ttl_seconds=ttl_seconds, merge_weights=merge_weights))
 
-    def save_weights_and_get_sampling_client(self, name: str | None = None):
+    def save_weights_and_get_sampling_client(self, name: str | None = None) -> SamplingClient:
         """Snapshot the adapter (ephemeral unless named) and return a SamplingClient bound to it."""
         path = self.save_weights_for_sampler(name).result().path
         return self.create_sampling_client(path)
 
-    def create_sampling_client(self, model_path: str):
-        from treadle.sdk.sampling_client import SamplingClient
-
+    def create_sampling_client(self, model_path: str) -> SamplingClient:
         return SamplingClient(self._ops, base_model=self.base_model, model_path=model_path)
 
     # ------------------------------------------------------------ info
@@ -186,36 +167,73 @@ class TrainingClient:
         self.stop()
 
     # ------------------------------------------------------------ async twins
-    async def forward_async(self, data, loss_fn="cross_entropy", loss_fn_config=None):
-        return self.forward(data, loss_fn, loss_fn_config)
+    # Each submits on the SDK's one submitting thread (see `treadle.sdk.background`), so ops reach the
+    # session in the order their twins were started, and returns the op's future, as tinker's twins do.
+    async def forward_async(self, data: Sequence[Datum], loss_fn: str = "cross_entropy",
+                            loss_fn_config: dict | None = None) -> APIFuture[ForwardBackwardOutput]:
+        return await submit_in_order(self.forward, data, loss_fn, loss_fn_config)
 
-    async def forward_backward_async(self, data, loss_fn, loss_fn_config=None):
-        return self.forward_backward(data, loss_fn, loss_fn_config)
+    async def forward_backward_async(self, data: Sequence[Datum], loss_fn: str,
+                                     loss_fn_config: dict | None = None) -> APIFuture[ForwardBackwardOutput]:
+        return await submit_in_order(self.forward_backward, data, loss_fn, loss_fn_config)
 
-    async def forward_backward_custom_async(self, data, loss_fn):
-        return self.forward_backward_custom(data, loss_fn)
+    async def forward_backward_custom_async(self, data: Sequence[Datum], loss_fn: LossFn) -> APIFuture[ForwardBackwardOutput]:
+        """As `forward_backward_custom`, awaiting the forward instead of blocking on it. Ops started while it
+        awaits run between its forward and its backward: await it before starting the next op."""
+        data = _datums(data)
+        forward = await (await self.forward_async(data, "cross_entropy"))
+        weighted, decode = _custom_backward(data, forward, loss_fn)
+        return await submit_in_order(self._submit, ForwardBackwardRequest.build(data=weighted, loss_fn="cross_entropy"), decode)
 
-    async def optim_step_async(self, adam_params=None):
-        return self.optim_step(adam_params)
+    async def optim_step_async(self, adam_params: AdamParams | None = None) -> APIFuture[OptimStepResponse]:
+        return await submit_in_order(self.optim_step, adam_params)
 
-    async def save_state_async(self, name, ttl_seconds=None, overwrite=False, user_metadata=None):
-        return self.save_state(name, ttl_seconds, overwrite, user_metadata)
+    async def save_state_async(self, name: str, ttl_seconds: int | None = None, overwrite: bool = False,
+                               user_metadata: dict | None = None) -> APIFuture[SaveWeightsResponse]:
+        return await submit_in_order(self.save_state, name, ttl_seconds, overwrite, user_metadata)
 
-    async def load_state_async(self, path):
-        return self.load_state(path)
+    async def load_state_async(self, path: str) -> APIFuture[LoadWeightsResponse]:
+        return await submit_in_order(self.load_state, path)
 
-    async def load_state_with_optimizer_async(self, path):
-        return self.load_state_with_optimizer(path)
+    async def load_state_with_optimizer_async(self, path: str) -> APIFuture[LoadWeightsResponse]:
+        return await submit_in_order(self.load_state_with_optimizer, path)
 
-    async def save_weights_for_sampler_async(self, name=None, ttl_seconds=None, merge_weights=False):
-        return self.save_weights_for_sampler(name, ttl_seconds, merge_weights)
+    async def save_weights_for_sampler_async(self, name: str | None = None, ttl_seconds: int | None = None,
+                                             merge_weights: bool = False) -> APIFuture[SaveWeightsForSamplerResponse]:
+        return await submit_in_order(self.save_weights_for_sampler, name, ttl_seconds, merge_weights)
+
+    async def save_weights_and_get_sampling_client_async(self, name: str | None = None) -> SamplingClient:
+        saved = await (await self.save_weights_for_sampler_async(name))
+        return self.create_sampling_client(saved.path)
 
     async def get_usage_async(self) -> Usage:
-        return self.get_usage()
+        return await wait_off_loop(self.get_usage)
 
-    async def save_weights_and_get_sampling_client_async(self, name=None):
-        path = (await self.save_weights_for_sampler(name)).path
-        return self.create_sampling_client(path)
+
+def _custom_backward(data: list[Datum], forward: ForwardBackwardOutput,
+                     loss_fn: LossFn) -> tuple[list[Datum], Callable[[dict], ForwardBackwardOutput]]:
+    """The cross_entropy datums whose gradient is `loss_fn`'s at the forward's logprobs, and a decoder that
+    adds the loss's own metrics to the backward's."""
+    import torch
+
+    logprobs = [o["logprobs"].to_torch().float().requires_grad_(True) for o in forward.loss_fn_outputs]
+    loss, metrics = loss_fn(data, logprobs)
+    loss.backward()
+    weighted = []
+    for datum, lp in zip(data, logprobs):
+        grad = lp.grad if lp.grad is not None else torch.zeros_like(lp)
+        weighted.append(Datum(model_input=datum.model_input, loss_fn_inputs={
+            "target_tokens": datum.loss_fn_inputs["target_tokens"],
+            "weights": (-grad).detach().numpy(),
+        }))
+    user_metrics = {k if ":" in k else f"{k}:mean": float(v) for k, v in (metrics or {}).items()}
+    user_metrics["loss:sum"] = float(loss.detach())
+
+    def decode(value: dict) -> ForwardBackwardOutput:
+        out = ForwardBackwardOutput.model_validate(value)
+        return out.model_copy(update={"metrics": {**out.metrics, **user_metrics}})
+
+    return weighted, decode
 
 
 def _datums(data: Sequence[Datum]) -> list[Datum]:

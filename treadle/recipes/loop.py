@@ -1,0 +1,144 @@
+"""The skeleton every recipe's training loop shares, so that a recipe's `main` holds only what is its own.
+
+A recipe reads top to bottom as:
+
+    run = start_run(service, log, cfg)          # a fresh session, or the last checkpoint's
+    ...data, the held-out eval...
+    eval_before_training(run, log, evaluate)    # step 0's row
+    for step in steps(run, cfg.steps, "GRPO"):
+        ...the recipe's own step: sample, grade, forward_backward, optim_step...
+        end_step(run, log, step, metrics, cfg, evaluate, position=...)
+
+`end_step` runs the held-out eval when it is due, and writes the step's metrics row, with a checkpoint
+when one is due, in the one order that a kill at any moment cannot corrupt (see its docstring).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol
+
+from tqdm import tqdm
+
+from treadle import AdamParams
+from treadle.recipes.plot import plot_metrics
+from treadle.recipes.run_log import RunLog
+
+
+class LoopConfig(Protocol):
+    """The fields of a recipe's config that the loop reads."""
+
+    base_model: str
+    lora_rank: int
+    seed: int
+    resume: bool
+    steps: int
+    eval_every: int
+    save_every: int
+    learning_rate: float
+
+
+@dataclass
+class Run:
+    """A run's training client, the first step it runs, and its last checkpoint (resumed from, or saved by
+    `end_step`), with the loop position saved beside it (e.g. a data cursor)."""
+
+    training: Any
+    step: int
+    state_path: str = ""
+    position: dict[str, Any] = field(default_factory=dict)
+
+
+def start_run(service: Any, log: RunLog, cfg: LoopConfig, init_state: str | None = None) -> Run:
+    """The run's session: from the last checkpoint with `cfg.resume` (weights and optimizer, and the logged
+    steps after it dropped), else a fresh LoRA, or the weights of the `init_state` checkpoint."""
+    last = log.last_checkpoint() if cfg.resume else None
+    if last is None:
+        log.rewind_to(-1)  # --resume before the first checkpoint: start over
+        training = (service.create_training_client_from_state(init_state) if init_state else
+                    service.create_lora_training_client(cfg.base_model, rank=cfg.lora_rank, alpha=2 * cfg.lora_rank, seed=cfg.seed))
+        return Run(training, 1)
+    log.rewind_to(last.step)
+    print(f"resuming from {last.state_path} after step {last.step}")
+    training = service.create_training_client_from_state_with_optimizer(last.state_path)
+    return Run(training, last.step + 1, last.state_path, last.extra)
+
+
+def eval_before_training(run: Run, log: RunLog, evaluate: Callable[[int], dict[str, float]]) -> dict[str, float] | None:
+    """A fresh run's held-out eval before any training, logged as step 0 (a resumed run has its row already)."""
+    if run.step > 1:
+        return None
+    metrics = evaluate(0)
+    log.log_metrics(0, metrics)
+    return metrics
+
+
+def steps(run: Run, last_step: int, desc: str) -> tqdm:
+    """The steps still to run, with a progress bar that counts the ones a resumed run has done."""
+    return tqdm(range(run.step, last_step + 1), desc=desc, initial=run.step - 1, total=last_step)
+
+
+def batch_indices(step: int, batch_size: int, n: int, seed: int) -> list[int]:
+    """Example indices of `step` (1-based): epochs in a fresh seeded order, a pure function of step (so a
+    resumed run continues the order)."""
+    indices = []
+    for position in range((step - 1) * batch_size, step * batch_size):
+        epoch, offset = divmod(position, n)
+        order = list(range(n))
+        random.Random(seed * 1_000_003 + epoch).shuffle(order)
+        indices.append(order[offset])
+    return indices
+
+
+def adam(cfg: LoopConfig) -> AdamParams:
+    return AdamParams(learning_rate=cfg.learning_rate, eps=1e-8)
+
+
+def end_step(run: Run, log: RunLog, step: int, metrics: dict[str, float], cfg: LoopConfig,
+             evaluate: Callable[[int], dict[str, float]], *, position: dict[str, Any] | None = None,
+             started: float | None = None) -> None:
+    """End `step`: the held-out eval when due, then its metrics row, with a checkpoint when due (then the run's
+    `state_path`). `position`: what the loop needs to continue from the checkpoint; `started`: the step's start
+    (`time.monotonic()`), for `time/step`.
+
+    A checkpoint's save_state comes first, then the step's row, then the resume point: a kill between the
+    row and the resume point resumes from the previous checkpoint (the row is dropped, the step runs again),
+    where the other order would resume past a row never written."""
+    if is_due(step, cfg.eval_every, cfg.steps):
+        metrics.update(evaluate(step))
+    saving = is_due(step, cfg.save_every, cfg.steps)
+    if saving:
+        saved = time.monotonic()
+        run.state_path = run.training.save_state(f"step-{step:06d}").result().path
+        metrics["time/save"] = time.monotonic() - saved
+    if started is not None:
+        metrics["time/step"] = time.monotonic() - started
+    log.log_metrics(step, metrics)
+    if saving:
+        log.record_checkpoint(f"step-{step:06d}", step, run.state_path, position)
+
+
+def is_due(step: int, every: int, last_step: int) -> bool:
+    """Whether a periodic action (eval, save) runs after `step`: every `every` steps (0: never) and after the last."""
+    return step == last_step or bool(every and step % every == 0)
+
+
+@dataclass
+class RunResult:
+    """What a run returns: its first and last held-out score, and where its last state, metrics and curve are."""
+
+    eval_before: float
+    eval_after: float
+    final_state_path: str
+    metrics_path: str
+    png_path: str
+
+
+def close_run(run: Run, log: RunLog, curve: list[str], title: str, eval_key: str) -> RunResult:
+    """Plot `curve`, close the log (and its MLflow run), and sum the run up by `eval_key` in its eval rows."""
+    png_path = plot_metrics(log.metrics_path, f"{log.log_dir}/curve.png", curve, title=title)
+    log.close()
+    evals = [row[eval_key] for row in log.metrics() if eval_key in row]
+    return RunResult(evals[0], evals[-1], run.state_path, log.metrics_path, png_path)
