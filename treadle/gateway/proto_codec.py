@@ -8,6 +8,7 @@ tensors become arrays with one `np.frombuffer`, never Python lists.
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import numpy as np
@@ -164,11 +165,18 @@ def encode_forward_backward_output(out: ForwardBackwardOutput) -> bytes:
     msg = pb.ForwardBackwardOutput(loss_fn_output_type="ArrayRecord")
     for key, value in out.metrics.items():
         msg.metrics[key] = float(value)
-    if out.loss_fn_outputs:
-        record = msg.loss_fn_outputs.add(type_tag="ArrayRecord", num_datums=len(out.loss_fn_outputs))
-        for name in out.loss_fn_outputs[0]:
-            record.fields[name].CopyFrom(_batched([o[name] for o in out.loss_fn_outputs]))
+    # A record's tensors share one trailing shape: `(N,)` logprobs and a top-k cross_entropy's `(N, K)` ones
+    # go in records of their own, one per run of datums alike (the SDK reads every record, in order).
+    for _, run in itertools.groupby(out.loss_fn_outputs, key=_trailing_shapes):
+        outputs = list(run)
+        record = msg.loss_fn_outputs.add(type_tag="ArrayRecord", num_datums=len(outputs))
+        for name in outputs[0]:
+            record.fields[name].CopyFrom(_batched([o[name] for o in outputs]))
     return msg.SerializeToString()
+
+
+def _trailing_shapes(output: dict[str, TensorData]) -> tuple:
+    return tuple((name, tuple((t.shape or [])[1:])) for name, t in output.items())
 
 
 def _batched(tensors: list[TensorData]) -> pb.BatchedTensor:
