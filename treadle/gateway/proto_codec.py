@@ -48,11 +48,20 @@ def parse_forward_backward(body: bytes) -> pb.ForwardBackwardRequest:
     return msg
 
 
-def forward_backward_request(msg: pb.ForwardBackwardRequest, data: list[Datum] | None = None) -> ForwardRequest:
-    """treadle's typed forward (forward_only) or forward_backward request; tensors stay arrays."""
+def forward_backward_request(msg: pb.ForwardBackwardRequest, data: list[Datum] | None = None,
+                             loss_aliases: dict[str, str] | None = None) -> ForwardRequest:
+    """treadle's typed forward (forward_only) or forward_backward request; tensors stay arrays.
+    `loss_aliases` (the gateway's --loss_alias) serves an unserved loss name as the loss it maps to."""
     cls = ForwardRequest if msg.forward_only else ForwardBackwardRequest
-    return cls.build(data=decode_data(msg) if data is None else data, loss_fn=msg.loss_fn,
-                     loss_fn_config=_loss_config(msg) or None)
+    loss_fn, config = msg.loss_fn, _loss_config(msg) or None
+    if loss_fn in (loss_aliases or {}):
+        if config:  # the unserved loss's own parameters mean nothing to the loss that stands in for it
+            raise InvalidRequestError(
+                f"loss_fn_config: {sorted(config)} given for {loss_fn}, which this gateway serves as "
+                f"{loss_aliases[loss_fn]} (--loss_alias); send no loss_fn_config, or pass loss_fn={loss_aliases[loss_fn]} with its own"
+            )
+        loss_fn = loss_aliases[loss_fn]
+    return cls.build(data=decode_data(msg) if data is None else data, loss_fn=loss_fn, loss_fn_config=config)
 
 
 def decode_data(msg: pb.ForwardBackwardRequest) -> list[Datum]:
