@@ -125,6 +125,9 @@ RECIPES = [
     ), "an LLM grader on the base model; default loss stable_reinforce (aliased)"),
     Recipe("decisions.demo", (Stage("decisions.demo", (f"model_name={MODEL}",), stdin="How do I pick a learning rate?\n\n",
                                     metrics_rows=0),), "target_prompt_logprobs"),
+    Recipe("true_thinking_score", (Stage("true_thinking_score.analyze", (f"model_name={MODEL}", "dataset=gsm8k", "n_problems=1",
+                                                                        "max_tokens=64"), metrics_rows=0),),
+           "`analyze` on one GSM8K problem: chain-of-thought steps scored by prompt logprobs"),
     Recipe("chat_app", (Stage("chat_app", (f"base_model={MODEL}", "max_tokens=16"), stdin="hello\nquit\n", metrics_rows=0),),
            "`tinker_cookbook.chat_app.tinker_chat_cli`"),
 ]
@@ -137,6 +140,15 @@ NOT_RUN = {
     "harbor_rl": f"{NETWORK}: Harbor task containers (Docker or a cloud sandbox)",
     "distillation.on_policy_distillation_harbor_multi_turn": f"{NETWORK}: Harbor task containers",
     "forecasting": f"{NETWORK}: it downloads the Prophet Arena CSV over HTTP, outside the datasets cache",
+    "decisions.forecasting": f"{NETWORK}: it downloads the Prophet Arena CSV over HTTP, as forecasting does",
+    "distillation.off_policy_reasoning": f"{NETWORK}: it streams OpenThoughts3 from the Hub (`streaming=True`), which "
+    "reads the Hub's files, not the offline datasets cache this matrix fills",
+    "true_thinking_score.run_small_experiment": "left out for time: its three built-in problems at full length take "
+    "about 90 s on the tiny model; `analyze` (above) runs the same scoring",
+    "chat_sl.sweep": "a launcher of chat_sl hyperparameter sweeps (many full-length runs); chat_sl runs above",
+    "decisions.train": "helpers for training a decision model, no entry point of its own; decisions.demo runs above",
+    "helper entry points": "evaluation, benchmark and debugging scripts of recipes that run above (text_arena.play, "
+    "rubric.debug_env, rubric.prometheus_experimental, sdft.benchmark, sdft.run_continual_learning): not yet in this matrix",
     "vlm_classifier": "a vision-language model (image inputs); treadle serves text models",
     "audio (asr, emotion, medical_asr)": "an audio model (audio inputs); treadle serves text models",
 }
@@ -286,6 +298,10 @@ def _check_output(stage: Stage, stdout: str, home: Path) -> None:
         logs = home / "tinker-runs" / "rlhf-qwen3_5_9b_base"  # the pipeline's own place (cli_utils.runs_path)
         for part in ("sft", "rm", "rl"):  # each stage trained its two steps
             assert len((logs / part / "metrics.jsonl").read_text().splitlines()) >= 2, part
+    elif stage.module == "true_thinking_score.analyze":
+        summaries = list((home / "tinker-runs" / "tts").glob("*/tts_summary.json"))  # its default place
+        assert len(summaries) == 1, summaries
+        assert json.loads(summaries[0].read_text())["n_problems_succeeded"] == 1
     elif stage.module == "chat_app":
         assert "Assistant" in stdout or "🤖" in stdout, stdout[-2000:]
 
