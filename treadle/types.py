@@ -52,16 +52,25 @@ __all__ = [
     "LossConfig",
     "PPOConfig",
     "UNSERVED_LOSSES",
+    "ALIASABLE_LOSSES",
+    "ALIAS_TARGETS",
 ]
 
 LossFnType = Literal["cross_entropy", "importance_sampling", "ppo", "cispo", "dro", "gspo"]
 LOSS_FN_TYPES: tuple[str, ...] = typing.get_args(LossFnType)
 # Tinker's other loss names, which treadle refuses with these reasons (a clear error, never a guess).
 UNSERVED_LOSSES: dict[str, str] = {
-    "stable_reinforce": "its objective is not published, and treadle will not train on a guess under its name; "
-    "use importance_sampling, cispo, ppo or gspo instead (the cookbook's rl_loop takes loss_fn=importance_sampling, cispo or gspo)",
+    "stable_reinforce": "its objective is not published, and treadle will not train on a guess under its name. "
+    "Pass loss_fn=cispo instead (a REINFORCE-style loss whose importance weight is clipped, the nearest published "
+    "relative), or ppo (clipped both ways; the cookbook's advice for off-policy async runs); importance_sampling "
+    "(unclipped) and gspo (sequence-level, needs sequence_ratio_mask) work too. The cookbook takes loss_fn=cispo on "
+    "rl_loop, math_rl and rubric; an operator can map the name on a gateway with --loss_alias stable_reinforce=cispo",
     "custom": "uploaded (server-side) losses are not supported; use forward_backward_custom, which runs the loss on the client",
 }
+# What a gateway's --loss_alias may map an unserved name to: the served losses whose inputs are those a
+# stable_reinforce datum carries (target_tokens, logprobs, advantages); gspo also needs sequence_ratio_mask.
+ALIASABLE_LOSSES: tuple[str, ...] = ("stable_reinforce",)
+ALIAS_TARGETS: tuple[str, ...] = ("importance_sampling", "ppo", "cispo", "dro")
 StopReason = Literal["stop", "length"]
 DType = Literal["int64", "float32"]
 

@@ -41,7 +41,7 @@ from treadle.gateway import (
 from treadle.gateway.auth import KeyRing
 from treadle.gateway.backend import Backend
 from treadle.gateway.bodies import BodyLimits, error_payload
-from treadle.gateway.settings import GatewaySettings
+from treadle.gateway.settings import LOSS_ALIAS_METADATA_KEY, GatewaySettings
 from treadle.queue.ops_client import OpsClient
 from treadle.storage.checkpoint_store import CheckpointStore
 
@@ -67,6 +67,9 @@ def create_app(settings: GatewaySettings | None = None, *, ops: OpsClient | None
         if store is None and settings.storage_url:
             store = CheckpointStore.from_url(settings.storage_url)
         app.state.backend = Backend(settings, ops_client, store)
+        for name, target in settings.loss_aliases.items():
+            log.warning("loss_alias: forward_backward requests for %s train with %s (recorded in each new run's "
+                        "user_metadata as %s)", name, target, LOSS_ALIAS_METADATA_KEY)
         try:
             yield
         finally:

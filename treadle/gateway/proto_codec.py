@@ -8,6 +8,7 @@ tensors become arrays with one `np.frombuffer`, never Python lists.
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import numpy as np
@@ -47,11 +48,20 @@ def parse_forward_backward(body: bytes) -> pb.ForwardBackwardRequest:
     return msg
 
 
-def forward_backward_request(msg: pb.ForwardBackwardRequest, data: list[Datum] | None = None) -> ForwardRequest:
-    """treadle's typed forward (forward_only) or forward_backward request; tensors stay arrays."""
+def forward_backward_request(msg: pb.ForwardBackwardRequest, data: list[Datum] | None = None,
+                             loss_aliases: dict[str, str] | None = None) -> ForwardRequest:
+    """treadle's typed forward (forward_only) or forward_backward request; tensors stay arrays.
+    `loss_aliases` (the gateway's --loss_alias) serves an unserved loss name as the loss it maps to."""
     cls = ForwardRequest if msg.forward_only else ForwardBackwardRequest
-    return cls.build(data=decode_data(msg) if data is None else data, loss_fn=msg.loss_fn,
-                     loss_fn_config=_loss_config(msg) or None)
+    loss_fn, config = msg.loss_fn, _loss_config(msg) or None
+    if loss_fn in (loss_aliases or {}):
+        if config:  # the unserved loss's own parameters mean nothing to the loss that stands in for it
+            raise InvalidRequestError(
+                f"loss_fn_config: {sorted(config)} given for {loss_fn}, which this gateway serves as "
+                f"{loss_aliases[loss_fn]} (--loss_alias); send no loss_fn_config, or pass loss_fn={loss_aliases[loss_fn]} with its own"
+            )
+        loss_fn = loss_aliases[loss_fn]
+    return cls.build(data=decode_data(msg) if data is None else data, loss_fn=loss_fn, loss_fn_config=config)
 
 
 def decode_data(msg: pb.ForwardBackwardRequest) -> list[Datum]:
@@ -164,11 +174,18 @@ def encode_forward_backward_output(out: ForwardBackwardOutput) -> bytes:
     msg = pb.ForwardBackwardOutput(loss_fn_output_type="ArrayRecord")
     for key, value in out.metrics.items():
         msg.metrics[key] = float(value)
-    if out.loss_fn_outputs:
-        record = msg.loss_fn_outputs.add(type_tag="ArrayRecord", num_datums=len(out.loss_fn_outputs))
-        for name in out.loss_fn_outputs[0]:
-            record.fields[name].CopyFrom(_batched([o[name] for o in out.loss_fn_outputs]))
+    # A record's tensors share one trailing shape: `(N,)` logprobs and a top-k cross_entropy's `(N, K)` ones
+    # go in records of their own, one per run of datums alike (the SDK reads every record, in order).
+    for _, run in itertools.groupby(out.loss_fn_outputs, key=_trailing_shapes):
+        outputs = list(run)
+        record = msg.loss_fn_outputs.add(type_tag="ArrayRecord", num_datums=len(outputs))
+        for name in outputs[0]:
+            record.fields[name].CopyFrom(_batched([o[name] for o in outputs]))
     return msg.SerializeToString()
+
+
+def _trailing_shapes(output: dict[str, TensorData]) -> tuple:
+    return tuple((name, tuple((t.shape or [])[1:])) for name, t in output.items())
 
 
 def _batched(tensors: list[TensorData]) -> pb.BatchedTensor:

@@ -17,6 +17,7 @@ from treadle.errors import InvalidRequestError, TreadleError
 from treadle.gateway.auth import require_owner
 from treadle.gateway.backend import Backend, get_backend, model_session_id
 from treadle.gateway.proto_codec import decode_data, forward_backward_request, parse_forward_backward
+from treadle.gateway.settings import LOSS_ALIAS_METADATA_KEY
 from treadle.queue.ops import (
     CreateSessionRequest,
     LoadStateRequest,
@@ -36,6 +37,15 @@ def _future(request_id: str, model_id: str) -> dict:
     return {"request_id": request_id, "model_id": model_id}
 
 
+def _run_metadata(backend: Backend, user_metadata: dict | None) -> dict | None:
+    """The run's user_metadata, plus the gateway's loss aliases when it has any: whoever reads the run
+    (get_training_run) then sees that a refused loss name was trained as another."""
+    aliases = backend.settings.loss_aliases
+    if not aliases:
+        return user_metadata
+    return {**(user_metadata or {}), LOSS_ALIAS_METADATA_KEY: ",".join(f"{k}={v}" for k, v in aliases.items())}
+
+
 @router.post("/create_model")
 async def create_model(request: Request, owner: str = Depends(require_owner), backend: Backend = Depends(get_backend)) -> dict:
     body = await request.body()
@@ -48,7 +58,7 @@ async def create_model(request: Request, owner: str = Depends(require_owner), ba
     tinker_lora = req.lora_config or tt.LoraConfig(rank=LoraConfig().rank)
     lora = parse_request(LoraConfig, tinker_lora.model_dump(exclude_none=True), "lora_config")
     create = CreateSessionRequest.build(session_id=model_id, base_model=req.base_model, lora=lora, owner=owner,
-                                        user_metadata=req.user_metadata)
+                                        user_metadata=_run_metadata(backend, req.user_metadata))
 
     def run() -> dict:
         backend.create_model(create)
@@ -87,7 +97,8 @@ async def forward_backward(request: Request, owner: str = Depends(require_owner)
     except InvalidRequestError as exc:  # tensors or tokens the message cannot mean: a 400, as a bad JSON field is, that takes its seq
         await run_in_threadpool(_take_refused, backend, owner, msg.model_id, msg.seq_id, exc, body)
         raise
-    return _future(await _submit(backend, owner, msg.model_id, msg.seq_id, lambda: forward_backward_request(msg, data),
+    aliases = backend.settings.loss_aliases
+    return _future(await _submit(backend, owner, msg.model_id, msg.seq_id, lambda: forward_backward_request(msg, data, aliases),
                                  kind="forward_backward", body=body), msg.model_id)
 
 
@@ -159,7 +170,7 @@ async def load_weights(request: Request, owner: str = Depends(require_owner), ba
     model_id = f"{req.session_id}:train:{req.model_seq_id}"
     lora = LoraConfig.model_validate(manifest.lora_config) if manifest.lora_config else LoraConfig()
     create = CreateSessionRequest.build(session_id=model_id, base_model=req.base_model or manifest.base_model, lora=lora,
-                                        owner=owner, user_metadata=req.user_metadata, from_state=path.uri(),
+                                        owner=owner, user_metadata=_run_metadata(backend, req.user_metadata), from_state=path.uri(),
                                         with_optimizer=req.optimizer)
 
     def run() -> dict:

@@ -22,7 +22,11 @@ from pathlib import Path
 from pydantic import AliasChoices, Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from treadle.types import ALIAS_TARGETS, ALIASABLE_LOSSES
+
 KEY_PREFIX = "tml-"
+# The user_metadata key under which a run created through a gateway with loss aliases records them.
+LOSS_ALIAS_METADATA_KEY = "treadle_loss_alias"
 
 
 class GatewaySettings(BaseSettings):
@@ -69,6 +73,33 @@ class GatewaySettings(BaseSettings):
     state_ttl_seconds: int = Field(
         default=7 * 24 * 3600, ge=60, description="How long the gateway keeps its own records (requests, samplers) in Redis."
     )
+
+    loss_alias: list[str] = Field(
+        default_factory=list,
+        description="Serve a Tinker loss name treadle refuses as a served loss, e.g. `stable_reinforce=cispo`, so that "
+        "cookbook defaults run unchanged (off by default; logged at start; recorded in every new run's user_metadata "
+        f"as `{LOSS_ALIAS_METADATA_KEY}`). Names: {', '.join(ALIASABLE_LOSSES)}; targets: {', '.join(ALIAS_TARGETS)}.",
+    )
+
+    @property
+    def loss_aliases(self) -> dict[str, str]:
+        """`loss_alias` as a mapping, unserved name -> served loss (checked by `_check_loss_alias`)."""
+        return dict(entry.split("=", 1) for entry in self.loss_alias)
+
+    @model_validator(mode="after")
+    def _check_loss_alias(self) -> "GatewaySettings":
+        seen = set()
+        for entry in self.loss_alias:
+            name, _, target = entry.partition("=")
+            if name not in ALIASABLE_LOSSES or target not in ALIAS_TARGETS:
+                raise ValueError(
+                    f"loss_alias: {entry!r} is not NAME=TARGET with NAME one of {', '.join(ALIASABLE_LOSSES)} and TARGET "
+                    f"one of {', '.join(ALIAS_TARGETS)} (the served losses that take a stable_reinforce datum's inputs)"
+                )
+            if name in seen:
+                raise ValueError(f"loss_alias: {name} is mapped twice; give it one target")
+            seen.add(name)
+        return self
 
     @model_validator(mode="after")
     def _load_keys(self) -> "GatewaySettings":

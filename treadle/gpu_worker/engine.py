@@ -162,13 +162,15 @@ class Engine:
                     device=device,
                     pad_token_id=self._host.pad_token_id,
                 )
+                # Flat, like the logprobs below: an [N, K] input's K values a position follow each other.
                 inputs = {
-                    key: torch.from_numpy(np.concatenate([d.inputs[key] for d in batch])).to(device) for key in spec.inputs
+                    key: torch.from_numpy(np.concatenate([d.inputs[key].reshape(-1) for d in batch])).to(device)
+                    for key in spec.inputs
                 }
                 if spec.per_sequence:
                     inputs["sequence_index"] = torch.repeat_interleave(
                         torch.arange(len(batch), device=device), torch.tensor([len(lp) for lp in logprobs], device=device))
-                loss = spec.fn(torch.cat(logprobs), inputs, config)
+                loss = spec.fn(torch.cat([lp.reshape(-1) for lp in logprobs]), inputs, config)
                 if backward:
                     loss.backward()
                 total_loss += loss.item()

@@ -152,11 +152,15 @@ class AdapterBank:
     def using(self, name: str | None, *, trainable: bool) -> Iterator[nn.Module]:
         """The model to call with adapter `name` active (None: the bare base model)."""
         if name is None:
+            # The host's model itself, not the PeftModel: PeftModel's forward looks up its active adapter's
+            # config, and once the last adapter is removed that name is gone (PEFT leaves it set), so a
+            # base pass through it fails. The LoRA layers sit inside the host's model; switched off, each
+            # computes its base layer alone.
             if self.peft_model is None:
                 yield self.host.model
             else:
                 with self.adapters_off():
-                    yield self.peft_model
+                    yield self.host.model
             return
         self._activate(name, trainable=trainable)
         yield self.peft_model

@@ -5,8 +5,12 @@ the weights or advantages), over inputs that are already shifted (`target_tokens
 after `model_input[t]`). `lp` is the learner's logprob of each target token; `q` is the sampler's
 logprob (`loss_fn_inputs["logprobs"]`); `A` is the advantage; `r = exp(lp - q)`.
 
-Because every loss is a sum of per-token terms, a function here receives the tokens of a whole
-micro-batch flattened into 1-D tensors, and summing micro-batch losses gives the batch loss exactly.
+cross_entropy also takes top-k soft targets: `target_tokens` and `weights` of shape `[N, K]` (K tokens a
+position, e.g. a teacher's top-k with their probabilities), whose loss is the weighted sum over the K
+targets of each position, `-(lp * weights).sum()` with `lp` of shape `[N, K]` too. K = 1 is the 1-D loss.
+
+Because every loss is a sum of per-token terms, a function here receives the tokens (and a position's K
+targets) of a whole micro-batch flattened into 1-D tensors, and summing micro-batch losses gives the batch loss exactly.
 A loss whose terms depend on a whole sequence (gspo) says so (`per_sequence`): it then also gets
 `sequence_index`, the datum each token belongs to (a datum never straddles micro-batches).
 
@@ -33,7 +37,8 @@ LossFn = Callable[[Tensor, dict[str, Tensor], dict[str, float]], Tensor]
 
 
 def cross_entropy(lp: Tensor, inputs: dict[str, Tensor], config: dict[str, float]) -> Tensor:
-    """Weighted negative log-likelihood: `-(lp * weights).sum()`; weight 0 masks a token out."""
+    """Weighted negative log-likelihood: `-(lp * weights).sum()`; weight 0 masks a token out. With `[N, K]`
+    targets, `lp` and `weights` hold every position's K targets, so the sum runs over them too."""
     return -(lp * inputs["weights"]).sum()
 
 
@@ -90,6 +95,7 @@ class LossSpec:
     inputs: tuple[str, ...]
     config: type[LossConfig] = LossConfig  # the parameters' defaults and bounds (treadle.types.LOSS_CONFIGS)
     per_sequence: bool = False  # also give the function `sequence_index` (datum of each token)
+    columns: bool = False  # also takes `[N, K]` target_tokens and weights (K targets a position)
 
     @property
     def config_defaults(self) -> dict[str, float]:
@@ -97,7 +103,7 @@ class LossSpec:
 
 
 LOSSES: dict[str, LossSpec] = {
-    "cross_entropy": LossSpec(cross_entropy, ("weights",)),
+    "cross_entropy": LossSpec(cross_entropy, ("weights",), columns=True),
     "importance_sampling": LossSpec(importance_sampling, ("logprobs", "advantages")),
     "ppo": LossSpec(ppo, ("logprobs", "advantages"), PPOConfig),
     "cispo": LossSpec(cispo, ("logprobs", "advantages"), CISPOConfig),

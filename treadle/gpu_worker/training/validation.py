@@ -20,7 +20,8 @@ from treadle.types import Datum, LoraConfig, ModelInput, SamplingParams
 
 @dataclass(frozen=True)
 class PreparedDatum:
-    """A validated datum as arrays: input tokens, and the loss inputs by key (target_tokens int64, rest float32)."""
+    """A validated datum as arrays: input tokens, and the loss inputs by key (target_tokens int64, rest float32),
+    each `(N,)`, or `(N, K)` for cross_entropy's top-k target_tokens and weights."""
 
     tokens: np.ndarray
     inputs: dict[str, np.ndarray]
@@ -80,26 +81,47 @@ def prepare_data(data: list[Datum], loss_fn: str, *, max_seq_len: int, vocab_siz
             if key not in given:
                 raise InvalidRequestError(f"{field}: missing; {loss_fn} needs {', '.join(needed)}")
             tensor = given[key]
-            if tensor.shape is not None and len(tensor.shape) != 1:
-                raise InvalidRequestError(f"{field}: shape {tensor.shape}; only 1-D per-token inputs are supported")
-            values = tensor.to_numpy().reshape(-1)
-            if values.size != tokens.size:
-                raise InvalidRequestError(f"{field}: length {values.size} != model_input length {tokens.size}")
+            values = tensor.to_numpy()
+            values = values.reshape(_input_shape(field, [values.size] if tensor.shape is None else tensor.shape, key, loss_fn, length=tokens.size))
             if not np.all(np.isfinite(values)):
                 raise InvalidRequestError(f"{field}: contains NaN/inf")
             if key == "target_tokens":
                 if not np.all(values == np.round(values)):
                     raise InvalidRequestError(f"{field}: token ids must be integers")
                 values = values.astype(np.int64)
-                bad = np.flatnonzero((values < 0) | (values >= vocab_size))
+                bad = np.argwhere((values < 0) | (values >= vocab_size))
                 if bad.size:
-                    j = int(bad[0])
-                    raise InvalidRequestError(f"{field}[{j}]: token id {int(values[j])} outside vocabulary (size {vocab_size})")
+                    j = bad[0]
+                    where = "".join(f"[{int(x)}]" for x in j)
+                    raise InvalidRequestError(f"{field}{where}: token id {int(values[tuple(j)])} outside vocabulary (size {vocab_size})")
             else:
                 values = values.astype(np.float32)
             inputs[key] = values
+        if LOSSES[loss_fn].columns and inputs["target_tokens"].shape != inputs["weights"].shape:
+            raise InvalidRequestError(
+                f"data[{i}].loss_fn_inputs.weights: shape {list(inputs['weights'].shape)} != target_tokens shape "
+                f"{list(inputs['target_tokens'].shape)}; each target token needs its weight"
+            )
         prepared.append(PreparedDatum(tokens=tokens, inputs=inputs))
     return prepared
+
+
+def _input_shape(field: str, shape: list[int], key: str, loss_fn: str, *, length: int) -> tuple[int, ...]:
+    """The shape a loss input is read in: `(N,)`, or `(N, K)` for the inputs of a loss that takes K target
+    tokens a position (cross_entropy's top-k soft targets); N is the model_input's length."""
+    columns = LOSSES[loss_fn].columns and key in ("target_tokens", "weights")
+    if len(shape) == 2 and not columns:
+        raise InvalidRequestError(
+            f"{field}: shape {shape}; [N, K] inputs are taken by cross_entropy's target_tokens and weights only, "
+            f"{loss_fn}'s {key} is 1-D (one value a token)"
+        )
+    if len(shape) not in (1, 2):
+        raise InvalidRequestError(f"{field}: shape {shape}; expected [N]" + (" or [N, K]" if columns else ""))
+    if shape[0] != length:
+        raise InvalidRequestError(f"{field}: length {shape[0]} != model_input length {length}")
+    if len(shape) == 2 and shape[1] < 1:
+        raise InvalidRequestError(f"{field}: shape {shape}; K must be at least 1 (target tokens a position)")
+    return tuple(shape)
 
 
 @dataclass(frozen=True)
