@@ -10,10 +10,21 @@ lease (fencing), and results are stored under the op's future id, whichever door
 The sequencer also reads ahead: the write that marks an op applied also reads the next seq's entry,
 and the drain runs it. An op journaled before its predecessor was marked applied rings no doorbell
 at all (treadle.queue.journal): this read is what runs it, so a pipelining client (`forward_backward`
-then `optim_step`) costs one Celery message per burst. After `READ_AHEAD_OPS` ops past the doorbells
-it has seen, a drain rings the next op's doorbell itself and returns, so that other sessions' doorbells
-get their turn. Should a doorbell ever be missing (a drain that died with an op next in line), the
-caretaker's `nudge_stalled` rings it.
+then `optim_step`) costs one Celery message per burst. Should a doorbell ever be missing (a drain that
+died with an op next in line), the caretaker's `nudge_stalled` rings it.
+
+Sessions take turns (treadle.gpu_worker.fair): the same write also asks which other owned sessions have
+their next op journaled, and whether a control message (a sample request, a session to create) waits.
+Each turn is one op, and it goes to the session, of the owner, with the least service so far in
+measured seconds of device time over the owner's weight; so a session reads ahead only while no other
+session waits, and a tenant that pipelines heavy ops delays another's next op by at most the op that
+is running. A waiting control message ends the pass at once: the next op's doorbell is rung and the
+Celery task returns, so a sample request never waits behind a backlog of training ops. So does a pass
+that has run `READ_AHEAD_OPS` ops past the doorbells it has seen (the Celery task looks at its warm
+shutdown between passes). The order of each session's own ops, the fencing, the hand-off and recovery
+are the same whoever's turn it is. Each decision also records, per waiting session, its place in line
+and its estimated wait (the average costs of the ops ahead of it): `treadle status`, the gateway and
+the metrics show them.
 
 When the drain has nothing left, the same Celery task waits a few milliseconds for the next op of any
 session this worker owns (treadle.gpu_worker.linger): a loop that submits its next step right after
@@ -25,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from dataclasses import dataclass, field
 from typing import Callable
 
 import redis as redis_lib
@@ -32,11 +44,12 @@ from celery import Celery
 from kombu import exceptions as kombu_errors
 
 from treadle.errors import ServerError, TreadleError
+from treadle.gpu_worker.fair import FairShare
 from treadle.gpu_worker.hosting import OwnedSession, SessionHost
 from treadle.gpu_worker.linger import Linger
 from treadle.gpu_worker.op_handlers import handler_for
 from treadle.gpu_worker.usage import UsageRecorder
-from treadle.metering import OpUsage
+from treadle.metering import SDK_OWNER, OpUsage
 from treadle.queue import names
 from treadle.queue.journal import Journal, JournalEntry
 from treadle.queue.ops import OpRequest, encode_result
@@ -49,9 +62,14 @@ log = logging.getLogger("treadle.worker")
 
 class Sequencer:
     def __init__(self, host: SessionHost, app: Celery, *, after_op: Callable[[OwnedSession, str], bool],
-                 reload: Callable[[OwnedSession], None], usage: UsageRecorder, linger: Linger):
+                 reload: Callable[[OwnedSession], None], usage: UsageRecorder, linger: Linger,
+                 fair: FairShare | None = None, observe_wait: Callable[[str, str, float], None] | None = None):
         self.host = host
         self.linger = linger
+        self.fair = fair or FairShare()
+        self._observe_wait = observe_wait  # (owner, base_model, seconds from submit to start): the queue-wait histogram
+        self.queue_view: dict[str, tuple[int, float]] = {}  # session -> (place in line, estimated wait s), last decision
+        self._waiting: dict = {}  # the sessions with an op ready, besides the one running (see _turns)
         self._rotation = 0
         self.app = app
         self.results = ResultStore(app)
@@ -82,7 +100,7 @@ class Sequencer:
                 self._not_ours(session_id, seq)
                 return
             owned.max_seen = max(owned.max_seen, seq)
-            self.drain(session_id, handoff=True)
+            self._turns(session_id)
 
     def _next_ops(self) -> list[tuple[str, int]]:
         """(session_id, next seq) of every owned session, starting at a turning point: a session that keeps
@@ -93,35 +111,97 @@ class Sequencer:
         return pending[cut:] + pending[:cut]
 
     def drain(self, session_id: str, *, handoff: bool = False) -> None:
-        """Run every op of the session that is next in line, in seq order (and a few journaled after it).
-        `handoff`: the caller waits for hand-offs afterwards (a Celery task does; a failover does not)."""
-        owned = self.host.owned[session_id]
-        ahead, next_read = 0, None
-        while True:
-            entry, lease = next_read or self.host.journal.get_with(session_id, owned.applied + 1, names.lease_key(session_id))
-            if entry is None:
+        """Run every op of the session that is next in line, in seq order, each in its turn with the other owned
+        sessions' (see the module docstring). `handoff`: the caller waits for hand-offs afterwards (a Celery task
+        does; a failover does not)."""
+        with self.host.device_lock:
+            self._turns(session_id, handoff=handoff)
+
+    def _turns(self, first: str, *, handoff: bool = True) -> None:
+        """Give turns, one op each, to the owned sessions with an op ready (`first` has one, or had), until none has
+        one, a control message waits, or the pass has run `READ_AHEAD_OPS` ops past its doorbells. Holds the
+        device lock (the caller's)."""
+        # session -> its next entry and lease, read with the previous op's record; None: read it at its turn
+        ready: dict[str, tuple[JournalEntry | None, bytes | None] | None] = {first: None}
+        if len(self.host.owned) > 1:
+            ready.update(dict.fromkeys(self._ready_elsewhere(exclude=first)))
+        self.fair.forget(set(self.host.owned))
+        self._waiting, past_doorbells = ready, 0
+        while ready:
+            for gone in [sid for sid in ready if sid not in self.host.owned]:  # released meanwhile (a stop, a lost lease)
+                del ready[gone]
+            if not ready:
                 return
-            if entry.seq > owned.max_seen:
-                if ahead >= READ_AHEAD_OPS:  # its turn comes back through the queue, after other sessions' doorbells
-                    ring(self.app, session_id, entry.seq, entry.op)
-                    return
-                ahead += 1
-            owned.max_seen = max(owned.max_seen, entry.seq)
-            if not self.host.lease.is_ours(lease, owned.epoch):
-                log.warning("lost the lease of session %s; handing it over", session_id)
-                self.host.release(session_id, drop_lease=False)
-                self._not_ours(session_id, entry.seq)
+            session_id = self.fair.pick({sid: self._owner(sid) for sid in ready})
+            owned = self.host.owned[session_id]
+            if past_doorbells >= READ_AHEAD_OPS:  # back to Celery for a moment: its turn comes back by the doorbell
+                self._ring_on(session_id, owned.applied + 1)
                 return
-            if owned.unloaded:
-                self._reload(owned)
-            next_read = self._run(owned, entry, handoff)
-            if entry.op == "stop":
-                self.host.finish(session_id)
+            turn = self._turn(owned, ready.pop(session_id), handoff)
+            if turn is None:
+                continue
+            past_doorbell, following, others, control_waiting = turn
+            past_doorbells += past_doorbell
+            if following is None or following[0] is not None:  # None: unknown (a checkpoint ran), read it at its turn
+                ready[session_id] = following
+            for other in others:
+                ready.setdefault(other, None)
+            if control_waiting and ready:  # a sample request or a create waits: let Celery deliver it
+                self._ring_on(next(iter(ready)), None)
                 return
 
-    def _run(self, owned: OwnedSession, entry: JournalEntry, handoff: bool) -> tuple[JournalEntry | None, bytes | None] | None:
-        """Run one op and record it; returns the next seq's journal entry and the lease, read with the record
-        (None after an automatic checkpoint: the lease read before it may be stale by now)."""
+    def _line(self, running: str) -> dict[str, tuple[int, float]]:
+        """Each waiting session's place in line and estimated wait (seconds), `running`'s next op included."""
+        owners = {sid: self._owner(sid) for sid in [running, *self._waiting] if sid in self.host.owned}
+        view, wait = {}, 0.0
+        for position, sid in enumerate(self.fair.order(owners), start=1):
+            view[sid] = (position, wait)
+            wait += self.fair.cost.get(sid, 0.0)
+        self.queue_view = view
+        return view
+
+    def _owner(self, session_id: str) -> str:
+        owned = self.host.owned.get(session_id)
+        return (owned.record.owner if owned is not None else None) or SDK_OWNER
+
+    def _turn(self, owned: OwnedSession, prefetched, handoff: bool):
+        """Run the session's next op, if it has one. Returns (1 if it ran past the doorbells seen, else 0; the next
+        entry and lease, read with its record, or None after a checkpoint; the other sessions with an op ready;
+        whether a control message waits), or None when it had no op or lost its lease."""
+        session_id = owned.session_id
+        entry, lease = prefetched or self.host.journal.get_with(session_id, owned.applied + 1, names.lease_key(session_id))
+        if entry is None:
+            return None
+        past_doorbell = int(entry.seq > owned.max_seen)
+        owned.max_seen = max(owned.max_seen, entry.seq)
+        if not self.host.lease.is_ours(lease, owned.epoch):
+            log.warning("lost the lease of session %s; handing it over", session_id)
+            self.host.release(session_id, drop_lease=False)
+            self._not_ours(session_id, entry.seq)
+            return None
+        if owned.unloaded:
+            self._reload(owned)
+        if self._observe_wait is not None:
+            self._observe_wait(self._owner(session_id), owned.record.base_model, max(0.0, time.time() - entry.submitted_at))
+        following, others, control_waiting = self._run(owned, entry, handoff)
+        if entry.op == "stop":
+            self.host.finish(session_id)
+            following = (None, None)
+        return past_doorbell, following, others, control_waiting
+
+    def _ready_elsewhere(self, exclude: str) -> list[str]:
+        """Owned sessions other than `exclude` whose next op is journaled (one round trip)."""
+        others = [(sid, owned.applied + 1) for sid, owned in list(self.host.owned.items()) if sid != exclude]
+        with self.host.registry.redis.pipeline(transaction=False) as pipe:
+            for sid, seq in others:
+                pipe.hexists(names.journal_key(sid), str(seq))
+            found = pipe.execute()
+        return [sid for (sid, _), there in zip(others, found) if there]
+
+    def _run(self, owned: OwnedSession, entry: JournalEntry, handoff: bool):
+        """Run one op and record it; returns what the record read with it: the next seq's journal entry and the
+        lease (None after an automatic checkpoint: the lease read before it may be stale by now), the other owned
+        sessions with an op ready, and whether a control message waits."""
         started, request, response, payload, error = time.monotonic(), None, None, None, None
         try:
             handler = handler_for(entry.op)
@@ -139,27 +219,32 @@ class Sequencer:
         owned.applied = entry.seq
         step = self._step(owned) if entry.stateful else None
         usage = None
+        seconds = time.monotonic() - started
+        self.fair.charge(entry.session_id, self._owner(entry.session_id), seconds)
         if request is not None:
             usage = self.usage.observe(
                 session_id=entry.session_id, op_id=str(entry.seq), request=request, response=response,
-                owner=owned.record.owner, base_model=owned.record.base_model, seconds=time.monotonic() - started,
+                owner=owned.record.owner, base_model=owned.record.base_model, seconds=seconds,
                 outcome="ok" if error is None else f"{error.category}_error")
-        next_read = _through_outages(lambda: self._record(entry, usage, payload, error, step, handoff))
-        return None if self._after_op(owned, entry.op) else next_read
+        glance = Glance(sessions=[(sid, o.applied + 1) for sid, o in list(self.host.owned.items()) if sid != entry.session_id],
+                        queues=[names.model_queue(m) for m in self.host.engines], line=self._line(entry.session_id))
+        following = _through_outages(lambda: self._record(entry, usage, payload, error, step, handoff, glance))
+        return (None if self._after_op(owned, entry.op) else following), glance.ready, glance.control_waiting
 
     def _step(self, owned: OwnedSession) -> int | None:
         engine, session_id = self.host.engine(owned.record.base_model), owned.record.session_id
         return engine.step(session_id) if engine.has_session(session_id) else None
 
     def _record(self, entry: JournalEntry, usage: OpUsage | None, payload: dict | None, error: TreadleError | None,
-                step: int | None, handoff: bool = False) -> tuple[JournalEntry | None, bytes | None]:
+                step: int | None, handoff: bool = False, glance: "Glance | None" = None) -> tuple[JournalEntry | None, bytes | None]:
         """Meter the op, store its result, mark its seq applied: in this order (a seq is never marked applied
         without its result, see treadle.gpu_worker.usage for the meter), and in one MULTI/EXEC when results
         live in the broker's Redis. Safe to repeat: the meter counts an op once, the rest are plain sets.
 
         The same round trip reads the next seq's journal entry and the lease, which the drain needs next:
         a pipelining client has usually journaled that op already. With `handoff` it also sets the idle key
-        (treadle.gpu_worker.linger): the next op, submitted once this result is read, is handed over."""
+        (treadle.gpu_worker.linger): the next op, submitted once this result is read, is handed over. With a
+        `glance` it also writes each waiting session's place in line and reads what the turns need next."""
         session_id, following = entry.session_id, entry.seq + 1
         with self.host.registry.redis.pipeline(transaction=True) as pipe:
             if usage is not None:
@@ -173,11 +258,17 @@ class Sequencer:
                 else:
                     self.results.store_error(entry.future_id, error)
             stepped = {} if step is None else {"step": step}
-            self.host.registry.update(session_id, client=pipe, applied=entry.seq, last_activity=time.time(), **stepped)
+            cost = self.fair.cost.get(session_id)
+            self.host.registry.update(session_id, client=pipe, applied=entry.seq, last_activity=time.time(),
+                                      **stepped, **({} if cost is None else {"op_cost_s": round(cost, 6)}))
             if handoff:
                 self.linger.mark(pipe)
+            if glance is not None:
+                glance.queue(pipe, self.host.registry)
             Journal.read_with(pipe, session_id, following, names.lease_key(session_id))
-            *_, raw, lease = pipe.execute()
+            *answers, raw, lease = pipe.execute()
+        if glance is not None:
+            glance.read(answers)
         return Journal.parse(session_id, following, raw), lease
 
     def nudge_stalled(self) -> None:
@@ -199,8 +290,14 @@ class Sequencer:
                 log.warning("session %s: op %d was journaled with no doorbell coming; ringing it", session_id, entry.seq)
                 ring(self.app, session_id, entry.seq, entry.op)
 
-    def _ring_on(self, session_id: str, seq: int) -> None:
-        """Ring the doorbell of a journaled op: it goes through Celery to whoever owns the session."""
+    def _ring_on(self, session_id: str, seq: int | None) -> None:
+        """Ring the doorbell of a journaled op (None: the owned session's next): it goes through Celery to whoever
+        owns the session."""
+        if seq is None:
+            owned = self.host.owned.get(session_id)
+            if owned is None:
+                return
+            seq = owned.applied + 1
         entry = self.host.journal.get(session_id, seq)
         if entry is not None:
             ring(self.app, session_id, seq, entry.op)
@@ -216,8 +313,37 @@ class Sequencer:
         self._ring_on(session_id, seq)  # a fresh doorbell reaches whoever owns (or will own) it
 
 
+@dataclass
+class Glance:
+    """What an op's record also writes and reads for the turns, in the same round trip: each waiting session's
+    place in line (`line`: session -> (position, estimated wait s)); which of `sessions` ((id, next seq)) have that
+    op journaled, and whether one of the control `queues` holds a message."""
+
+    sessions: list[tuple[str, int]]
+    queues: list[str]
+    line: dict[str, tuple[int, float]]
+    ready: list[str] = field(default_factory=list)
+    control_waiting: bool = False
+
+    def queue(self, pipe, registry) -> None:
+        for sid, (position, wait_s) in self.line.items():
+            registry.update(sid, client=pipe, queue_position=position, queue_wait_s=round(wait_s, 6))
+        for sid, seq in self.sessions:
+            pipe.hexists(names.journal_key(sid), str(seq))
+        for queue in self.queues:
+            pipe.llen(queue)
+
+    def read(self, answers: list) -> None:
+        """`answers`: the pipeline's answers up to the ones `queue` added, which end them."""
+        counts = answers[len(answers) - len(self.queues):]
+        found = answers[len(answers) - len(self.queues) - len(self.sessions):len(answers) - len(self.queues)]
+        self.ready = [sid for (sid, _), there in zip(self.sessions, found) if there]
+        self.control_waiting = any(counts)
+
+
 REDIS_OUTAGE_TOLERANCE_S = 300.0
-# Journaled ops a drain runs past the last doorbell seen (see the module docstring).
+# Journaled ops a pass of turns runs past the last doorbells seen before the Celery task looks at its own
+# shutdown (see the module docstring); a control message ends a pass at once.
 READ_AHEAD_OPS = 8
 
 
