@@ -116,6 +116,7 @@ async def _treadle_error(request: Request, exc: TreadleError) -> JSONResponse:
     response = error_response(request, exc, status_of(exc))
     if isinstance(exc, CapacityError):  # a queue at its bound: Tinker's SDK retries a 429 after Retry-After
         response.headers["Retry-After"] = str(max(1, math.ceil(exc.retry_after_s)))
+        response.headers["Retry-After-Ms"] = str(max(1, round(exc.retry_after_s * 1000)))  # the SDK reads it first
     return response
 
 

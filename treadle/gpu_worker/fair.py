@@ -4,7 +4,8 @@ A worker serves several sessions, often of several owners. When more than one ha
 next turn goes to the one that has had the least service so far, counted in seconds of device time
 divided by its weight (start-time fair queueing, the deficit round robin of variable-cost work): a
 heavy op of 200 ms counts as ten light ones of 20 ms, so a tenant that pipelines heavy ops deeply
-runs one of them, then whoever waits, then the next.
+runs one of them, then whoever waits, then the next. A turn's cost is its work (an op's tokens) at
+the measured rate of its kind of op, so identical work costs the same whoever does it.
 
 The shares are two-level: owners first (an owner's weight from the worker's configuration, 1 by
 default), then the sessions of the chosen owner. Every tag counts from a common clock, the tag of
@@ -22,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Hashable, Iterable
 
-# Weight of the share of the measured-cost average an estimate gives each new op (exponential average).
+# The weight of each new measurement in an average (of a kind's rate, of a key's turn cost).
 COST_SMOOTHING = 0.2
 
 
@@ -54,6 +55,7 @@ class FairShare:
         self._owners = _Level()
         self._sessions: dict[str, _Level] = {}
         self._turns = 0
+        self.rate: dict[str, float] = {}  # seconds per unit of work, by kind (exponential averages)
         self.cost: dict[Hashable, float] = {}  # each key's average turn cost (seconds), for wait estimates
 
     def weight(self, owner: str) -> float:
@@ -87,13 +89,21 @@ class FairShare:
         sessions.clock = sessions.tag(key)
         return key
 
-    def charge(self, key: Hashable, owner: str, seconds: float) -> None:
-        """A turn of `key` (of `owner`) took `seconds` of device time."""
+    def charge(self, key: Hashable, owner: str, seconds: float, kind: str = "", units: int = 1) -> None:
+        """A turn of `key` (of `owner`) took `seconds` of device time for `units` of work of one `kind` (an op's
+        tokens). It is charged at the kind's average rate per unit, measured over every key's turns: on a shared
+        host one op measures anywhere from 1x to 4x an identical one (a descheduled thread), and charging each
+        its own figure let that noise tilt the shares by a quarter; a rate shared by all keys charges identical
+        work identically, and a heavy op still many times a light one."""
         self._turns += 1
-        self._owners.charge(owner, seconds / self.weight(owner), self._turns)
-        self._level(owner).charge(key, seconds, self._turns)
+        units = max(1, units)
+        before = self.rate.get(kind)
+        rate = self.rate[kind] = seconds / units if before is None else before + COST_SMOOTHING * (seconds / units - before)
+        cost = rate * units
+        self._owners.charge(owner, cost / self.weight(owner), self._turns)
+        self._level(owner).charge(key, cost, self._turns)
         before = self.cost.get(key)
-        self.cost[key] = seconds if before is None else before + COST_SMOOTHING * (seconds - before)
+        self.cost[key] = cost if before is None else before + COST_SMOOTHING * (cost - before)
 
     def forget(self, keep: set) -> None:
         """Drop the state of keys not in `keep` (sessions this worker no longer owns)."""

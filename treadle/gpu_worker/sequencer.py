@@ -220,12 +220,13 @@ class Sequencer:
         step = self._step(owned) if entry.stateful else None
         usage = None
         seconds = time.monotonic() - started
-        self.fair.charge(entry.session_id, self._owner(entry.session_id), seconds)
         if request is not None:
             usage = self.usage.observe(
                 session_id=entry.session_id, op_id=str(entry.seq), request=request, response=response,
                 owner=owned.record.owner, base_model=owned.record.base_model, seconds=seconds,
                 outcome="ok" if error is None else f"{error.category}_error")
+        tokens = 0 if usage is None else usage.prefill_tokens + usage.trained_tokens + usage.sampled_tokens
+        self.fair.charge(entry.session_id, self._owner(entry.session_id), seconds, kind=entry.op, units=tokens)
         glance = Glance(sessions=[(sid, o.applied + 1) for sid, o in list(self.host.owned.items()) if sid != entry.session_id],
                         queues=[names.model_queue(m) for m in self.host.engines], line=self._line(entry.session_id))
         following = _through_outages(lambda: self._record(entry, usage, payload, error, step, handoff, glance))
