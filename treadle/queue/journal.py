@@ -52,8 +52,12 @@ WAKE_TTL_MS = 60_000
 # doorbell is harmless; a missing one would stall the op). An explicit seq (the gateway's) moves the counter too, so
 # a later automatic seq never reuses it. A stop records its seq, after which nothing is accepted, except
 # an explicit seq below the stop's: a gateway client's op that arrived late (chunks come concurrently)
-# runs before the stop it precedes. Only an op that lengthens the queue is bounded: a stop, a retry, and an
-# explicit seq that fills a gap below the counter always pass (refusing a gap's op would stall the session).
+# runs before the stop it precedes. Only an op that moves the counter is bounded, and it is refused when the
+# queue (counter minus applied, gaps included) is already at the bound: a stop, a retry, and an explicit seq
+# that fills a gap below the counter always pass. So a refusal only ever waits for queued ops to run, never for
+# another refused op: the Tinker SDK sends a forward_backward's chunks concurrently, the first one last, and a
+# bound on how far a seq lies past the applied one would refuse the later chunks until the first came, while
+# the SDK holds the first back until the later ones are answered.
 _APPEND = """
 local taken = redis.call('GET', KEYS[3])
 if taken then return {tonumber(taken), 1} end
@@ -67,14 +71,14 @@ local cur = tonumber(st[4] or '0') or 0
 local seq = cur + 1
 if ARGV[1] ~= '' then seq = tonumber(ARGV[1]) end
 if seq > cur and ARGV[2] ~= '1' then
+  local queued = math.max(0, cur - applied)
   local limit = tonumber(st[5] or '0') or 0
-  if limit > 0 and seq - applied > limit then return {-2, cur - applied, limit, 1} end
+  if limit > 0 and queued >= limit then return {-2, queued, limit, 1} end
   local olimit = tonumber(st[6] or '0') or 0
   if olimit > 0 then
     local owner = st[7]
     if (not owner) or owner == '' then owner = 'sdk' end
     local set = ARGV[10] .. owner .. ':sessions'
-    local queued = seq - applied
     for _, sid in ipairs(redis.call('SMEMBERS', set)) do
       if sid ~= ARGV[6] then
         local o = redis.call('HMGET', ARGV[11] .. sid, 'status', 'next_seq', 'applied')
@@ -85,7 +89,7 @@ if seq > cur and ARGV[2] ~= '1' then
         end
       end
     end
-    if queued > olimit then return {-2, queued - (seq - cur), olimit, 2} end
+    if queued >= olimit then return {-2, queued, olimit, 2} end
   end
 end
 if seq > cur then redis.call('HSET', KEYS[1], 'next_seq', seq) end
