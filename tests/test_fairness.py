@@ -93,7 +93,7 @@ def fair_stack(tiny_model_dir, tmp_path_factory):
     stack = LocalStack([f"tiny={tiny_model_dir}"], home=str(tmp_path_factory.mktemp("fair")), worker_args=[
         "--lease_ttl_s", "3", "--owner_weights", json.dumps({"alice": 2}), "--metrics_port", str(port),
         "--max_queued_ops_per_session", str(SESSION_BOUND), "--max_queued_ops_per_owner", str(OWNER_BOUND),
-        "--max_queued_sample_rows_per_owner", str(ROW_BOUND)])
+        "--max_queued_sample_rows_per_owner", str(ROW_BOUND), "--logprob_audit_fraction", "1"])
     stack.start(wait_for_workers=180)
     yield ServiceClient(broker_url=stack.broker_url, storage_url=stack.storage_url), stack, port
     stack.stop()
@@ -188,6 +188,15 @@ def test_past_the_bound_a_submit_fails_with_a_retry_hint_and_nothing_queued_is_l
     other.stop()
 
 
+def _metric(text: str, series: str) -> float:
+    return next((float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(series + " ")), 0.0)
+
+
+def _scrape(port: int) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as response:
+        return response.read().decode()
+
+
 def test_past_the_sample_row_bound_a_sample_request_fails_until_earlier_rows_are_answered(fair_stack):
     from treadle.types import SamplingParams
 
@@ -205,11 +214,13 @@ def test_past_the_sample_row_bound_a_sample_request_fails_until_earlier_rows_are
     assert len(sampler.sample(prompt, num_samples=2, sampling_params=SamplingParams(max_tokens=4, seed=0))
                .result(timeout=120).sequences) == 2
     keep.stop()
-
-
-def _scrape(port: int) -> str:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as response:
-        return response.read().decode()
+    # Every sequence was drawn at temperature 1, so each is audited against the training forward (off the decode path).
+    _, port = fair_stack[1:]
+    deadline = time.monotonic() + 120
+    while (count := _metric(_scrape(port), 'treadle_sampler_logprob_gap_count{base_model="tiny"}')) < ROW_BOUND + 2:
+        assert time.monotonic() < deadline, f"{count} audits exported"
+        time.sleep(0.2)
+    assert _metric(_scrape(port), 'treadle_sampler_logprob_gap_sum{base_model="tiny"}') / count < 1e-4
 
 
 def test_status_and_metrics_show_each_sessions_place_in_line_and_its_estimated_wait(fair_stack):

@@ -38,6 +38,7 @@ from treadle.gpu_worker.adapters import AdapterBank
 from treadle.gpu_worker.batch_decode import DecodeBatch, SampleJob, forward_rows, prompt_logprobs_from_logits
 from treadle.gpu_worker.device_lock import DeviceLock
 from treadle.gpu_worker.fair import FairShare
+from treadle.gpu_worker.logprob_audit import LogprobAudit
 from treadle.gpu_worker.logprobs import micro_batches
 from treadle.gpu_worker.model_host import ModelHost
 
@@ -68,6 +69,7 @@ class SampleScheduler:
         self.max_forward_tokens = max_forward_tokens
         self._batch = DecodeBatch(bank, host)
         self._fair = FairShare()  # admission turns between snapshots (_take_admissible)
+        self._audit = LogprobAudit(bank, host, device_lock)  # a fraction of answers against the training forward
         self._samples: deque[tuple[SampleJob, Future]] = deque()
         self._logprobs: deque[LogprobJob] = deque()
         self._running: dict[int, tuple[SampleJob, Future]] = {}
@@ -235,6 +237,7 @@ class SampleScheduler:
             future.set_exception(error)
         else:
             future.set_result(job.response())
+            self._audit.consider(job)
 
     def _answer_logprobs(self, jobs: list[LogprobJob]) -> None:
         try:

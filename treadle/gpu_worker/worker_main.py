@@ -69,6 +69,7 @@ class WorkerConfig(BaseModel):
     max_queued_ops_per_session: int = Field(default=256, ge=0, description="Ops one session may have submitted and not yet run; a submit past it fails with CapacityError (HTTP 429 with Retry-After at the gateway) and queues nothing (0: no bound). Applies to sessions created from then on.")
     max_queued_ops_per_owner: int = Field(default=1024, ge=0, description="Ops all active sessions of one owner may have queued together; past it as above (0: no bound).")
     max_queued_sample_rows_per_owner: int = Field(default=4096, ge=0, description="Sample rows (num_samples summed over requests) one owner may have submitted and not yet answered; past it a sample request fails with CapacityError (HTTP 429 with Retry-After) and queues nothing, unless nothing of the owner is queued (0: no bound). Published for clients to check; give every worker the same.")
+    logprob_audit_fraction: float = Field(default=0.01, ge=0.0, le=1.0, description="Share of sampled sequences (temperature 1, no top-k/top-p) whose logprobs the worker recomputes with the training forward of the same snapshot, off the decode path, exporting the gap as treadle_sampler_logprob_gap (treadle.gpu_worker.logprob_audit; 0: off).")
     metrics_port: int = Field(default=0, ge=0, le=65535, description="Serve Prometheus metrics on this port (0: off).")
     metrics_address: str = Field(default="127.0.0.1", description="Interface of the metrics port (0.0.0.0 inside a private network).")
     linger_ms: float = Field(default=20.0, ge=0.0, le=10000.0, description="After running a session's ops, wait this long for the next op of any session this worker owns before going back to Celery: a loop that submits its next step right after reading a result then costs no Celery message (treadle.gpu_worker.linger). A sample request or session creation arriving meanwhile ends the wait within 5 ms (0: off).")
@@ -82,6 +83,7 @@ class WorkerService:
         from treadle.gpu_worker.celery_tasks import register_tasks
         from treadle.gpu_worker.engine import Engine
         from treadle.gpu_worker.failover import Failover
+        from treadle.gpu_worker import logprob_audit
         from treadle.gpu_worker.fair import FairShare
         from treadle.gpu_worker.hosting import SessionHost
         from treadle.gpu_worker.linger import Linger
@@ -104,6 +106,8 @@ class WorkerService:
         self.hostname = config.hostname or f"treadle-{uuid.uuid4().hex[:8]}@{socket.gethostname()}"
         self.redis = connect_redis(broker)
         self.store = CheckpointStore.from_url(storage)
+        logprob_audit.configure(fraction=config.logprob_audit_fraction,
+                                observe=lambda model, gap: metrics.LOGPROB_GAP.labels(model).observe(gap))
         self.engines = {}
         self.served: list[ServedModel] = []
         group = None
