@@ -22,7 +22,7 @@ from treadle.local_stack import LocalStack
 from treadle.metering import Meter
 from treadle.queue import names
 from treadle.queue.ops import NoopRequest
-from treadle.status import collect_status
+from treadle.status import collect_status, render
 from treadle.types import AdamParams, LoraConfig, ModelInput
 from tests.test_sessions import sft_batch
 
@@ -213,7 +213,6 @@ def test_past_the_sample_row_bound_a_sample_request_fails_until_earlier_rows_are
     assert len(first.result(timeout=300).sequences) == ROW_BOUND
     assert len(sampler.sample(prompt, num_samples=2, sampling_params=SamplingParams(max_tokens=4, seed=0))
                .result(timeout=120).sequences) == 2
-    keep.stop()
     # Every sequence was drawn at temperature 1, so each is audited against the training forward (off the decode path).
     _, port = fair_stack[1:]
     deadline = time.monotonic() + 120
@@ -221,6 +220,7 @@ def test_past_the_sample_row_bound_a_sample_request_fails_until_earlier_rows_are
         assert time.monotonic() < deadline, f"{count} audits exported"
         time.sleep(0.2)
     assert _metric(_scrape(port), 'treadle_sampler_logprob_gap_sum{base_model="tiny"}') / count < 1e-4
+    keep.stop()
 
 
 def test_status_and_metrics_show_each_sessions_place_in_line_and_its_estimated_wait(fair_stack):
@@ -232,19 +232,22 @@ def test_status_and_metrics_show_each_sessions_place_in_line_and_its_estimated_w
     for i in range(30):  # 60 ops: within the owner bound (both are the SDK's, owner `sdk`)
         futures += [a.forward_backward(sft_batch(i, n=8, length=96), "cross_entropy"),
                     b.forward_backward(sft_batch(i, n=8, length=96), "cross_entropy")]
-    seen, metrics = None, None
+    seen, metrics, text = None, None, ""
     while not futures[-1].done():
-        mine = {s.session_id: s for s in collect_status(sc.ops.redis).sessions if s.session_id in (a.session_id, b.session_id)}
+        report = collect_status(sc.ops.redis)  # what `treadle status` prints
+        mine = {s.session_id: s for s in report.sessions if s.session_id in (a.session_id, b.session_id)}
         if len(mine) == 2 and all(s.queued_ops > 1 and s.op_cost_s > 0 for s in mine.values()) \
                 and sorted(s.queue_position or 0 for s in mine.values()) == [1, 2]:
-            seen = mine
-            metrics = _scrape(port)
+            seen, metrics, text = mine, _scrape(port), render(report)
             break
         time.sleep(0.05)
     assert seen is not None, "the two backlogs ran out before status showed both in line"
+    header = next(line for line in text.splitlines() if line.startswith("SESSION"))
+    assert "POSITION" in header and "EST WAIT" in header and "OP COST" in header
     second = next(s for s in seen.values() if s.queue_position == 2)
     first = next(s for s in seen.values() if s.queue_position == 1)
     assert first.est_wait_s == 0 and second.est_wait_s > 0
+    assert f"{second.est_wait_s:.2f}s" in next(line for line in text.splitlines() if line.startswith(second.session_id))
     assert f'treadle_session_queued_ops{{base_model="tiny",owner="sdk",session="{second.session_id}"}}' in metrics
     for future in futures:
         future.result(timeout=300)

@@ -106,8 +106,9 @@ class WorkerService:
         self.hostname = config.hostname or f"treadle-{uuid.uuid4().hex[:8]}@{socket.gethostname()}"
         self.redis = connect_redis(broker)
         self.store = CheckpointStore.from_url(storage)
+        served_as = {path: name for name, path in map(parse_model_spec, config.model)}  # the audit names a model by its path
         logprob_audit.configure(fraction=config.logprob_audit_fraction,
-                                observe=lambda model, gap: metrics.LOGPROB_GAP.labels(model).observe(gap))
+                                observe=lambda model, gap: metrics.LOGPROB_GAP.labels(served_as.get(model, model)).observe(gap))
         self.engines = {}
         self.served: list[ServedModel] = []
         group = None
