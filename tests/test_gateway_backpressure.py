@@ -18,13 +18,14 @@ from tests.test_sessions import sft_batch
 from treadle.queue import names
 
 
-def _model(gateway) -> str:
+def _model(gateway) -> tuple[str, str]:
+    """(client session id, model id) of a new training model of alice's."""
     with _client(gateway, ALICE_KEY) as alice:
         session_id = alice.post("/create_session", json={"tags": [], "user_metadata": None, "sdk_version": "0.38.0"}).json()["session_id"]
         created = alice.post("/create_model", json={
             "session_id": session_id, "model_seq_id": 0, "base_model": "tiny", "lora_config": {"rank": 4, "seed": 1},
         }).json()
-        return _result(alice, created["request_id"]).json()["model_id"]
+        return session_id, _result(alice, created["request_id"]).json()["model_id"]
 
 
 def _bound(stack_redis, model_id: str, limit: int) -> None:
@@ -32,7 +33,7 @@ def _bound(stack_redis, model_id: str, limit: int) -> None:
 
 
 def test_past_the_bound_a_submit_is_429_with_retry_after_and_takes_nothing(gateway, service_client):
-    model_id = _model(gateway)
+    session_id, model_id = _model(gateway)
     _bound(service_client.ops.redis, model_id, 2)
     with _client(gateway, ALICE_KEY) as alice:
         held = _post_fb(alice, _fb_body(model_id, 2))  # seq 1 not sent yet: nothing can run
@@ -42,6 +43,8 @@ def test_past_the_bound_a_submit_is_429_with_retry_after_and_takes_nothing(gatew
         assert int(refused.headers["Retry-After"]) >= 1 and int(refused.headers["Retry-After-Ms"]) >= 1000
         assert "max_queued_ops_per_session" in refused.json()["detail"] and "limit is 2" in refused.json()["detail"]
         assert service_client.ops.next_seq(model_id) == 2  # the refused op took no seq
+        [queue] = alice.get(f"/sessions/{session_id}/queue").json()["models"]
+        assert (queue["model_id"], queue["queued_ops"], queue["applied"]) == (model_id, 2, 0)  # the open seq 1 counts
         # Seq 1 fills the gap (always accepted), both run, and seq 3 on its retry goes through.
         first = _post_fb(alice, _fb_body(model_id, 1))
         for response in (first, held):
