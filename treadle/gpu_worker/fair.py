@@ -10,12 +10,11 @@ the measured rate of its kind of op, so identical work costs the same whoever do
 The shares are two-level: owners first (an owner's weight from the worker's configuration, 1 by
 default), then the sessions of the chosen owner. Every tag counts from a common clock, the tag of
 the last turn given: a tenant that was idle rejoins at the clock, so idleness is never banked as
-credit to spend later in a burst, and a tenant that has waited is never behind the others by more
-than its last turn.
+credit to spend later in a burst.
 
-Used by the sequencer (training ops of owned sessions) and by the sampler's admission (sample
-requests of different snapshots). Pure Python, no Redis, no torch: one instance per thread that
-decides, never shared across threads.
+Used by the sequencer (training ops of owned sessions, under the worker's device lock) and by the
+sampler's admission (sample requests of different snapshots, under the scheduler's lock). Pure Python,
+no Redis, no torch, not thread-safe by itself.
 """
 
 from __future__ import annotations

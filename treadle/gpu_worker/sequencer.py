@@ -15,11 +15,12 @@ died with an op next in line), the caretaker's `nudge_stalled` rings it.
 
 Sessions take turns (treadle.gpu_worker.fair): the same write also asks which other owned sessions have
 their next op journaled, and whether a control message (a sample request, a session to create) waits.
-Each turn is one op, and it goes to the session, of the owner, with the least service so far in
-measured seconds of device time over the owner's weight; so a session reads ahead only while no other
-session waits, and a tenant that pipelines heavy ops delays another's next op by at most the op that
-is running. A waiting control message ends the pass at once: the next op's doorbell is rung and the
-Celery task returns, so a sample request never waits behind a backlog of training ops. So does a pass
+Each turn is one op, and it goes to the owner, then the session of that owner, with the least service
+so far (its ops' tokens at the measured device time per token of their kind of op) over the owner's
+weight; so a session reads ahead only while no other session waits, and a tenant that pipelines heavy
+ops delays another's next op by at most the op that is running. A waiting control message ends the
+pass at once: the next op's doorbell is rung and the Celery task returns, so a sample request reaches
+the sampler after at most the op that is running, not after a backlog of training ops. So does a pass
 that has run `READ_AHEAD_OPS` ops past the doorbells it has seen (the Celery task looks at its warm
 shutdown between passes). The order of each session's own ops, the fencing, the hand-off and recovery
 are the same whoever's turn it is. Each decision also records, per waiting session, its place in line
@@ -68,7 +69,6 @@ class Sequencer:
         self.linger = linger
         self.fair = fair or FairShare()
         self._observe_wait = observe_wait  # (owner, base_model, seconds from submit to start): the queue-wait histogram
-        self.queue_view: dict[str, tuple[int, float]] = {}  # session -> (place in line, estimated wait s), last decision
         self._waiting: dict = {}  # the sessions with an op ready, besides the one running (see _turns)
         self._rotation = 0
         self.app = app
@@ -157,7 +157,6 @@ class Sequencer:
         for position, sid in enumerate(self.fair.order(owners), start=1):
             view[sid] = (position, wait)
             wait += self.fair.cost.get(sid, 0.0)
-        self.queue_view = view
         return view
 
     def _owner(self, session_id: str) -> str:
