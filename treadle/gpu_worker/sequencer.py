@@ -13,19 +13,11 @@ at all (treadle.queue.journal): this read is what runs it, so a pipelining clien
 then `optim_step`) costs one Celery message per burst. Should a doorbell ever be missing (a drain that
 died with an op next in line), the caretaker's `nudge_stalled` rings it.
 
-Sessions take turns (treadle.gpu_worker.fair): the same write also asks which other owned sessions have
-their next op journaled, and whether a control message (a sample request, a session to create) waits.
-Each turn is one op, and it goes to the owner, then the session of that owner, with the least service
-so far (its ops' tokens at the measured device time per token of their kind of op) over the owner's
-weight; so a session reads ahead only while no other session waits, and a tenant that pipelines heavy
-ops delays another's next op by at most the op that is running. A waiting control message ends the
-pass at once: the next op's doorbell is rung and the Celery task returns, so a sample request reaches
-the sampler after at most the op that is running, not after a backlog of training ops. So does a pass
-that has run `READ_AHEAD_OPS` ops past the doorbells it has seen (the Celery task looks at its warm
-shutdown between passes). The order of each session's own ops, the fencing, the hand-off and recovery
-are the same whoever's turn it is. Each decision also records, per waiting session, its place in line
-and its estimated wait (the average costs of the ops ahead of it): `treadle status`, the gateway and
-the metrics show them.
+Sessions take turns, one op each, by fair share (treadle.gpu_worker.turns): the same write also asks
+which other owned sessions have their next op journaled and whether a control message waits, which
+ends the pass (the next op's doorbell is rung and the Celery task returns); so does a pass that has
+run `READ_AHEAD_OPS` ops past the doorbells it has seen. Each session's own order, the fencing, the
+hand-off and recovery are the same whoever's turn it is.
 
 When the drain has nothing left, the same Celery task waits a few milliseconds for the next op of any
 session this worker owns (treadle.gpu_worker.linger): a loop that submits its next step right after
@@ -37,7 +29,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from dataclasses import dataclass, field
 from typing import Callable
 
 import redis as redis_lib
@@ -45,12 +36,13 @@ from celery import Celery
 from kombu import exceptions as kombu_errors
 
 from treadle.errors import ServerError, TreadleError
+from treadle.gpu_worker import turns
 from treadle.gpu_worker.fair import FairShare
 from treadle.gpu_worker.hosting import OwnedSession, SessionHost
 from treadle.gpu_worker.linger import Linger
 from treadle.gpu_worker.op_handlers import handler_for
 from treadle.gpu_worker.usage import UsageRecorder
-from treadle.metering import SDK_OWNER, OpUsage
+from treadle.metering import OpUsage
 from treadle.queue import names
 from treadle.queue.journal import Journal, JournalEntry
 from treadle.queue.ops import OpRequest, encode_result
@@ -124,16 +116,14 @@ class Sequencer:
         # session -> its next entry and lease, read with the previous op's record; None: read it at its turn
         ready: dict[str, tuple[JournalEntry | None, bytes | None] | None] = {first: None}
         if len(self.host.owned) > 1:
-            ready.update(dict.fromkeys(self._ready_elsewhere(exclude=first)))
+            ready.update(dict.fromkeys(turns.ready_elsewhere(self.host, exclude=first)))
         self.fair.forget(set(self.host.owned))
         self._waiting, past_doorbells = ready, 0
         while ready:
-            for gone in [sid for sid in ready if sid not in self.host.owned]:  # released meanwhile (a stop, a lost lease)
-                del ready[gone]
-            if not ready:
-                return
-            session_id = self.fair.pick({sid: self._owner(sid) for sid in ready})
-            owned = self.host.owned[session_id]
+            session_id = self.fair.pick({sid: turns.owner_of(self.host, sid) for sid in ready})
+            if (owned := self.host.owned.get(session_id)) is None:  # released meanwhile (a stop, a lost lease)
+                del ready[session_id]
+                continue
             if past_doorbells >= READ_AHEAD_OPS:  # back to Celery for a moment: its turn comes back by the doorbell
                 self._ring_on(session_id, owned.applied + 1)
                 return
@@ -149,19 +139,6 @@ class Sequencer:
             if control_waiting and ready:  # a sample request or a create waits: let Celery deliver it
                 self._ring_on(next(iter(ready)), None)
                 return
-
-    def _line(self, running: str) -> dict[str, tuple[int, float]]:
-        """Each waiting session's place in line and estimated wait (seconds), `running`'s next op included."""
-        owners = {sid: self._owner(sid) for sid in [running, *self._waiting] if sid in self.host.owned}
-        view, wait = {}, 0.0
-        for position, sid in enumerate(self.fair.order(owners), start=1):
-            view[sid] = (position, wait)
-            wait += self.fair.cost.get(sid, 0.0)
-        return view
-
-    def _owner(self, session_id: str) -> str:
-        owned = self.host.owned.get(session_id)
-        return (owned.record.owner if owned is not None else None) or SDK_OWNER
 
     def _turn(self, owned: OwnedSession, prefetched, handoff: bool):
         """Run the session's next op, if it has one. Returns (1 if it ran past the doorbells seen, else 0; the next
@@ -181,21 +158,12 @@ class Sequencer:
         if owned.unloaded:
             self._reload(owned)
         if self._observe_wait is not None:
-            self._observe_wait(self._owner(session_id), owned.record.base_model, max(0.0, time.time() - entry.submitted_at))
+            self._observe_wait(turns.owner_of(self.host, session_id), owned.record.base_model, max(0.0, time.time() - entry.submitted_at))
         following, others, control_waiting = self._run(owned, entry, handoff)
         if entry.op == "stop":
             self.host.finish(session_id)
             following = (None, None)
         return past_doorbell, following, others, control_waiting
-
-    def _ready_elsewhere(self, exclude: str) -> list[str]:
-        """Owned sessions other than `exclude` whose next op is journaled (one round trip)."""
-        others = [(sid, owned.applied + 1) for sid, owned in list(self.host.owned.items()) if sid != exclude]
-        with self.host.registry.redis.pipeline(transaction=False) as pipe:
-            for sid, seq in others:
-                pipe.hexists(names.journal_key(sid), str(seq))
-            found = pipe.execute()
-        return [sid for (sid, _), there in zip(others, found) if there]
 
     def _run(self, owned: OwnedSession, entry: JournalEntry, handoff: bool):
         """Run one op and record it; returns what the record read with it: the next seq's journal entry and the
@@ -225,9 +193,10 @@ class Sequencer:
                 owner=owned.record.owner, base_model=owned.record.base_model, seconds=seconds,
                 outcome="ok" if error is None else f"{error.category}_error")
         tokens = 0 if usage is None else usage.prefill_tokens + usage.trained_tokens + usage.sampled_tokens
-        self.fair.charge(entry.session_id, self._owner(entry.session_id), seconds, kind=entry.op, units=tokens)
-        glance = Glance(sessions=[(sid, o.applied + 1) for sid, o in list(self.host.owned.items()) if sid != entry.session_id],
-                        queues=[names.model_queue(m) for m in self.host.engines], line=self._line(entry.session_id))
+        self.fair.charge(entry.session_id, turns.owner_of(self.host, entry.session_id), seconds, kind=entry.op, units=tokens)
+        glance = turns.Glance(
+            sessions=[(sid, o.applied + 1) for sid, o in list(self.host.owned.items()) if sid != entry.session_id],
+            queues=[names.model_queue(m) for m in self.host.engines], line=turns.line(self.host, self.fair, [entry.session_id, *self._waiting]))
         following = _through_outages(lambda: self._record(entry, usage, payload, error, step, handoff, glance))
         return (None if self._after_op(owned, entry.op) else following), glance.ready, glance.control_waiting
 
@@ -236,7 +205,7 @@ class Sequencer:
         return engine.step(session_id) if engine.has_session(session_id) else None
 
     def _record(self, entry: JournalEntry, usage: OpUsage | None, payload: dict | None, error: TreadleError | None,
-                step: int | None, handoff: bool = False, glance: "Glance | None" = None) -> tuple[JournalEntry | None, bytes | None]:
+                step: int | None, handoff: bool = False, glance: turns.Glance | None = None) -> tuple[JournalEntry | None, bytes | None]:
         """Meter the op, store its result, mark its seq applied: in this order (a seq is never marked applied
         without its result, see treadle.gpu_worker.usage for the meter), and in one MULTI/EXEC when results
         live in the broker's Redis. Safe to repeat: the meter counts an op once, the rest are plain sets.
@@ -313,38 +282,8 @@ class Sequencer:
         self._ring_on(session_id, seq)  # a fresh doorbell reaches whoever owns (or will own) it
 
 
-@dataclass
-class Glance:
-    """What an op's record also writes and reads for the turns, in the same round trip: each waiting session's
-    place in line (`line`: session -> (position, estimated wait s)); which of `sessions` ((id, next seq)) have that
-    op journaled, and whether one of the control `queues` holds a message."""
-
-    sessions: list[tuple[str, int]]
-    queues: list[str]
-    line: dict[str, tuple[int, float]]
-    ready: list[str] = field(default_factory=list)
-    control_waiting: bool = False
-
-    def queue(self, pipe, registry) -> None:
-        for sid, (position, wait_s) in self.line.items():
-            registry.update(sid, client=pipe, queue_position=position, queue_wait_s=round(wait_s, 6))
-        for sid, seq in self.sessions:
-            pipe.hexists(names.journal_key(sid), str(seq))
-        for queue in self.queues:
-            pipe.llen(queue)
-
-    def read(self, answers: list) -> None:
-        """`answers`: the pipeline's answers up to the ones `queue` added, which end them."""
-        counts = answers[len(answers) - len(self.queues):]
-        found = answers[len(answers) - len(self.queues) - len(self.sessions):len(answers) - len(self.queues)]
-        self.ready = [sid for (sid, _), there in zip(self.sessions, found) if there]
-        self.control_waiting = any(counts)
-
-
 REDIS_OUTAGE_TOLERANCE_S = 300.0
-# Journaled ops a pass of turns runs past the last doorbells seen before the Celery task looks at its own
-# shutdown (see the module docstring); a control message ends a pass at once.
-READ_AHEAD_OPS = 8
+READ_AHEAD_OPS = 8  # ops a pass runs past the doorbells it has seen before its Celery task looks at its shutdown
 
 
 def _through_outages(write) -> None:
