@@ -28,6 +28,8 @@ class TreadleError(Exception):
         cls = _REGISTRY.get(data.get("type", ""), None)
         if cls is None:
             cls = UserError if data.get("category") == "user" else ServerError
+        if cls is CapacityError:
+            return CapacityError(data.get("message", "unknown error"), float(data.get("retry_after_s", 1.0)))
         return cls(data.get("message", "unknown error"))
 
 
@@ -78,6 +80,18 @@ class QuotaExceededError(UserError):
     429 would make the official SDK retry for minutes)."""
 
 
+class CapacityError(UserError):
+    """A queue is at its bound (a session's or an owner's queued ops, an owner's queued sample rows): nothing was
+    queued; submit again after `retry_after_s` (the gateway answers 429 with Retry-After, which Tinker's SDK retries)."""
+
+    def __init__(self, message: str, retry_after_s: float = 1.0):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+    def to_dict(self) -> dict:
+        return {**super().to_dict(), "retry_after_s": self.retry_after_s}
+
+
 class SessionStoppedError(SessionNotFoundError):
     """The session was stopped (or a stop is queued): nothing can run on it after the stop."""
 
@@ -115,7 +129,7 @@ _REGISTRY: dict[str, type[TreadleError]] = {
     for cls in [
         TreadleError, UserError, ServerError, InvalidRequestError, UnknownModelError,
         CheckpointNotFoundError, CheckpointExistsError, InvalidCheckpointNameError,
-        SessionNotFoundError, SessionStoppedError, NotFoundError, ConflictError, QuotaExceededError, SessionExpiredError, IntegrityError, StorageError, BrokerUnavailableError,
+        SessionNotFoundError, SessionStoppedError, NotFoundError, ConflictError, QuotaExceededError, CapacityError, SessionExpiredError, IntegrityError, StorageError, BrokerUnavailableError,
         NoWorkerError, SessionLostError, FutureTimeoutError,
     ]
 }

@@ -43,6 +43,11 @@ class SessionStatus(BaseModel):
                       "session created from a checkpoint goes on from the checkpoint's step).")
     submitted: int = Field(description="Highest seq submitted.")
     queued_ops: int = Field(description="Ops submitted and not yet applied.")
+    queue_position: int | None = Field(default=None, description="Its next op's place in its worker's line (1: next, or "
+                                       "running), as the worker last decided; None when nothing is queued.")
+    est_wait_s: float | None = Field(default=None, description="Estimated seconds until its next op starts, from the "
+                                     "measured costs of the ops ahead of it; None when nothing is queued.")
+    op_cost_s: float = Field(default=0.0, description="Average device seconds of its recent ops.")
     last_op: str | None = Field(default=None, description="Name of the last op metered.")
     last_activity: float = Field(description="Unix time of its last op.")
     idle_s: float = Field(description="Seconds since then.")
@@ -100,6 +105,8 @@ def collect_status(redis, include_stopped: bool = False) -> StatusReport:
             worker=record.worker, applied=record.applied, step=record.step,
             submitted=max(submitted, record.applied),
             queued_ops=max(0, submitted - record.applied), last_op=ops[-1].op if ops else None,
+            queue_position=record.queue_position or None if submitted > record.applied else None,
+            est_wait_s=record.queue_wait_s if submitted > record.applied else None, op_cost_s=record.op_cost_s,
             last_activity=record.last_activity, idle_s=max(0.0, now - record.last_activity),
             last_checkpoint=record.checkpoint, checkpoint_seq=record.checkpoint_seq,
             usage=meter.session_usage(record.session_id),
@@ -140,10 +147,11 @@ def render(report: StatusReport) -> str:
     lines += _table(["MODEL", "FAMILY", "DTYPE", "SAMPLER", "WORKERS"], [
         [m.name, m.family or "-", m.dtype or "-", m.sampler or "-", str(len(m.workers))] for m in report.models])
     lines += ["", f"sessions ({len(report.sessions)})"]
-    lines += _table(["SESSION", "OWNER", "MODEL", "STATUS", "WORKER", "APPLIED", "STEP", "QUEUED", "LAST OP", "IDLE", "TRAINED TOK",
-                     "LAST CHECKPOINT"], [
+    lines += _table(["SESSION", "OWNER", "MODEL", "STATUS", "WORKER", "APPLIED", "STEP", "QUEUED", "POSITION", "EST WAIT",
+                     "OP COST", "LAST OP", "IDLE", "TRAINED TOK", "LAST CHECKPOINT"], [
         [s.session_id, s.owner or "(sdk)", s.base_model, s.status, s.worker or "-", str(s.applied), str(s.step), str(s.queued_ops),
-         s.last_op or "-", _ago(s.idle_s), str(s.usage.trained_tokens),
+         str(s.queue_position or "-"), "-" if s.est_wait_s is None else f"{s.est_wait_s:.2f}s",
+         f"{s.op_cost_s * 1000:.0f}ms" if s.op_cost_s else "-", s.last_op or "-", _ago(s.idle_s), str(s.usage.trained_tokens),
          f"{s.last_checkpoint} (seq {s.checkpoint_seq})" if s.last_checkpoint else "-"] for s in report.sessions])
     lines += ["", "queues"]
     lines += _table(["QUEUE", "DEPTH"], [[q.queue, str(q.depth)] for q in report.queues])

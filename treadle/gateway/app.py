@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
@@ -13,6 +14,7 @@ from starlette.exceptions import HTTPException
 
 from treadle.errors import (
     BrokerUnavailableError,
+    CapacityError,
     CheckpointNotFoundError,
     ConflictError,
     InvalidRequestError,
@@ -100,6 +102,8 @@ def error_response(request: Request, exc: TreadleError, status: int) -> JSONResp
 
 
 def status_of(exc: TreadleError) -> int:
+    if isinstance(exc, CapacityError):
+        return 429
     if isinstance(exc, _GONE):
         return 410
     if isinstance(exc, _NOT_FOUND):
@@ -112,7 +116,11 @@ def status_of(exc: TreadleError) -> int:
 
 
 async def _treadle_error(request: Request, exc: TreadleError) -> JSONResponse:
-    return error_response(request, exc, status_of(exc))
+    response = error_response(request, exc, status_of(exc))
+    if isinstance(exc, CapacityError):  # a queue at its bound: Tinker's SDK retries a 429 after Retry-After
+        response.headers["Retry-After"] = str(max(1, math.ceil(exc.retry_after_s)))
+        response.headers["Retry-After-Ms"] = str(max(1, round(exc.retry_after_s * 1000)))  # the SDK reads it first
+    return response
 
 
 async def _unparsable(request: Request, exc: ValueError) -> JSONResponse:

@@ -1,4 +1,4 @@
-"""Session search and session traces, for the caller's own sessions only.
+"""Session search, session queues and session traces, for the caller's own sessions only.
 
 treadle has no organisations or projects: every search is over the caller's sessions (an `accessible`
 or `user` owner filter searches the same set), and every session's project id is `default`.
@@ -124,6 +124,27 @@ def session_trace(backend: Backend, session_id: str) -> dict:
             events.append({"name": op.op, "cat": "op", "ph": "X", "pid": 1, "tid": tid,
                            "ts": started * 1e6, "dur": op.compute_s * 1e6, "args": args})
     return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+
+@router.get("/sessions/{session_id}/queue")
+async def session_queue(session_id: str, request: Request, owner: str = Depends(require_owner), backend: Backend = Depends(get_backend)) -> dict:
+    """Each training model of the client session: ops queued, its next op's place in its worker's line and the
+    estimated wait (from the measured costs of the ops ahead of it), as the worker last decided."""
+
+    def read() -> dict:
+        backend.owners.client_session(session_id, owner)
+        models = []
+        for model_id in backend.store.members(session_id, "models"):
+            record = backend.session_info(model_id)
+            if record is None or record.status != "active":
+                continue
+            queued = max(0, backend.ops.next_seq(model_id) - record.applied)
+            models.append({"model_id": model_id, "worker": record.worker, "applied": record.applied, "queued_ops": queued,
+                           "queue_position": record.queue_position if queued else None,
+                           "est_wait_s": record.queue_wait_s if queued else None, "op_cost_s": record.op_cost_s})
+        return {"session_id": session_id, "models": models}
+
+    return await run_in_threadpool(read)
 
 
 @router.get("/sessions/{session_id}/trace_export")

@@ -80,7 +80,11 @@ class SeqRules:
         if self.claimed(record):
             return record.request_id
         self.store.set_outcome(record.request_id, error=error.to_dict())
-        self.ops.submit(model_id, NoopRequest(), seq=seq)
+        try:
+            self.ops.submit(model_id, NoopRequest(), seq=seq)
+        except BaseException:
+            self.store.forget_request(record.request_id)  # never published (a queue at its bound): the retry publishes it
+            raise
         return record.request_id
 
     def stop_model(self, model_id: str) -> None:

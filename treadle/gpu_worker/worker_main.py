@@ -66,6 +66,11 @@ class WorkerConfig(BaseModel):
     session_idle_ttl_s: float = Field(default=86400.0, ge=0.0, description="Checkpoint and stop (expire) a session after this many idle seconds; its client gets SessionExpiredError naming the checkpoint to resume from (0: never).")
     max_sessions_per_owner: int | None = Field(default=None, ge=1, description="Concurrent training sessions one owner may run (a gateway API key's owner; `sdk` for treadle SDK sessions); an over-quota create fails with QuotaExceededError (None: unlimited). Give every worker the same limits.")
     owner_session_limits: dict[str, int] = Field(default_factory=dict, description='Per-owner overrides of max_sessions_per_owner, JSON: {"alice": 8}.')
+    owner_weights: dict[str, float] = Field(default_factory=dict, description='Per-owner weights of the fair share of a worker\'s device time, JSON: {"alice": 2} (others: 1). When several sessions have ops ready, each turn goes to the owner with the least measured device time over its weight (treadle.queue.fair). Give every worker the same weights.')
+    max_queued_ops_per_session: int = Field(default=256, ge=0, description="Ops one session may have submitted and not yet run; a submit past it fails with CapacityError (HTTP 429 with Retry-After at the gateway) and queues nothing (0: no bound). Applies to sessions created from then on.")
+    max_queued_ops_per_owner: int = Field(default=1024, ge=0, description="Ops all active sessions of one owner may have queued together; past it as above (0: no bound).")
+    max_queued_sample_rows_per_owner: int = Field(default=4096, ge=0, description="Sample rows (num_samples summed over requests) one owner may have submitted and not yet answered; past it a sample request fails with CapacityError (HTTP 429 with Retry-After) and queues nothing, unless nothing of the owner is queued (0: no bound). Published for clients to check; give every worker the same.")
+    logprob_audit_fraction: float = Field(default=0.01, ge=0.0, le=1.0, description="Share of sampled sequences (temperature 1, no top-k/top-p) whose logprobs the worker recomputes with the training forward of the same snapshot, off the decode path, exporting the gap as treadle_sampler_logprob_gap (treadle.gpu_worker.sampling.logprob_audit; 0: off).")
     metrics_port: int = Field(default=0, ge=0, le=65535, description="Serve Prometheus metrics on this port (0: off).")
     metrics_address: str = Field(default="127.0.0.1", description="Interface of the metrics port (0.0.0.0 inside a private network).")
     linger_ms: float = Field(default=20.0, ge=0.0, le=10000.0, description="After running a session's ops, wait this long for the next op of any session this worker owns before going back to Celery: a loop that submits its next step right after reading a result then costs no Celery message (treadle.gpu_worker.executor.linger). A sample request or session creation arriving meanwhile ends the wait within 5 ms (0: off).")
@@ -79,6 +84,8 @@ class WorkerService:
         from treadle.gpu_worker.executor.celery_tasks import register_tasks
         from treadle.gpu_worker.engine import Engine
         from treadle.gpu_worker.executor.failover import Failover
+        from treadle.gpu_worker.sampling import logprob_audit
+        from treadle.queue.fair import FairShare
         from treadle.gpu_worker.sessions.hosting import SessionHost
         from treadle.gpu_worker.executor.linger import Linger
         from treadle.gpu_worker.executor.sample_requests import SamplerCache, Sampling
@@ -100,6 +107,9 @@ class WorkerService:
         self.hostname = config.hostname or f"treadle-{uuid.uuid4().hex[:8]}@{socket.gethostname()}"
         self.redis = connect_redis(broker)
         self.store = CheckpointStore.from_url(storage)
+        served_as = {path: name for name, path in map(parse_model_spec, config.model)}  # the audit names a model by its path
+        logprob_audit.configure(fraction=config.logprob_audit_fraction,
+                                observe=lambda model, gap: metrics.LOGPROB_GAP.labels(served_as.get(model, model)).observe(gap))
         self.engines = {}
         self.served: list[ServedModel] = []
         group = None
@@ -137,13 +147,15 @@ class WorkerService:
             device_lock=device_lock, remember_sampler=samplers.remember,
             subscribe=self._subscribe, unsubscribe=self._unsubscribe,
             quota=SessionQuota(self.redis, config.max_sessions_per_owner, config.owner_session_limits),
+            max_queued_ops=config.max_queued_ops_per_session, max_owner_queued_ops=config.max_queued_ops_per_owner,
         )
         self.autosaver = Autosaver(self.host, checkpoint_every=config.checkpoint_every,
                                    checkpoint_interval_s=config.checkpoint_interval_s)
         usage = UsageRecorder(self.redis)
         self.linger = Linger(self.redis, self.hostname, config.linger_ms / 1000)
         sequencer = Sequencer(self.host, self.app, after_op=self.autosaver.after_op, reload=self.autosaver.reload, usage=usage,
-                              linger=self.linger)
+                              linger=self.linger, fair=FairShare(config.owner_weights), observe_wait=metrics.observe_queue_wait)
+        self.sequencer = sequencer
         self.failover = Failover(self.host, sequencer, self.autosaver, idle_unload_s=config.idle_unload_s,
                                  session_idle_ttl_s=config.session_idle_ttl_s)
         register_tasks(self.app, sequencer, self.host, Sampling(samplers, device_lock), usage)
@@ -216,8 +228,9 @@ class WorkerService:
     def run(self) -> None:
         if self.config.metrics_port:
             self.metrics.start_metrics_server(self.config.metrics_port, self.config.metrics_address,
-                                         redis=self.redis, models=self.engines)
+                                         redis=self.redis, models=self.engines, owned=lambda: list(self.host.owned))
         self._publish_tokenizers()
+        self.redis.hset(names.LIMITS_KEY, "max_queued_sample_rows_per_owner", self.config.max_queued_sample_rows_per_owner)
         self._announce()
         threading.Thread(target=self._heartbeat_loop, name="treadle-heartbeat", daemon=True).start()
         # Adopting sessions needs the consumer up (it subscribes to their queues), so wait for ready.

@@ -2,10 +2,12 @@
 
 Counters only grow; rates are the scraper's job: tokens/s by kind is
 `rate(treadle_tokens_total[1m])`, ops/s `rate(treadle_ops_total[1m])`, p99 op latency
-`histogram_quantile(0.99, rate(treadle_op_seconds_bucket[5m]))`. Labels are bounded sets (op names,
-base models, token kinds, outcomes): never session ids or owners, whose number has no bound (per-owner
-usage is metering's job, `treadle.metering`). Queue depths are read from Redis at each scrape, so they
-are current even when no op runs.
+`histogram_quantile(0.99, rate(treadle_op_seconds_bucket[5m]))`. Labels of what accumulates (counters,
+histograms) are bounded sets: op names, base models, token kinds, outcomes, and owners (the gateway's
+configured API keys, plus `sdk`), never session ids, whose number has no bound (per-session usage is
+metering's job, `treadle.metering`). Queue depths are read from Redis at each scrape, so they are current
+even when no op runs; the per-session ones (`treadle_session_queued_ops`, `treadle_session_queue_wait_seconds`)
+exist only while their session is active, so their series end with it.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from typing import Iterable
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import GaugeMetricFamily
 
-from treadle.metering import OpUsage
+from treadle.metering import SDK_OWNER, OpUsage
 from treadle.queue import names
 from treadle.queue.sessions import SessionRegistry
 from treadle.queue.workers import WorkerRegistry
@@ -37,6 +39,11 @@ ACTIVE_SESSIONS = Gauge("treadle_active_sessions", "Sessions this worker owns (l
                         registry=REGISTRY)
 LEASE_TAKEOVERS = Counter("treadle_lease_takeovers", "Sessions this worker adopted from a dead worker.", ["base_model"],
                           registry=REGISTRY)
+QUEUE_WAIT_SECONDS = Histogram("treadle_op_queue_seconds", "Seconds an op waited from its submit to its start on the worker.",
+                               ["owner", "base_model"], buckets=_OP_BUCKETS, registry=REGISTRY)
+LOGPROB_GAP = Histogram("treadle_sampler_logprob_gap", "Mean absolute gap (nats per token) between the sampler's logprobs "
+                        "of a sampled sequence and the training forward's on the same snapshot (a sampled fraction).",
+                        ["base_model"], buckets=(1e-5, 1e-4, 1e-3, 3e-3, 0.01, 0.03, 0.1, 0.3, 1, 3), registry=REGISTRY)
 CHECKPOINT_SECONDS = Histogram("treadle_checkpoint_seconds", "Seconds to write one checkpoint (auto | state | sampler).",
                                ["kind"], buckets=_OP_BUCKETS, registry=REGISTRY)
 CHECKPOINT_BYTES = Counter("treadle_checkpoint_bytes", "Bytes of checkpoints written (auto | state | sampler).", ["kind"],
@@ -65,6 +72,10 @@ def observe_op(op: str, base_model: str, seconds: float, outcome: str = "ok", us
                 TOKENS.labels(kind, base_model).inc(count)
 
 
+def observe_queue_wait(owner: str, base_model: str, seconds: float) -> None:
+    QUEUE_WAIT_SECONDS.labels(owner, base_model).observe(seconds)
+
+
 def observe_checkpoint(kind: str, seconds: float, size_bytes: int) -> None:
     CHECKPOINT_SECONDS.labels(kind).observe(seconds)
     CHECKPOINT_BYTES.labels(kind).inc(size_bytes)
@@ -78,15 +89,39 @@ def _queue_depths(redis, models: Iterable[str]) -> GaugeMetricFamily:
     return family
 
 
-class QueueDepthCollector:
-    """`treadle_queue_depth{base_model}` of the models a worker serves, read from Redis at each scrape."""
+def _session_queues(redis, session_ids: Iterable[str]) -> list[GaugeMetricFamily]:
+    """Per active session: ops queued and the estimated wait of its next op (as its worker last decided)."""
+    ids = sorted(session_ids)
+    with redis.pipeline(transaction=False) as pipe:
+        for sid in ids:
+            pipe.hmget(names.session_key(sid), "status", "owner", "base_model", "next_seq", "applied", "queue_wait_s")
+        rows = pipe.execute()
+    labels = ["session", "owner", "base_model"]
+    queued = GaugeMetricFamily("treadle_session_queued_ops", "Ops a session has submitted and not yet run.", labels=labels)
+    waits = GaugeMetricFamily("treadle_session_queue_wait_seconds", "Estimated seconds until a session's next queued op "
+                              "starts (0: none queued), from the measured costs of the ops ahead of it.", labels=labels)
+    for sid, (status, owner, model, next_seq, applied, wait_s) in zip(ids, rows):
+        if status != b"active":
+            continue
+        depth = max(0, int(next_seq or 0) - int(applied or 0))
+        label = [sid, (owner or b"").decode() or SDK_OWNER, (model or b"").decode()]
+        queued.add_metric(label, depth)
+        waits.add_metric(label, float(wait_s or 0) if depth else 0.0)
+    return [queued, waits]
 
-    def __init__(self, redis, models: Iterable[str]):
+
+class QueueDepthCollector:
+    """`treadle_queue_depth{base_model}` of the models a worker serves, and the queues of the sessions it owns
+    (`owned()`: their ids), read from Redis at each scrape."""
+
+    def __init__(self, redis, models: Iterable[str], owned=lambda: ()):
         self.redis = redis
         self.models = list(models)
+        self.owned = owned
 
     def collect(self):
         yield _queue_depths(self.redis, self.models)
+        yield from _session_queues(self.redis, self.owned())
 
 
 class DeploymentCollector:
@@ -103,10 +138,13 @@ class DeploymentCollector:
         redis = self.redis_fn()
         workers = WorkerRegistry(redis).live_workers()
         counts = dict.fromkeys((m.name for w in workers for m in w.models), 0)
+        active = []
         for record in SessionRegistry(redis).all():
             if record.status == "active":
                 counts[record.base_model] = counts.get(record.base_model, 0) + 1
+                active.append(record.session_id)
         yield _queue_depths(redis, counts)
+        yield from _session_queues(redis, active)
         yield GaugeMetricFamily("treadle_deployment_workers", "Workers with a current heartbeat.", value=len(workers))
         sessions = GaugeMetricFamily("treadle_deployment_active_sessions", "Active sessions, by base model.",
                                      labels=["base_model"])
@@ -115,8 +153,9 @@ class DeploymentCollector:
         yield sessions
 
 
-def start_metrics_server(port: int, addr: str = "0.0.0.0", *, redis=None, models: Iterable[str] = ()):
-    """Serve REGISTRY (plus the queue depths of `models`, when a Redis client is given) on addr:port."""
+def start_metrics_server(port: int, addr: str = "0.0.0.0", *, redis=None, models: Iterable[str] = (), owned=lambda: ()):
+    """Serve REGISTRY (plus the queue depths of `models` and of the sessions `owned()` names, when a Redis client
+    is given) on addr:port."""
     if redis is not None:
-        REGISTRY.register(QueueDepthCollector(redis, models))
+        REGISTRY.register(QueueDepthCollector(redis, models, owned))
     return start_http_server(port, addr, registry=REGISTRY)

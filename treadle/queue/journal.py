@@ -31,6 +31,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+from treadle.errors import CapacityError
+from treadle.metering import SDK_OWNER
 from treadle.queue import names
 from treadle.queue.ops import OpRequest, op_request
 
@@ -44,32 +46,58 @@ WAKE_TTL_MS = 60_000
 
 # KEYS: session hash, journal hash, submit token. ARGV: wanted seq ('' = the next one), '1' for a stop, the
 # entry, the journal's TTL, the token's TTL, the session id, the idle and wake key prefixes, the wake list's
-# TTL (ms). Answers {seq, 1 if the op needs a doorbell}; seq is -1 when the session does not exist, is
-# stopping or stopped, expired or lost. A retry rings (a duplicate
+# TTL (ms), the prefix of the owners' session sets, the prefix of session hashes. Answers {seq, 1 if the op needs a doorbell}; seq is -1 when
+# the session does not exist, is stopping or stopped, expired or lost, and -2 when a queue is at its bound
+# ({-2, queued, limit, 1 for the session's bound or 2 for its owner's}). A retry rings (a duplicate
 # doorbell is harmless; a missing one would stall the op). An explicit seq (the gateway's) moves the counter too, so
 # a later automatic seq never reuses it. A stop records its seq, after which nothing is accepted, except
 # an explicit seq below the stop's: a gateway client's op that arrived late (chunks come concurrently)
-# runs before the stop it precedes.
+# runs before the stop it precedes. Only an op that moves the counter is bounded, and it is refused when the
+# queue (counter minus applied, gaps included) is already at the bound: a stop, a retry, and an explicit seq
+# that fills a gap below the counter always pass. So a refusal only ever waits for queued ops to run, never for
+# another refused op: the Tinker SDK sends a forward_backward's chunks concurrently, the first one last, and a
+# bound on how far a seq lies past the applied one would refuse the later chunks until the first came, while
+# the SDK holds the first back until the later ones are answered.
 _APPEND = """
 local taken = redis.call('GET', KEYS[3])
 if taken then return {tonumber(taken), 1} end
-local st = redis.call('HMGET', KEYS[1], 'status', 'stop_seq', 'applied')
+local st = redis.call('HMGET', KEYS[1], 'status', 'stop_seq', 'applied', 'next_seq', 'max_queued_ops',
+                      'max_owner_queued_ops', 'owner')
 if (not st[1]) or st[1] ~= 'active' then return {-1, 0} end
 local stop = tonumber(st[2] or '0') or 0
 if stop > 0 and (ARGV[1] == '' or tonumber(ARGV[1]) >= stop) then return {-1, 0} end
-local seq
-if ARGV[1] == '' then
-  seq = redis.call('HINCRBY', KEYS[1], 'next_seq', 1)
-else
-  seq = tonumber(ARGV[1])
-  local cur = tonumber(redis.call('HGET', KEYS[1], 'next_seq') or '0')
-  if cur < seq then redis.call('HSET', KEYS[1], 'next_seq', seq) end
+local applied = tonumber(st[3] or '0') or 0
+local cur = tonumber(st[4] or '0') or 0
+local seq = cur + 1
+if ARGV[1] ~= '' then seq = tonumber(ARGV[1]) end
+if seq > cur and ARGV[2] ~= '1' then
+  local queued = math.max(0, cur - applied)
+  local limit = tonumber(st[5] or '0') or 0
+  if limit > 0 and queued >= limit then return {-2, queued, limit, 1} end
+  local olimit = tonumber(st[6] or '0') or 0
+  if olimit > 0 then
+    local owner = st[7]
+    if (not owner) or owner == '' then owner = 'sdk' end
+    local set = ARGV[10] .. owner .. ':sessions'
+    for _, sid in ipairs(redis.call('SMEMBERS', set)) do
+      if sid ~= ARGV[6] then
+        local o = redis.call('HMGET', ARGV[11] .. sid, 'status', 'next_seq', 'applied')
+        if o[1] ~= 'active' then
+          redis.call('SREM', set, sid)
+        else
+          queued = queued + math.max(0, (tonumber(o[2] or '0') or 0) - (tonumber(o[3] or '0') or 0))
+        end
+      end
+    end
+    if queued >= olimit then return {-2, queued, olimit, 2} end
+  end
 end
+if seq > cur then redis.call('HSET', KEYS[1], 'next_seq', seq) end
 if ARGV[2] == '1' then redis.call('HSET', KEYS[1], 'stop_seq', seq) end
 redis.call('HSETNX', KEYS[2], seq, ARGV[3])
 redis.call('EXPIRE', KEYS[2], ARGV[4])
 redis.call('SET', KEYS[3], seq, 'EX', ARGV[5])
-if (tonumber(st[3] or '0') or 0) < seq - 1 then return {seq, 0} end
+if applied < seq - 1 then return {seq, 0} end
 local worker = redis.call('HGET', KEYS[1], 'worker')
 if worker and redis.call('DEL', ARGV[7] .. worker) == 1 then
   local wake = ARGV[8] .. worker
@@ -110,13 +138,29 @@ class Journal:
     def append(self, session_id: str, request: OpRequest, *, token: str, seq: int | None = None) -> tuple[int, bool]:
         """Give the op the session's next seq (or `seq`, the gateway's) and journal it: (seq, whether it needs a
         doorbell); seq is -1 when the session takes no ops. Repeating it with the same `token` answers the same
-        seq and journals nothing new."""
+        seq and journals nothing new. CapacityError when the session's or its owner's queue is at its bound."""
         entry = f"{request.op}\n{time.time():.6f}\n".encode() + request.encode()
         keys = [names.session_key(session_id), names.journal_key(session_id), names.submit_key(session_id, token)]
         args = ["" if seq is None else str(seq), "1" if request.op == "stop" else "", entry, JOURNAL_TTL_S, SUBMIT_TOKEN_TTL_S,
-                session_id, names.IDLE_PREFIX, names.WAKE_PREFIX, WAKE_TTL_MS]
-        seq, needs_doorbell = self._append(keys=keys, args=args)
-        return int(seq), bool(needs_doorbell)
+                session_id, names.IDLE_PREFIX, names.WAKE_PREFIX, WAKE_TTL_MS, names.OWNER_PREFIX,
+                names.session_key("")]
+        answer = self._append(keys=keys, args=args)
+        if int(answer[0]) == -2:
+            raise self._at_capacity(session_id, *(int(v) for v in answer[1:]))
+        return int(answer[0]), bool(answer[1])
+
+    def _at_capacity(self, session_id: str, queued: int, limit: int, which: int) -> CapacityError:
+        """The error of a refused submit, with a retry hint: when the session's next op should have run."""
+        position, wait_s, cost_s, owner = self.redis.hmget(names.session_key(session_id), "queue_position", "queue_wait_s",
+                                                           "op_cost_s", "owner")
+        retry_after_s = max(1.0, min(60.0, float(wait_s or 0) + float(cost_s or 0)))
+        if which == 1:
+            what = f"max_queued_ops_per_session: session {session_id} has {queued} ops queued and the limit is {limit}"
+        else:
+            what = (f"max_queued_ops_per_owner: owner {(owner or b'').decode() or SDK_OWNER!r} has {queued} ops queued "
+                    f"over its sessions and the limit is {limit}")
+        return CapacityError(f"{what}; nothing was queued: submit again in about {retry_after_s:.0f} s, when its next op "
+                             f"has run (queue position {int(position or 0)})", retry_after_s)
 
     def get(self, session_id: str, seq: int) -> JournalEntry | None:
         return self.parse(session_id, seq, self.redis.hget(names.journal_key(session_id), str(seq)))

@@ -44,6 +44,22 @@ def session_key(session_id: str) -> str:
 SESSION_PATTERN = f"{PREFIX}:session:*"
 
 
+OWNER_PREFIX = f"{PREFIX}:owner:"
+
+
+def owner_sessions_key(owner: str) -> str:
+    """Set of an owner's sessions whose queued ops count against its bound (treadle.queue.journal); `sdk` for the SDK's."""
+    return f"{OWNER_PREFIX}{owner}:sessions"
+
+
+def owner_sample_rows_key(owner: str) -> str:
+    """Hash sample future id -> rows and deadline of an owner's sample requests submitted and not yet answered."""
+    return f"{OWNER_PREFIX}{owner}:sample_rows"
+
+
+LIMITS_KEY = f"{PREFIX}:limits"  # hash: the bounds workers publish for clients to check at submit (sample rows)
+
+
 def lease_key(session_id: str) -> str:
     return f"{PREFIX}:lease:{session_id}"
 

@@ -16,12 +16,14 @@ from kombu import exceptions as kombu_errors
 
 from treadle.errors import (
     BrokerUnavailableError,
+    CapacityError,
     FutureTimeoutError,
     InvalidRequestError,
     NoWorkerError,
     SessionNotFoundError,
     UnknownModelError,
 )
+from treadle.metering import SDK_OWNER
 from treadle.queue import names
 from treadle.queue.celery_app import RESULT_EXPIRES_S, make_app
 from treadle.queue.connections import connect_redis, ring
@@ -37,6 +39,29 @@ NO_WORKER_GRACE_S = float(os.environ.get("TREADLE_NO_WORKER_GRACE_S", "120"))
 REDIS_OUTAGE_TOLERANCE_S = 120.0
 
 
+# KEYS: the owner's queued sample rows (hash future id -> "rows deadline"), the workers' limits. ARGV: the future
+# id, its rows, now, the entry's lifetime. Entries past their deadline (a request lost with its worker) no longer
+# count. Answers {-1, 0} when admitted (the entry is added), else {rows queued, the limit}.
+_ADMIT_ROWS = """
+local limit = tonumber(redis.call('HGET', KEYS[2], 'max_queued_sample_rows_per_owner') or '0') or 0
+if limit <= 0 then return {-1, 0} end
+local queued, now = 0, tonumber(ARGV[3])
+local entries = redis.call('HGETALL', KEYS[1])
+for i = 1, #entries, 2 do
+  local rows, deadline = string.match(entries[i + 1], '(%d+) ([%d.]+)')
+  if tonumber(deadline) < now then redis.call('HDEL', KEYS[1], entries[i]) else queued = queued + tonumber(rows) end
+end
+if queued > 0 and queued + tonumber(ARGV[2]) > limit then return {queued, limit} end
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[2] .. ' ' .. (now + tonumber(ARGV[4])))
+redis.call('EXPIRE', KEYS[1], ARGV[4])
+return {-1, 0}
+"""
+# How long a sample request counts against its owner's queued rows if no worker answers it.
+SAMPLE_ROWS_TTL_S = 600
+# A sample's rows free within a few decode steps of each other; a retry a second later usually fits.
+SAMPLE_RETRY_AFTER_S = 1.0
+
+
 class OpsClient:
     def __init__(self, broker_url: str, result_url: str | None = None, storage_url: str | None = None):
         self.broker_url = broker_url
@@ -48,6 +73,7 @@ class OpsClient:
         self.sessions = SessionRegistry(self.redis)
         self.workers = WorkerRegistry(self.redis)
         self.journal = Journal(self.redis)
+        self._admit_rows = self.redis.register_script(_ADMIT_ROWS)
         self._publish_lock = threading.Lock()
 
     # ------------------------------------------------------------ models and sessions
@@ -129,8 +155,18 @@ class OpsClient:
                 delay = min(delay * 2, 5.0)
 
     def submit_sample(self, request: SampleRequest) -> str:
-        """Publish a sample request to its base model's control queue; the message is its only copy."""
+        """Publish a sample request to its base model's control queue; the message is its only copy.
+        CapacityError when its owner's queued sample rows would pass the workers' bound (nothing is queued)."""
         fid = f"sample:{uuid.uuid4().hex}"
+        owner = request.owner or SDK_OWNER
+        queued, limit = self._retrying(lambda: self._admit_rows(
+            keys=[names.owner_sample_rows_key(owner), names.LIMITS_KEY],
+            args=[fid, request.num_samples, repr(time.time()), SAMPLE_ROWS_TTL_S]))
+        if queued >= 0:
+            raise CapacityError(
+                f"max_queued_sample_rows_per_owner: owner {owner!r} has {queued} sample rows queued and the limit is {limit}; "
+                f"this request's {request.num_samples} were not queued: submit again in a second or two, as earlier ones are answered",
+                retry_after_s=SAMPLE_RETRY_AFTER_S)
         # Recorded before it is published, so a wait tells a pending sample from an id never submitted;
         # kept as long as its result would be.
         self._retrying(lambda: self.redis.set(names.submitted_key(fid), 1, ex=RESULT_EXPIRES_S))

@@ -35,6 +35,12 @@ class SessionRecord(BaseModel):
                         "checkpointed) | lost (its state could not be rebuilt)")
     stop_seq: int = Field(default=0, description="Seq of the queued stop op (0: none): no op is accepted after it.")
     last_activity: float = Field(default_factory=time.time)
+    # backpressure and the visible queue (treadle.queue.fair): set by the worker, read by submits and status
+    max_queued_ops: int = Field(default=0, description="Ops this session may have submitted and not yet applied (0: no bound).")
+    max_owner_queued_ops: int = Field(default=0, description="Ops all active sessions of its owner may have queued (0: no bound).")
+    op_cost_s: float = Field(default=0.0, description="Average seconds of device time of its recent ops, as its worker measured them.")
+    queue_position: int = Field(default=0, description="Its next op's place in its worker's line (1: next or running) when its worker last decided.")
+    queue_wait_s: float = Field(default=0.0, description="Estimated seconds until its next op starts, from the measured costs of the ops ahead of it.")
 
 
 def inactive_error(session_id: str, record: SessionRecord | None) -> TreadleError:
@@ -57,8 +63,8 @@ def inactive_error(session_id: str, record: SessionRecord | None) -> TreadleErro
     return SessionNotFoundError(f"session {session_id} does not exist or was stopped")
 
 
-_INT_FIELDS = {"epoch", "applied", "checkpoint_seq", "checkpoint_every", "stop_seq"}
-_FLOAT_FIELDS = {"created_at", "last_activity"}
+_INT_FIELDS = {"epoch", "applied", "checkpoint_seq", "checkpoint_every", "stop_seq", "max_queued_ops", "max_owner_queued_ops", "queue_position"}
+_FLOAT_FIELDS = {"created_at", "last_activity", "op_cost_s", "queue_wait_s"}
 _JSON_FIELDS = {"lora", "user_metadata"}
 _BOOL_FIELDS = {"checkpoint_with_optimizer"}
 

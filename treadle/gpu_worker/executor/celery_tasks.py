@@ -24,6 +24,8 @@ from treadle.gpu_worker.sessions.hosting import SessionHost
 from treadle.gpu_worker.executor.sample_requests import Sampling
 from treadle.gpu_worker.executor.sequencer import Sequencer
 from treadle.gpu_worker.executor.usage import UsageRecorder
+from treadle.metering import SDK_OWNER
+from treadle.queue import names
 from treadle.queue.ops import OPS, CreateSessionRequest, OpRequest, SampleRequest, encode_result, task_name
 from treadle.queue.results import ResultStore
 
@@ -41,7 +43,14 @@ def register_tasks(app: Celery, sequencer: Sequencer, host: SessionHost, samplin
             app.task(name=task_name(cls.op), ignore_result=True, acks_late=True)(sequencer.on_doorbell)
         elif cls in control:
             app.task(name=task_name(cls.op), bind=True, ignore_result=True, acks_late=True)(
-                _control_task(cls, control[cls], results, lambda *a: usage.control_op_finished(host.registry, *a)))
+                _control_task(cls, control[cls], results, lambda *a: _finished(host, usage, *a)))
+
+
+def _finished(host: SessionHost, usage: UsageRecorder, future_id: str, request: OpRequest, *rest) -> None:
+    """Meter a control op; an answered sample's rows stop counting against its owner's bound (treadle.queue.ops_client)."""
+    usage.control_op_finished(host.registry, future_id, request, *rest)
+    if isinstance(request, SampleRequest):
+        host.registry.redis.hdel(names.owner_sample_rows_key(request.owner or SDK_OWNER), future_id)
 
 
 def _control_task(cls: type[OpRequest], run: Callable[[OpRequest], BaseModel | Future], results: ResultStore,

@@ -10,10 +10,14 @@ lease (fencing), and results are stored under the op's future id, whichever door
 The sequencer also reads ahead: the write that marks an op applied also reads the next seq's entry,
 and the drain runs it. An op journaled before its predecessor was marked applied rings no doorbell
 at all (treadle.queue.journal): this read is what runs it, so a pipelining client (`forward_backward`
-then `optim_step`) costs one Celery message per burst. After `READ_AHEAD_OPS` ops past the doorbells
-it has seen, a drain rings the next op's doorbell itself and returns, so that other sessions' doorbells
-get their turn. Should a doorbell ever be missing (a drain that died with an op next in line), the
-caretaker's `nudge_stalled` rings it.
+then `optim_step`) costs one Celery message per burst. Should a doorbell ever be missing (a drain that
+died with an op next in line), the caretaker's `nudge_stalled` rings it.
+
+Sessions take turns, one op each, by fair share (treadle.gpu_worker.executor.turns): the same write also asks
+which other owned sessions have their next op journaled and whether a control message waits, which
+ends the pass (the next op's doorbell is rung and the Celery task returns); so does a pass that has
+run `READ_AHEAD_OPS` ops past the doorbells it has seen. Each session's own order, the fencing, the
+hand-off and recovery are the same whoever's turn it is.
 
 When the drain has nothing left, the same Celery task waits a few milliseconds for the next op of any
 session this worker owns (treadle.gpu_worker.executor.linger): a loop that submits its next step right after
@@ -32,6 +36,8 @@ from celery import Celery
 from kombu import exceptions as kombu_errors
 
 from treadle.errors import ServerError, TreadleError
+from treadle.gpu_worker.executor import turns
+from treadle.queue.fair import FairShare
 from treadle.gpu_worker.sessions.hosting import OwnedSession, SessionHost
 from treadle.gpu_worker.executor.linger import Linger
 from treadle.gpu_worker.sessions.op_handlers import handler_for
@@ -49,9 +55,13 @@ log = logging.getLogger("treadle.worker")
 
 class Sequencer:
     def __init__(self, host: SessionHost, app: Celery, *, after_op: Callable[[OwnedSession, str], bool],
-                 reload: Callable[[OwnedSession], None], usage: UsageRecorder, linger: Linger):
+                 reload: Callable[[OwnedSession], None], usage: UsageRecorder, linger: Linger,
+                 fair: FairShare | None = None, observe_wait: Callable[[str, str, float], None] | None = None):
         self.host = host
         self.linger = linger
+        self.fair = fair or FairShare()
+        self._observe_wait = observe_wait  # (owner, base_model, seconds from submit to start): the queue-wait histogram
+        self._waiting: dict = {}  # the sessions with an op ready, besides the one running (see _turns)
         self._rotation = 0
         self.app = app
         self.results = ResultStore(app)
@@ -82,7 +92,7 @@ class Sequencer:
                 self._not_ours(session_id, seq)
                 return
             owned.max_seen = max(owned.max_seen, seq)
-            self.drain(session_id, handoff=True)
+            self._turns(session_id)
 
     def _next_ops(self) -> list[tuple[str, int]]:
         """(session_id, next seq) of every owned session, starting at a turning point: a session that keeps
@@ -93,35 +103,72 @@ class Sequencer:
         return pending[cut:] + pending[:cut]
 
     def drain(self, session_id: str, *, handoff: bool = False) -> None:
-        """Run every op of the session that is next in line, in seq order (and a few journaled after it).
-        `handoff`: the caller waits for hand-offs afterwards (a Celery task does; a failover does not)."""
-        owned = self.host.owned[session_id]
-        ahead, next_read = 0, None
-        while True:
-            entry, lease = next_read or self.host.journal.get_with(session_id, owned.applied + 1, names.lease_key(session_id))
-            if entry is None:
+        """Run every op of the session that is next in line, in seq order, each in its turn with the other owned
+        sessions' (see the module docstring). `handoff`: the caller waits for hand-offs afterwards (a Celery task
+        does; a failover does not)."""
+        with self.host.device_lock:
+            self._turns(session_id, handoff=handoff)
+
+    def _turns(self, first: str, *, handoff: bool = True) -> None:
+        """Give turns, one op each, to the owned sessions with an op ready (`first` has one, or had), until none has
+        one, a control message waits, or the pass has run `READ_AHEAD_OPS` ops past its doorbells. Holds the
+        device lock (the caller's)."""
+        # session -> its next entry and lease, read with the previous op's record; None: read it at its turn
+        ready: dict[str, tuple[JournalEntry | None, bytes | None] | None] = {first: None}
+        if len(self.host.owned) > 1:
+            ready.update(dict.fromkeys(turns.ready_elsewhere(self.host, exclude=first)))
+        self.fair.forget(set(self.host.owned))
+        self._waiting, past_doorbells = ready, 0
+        while ready:
+            session_id = self.fair.pick({sid: turns.owner_of(self.host, sid) for sid in ready})
+            if (owned := self.host.owned.get(session_id)) is None:  # released meanwhile (a stop, a lost lease)
+                del ready[session_id]
+                continue
+            if past_doorbells >= READ_AHEAD_OPS:  # back to Celery for a moment: its turn comes back by the doorbell
+                self._ring_on(session_id, owned.applied + 1)
                 return
-            if entry.seq > owned.max_seen:
-                if ahead >= READ_AHEAD_OPS:  # its turn comes back through the queue, after other sessions' doorbells
-                    ring(self.app, session_id, entry.seq, entry.op)
-                    return
-                ahead += 1
-            owned.max_seen = max(owned.max_seen, entry.seq)
-            if not self.host.lease.is_ours(lease, owned.epoch):
-                log.warning("lost the lease of session %s; handing it over", session_id)
-                self.host.release(session_id, drop_lease=False)
-                self._not_ours(session_id, entry.seq)
-                return
-            if owned.unloaded:
-                self._reload(owned)
-            next_read = self._run(owned, entry, handoff)
-            if entry.op == "stop":
-                self.host.finish(session_id)
+            turn = self._turn(owned, ready.pop(session_id), handoff)
+            if turn is None:
+                continue
+            past_doorbell, following, others, control_waiting = turn
+            past_doorbells += past_doorbell
+            if following is None or following[0] is not None:  # None: unknown (a checkpoint ran), read it at its turn
+                ready[session_id] = following
+            for other in others:
+                ready.setdefault(other, None)
+            if control_waiting and ready:  # a sample request or a create waits: let Celery deliver it
+                self._ring_on(next(iter(ready)), None)
                 return
 
-    def _run(self, owned: OwnedSession, entry: JournalEntry, handoff: bool) -> tuple[JournalEntry | None, bytes | None] | None:
-        """Run one op and record it; returns the next seq's journal entry and the lease, read with the record
-        (None after an automatic checkpoint: the lease read before it may be stale by now)."""
+    def _turn(self, owned: OwnedSession, prefetched, handoff: bool):
+        """Run the session's next op, if it has one. Returns (1 if it ran past the doorbells seen, else 0; the next
+        entry and lease, read with its record, or None after a checkpoint; the other sessions with an op ready;
+        whether a control message waits), or None when it had no op or lost its lease."""
+        session_id = owned.session_id
+        entry, lease = prefetched or self.host.journal.get_with(session_id, owned.applied + 1, names.lease_key(session_id))
+        if entry is None:
+            return None
+        past_doorbell = int(entry.seq > owned.max_seen)
+        owned.max_seen = max(owned.max_seen, entry.seq)
+        if not self.host.lease.is_ours(lease, owned.epoch):
+            log.warning("lost the lease of session %s; handing it over", session_id)
+            self.host.release(session_id, drop_lease=False)
+            self._not_ours(session_id, entry.seq)
+            return None
+        if owned.unloaded:
+            self._reload(owned)
+        if self._observe_wait is not None:
+            self._observe_wait(turns.owner_of(self.host, session_id), owned.record.base_model, max(0.0, time.time() - entry.submitted_at))
+        following, others, control_waiting = self._run(owned, entry, handoff)
+        if entry.op == "stop":
+            self.host.finish(session_id)
+            following = (None, None)
+        return past_doorbell, following, others, control_waiting
+
+    def _run(self, owned: OwnedSession, entry: JournalEntry, handoff: bool):
+        """Run one op and record it; returns what the record read with it: the next seq's journal entry and the
+        lease (None after an automatic checkpoint: the lease read before it may be stale by now), the other owned
+        sessions with an op ready, and whether a control message waits."""
         started, request, response, payload, error = time.monotonic(), None, None, None, None
         try:
             handler = handler_for(entry.op)
@@ -139,27 +186,34 @@ class Sequencer:
         owned.applied = entry.seq
         step = self._step(owned) if entry.stateful else None
         usage = None
+        seconds = time.monotonic() - started
         if request is not None:
             usage = self.usage.observe(
                 session_id=entry.session_id, op_id=str(entry.seq), request=request, response=response,
-                owner=owned.record.owner, base_model=owned.record.base_model, seconds=time.monotonic() - started,
+                owner=owned.record.owner, base_model=owned.record.base_model, seconds=seconds,
                 outcome="ok" if error is None else f"{error.category}_error")
-        next_read = _through_outages(lambda: self._record(entry, usage, payload, error, step, handoff))
-        return None if self._after_op(owned, entry.op) else next_read
+        tokens = 0 if usage is None else usage.prefill_tokens + usage.trained_tokens + usage.sampled_tokens
+        self.fair.charge(entry.session_id, turns.owner_of(self.host, entry.session_id), seconds, kind=entry.op, units=tokens)
+        glance = turns.Glance(
+            sessions=[(sid, o.applied + 1) for sid, o in list(self.host.owned.items()) if sid != entry.session_id],
+            queues=[names.model_queue(m) for m in self.host.engines], line=turns.line(self.host, self.fair, [entry.session_id, *self._waiting]))
+        following = _through_outages(lambda: self._record(entry, usage, payload, error, step, handoff, glance))
+        return (None if self._after_op(owned, entry.op) else following), glance.ready, glance.control_waiting
 
     def _step(self, owned: OwnedSession) -> int | None:
         engine, session_id = self.host.engine(owned.record.base_model), owned.record.session_id
         return engine.step(session_id) if engine.has_session(session_id) else None
 
     def _record(self, entry: JournalEntry, usage: OpUsage | None, payload: dict | None, error: TreadleError | None,
-                step: int | None, handoff: bool = False) -> tuple[JournalEntry | None, bytes | None]:
+                step: int | None, handoff: bool = False, glance: turns.Glance | None = None) -> tuple[JournalEntry | None, bytes | None]:
         """Meter the op, store its result, mark its seq applied: in this order (a seq is never marked applied
         without its result, see treadle.gpu_worker.executor.usage for the meter), and in one MULTI/EXEC when results
         live in the broker's Redis. Safe to repeat: the meter counts an op once, the rest are plain sets.
 
         The same round trip reads the next seq's journal entry and the lease, which the drain needs next:
         a pipelining client has usually journaled that op already. With `handoff` it also sets the idle key
-        (treadle.gpu_worker.executor.linger): the next op, submitted once this result is read, is handed over."""
+        (treadle.gpu_worker.executor.linger): the next op, submitted once this result is read, is handed over. With a
+        `glance` it also writes each waiting session's place in line and reads what the turns need next."""
         session_id, following = entry.session_id, entry.seq + 1
         with self.host.registry.redis.pipeline(transaction=True) as pipe:
             if usage is not None:
@@ -173,11 +227,17 @@ class Sequencer:
                 else:
                     self.results.store_error(entry.future_id, error)
             stepped = {} if step is None else {"step": step}
-            self.host.registry.update(session_id, client=pipe, applied=entry.seq, last_activity=time.time(), **stepped)
+            cost = self.fair.cost.get(session_id)
+            self.host.registry.update(session_id, client=pipe, applied=entry.seq, last_activity=time.time(),
+                                      **stepped, **({} if cost is None else {"op_cost_s": round(cost, 6)}))
             if handoff:
                 self.linger.mark(pipe)
+            if glance is not None:
+                glance.queue(pipe, self.host.registry)
             Journal.read_with(pipe, session_id, following, names.lease_key(session_id))
-            *_, raw, lease = pipe.execute()
+            *answers, raw, lease = pipe.execute()
+        if glance is not None:
+            glance.read(answers)
         return Journal.parse(session_id, following, raw), lease
 
     def nudge_stalled(self) -> None:
@@ -199,8 +259,14 @@ class Sequencer:
                 log.warning("session %s: op %d was journaled with no doorbell coming; ringing it", session_id, entry.seq)
                 ring(self.app, session_id, entry.seq, entry.op)
 
-    def _ring_on(self, session_id: str, seq: int) -> None:
-        """Ring the doorbell of a journaled op: it goes through Celery to whoever owns the session."""
+    def _ring_on(self, session_id: str, seq: int | None) -> None:
+        """Ring the doorbell of a journaled op (None: the owned session's next): it goes through Celery to whoever
+        owns the session."""
+        if seq is None:
+            owned = self.host.owned.get(session_id)
+            if owned is None:
+                return
+            seq = owned.applied + 1
         entry = self.host.journal.get(session_id, seq)
         if entry is not None:
             ring(self.app, session_id, seq, entry.op)
@@ -217,8 +283,7 @@ class Sequencer:
 
 
 REDIS_OUTAGE_TOLERANCE_S = 300.0
-# Journaled ops a drain runs past the last doorbell seen (see the module docstring).
-READ_AHEAD_OPS = 8
+READ_AHEAD_OPS = 8  # ops a pass runs past the doorbells it has seen before its Celery task looks at its shutdown
 
 
 def _through_outages(write) -> None:

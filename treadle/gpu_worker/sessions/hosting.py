@@ -52,9 +52,13 @@ class OwnedSession:
 class SessionHost:
     def __init__(self, *, hostname: str, engines: dict, redis, store: CheckpointStore, lease: LeaseManager,
                  device_lock: threading.RLock, remember_sampler: Callable[[str, str], None],
-                 subscribe: Callable[[str], None], unsubscribe: Callable[[str], None], quota: SessionQuota | None = None):
+                 subscribe: Callable[[str], None], unsubscribe: Callable[[str], None], quota: SessionQuota | None = None,
+                 max_queued_ops: int = 0, max_owner_queued_ops: int = 0):
         self.hostname = hostname
         self.quota = quota  # concurrent sessions per owner, checked on the worker so no client can skip it
+        # Backpressure (treadle.queue.journal): written into each new session's record, where submits read them.
+        self.max_queued_ops = max_queued_ops
+        self.max_owner_queued_ops = max_owner_queued_ops
         self.engines = engines
         self.store = store
         self.lease = lease
@@ -92,6 +96,7 @@ class SessionHost:
             session_id=req.session_id, run_id=req.session_id, base_model=req.base_model, lora=lora, owner=req.owner,
             user_metadata=req.user_metadata, checkpoint=req.from_state, checkpoint_seq=0,
             checkpoint_with_optimizer=req.with_optimizer, checkpoint_every=req.checkpoint_every,
+            max_queued_ops=self.max_queued_ops, max_owner_queued_ops=self.max_owner_queued_ops,
         )
         if not self.registry.create(record):
             existing = self.registry.get(req.session_id)
@@ -119,6 +124,8 @@ class SessionHost:
                     self.quota.release(req.owner or SDK_OWNER, req.session_id)
                 raise
             self.owned[req.session_id] = OwnedSession(record=record, epoch=epoch, applied=0)
+        if self.max_owner_queued_ops:  # its queued ops count against its owner's bound; a stopped one leaves the set
+            self.registry.redis.sadd(names.owner_sessions_key(req.owner or SDK_OWNER), req.session_id)
         self.store.put_run(record.run_id, {
             "training_run_id": record.run_id, "base_model": record.base_model, "lora_rank": record.lora.rank,
             "lora_config": record.lora.model_dump(), "created_at": record.created_at,

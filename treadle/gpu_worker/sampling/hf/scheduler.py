@@ -2,8 +2,8 @@
 each decode step, whatever session, snapshot or base model it samples.
 
 Requests wait in one queue and get a `concurrent.futures.Future`. One thread runs the decode loop
-(`DecodeBatch`): at every step boundary it admits the waiting sample requests, in arrival order, while
-the batch's projected KV cache stays within `max_batch_tokens` (their prompts prefilled together,
+(`DecodeBatch`): at every step boundary it admits the waiting sample requests, in fair turns between
+snapshots (each snapshot's own in arrival order), while the batch's projected KV cache stays within `max_batch_tokens` (their prompts prefilled together,
 once each, their rows joining the running batch), runs one decode step for every row, and answers
 each request as soon as its last row ends. This is continuous batching: a request that arrives
 mid-batch starts at the next step, and finished rows free their place at once. `compute_logprobs`
@@ -37,6 +37,8 @@ from treadle.errors import ServerError, TreadleError
 from treadle.gpu_worker.model.adapters import AdapterBank
 from treadle.gpu_worker.sampling.hf.batch_decode import DecodeBatch, SampleJob, forward_rows, prompt_logprobs_from_logits
 from treadle.gpu_worker.model.device_lock import DeviceLock
+from treadle.queue.fair import FairShare
+from treadle.gpu_worker.sampling.logprob_audit import LogprobAudit
 from treadle.gpu_worker.training.logprobs import micro_batches
 from treadle.gpu_worker.model.host import ModelHost
 
@@ -66,6 +68,8 @@ class SampleScheduler:
         self.max_batch_tokens = max_batch_tokens
         self.max_forward_tokens = max_forward_tokens
         self._batch = DecodeBatch(bank, host)
+        self._fair = FairShare()  # admission turns between snapshots (_take_admissible)
+        self._audit = LogprobAudit(bank, host, device_lock)  # a fraction of answers against the training forward
         self._samples: deque[tuple[SampleJob, Future]] = deque()
         self._logprobs: deque[LogprobJob] = deque()
         self._running: dict[int, tuple[SampleJob, Future]] = {}
@@ -171,19 +175,29 @@ class SampleScheduler:
             return [self._logprobs.popleft() for _ in group]
 
     def _take_admissible(self) -> list[SampleJob]:
-        """Waiting sample requests, oldest first, while the batch's projected KV cache stays within
-        `max_batch_tokens` and their prompts fit one prefill forward (at least one when the batch is empty)."""
+        """Waiting sample requests in fair turns between snapshots, while the batch's projected KV cache stays
+        within `max_batch_tokens` and their prompts fit one prefill forward (at least one when the batch is empty).
+
+        Each turn goes to the snapshot (adapter; None: the base model) with the fewest token positions admitted so
+        far (treadle.queue.fair: rows x (prompt + max_tokens), a snapshot that was idle rejoining at the
+        clock), and takes its oldest request whole: a small request does not queue behind another tenant's
+        backlog of big ones, and each snapshot's requests keep their order."""
         taken: list[SampleJob] = []
         with self._cond:
+            self._fair.forget(self._needed())
             while self._samples and not self._closed:
-                job, future = self._samples[0]
+                adapter = self._fair.pick(dict.fromkeys({job.adapter for job, _ in self._samples}, ""))
+                index = next(i for i, (job, _) in enumerate(self._samples) if job.adapter == adapter)
+                job, future = self._samples[index]
                 candidate = [*taken, job]
                 longest_prompt = max(len(j.request.prompt) for j in candidate)
                 if self._batch or taken:
                     if (self._projected(candidate) > self.max_batch_tokens
                             or len(candidate) * longest_prompt > self.max_forward_tokens):
-                        break  # first come, first served: later requests wait behind this one
-                self._samples.popleft()
+                        break  # the request whose turn it is waits for room, and the others behind it
+                del self._samples[index]
+                positions = job.num_samples * (len(job.request.prompt) + job.request.max_tokens)
+                self._fair.charge(adapter, "", positions, kind="positions", units=positions)
                 self._running[id(job)] = (job, future)
                 taken.append(job)
         return taken
@@ -223,6 +237,7 @@ class SampleScheduler:
             future.set_exception(error)
         else:
             future.set_result(job.response())
+            self._audit.consider(job)
 
     def _answer_logprobs(self, jobs: list[LogprobJob]) -> None:
         try:

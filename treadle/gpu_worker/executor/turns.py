@@ -1,0 +1,74 @@
+"""Turns between the sessions a worker owns: who has an op ready, whose turn it is, each one's place in line.
+
+When several owned sessions have ops ready, each turn is one op, and it goes to the owner, then the
+session of that owner, with the least service so far (its ops' tokens at the measured device time per
+token of their kind of op, treadle.queue.fair) over the owner's weight. So a session reads ahead
+only while no other session waits, and a tenant that pipelines heavy ops delays another's next op by at
+most the op that is running. A waiting control message (a sample request, a session to create) ends
+the sequencer's pass at once, so a sample request reaches the sampler after at most the op that is
+running, not after a backlog of training ops. Each op's record also writes, per waiting session, its
+place in line and its estimated wait (the average costs of the ops ahead of it), which `treadle status`,
+the gateway and the metrics show; and it reads what the next decision needs (`Glance`), in the same
+round trip.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from treadle.queue.fair import FairShare
+from treadle.metering import SDK_OWNER
+from treadle.queue import names
+
+
+def owner_of(host, session_id: str) -> str:
+    owned = host.owned.get(session_id)
+    return (owned.record.owner if owned is not None else None) or SDK_OWNER
+
+
+def ready_elsewhere(host, exclude: str) -> list[str]:
+    """Owned sessions other than `exclude` whose next op is journaled (one round trip)."""
+    others = [(sid, owned.applied + 1) for sid, owned in list(host.owned.items()) if sid != exclude]
+    with host.registry.redis.pipeline(transaction=False) as pipe:
+        for sid, seq in others:
+            pipe.hexists(names.journal_key(sid), str(seq))
+        found = pipe.execute()
+    return [sid for (sid, _), there in zip(others, found) if there]
+
+
+def line(host, fair: FairShare, sessions: list[str]) -> dict[str, tuple[int, float]]:
+    """Each of `sessions` (the running one and those waiting) by its place in line: (position, estimated wait s)."""
+    owners = {sid: owner_of(host, sid) for sid in sessions if sid in host.owned}
+    view, wait = {}, 0.0
+    for position, sid in enumerate(fair.order(owners), start=1):
+        view[sid] = (position, wait)
+        wait += fair.cost.get(sid, 0.0)
+    return view
+
+
+@dataclass
+class Glance:
+    """What an op's record also writes and reads for the turns, in the same round trip: each waiting session's
+    place in line (`line`: session -> (position, estimated wait s)); which of `sessions` ((id, next seq)) have that
+    op journaled, and whether one of the control `queues` holds a message."""
+
+    sessions: list[tuple[str, int]]
+    queues: list[str]
+    line: dict[str, tuple[int, float]]
+    ready: list[str] = field(default_factory=list)
+    control_waiting: bool = False
+
+    def queue(self, pipe, registry) -> None:
+        for sid, (position, wait_s) in self.line.items():
+            registry.update(sid, client=pipe, queue_position=position, queue_wait_s=round(wait_s, 6))
+        for sid, seq in self.sessions:
+            pipe.hexists(names.journal_key(sid), str(seq))
+        for queue in self.queues:
+            pipe.llen(queue)
+
+    def read(self, answers: list) -> None:
+        """`answers`: the pipeline's answers up to the ones `queue` added, which end them."""
+        counts = answers[len(answers) - len(self.queues):]
+        found = answers[len(answers) - len(self.queues) - len(self.sessions):len(answers) - len(self.queues)]
+        self.ready = [sid for (sid, _), there in zip(self.sessions, found) if there]
+        self.control_waiting = any(counts)
