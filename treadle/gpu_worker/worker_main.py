@@ -82,7 +82,6 @@ class WorkerService:
     def __init__(self, config: WorkerConfig):
         from treadle.gpu_worker.sessions.autosave import Autosaver
         from treadle.gpu_worker.executor.celery_tasks import register_tasks
-        from treadle.gpu_worker.engine import Engine
         from treadle.gpu_worker.executor.failover import Failover
         from treadle.gpu_worker.sampling import logprob_audit
         from treadle.queue.fair import FairShare
@@ -91,7 +90,6 @@ class WorkerService:
         from treadle.gpu_worker.executor.sample_requests import SamplerCache, Sampling
         from treadle.gpu_worker.executor.sequencer import Sequencer
         from treadle.gpu_worker.executor.usage import UsageRecorder
-        from treadle.gpu_worker.sampling.vllm.sampler import VllmOptions
         from treadle.observability import metrics  # prometheus-client: the worker extra, not every CLI
         from treadle.quotas import SessionQuota
         from treadle.storage.checkpoint_store import CheckpointStore
@@ -110,34 +108,7 @@ class WorkerService:
         served_as = {path: name for name, path in map(parse_model_spec, config.model)}  # the audit names a model by its path
         logprob_audit.configure(fraction=config.logprob_audit_fraction,
                                 observe=lambda model, gap: metrics.LOGPROB_GAP.labels(served_as.get(model, model)).observe(gap))
-        self.engines = {}
-        self.served: list[ServedModel] = []
-        group = None
-        if config.devices > 1:  # the followers load their models while this process loads its own
-            from treadle.gpu_worker.parallel.device_group import DeviceGroup
-
-            group = DeviceGroup(config)
-            group.spawn()
-        for spec in config.model:
-            name, path = parse_model_spec(spec)
-            t0 = time.monotonic()
-            try:
-                engine = Engine(path, device=group.device if group else config.device, dtype=config.dtype,
-                                max_tokens_per_microbatch=config.max_tokens_per_microbatch,
-                                sampling_max_batch_tokens=config.sampling_max_batch_tokens,
-                                sampler=config.sampler, vllm=VllmOptions(
-                                    python=config.vllm_python, max_lora_rank=config.vllm_max_lora_rank,
-                                    max_loras=config.vllm_max_loras, gpu_memory_share=config.vllm_memory_share,
-                                    cpu_kv_cache_gib=config.vllm_cpu_kv_cache_gib, max_logprobs=config.vllm_max_logprobs))
-            except (InvalidRequestError, ValueError) as exc:  # a model treadle cannot serve: say what, and stop
-                raise SystemExit(f"treadle worker: cannot serve {name} ({path}): {exc}") from exc
-            self.engines[name] = engine
-            self.served.append(ServedModel(name=name, path=path, max_seq_len=engine.max_seq_len, vocab_size=engine.vocab_size,
-                                           family=engine.profile.family, dtype=engine.profile.dtype,
-                                           sampler=engine.sampler_path))
-            log.info("loaded %s from %s in %.1f s", name, path, time.monotonic() - t0)
-        if group:
-            self.engines = group.join(self.engines)
+        self.engines, self.served = load_engines(config)
         self.app = make_app(broker, result, task_events=config.task_events)
         self.lease = LeaseManager(self.redis, self.hostname, ttl_ms=int(config.lease_ttl_s * 1000))
         device_lock = threading.RLock()
@@ -264,6 +235,39 @@ class WorkerService:
             except Exception:
                 log.warning("could not hand over session %s", sid, exc_info=True)
 
+
+
+def load_engines(config: WorkerConfig) -> tuple[dict, list[ServedModel]]:
+    """Every model of `config`, loaded (across the device group when --devices > 1) and described for the
+    announcement; a model treadle cannot serve stops the worker, naming what is missing."""
+    from treadle.gpu_worker.engine import Engine
+    from treadle.gpu_worker.sampling.vllm.sampler import VllmOptions
+
+    engines, served = {}, []
+    group = None
+    if config.devices > 1:  # the followers load their models while this process loads its own
+        from treadle.gpu_worker.parallel.device_group import DeviceGroup
+
+        group = DeviceGroup(config)
+        group.spawn()
+    options = VllmOptions(python=config.vllm_python, max_lora_rank=config.vllm_max_lora_rank,
+                          max_loras=config.vllm_max_loras, gpu_memory_share=config.vllm_memory_share,
+                          cpu_kv_cache_gib=config.vllm_cpu_kv_cache_gib, max_logprobs=config.vllm_max_logprobs)
+    for spec in config.model:
+        name, path = parse_model_spec(spec)
+        t0 = time.monotonic()
+        try:
+            engine = Engine(path, device=group.device if group else config.device, dtype=config.dtype,
+                            max_tokens_per_microbatch=config.max_tokens_per_microbatch,
+                            sampling_max_batch_tokens=config.sampling_max_batch_tokens, sampler=config.sampler,
+                            vllm=options)
+        except (InvalidRequestError, ValueError) as exc:  # a model treadle cannot serve: say what, and stop
+            raise SystemExit(f"treadle worker: cannot serve {name} ({path}): {exc}") from exc
+        engines[name] = engine
+        served.append(ServedModel(name=name, path=path, max_seq_len=engine.max_seq_len, vocab_size=engine.vocab_size,
+                                  family=engine.profile.family, dtype=engine.profile.dtype, sampler=engine.sampler_path))
+        log.info("loaded %s from %s in %.1f s", name, path, time.monotonic() - t0)
+    return (group.join(engines) if group else engines), served
 
 def run_worker(config: WorkerConfig) -> None:
     logging.basicConfig(level=config.loglevel, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -166,6 +166,21 @@ def evaluate(sampler: Any, tokenizer: Any, sandbox: Sandbox, heldout: list[CodeP
             "eval/has_code": sum(a.grade.has_code for a in attempts) / len(attempts), "time/eval": time.monotonic() - started}
 
 
+def step_metrics(attempts: list, loss: float, tokens: int, used: int, counts: dict[str, int], stalenesses: list[int],
+                 *, sample_wait: float, train_wait: float) -> dict[str, float]:
+    """One step's metrics row: rewards and pass rate of the attempts trained on, and how the groups went."""
+    n = len(attempts)
+    return {
+        "reward/mean": sum(a.grade.reward for a in attempts) / n, "accuracy/train": sum(a.grade.passed for a in attempts) / n,
+        "format/has_code": sum(a.grade.has_code for a in attempts) / n,
+        "turns/second_turn": sum(a.tool_report is not None for a in attempts) / n,
+        "loss:sum": loss, "tokens": tokens, "groups/used": used, "groups/skipped_uniform": counts["skipped"],
+        "groups/requeued": counts["requeue"], "groups/discarded": counts["discard"],
+        "async/staleness_max": max(stalenesses), "async/staleness_mean": sum(stalenesses) / len(stalenesses),
+        "time/sample_wait": sample_wait, "time/train_wait": train_wait,
+    }
+
+
 def main(cfg: Config, service: ServiceClient | None = None, sandbox: Sandbox | None = None) -> RunResult:
     service = service or ServiceClient()
     sandbox = sandbox or LocalSandbox(Limits(cpu_seconds=cfg.sandbox_cpu_seconds, wall_seconds=cfg.sandbox_wall_seconds),
@@ -183,7 +198,6 @@ def main(cfg: Config, service: ServiceClient | None = None, sandbox: Sandbox | N
     sampler, version = training.save_weights_and_get_sampling_client(), run.step - 1
     workers = ThreadPoolExecutor(max_workers=cfg.num_rollout_workers, thread_name_prefix="rollout")
     in_flight: deque = deque()  # (problem index, policy version, future of a CodeGroup), oldest first
-    last_eval: float | None = None  # shown beside the reward once an eval has run
     before = eval_before_training(run, log, partial(evaluate, sampler, tokenizer, sandbox, heldout, cfg, log))
     last_eval = before["eval/pass_rate"] if before else None  # shown beside the reward once an eval has run
     for step in (progress := steps(run, cfg.steps, "code RL")):
@@ -233,16 +247,8 @@ def main(cfg: Config, service: ServiceClient | None = None, sandbox: Sandbox | N
         if optim_future is not None:
             optim_future.result()
         sampler, version = training.save_weights_and_get_sampling_client(), step
-        n = len(attempts_used)
-        metrics = {
-            "reward/mean": sum(a.grade.reward for a in attempts_used) / n, "accuracy/train": sum(a.grade.passed for a in attempts_used) / n,
-            "format/has_code": sum(a.grade.has_code for a in attempts_used) / n,
-            "turns/second_turn": sum(a.tool_report is not None for a in attempts_used) / n,
-            "loss:sum": loss, "tokens": tokens, "groups/used": used, "groups/skipped_uniform": counts["skipped"],
-            "groups/requeued": counts["requeue"], "groups/discarded": counts["discard"],
-            "async/staleness_max": max(stalenesses), "async/staleness_mean": sum(stalenesses) / len(stalenesses),
-            "time/sample_wait": sample_wait, "time/train_wait": time.monotonic() - waited,
-        }
+        metrics = step_metrics(attempts_used, loss, tokens, used, counts, stalenesses,
+                               sample_wait=sample_wait, train_wait=time.monotonic() - waited)
         # ------------------------------------------------------------ eval and checkpoint, with the loop position
         end_step(run, log, step, metrics, cfg, partial(evaluate, sampler, tokenizer, sandbox, heldout, cfg, log),
                  position=stream.position([g[0] for g in in_flight]), started=step_started)
