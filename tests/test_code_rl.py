@@ -19,7 +19,7 @@ import pytest
 
 from treadle import ServiceClient
 from treadle.recipes import code_rl, sft
-from treadle.recipes.code_tasks import (CodeProblem, CodeTest, extract_code, grade, load_code_problems, problem_from_row,
+from treadle.recipes.code_tasks import (CodeTest, extract_code, grade, load_code_problems, problem_from_row,
                                         problem_prompt, split_problems)
 from treadle.recipes.datums import multi_turn_rl_datum
 from treadle.recipes.rendering import render_continuation, tool_message

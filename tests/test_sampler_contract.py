@@ -256,7 +256,8 @@ def test_prompt_and_sample_side_logprob_options_are_served_or_refused_by_name(tr
     targets = np.full((len(PROMPT) - 1, 1), -1)
     targets[-1, 0] = 7
     for extras in (SampleExtras(topk_sample_logprobs=2), SampleExtras(target_ids=targets), SampleExtras(prompt_alt_tokens_k=2)):
-        ask = lambda: engine.sample(None, ModelInput.from_ints(PROMPT), 1, SamplingParams(max_tokens=2, seed=0), extras=extras)
+        def ask(extras=extras):
+            return engine.sample(None, ModelInput.from_ints(PROMPT), 1, SamplingParams(max_tokens=2, seed=0), extras=extras)
         if engine.kind == "vllm":
             asked = next(name for name, on in (("topk_sample_logprobs", extras.topk_sample_logprobs),
                                                ("target_prompt_logprobs", extras.target_ids is not None),

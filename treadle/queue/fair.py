@@ -20,7 +20,7 @@ no Redis, no torch, not thread-safe by itself.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Hashable, Iterable
+from typing import Hashable, Iterable, cast
 
 # The weight of each new measurement in an average (of a kind's rate, of a key's turn cost).
 COST_SMOOTHING = 0.2
@@ -81,7 +81,7 @@ class FairShare:
 
     def pick(self, ready: dict[Hashable, str]) -> Hashable:
         """The key whose turn it is; the clocks move to its tags."""
-        owner = self._owners.order(set(ready.values()))[0]
+        owner = cast(str, self._owners.order(set(ready.values()))[0])
         sessions = self._level(owner)
         key = sessions.order([k for k, o in ready.items() if o == owner])[0]
         self._owners.clock = self._owners.tag(owner)

@@ -12,7 +12,7 @@ from `OPS`, so adding an op is: a request class here (and its entry in `OPS`), a
 
 from __future__ import annotations
 
-from typing import ClassVar, Literal
+from typing import ClassVar, Literal, Self, TypeVar
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -71,7 +71,7 @@ class OpRequest(BaseModel):
     route: ClassVar[Route] = "session"
 
     @classmethod
-    def build(cls, **fields):
+    def build(cls, **fields) -> Self:
         """The request from Python values; a bad field becomes an InvalidRequestError naming it."""
         return parse_request(cls, fields, cls.op)
 
@@ -80,7 +80,7 @@ class OpRequest(BaseModel):
         return self.model_dump_json(context=WIRE).encode()
 
     @classmethod
-    def decode(cls, raw: bytes | str | dict):
+    def decode(cls, raw: bytes | str | dict) -> Self:
         """The request from its encoded form; a bad field becomes an InvalidRequestError naming it."""
         if isinstance(raw, dict):
             return parse_request(cls, raw, cls.op)
@@ -277,7 +277,10 @@ def encode_result(op: str, response: BaseModel) -> dict:
     return {**response.model_dump(mode="json", context=WIRE), "op": op}
 
 
-def parse_request(model: type[BaseModel], payload: dict, where: str = "request"):
+ModelT = TypeVar("ModelT", bound=BaseModel)
+
+
+def parse_request(model: type[ModelT], payload: dict, where: str = "request") -> ModelT:
     """Validate a payload; a bad field becomes an InvalidRequestError that names it."""
     try:
         return model.model_validate(payload)

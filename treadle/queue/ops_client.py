@@ -10,6 +10,7 @@ import os
 import threading
 import time
 import uuid
+from typing import cast
 
 import redis as redis_lib
 from kombu import exceptions as kombu_errors
@@ -176,7 +177,7 @@ class OpsClient:
 
     def tokenizer_files(self, base_model: str) -> dict[str, bytes]:
         """The tokenizer files a worker published for a served model (so clients need no hub access)."""
-        raw = self.redis.hgetall(names.tokenizer_key(base_model))
+        raw = cast(dict[bytes, bytes], self.redis.hgetall(names.tokenizer_key(base_model)))  # a sync client
         return {(k.decode() if isinstance(k, bytes) else k): v for k, v in raw.items()}
 
     # ------------------------------------------------------------ results
@@ -244,7 +245,7 @@ class OpsClient:
                         raise BrokerUnavailableError(f"lost Redis at {self.result_url} for over {REDIS_OUTAGE_TOLERANCE_S:.0f} s while waiting for {future_id}: {exc}") from None
                     done, value, delay = False, None, 0.5
                 if done:
-                    return value
+                    return cast(dict, value)  # a stored op result is its response as a dict
                 now = time.monotonic()
                 if deadline is not None and now >= deadline:
                     raise FutureTimeoutError(f"{what or future_id}: no result within {timeout} s")

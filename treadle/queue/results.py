@@ -112,14 +112,15 @@ class ResultWatch:
             if self.pubsub is None:
                 time.sleep(left)
                 return None
-            message = self._guard(lambda: self.pubsub.get_message(timeout=left))
+            pubsub = self.pubsub
+            message = self._guard(lambda: pubsub.get_message(timeout=left))
             if message is not None and message.get("channel") == self.channel:
                 return message.get("data")  # other channels' messages are late ones of earlier watches on this thread
         return None
 
     def close(self) -> None:
-        if self.pubsub is not None:
-            self._guard(lambda: self.pubsub.unsubscribe(self.channel))
+        if (pubsub := self.pubsub) is not None:
+            self._guard(lambda: pubsub.unsubscribe(self.channel))
 
     def _guard(self, call):
         """Run a PubSub call; a broken connection turns this watch into plain sleeping (the poll reports outages)."""
@@ -127,7 +128,8 @@ class ResultWatch:
             return call()
         except (redis_lib.ConnectionError, redis_lib.TimeoutError, OSError):
             try:
-                self.pubsub.close()
+                if self.pubsub is not None:
+                    self.pubsub.close()
             except Exception:  # noqa: BLE001 - closing a broken connection; nothing left to save
                 pass
             self.pubsub, self.broken = None, True

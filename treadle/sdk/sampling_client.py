@@ -28,7 +28,7 @@ class SamplingClient:
         """Logprob of each prompt token given the ones before it; entry 0 is None."""
         req = SampleRequest.build(base_model=self._base_model, model_path=self.model_path, prompt=prompt.to_ints(),
                                   num_samples=1, sampling_params=SamplingParams(max_tokens=1), include_prompt_logprobs=True)
-        return APIFuture(self._ops, self._ops.submit_sample(req), lambda v: SampleResponse.model_validate(v).prompt_logprobs,
+        return APIFuture(self._ops, self._ops.submit_sample(req), lambda v: SampleResponse.model_validate(v).prompt_logprobs or [],
                          base_model=self._base_model)
 
     def get_tokenizer(self):

@@ -8,7 +8,7 @@ start one; it does not start servers behind your back.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from treadle.errors import BrokerUnavailableError
 from treadle.queue.ops import CreateSessionRequest, decode_result
@@ -43,7 +43,7 @@ class ServiceClient:
             settings = ConnectionSettings(broker_url=found.broker_url, storage_url=settings.storage_url or found.storage_url)
         self.settings = settings
         self.user_metadata = user_metadata
-        self.ops = OpsClient(settings.broker_url, settings.result_backend, settings.storage_url)
+        self.ops = OpsClient(cast(str, settings.broker_url), settings.result_backend, settings.storage_url)  # configured above
 
     # ------------------------------------------------------------ models
     def get_server_capabilities(self) -> ServerCapabilities:
@@ -92,6 +92,7 @@ class ServiceClient:
             raise ValueError("create_sampling_client needs model_path or base_model")
         if model_path is not None and base_model is None:
             base_model = self.create_rest_client().manifest(model_path).base_model
+        assert base_model is not None  # given, or read from the checkpoint's manifest above
         self.ops.require_model(base_model)
         return SamplingClient(self.ops, base_model=base_model, model_path=model_path)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-from treadle.errors import SessionStoppedError
+from treadle.errors import ServerError, SessionStoppedError
 from treadle.metering import Meter, Usage
 from treadle.queue.ops import (
     ForwardBackwardRequest,
@@ -37,10 +37,18 @@ from treadle.types import (
     OptimStepResponse,
     SaveWeightsForSamplerResponse,
     SaveWeightsResponse,
+    TensorData,
 )
 
 LossFn = Callable[[list[Datum], list[Any]], tuple[Any, dict[str, float]]]
 
+
+
+def _sampler_path(saved: SaveWeightsForSamplerResponse) -> str:
+    """The snapshot's path: treadle's worker names every snapshot by a path, ephemeral ones included."""
+    if saved.path is None:
+        raise ServerError("save_weights_for_sampler answered without a path")
+    return saved.path
 
 @dataclass(frozen=True)
 class TrainingSession:
@@ -125,8 +133,7 @@ class TrainingClient:
 
     def save_weights_and_get_sampling_client(self, name: str | None = None) -> SamplingClient:
         """Snapshot the adapter (ephemeral unless named) and return a SamplingClient bound to it."""
-        path = self.save_weights_for_sampler(name).result().path
-        return self.create_sampling_client(path)
+        return self.create_sampling_client(_sampler_path(self.save_weights_for_sampler(name).result()))
 
     def create_sampling_client(self, model_path: str) -> SamplingClient:
         return SamplingClient(self._ops, base_model=self.base_model, model_path=model_path)
@@ -204,7 +211,7 @@ class TrainingClient:
 
     async def save_weights_and_get_sampling_client_async(self, name: str | None = None) -> SamplingClient:
         saved = await (await self.save_weights_for_sampler_async(name))
-        return self.create_sampling_client(saved.path)
+        return self.create_sampling_client(_sampler_path(saved))
 
     async def get_usage_async(self) -> Usage:
         return await wait_off_loop(self.get_usage)
@@ -224,7 +231,7 @@ def _custom_backward(data: list[Datum], forward: ForwardBackwardOutput,
         grad = lp.grad if lp.grad is not None else torch.zeros_like(lp)
         weighted.append(Datum(model_input=datum.model_input, loss_fn_inputs={
             "target_tokens": datum.loss_fn_inputs["target_tokens"],
-            "weights": (-grad).detach().numpy(),
+            "weights": TensorData.from_numpy((-grad).detach().numpy()),
         }))
     user_metrics = {k if ":" in k else f"{k}:mean": float(v) for k, v in (metrics or {}).items()}
     user_metrics["loss:sum"] = float(loss.detach())
