@@ -173,3 +173,29 @@ def test_every_third_party_module_the_tests_import_is_declared():
     undeclared = {m: owners.get(m) for m in modules - set(sys.stdlib_module_names) - {"treadle", "tests"}
                   if not any(_norm(d) in declared for d in owners.get(m, []))}
     assert undeclared == {}
+
+
+def _names_an_op(node: ast.expr) -> bool:
+    """An expression that holds an op's name: `x.op`, `op`, or a call's `name` (the device group's calls)."""
+    return (isinstance(node, ast.Attribute) and node.attr == "op") or (isinstance(node, ast.Name) and node.id in ("op", "name"))
+
+
+def test_op_names_are_compared_through_the_op_table():
+    """`entry.op == StopRequest.op`, never `entry.op == "stop"`: the op table (`treadle/queue/ops.py`) is the one
+    place an op's name is spelled, so renaming an op cannot leave a comparison behind."""
+    from treadle.queue.ops import OPS
+
+    spelled = []
+    for path in ROOT.rglob("*.py"):
+        if path == ROOT / "queue" / "ops.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Compare):
+                operands = [node.left, *node.comparators]
+                if not any(_names_an_op(o) for o in operands):
+                    continue  # e.g. a stop_reason == "stop": a literal that happens to spell an op's name
+                for operand in operands:
+                    literals = operand.elts if isinstance(operand, (ast.Tuple, ast.List, ast.Set)) else [operand]
+                    spelled += [f"{path.relative_to(ROOT.parent)}:{node.lineno} {lit.value!r}" for lit in literals
+                                if isinstance(lit, ast.Constant) and lit.value in OPS]
+    assert spelled == []

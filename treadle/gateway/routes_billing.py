@@ -27,6 +27,7 @@ from treadle.errors import InvalidRequestError
 from treadle.gateway.auth import require_owner
 from treadle.gateway.backend import Backend, get_backend
 from treadle.metering import Meter, OpUsage
+from treadle.queue.ops import SampleRequest
 
 router = APIRouter()
 
@@ -55,7 +56,7 @@ def _events(ops: list[OpUsage]) -> list[dict]:
     buckets: dict[tuple[int, str, str, str], int] = {}
     for op in ops:
         start = int(op.at // 3600 * 3600)
-        sampling = op.op == "sample"
+        sampling = op.op == SampleRequest.op
         quantities = {
             "training": 0 if sampling else op.trained_tokens + op.prefill_tokens,
             "sampling_prefill": op.prefill_tokens if sampling else 0,

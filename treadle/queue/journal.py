@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from treadle.errors import CapacityError
 from treadle.metering import SDK_OWNER
 from treadle.queue import names
-from treadle.queue.ops import OpRequest, op_request
+from treadle.queue.ops import OpRequest, StopRequest, op_request
 
 # Long enough for any run to checkpoint (which trims), short enough that an abandoned session's ops go.
 JOURNAL_TTL_S = 7 * 24 * 3600
@@ -141,7 +141,7 @@ class Journal:
         seq and journals nothing new. CapacityError when the session's or its owner's queue is at its bound."""
         entry = f"{request.op}\n{time.time():.6f}\n".encode() + request.encode()
         keys = [names.session_key(session_id), names.journal_key(session_id), names.submit_key(session_id, token)]
-        args = ["" if seq is None else str(seq), "1" if request.op == "stop" else "", entry, JOURNAL_TTL_S, SUBMIT_TOKEN_TTL_S,
+        args = ["" if seq is None else str(seq), "1" if request.op == StopRequest.op else "", entry, JOURNAL_TTL_S, SUBMIT_TOKEN_TTL_S,
                 session_id, names.IDLE_PREFIX, names.WAKE_PREFIX, WAKE_TTL_MS, names.OWNER_PREFIX,
                 names.session_key("")]
         answer = self._append(keys=keys, args=args)

@@ -45,7 +45,7 @@ from treadle.gpu_worker.executor.usage import UsageRecorder
 from treadle.metering import OpUsage
 from treadle.queue import names
 from treadle.queue.journal import Journal, JournalEntry
-from treadle.queue.ops import OpRequest, encode_result
+from treadle.queue.ops import OpRequest, StopRequest, encode_result
 from treadle.queue.connections import ring
 from treadle.queue.results import ResultStore
 from treadle.queue.sessions import inactive_error
@@ -160,7 +160,7 @@ class Sequencer:
         if self._observe_wait is not None:
             self._observe_wait(turns.owner_of(self.host, session_id), owned.record.base_model, max(0.0, time.time() - entry.submitted_at))
         following, others, control_waiting = self._run(owned, entry, handoff)
-        if entry.op == "stop":
+        if entry.op == StopRequest.op:
             self.host.finish(session_id)
             following = (None, None)
         return past_doorbell, following, others, control_waiting

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from treadle.gpu_worker.training.validation import check_loss, prepare_data
-from treadle.queue.ops import ForwardBackwardRequest, ForwardRequest, OptimStepRequest
+from treadle.queue.ops import CreateSessionRequest, ForwardBackwardRequest, ForwardRequest, LoadStateRequest, OptimStepRequest
 from treadle.types import WIRE, AdamParams, Datum, ForwardBackwardOutput, LoraConfig, OptimStepResponse
 
 _RUNS = {cls.op: cls for cls in (ForwardRequest, ForwardBackwardRequest)}
@@ -73,13 +73,13 @@ def execute(engines: dict, call: dict) -> dict:
     if name in _RUNS:
         out = run_shard(engine, session_id, _RUNS[name].decode(call["request"]))
         return {"output": out.model_dump(mode="json", context=WIRE) if out is not None else None}
-    if name == "optim_step":
+    if name == OptimStepRequest.op:
         engine.optim_step(session_id, OptimStepRequest.decode(call["request"]).adam_params)
-    elif name == "create_session":
+    elif name == CreateSessionRequest.op:
         engine.create_session(session_id, LoraConfig.model_validate(call["lora"]))
     elif name == "drop_session":
         engine.drop_session(session_id)
-    elif name == "load_state":
+    elif name == LoadStateRequest.op:
         # Every rank is on one host, so a follower reads the directory rank 0 holds open for the call.
         engine.load_state(session_id, call["directory"], with_optimizer=call["with_optimizer"])
     else:

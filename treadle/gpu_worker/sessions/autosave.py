@@ -17,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from treadle.errors import TreadleError
 from treadle.gpu_worker.sessions.hosting import OwnedSession, SessionHost
 from treadle.observability import metrics
+from treadle.queue.ops import OptimStepRequest
 from treadle.storage.paths import CheckpointPath
 
 log = logging.getLogger("treadle.worker")
@@ -34,7 +35,7 @@ class Autosaver:
 
     def after_op(self, owned: OwnedSession, op: str) -> bool:
         """Checkpoint the session if one is due after this op; True when it did."""
-        if op == "optim_step" and self._due(owned):
+        if op == OptimStepRequest.op and self._due(owned):
             self.checkpoint(owned, background=True)
             return True
         return False
