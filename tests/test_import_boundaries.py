@@ -199,3 +199,29 @@ def test_op_names_are_compared_through_the_op_table():
                     spelled += [f"{path.relative_to(ROOT.parent)}:{node.lineno} {lit.value!r}" for lit in literals
                                 if isinstance(lit, ast.Constant) and lit.value in OPS]
     assert spelled == []
+
+
+def test_every_redis_key_is_built_in_queue_names():
+    """treadle/queue/names.py is the one place a Redis key is spelled: no other module holds a string that
+    starts a key (`treadle:...`; `treadle://` paths are checkpoints, not keys)."""
+    spelled = []
+    for path in ROOT.rglob("*.py"):
+        if path == ROOT / "queue" / "names.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            texts = [node.value] if isinstance(node, ast.Constant) and isinstance(node.value, str) else []
+            if isinstance(node, ast.JoinedStr):  # an f-string's literal parts
+                texts = [v.value for v in node.values if isinstance(v, ast.Constant) and isinstance(v.value, str)]
+            spelled += [f"{path.relative_to(ROOT.parent)}:{node.lineno}" for text in texts
+                        if re.match(r"treadle:(?!//)\w", text)]
+    assert spelled == []
+
+
+def test_routes_reach_treadle_only_through_the_backend():
+    """The gateway's `Backend` is its one door: no gateway module reaches the ops client behind it."""
+    reaching = [f"{path.relative_to(ROOT.parent)}:{node.lineno}" for path in (ROOT / "gateway").glob("*.py")
+                if path.name != "backend.py"
+                for node in ast.walk(ast.parse(path.read_text()))
+                if isinstance(node, ast.Attribute) and node.attr in ("ops", "_ops")
+                and isinstance(node.value, (ast.Name, ast.Attribute)) and "backend" in ast.unparse(node.value)]
+    assert reaching == []

@@ -18,7 +18,7 @@ import time
 
 from pydantic import BaseModel, Field
 
-from treadle.queue.names import PREFIX
+from treadle.queue import names
 
 SDK_OWNER = "sdk"
 METRICS = ("prefill_tokens", "sampled_tokens", "trained_tokens", "compute_s")
@@ -55,19 +55,6 @@ class Usage(BaseModel):
             setattr(self, name, getattr(self, name) + getattr(op, name))
 
 
-def _ops_key(session_id: str) -> str:
-    return f"{PREFIX}:usage:ops:{session_id}"
-
-
-def _totals_key(kind: str, name: str) -> str:
-    return f"{PREFIX}:usage:{kind}:{name}"
-
-
-def _timeline_key(owner: str) -> str:
-    return f"{PREFIX}:usage:timeline:{owner}"
-
-
-OWNERS_KEY = f"{PREFIX}:usage:owners"
 
 # KEYS: ops hash, session totals, owner totals, owner timeline, owners set.
 # ARGV: op_id, record JSON, at, retention, timeline member, owner, then name/increment pairs.
@@ -96,8 +83,8 @@ class Meter:
         """Add one op's usage; False (and nothing counted) when this (session, op_id) was recorded before.
 
         `client`: a pipeline to queue the record on (its answer then comes with the pipeline's)."""
-        keys = [_ops_key(usage.session_id), _totals_key("session", usage.session_id), _totals_key("owner", usage.owner),
-                _timeline_key(usage.owner), OWNERS_KEY]
+        keys = [names.usage_ops_key(usage.session_id), names.usage_totals_key("session", usage.session_id), names.usage_totals_key("owner", usage.owner),
+                names.usage_timeline_key(usage.owner), names.USAGE_OWNERS_KEY]
         args = [usage.op_id, usage.model_dump_json(), repr(usage.at), self.retention_s,
                 f"{usage.op_id}@{usage.session_id}", usage.owner, "ops", 1]
         for name in METRICS:  # zeros are left out: a missing field reads as 0, and each one is a write
@@ -109,12 +96,12 @@ class Meter:
         return bool(self._script(keys=keys, args=args))
 
     def session_usage(self, session_id: str) -> Usage:
-        return _totals(self.redis.hgetall(_totals_key("session", session_id)))
+        return _totals(self.redis.hgetall(names.usage_totals_key("session", session_id)))
 
     def owner_usage(self, owner: str, since: float | None = None) -> Usage:
         """All-time totals, or the exact sum of the ops that finished at or after `since`."""
         if since is None:
-            return _totals(self.redis.hgetall(_totals_key("owner", owner)))
+            return _totals(self.redis.hgetall(names.usage_totals_key("owner", owner)))
         usage = Usage()
         for op in self.owner_ops(owner, since=since):
             usage.add(op)
@@ -122,7 +109,7 @@ class Meter:
 
     def owner_ops(self, owner: str, since: float | None = None, until: float | None = None) -> list[OpUsage]:
         """The owner's op records that finished in [since, until), oldest first (from the time index)."""
-        members = self.redis.zrangebyscore(_timeline_key(owner), "-inf" if since is None else repr(since),
+        members = self.redis.zrangebyscore(names.usage_timeline_key(owner), "-inf" if since is None else repr(since),
                                            "+inf" if until is None else f"({until!r}")
         by_session: dict[str, list[str]] = {}
         for member in members:
@@ -130,16 +117,16 @@ class Meter:
             by_session.setdefault(session_id, []).append(op_id)
         records = []
         for session_id, op_ids in by_session.items():
-            records += [OpUsage.model_validate_json(raw) for raw in self.redis.hmget(_ops_key(session_id), op_ids) if raw]
+            records += [OpUsage.model_validate_json(raw) for raw in self.redis.hmget(names.usage_ops_key(session_id), op_ids) if raw]
         return sorted(records, key=lambda r: r.at)
 
     def session_ops(self, session_id: str) -> list[OpUsage]:
         """Every recorded op of a session, oldest first."""
-        records = [OpUsage.model_validate_json(v) for v in self.redis.hvals(_ops_key(session_id))]
+        records = [OpUsage.model_validate_json(v) for v in self.redis.hvals(names.usage_ops_key(session_id))]
         return sorted(records, key=lambda r: (r.at, len(r.op_id), r.op_id))  # seqs in numeric order
 
     def owners(self) -> list[str]:
-        return sorted(o.decode() if isinstance(o, bytes) else o for o in self.redis.smembers(OWNERS_KEY))
+        return sorted(o.decode() if isinstance(o, bytes) else o for o in self.redis.smembers(names.USAGE_OWNERS_KEY))
 
 
 def _totals(raw: dict) -> Usage:

@@ -14,7 +14,8 @@ from __future__ import annotations
 import time
 
 from treadle.errors import QuotaExceededError
-from treadle.queue.names import PREFIX, session_key
+from treadle.queue import names
+from treadle.queue.names import session_key
 
 # KEYS: the owner's set (zset session -> admitted at). ARGV: session id, now, limit, pending_s, session key prefix.
 _ADMIT = """
@@ -31,10 +32,6 @@ if n >= tonumber(ARGV[3]) then return n end
 redis.call('ZADD', KEYS[1], ARGV[2], ARGV[1])
 return -1
 """
-
-
-def _owner_key(owner: str) -> str:
-    return f"{PREFIX}:quota:sessions:{owner}"
 
 
 class SessionQuota:
@@ -56,7 +53,7 @@ class SessionQuota:
         limit = self.limit_for(owner)
         if limit is None:
             return
-        active = int(self._admit(keys=[_owner_key(owner)],
+        active = int(self._admit(keys=[names.quota_sessions_key(owner)],
                                  args=[session_id, repr(time.time()), limit, self.pending_s, session_key("")]))
         if active >= 0:
             raise QuotaExceededError(
@@ -64,7 +61,7 @@ class SessionQuota:
                 f"{limit}; stop one (TrainingClient.stop(), or let it expire) before creating another")
 
     def release(self, owner: str, session_id: str) -> None:
-        self.redis.zrem(_owner_key(owner), session_id)
+        self.redis.zrem(names.quota_sessions_key(owner), session_id)
 
     def active(self, owner: str) -> list[str]:
-        return sorted(s.decode() if isinstance(s, bytes) else s for s in self.redis.zrange(_owner_key(owner), 0, -1))
+        return sorted(s.decode() if isinstance(s, bytes) else s for s in self.redis.zrange(names.quota_sessions_key(owner), 0, -1))

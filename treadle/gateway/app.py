@@ -83,7 +83,7 @@ def create_app(settings: GatewaySettings | None = None, *, ops: OpsClient | None
                    downloads, futures):
         app.include_router(module.router, prefix="/api/v1")
     app.include_router(openai_api.router, prefix="/v1")
-    metrics.install(app, lambda: app.state.backend.ops.redis)  # GET /metrics, read at scrape time, after lifespan start
+    metrics.install(app, lambda: app.state.backend.metrics_redis())  # GET /metrics, read at scrape time, after lifespan start
 
     app.add_middleware(BodyLimits, max_body_bytes=settings.max_body_bytes,
                        max_decompressed_bytes=settings.max_decompressed_bytes)

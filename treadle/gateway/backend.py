@@ -14,6 +14,8 @@ from treadle.gateway.ownership import Ownership
 from treadle.gateway.seq_rules import SeqRules
 from treadle.gateway.settings import GatewaySettings
 from treadle.gateway.store import GatewayStore, RequestRecord
+from treadle.gateway.tokens import make_token, read_token
+from treadle.metering import Meter
 from treadle.queue.ops import CreateSessionRequest, SampleRequest
 from treadle.queue.ops_client import OpsClient
 from treadle.queue.sessions import SessionRecord
@@ -28,7 +30,7 @@ def model_session_id(model_id: str) -> str:
 class Backend:
     def __init__(self, settings: GatewaySettings, ops: OpsClient, checkpoints: CheckpointStore | None):
         self.settings = settings
-        self.ops = ops
+        self._ops = ops  # private: routes call the methods below, so this class stays the one door
         self.store = GatewayStore(ops.redis, settings.state_ttl_seconds)
         self.owners = Ownership(ops, self.store, checkpoints)
         self.seqs = SeqRules(ops, self.store, settings.max_seq_ahead)
@@ -39,21 +41,45 @@ class Backend:
 
     def create_model(self, request: CreateSessionRequest) -> None:
         """Create a training model (a treadle session) and wait until a worker has it."""
-        self.ops.create_session(request, timeout=self.settings.create_timeout_seconds)
+        self._ops.create_session(request, timeout=self.settings.create_timeout_seconds)
 
     def session_info(self, session_id: str) -> SessionRecord | None:
-        return self.ops.session_info(session_id)
+        return self._ops.session_info(session_id)
 
     def model_exists(self, model_id: str) -> bool:
         return self.session_info(model_id) is not None
 
     def submit_sample(self, owner: str, request: SampleRequest, extra: dict | None = None) -> str:
-        fid = self.ops.submit_sample(request.model_copy(update={"owner": owner}))  # metered to the caller
+        fid = self._ops.submit_sample(request.model_copy(update={"owner": owner}))  # metered to the caller
         self.store.put_request(RequestRecord(request_id=fid, kind="sample", owner=owner, future_id=fid, extra=extra or {}))
         return fid
 
     def wait(self, future_id: str, timeout: float) -> dict:
-        return self.ops.wait(future_id, timeout=timeout)
+        return self._ops.wait(future_id, timeout=timeout)
+
+    def check_future(self, future_id: str) -> None:
+        """Raise if a pending future can never resolve (its session gone, no worker for its model)."""
+        self._ops.check_future(future_id)
+
+    def next_seq(self, model_id: str) -> int:
+        return self._ops.next_seq(model_id)
+
+    def journal_entry(self, model_id: str, seq: int):
+        """The journaled op `seq` of a model (None once trimmed)."""
+        return self._ops.journal.get(model_id, seq)
+
+    def meter(self) -> Meter:
+        return Meter(self._ops.redis)
+
+    def download_token(self, key: str, expires_at: float) -> str:
+        return make_token(self._ops.redis, key, expires_at)
+
+    def download_key(self, token: str) -> str:
+        return read_token(self._ops.redis, token)
+
+    def metrics_redis(self):
+        """The Redis the /metrics scrape reads queue depths and workers from."""
+        return self._ops.redis
 
 
 def get_backend(request: Request) -> Backend:

@@ -78,7 +78,7 @@ async def retrieve_future(request: Request, owner: str = Depends(require_owner),
             if value is not None:
                 return await run_in_threadpool(render_result, backend, record, value)
             if record.future_id is not None and _CHECKS.due(record.future_id):
-                await run_in_threadpool(backend.ops.check_future, record.future_id)
+                await run_in_threadpool(backend.check_future, record.future_id)
         except TreadleError as exc:
             return JSONResponse({"error": exc.message, "category": exc.category})
         except Exception as exc:  # a result the gateway cannot render is a server error, not a hung client

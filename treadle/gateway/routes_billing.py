@@ -26,7 +26,7 @@ from starlette.concurrency import run_in_threadpool
 from treadle.errors import InvalidRequestError
 from treadle.gateway.auth import require_owner
 from treadle.gateway.backend import Backend, get_backend
-from treadle.metering import Meter, OpUsage
+from treadle.metering import OpUsage
 from treadle.queue.ops import SampleRequest
 
 router = APIRouter()
@@ -89,7 +89,7 @@ async def billing_usage(starting_on: str, ending_before: str, owner: str = Depen
                                   f"at most 14 days after it")
 
     def build() -> dict:
-        ops = Meter(backend.ops.redis).owner_ops(owner, since=start.timestamp(), until=end.timestamp())
+        ops = backend.meter().owner_ops(owner, since=start.timestamp(), until=end.timestamp())
         events = _events(ops)
         sessions = {}
         for session_id in sorted({e["session_id"] for e in events}):

@@ -19,7 +19,6 @@ from treadle.errors import InvalidRequestError
 from treadle.gateway import downloads
 from treadle.gateway.auth import require_owner
 from treadle.gateway.backend import Backend, get_backend
-from treadle.gateway.store import PREFIX
 from treadle.queue.ops import MAX_TTL_SECONDS, parse_request
 from treadle.storage.paths import CheckpointPath
 
@@ -109,9 +108,8 @@ async def copy_weights(request: Request, owner: str = Depends(require_owner), ba
     idempotency = request.headers.get("x-idempotency-key")
 
     def copy() -> dict:
-        key = f"{PREFIX}:copy:{owner}:{idempotency}" if idempotency else None
-        if key is not None and (done := backend.ops.redis.get(key)) is not None:
-            return {"tinker_path": done.decode() if isinstance(done, bytes) else done}
+        if idempotency and (done := backend.store.copy_done(owner, idempotency)) is not None:
+            return {"tinker_path": done}
         source, manifest = backend.owners.readable_checkpoint(req.source_path, owner)
         store = backend.owners.checkpoints()
         run_id = f"copy-{secrets.token_hex(8)}"
@@ -123,8 +121,8 @@ async def copy_weights(request: Request, owner: str = Depends(require_owner), ba
         dest = CheckpointPath(run_id=run_id, kind=source.kind, name=source.name)
         store.copy(source, dest, ttl_seconds=ttl)
         path = dest.uri("tinker")
-        if key is not None:
-            backend.ops.redis.set(key, path, ex=IDEMPOTENCY_TTL_S)
+        if idempotency:
+            backend.store.remember_copy(owner, idempotency, path, IDEMPOTENCY_TTL_S)
         return {"tinker_path": path}
 
     return await run_in_threadpool(copy)

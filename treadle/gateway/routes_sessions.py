@@ -22,7 +22,6 @@ from treadle.gateway import downloads
 from treadle.gateway.auth import require_owner
 from treadle.gateway.backend import Backend, get_backend
 from treadle.gateway.store import ClientSession
-from treadle.metering import Meter
 from treadle.queue.ops import parse_request
 
 router = APIRouter()
@@ -108,7 +107,7 @@ async def search_sessions(request: Request, owner: str = Depends(require_owner),
 
 def session_trace(backend: Backend, session_id: str) -> dict:
     """The session's ops as Chrome trace events: one track per model, `queued` then the op itself."""
-    meter = Meter(backend.ops.redis)
+    meter = backend.meter()
     events: list[dict] = [{"name": "process_name", "ph": "M", "pid": 1, "args": {"name": f"treadle session {session_id}"}}]
     for tid, model_id in enumerate(backend.store.members(session_id, "models"), start=1):
         events.append({"name": "thread_name", "ph": "M", "pid": 1, "tid": tid, "args": {"name": model_id}})
@@ -116,7 +115,7 @@ def session_trace(backend: Backend, session_id: str) -> dict:
             started = op.at - op.compute_s
             args = {"seq": int(op.op_id) if op.op_id.isdigit() else op.op_id, "prefill_tokens": op.prefill_tokens,
                     "sampled_tokens": op.sampled_tokens, "trained_tokens": op.trained_tokens, "finished_at": op.at}
-            entry = backend.ops.journal.get(model_id, int(op.op_id)) if op.op_id.isdigit() else None
+            entry = backend.journal_entry(model_id, int(op.op_id)) if op.op_id.isdigit() else None
             if entry is not None and entry.submitted_at <= started:
                 args["queued_at"] = entry.submitted_at
                 events.append({"name": "queued", "cat": "queue", "ph": "X", "pid": 1, "tid": tid,
@@ -138,7 +137,7 @@ async def session_queue(session_id: str, request: Request, owner: str = Depends(
             record = backend.session_info(model_id)
             if record is None or record.status != "active":
                 continue
-            queued = max(0, backend.ops.next_seq(model_id) - record.applied)
+            queued = max(0, backend.next_seq(model_id) - record.applied)
             models.append({"model_id": model_id, "worker": record.worker, "applied": record.applied, "queued_ops": queued,
                            "queue_position": record.queue_position if queued else None,
                            "est_wait_s": record.queue_wait_s if queued else None, "op_cost_s": record.op_cost_s})

@@ -16,7 +16,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-PREFIX = "treadle:gw"
+from treadle.queue import names
 
 
 class ClientSession(BaseModel):
@@ -54,26 +54,26 @@ class GatewayStore:
 
     # ------------------------------------------------------------ client sessions
     def put_session(self, session: ClientSession) -> None:
-        self.redis.set(f"{PREFIX}:session:{session.session_id}", session.model_dump_json(), ex=self.ttl)
+        self.redis.set(names.gateway_key("session", session.session_id), session.model_dump_json(), ex=self.ttl)
 
     def get_session(self, session_id: str) -> ClientSession | None:
-        raw = self.redis.get(f"{PREFIX}:session:{session_id}")
+        raw = self.redis.get(names.gateway_key("session", session_id))
         return ClientSession.model_validate_json(raw) if raw else None
 
     def touch_session(self, session_id: str) -> None:
-        self.redis.expire(f"{PREFIX}:session:{session_id}", self.ttl)
+        self.redis.expire(names.gateway_key("session", session_id), self.ttl)
 
     def add_member(self, session_id: str, kind: str, member_id: str) -> None:
-        key = f"{PREFIX}:session:{session_id}:{kind}"
+        key = names.gateway_key("session", session_id, kind)
         self.redis.sadd(key, member_id)
         self.redis.expire(key, self.ttl)
 
     def members(self, session_id: str, kind: str) -> list[str]:
-        return sorted(m.decode() if isinstance(m, bytes) else m for m in self.redis.smembers(f"{PREFIX}:session:{session_id}:{kind}"))
+        return sorted(m.decode() if isinstance(m, bytes) else m for m in self.redis.smembers(names.gateway_key("session", session_id, kind)))
 
     def sessions_of(self, owner: str) -> list[ClientSession]:
         out = []
-        for key in self.redis.scan_iter(f"{PREFIX}:session:*", count=500):
+        for key in self.redis.scan_iter(names.gateway_key("session", "*"), count=500):
             name = key.decode() if isinstance(key, bytes) else key
             if name.count(":") != 3:  # skip the :models / :samplers sets
                 continue
@@ -84,47 +84,55 @@ class GatewayStore:
 
     # ------------------------------------------------------------ samplers
     def put_sampler(self, sampler: Sampler) -> None:
-        self.redis.set(f"{PREFIX}:sampler:{sampler.sampler_id}", sampler.model_dump_json(), ex=self.ttl)
+        self.redis.set(names.gateway_key("sampler", sampler.sampler_id), sampler.model_dump_json(), ex=self.ttl)
 
     def get_sampler(self, sampler_id: str) -> Sampler | None:
-        raw = self.redis.get(f"{PREFIX}:sampler:{sampler_id}")
+        raw = self.redis.get(names.gateway_key("sampler", sampler_id))
         return Sampler.model_validate_json(raw) if raw else None
 
     def add_inflight_target(self, model_id: str, seq: int, path: str) -> None:
         """One inflight save of a model; a sorted set by seq, so saves rendered out of order still rank right."""
-        key = f"{PREFIX}:inflight:{model_id}"
+        key = names.gateway_key("inflight", model_id)
         self.redis.zadd(key, {path: seq})
         self.redis.zremrangebyrank(key, 0, -2)  # only the newest is ever read
         self.redis.expire(key, self.ttl)
 
     def inflight_target(self, model_id: str) -> str | None:
-        newest = self.redis.zrevrange(f"{PREFIX}:inflight:{model_id}", 0, 0)
+        newest = self.redis.zrevrange(names.gateway_key("inflight", model_id), 0, 0)
         return (newest[0].decode() if isinstance(newest[0], bytes) else newest[0]) if newest else None
 
     # ------------------------------------------------------------ requests
     def claim_request(self, record: RequestRecord) -> RequestRecord | None:
         """Store the record unless one with that id exists; returns the existing one, or None if stored."""
-        key = f"{PREFIX}:req:{record.request_id}"
+        key = names.gateway_key("req", record.request_id)
         if self.redis.set(key, record.model_dump_json(), nx=True, ex=self.ttl):
             return None
         raw = self.redis.get(key)
         return RequestRecord.model_validate_json(raw) if raw else None
 
     def put_request(self, record: RequestRecord) -> None:
-        self.redis.set(f"{PREFIX}:req:{record.request_id}", record.model_dump_json(), ex=self.ttl)
+        self.redis.set(names.gateway_key("req", record.request_id), record.model_dump_json(), ex=self.ttl)
 
     def forget_request(self, request_id: str) -> None:
-        self.redis.delete(f"{PREFIX}:req:{request_id}")
+        self.redis.delete(names.gateway_key("req", request_id))
 
     def get_request(self, request_id: str) -> RequestRecord | None:
-        raw = self.redis.get(f"{PREFIX}:req:{request_id}")
+        raw = self.redis.get(names.gateway_key("req", request_id))
         return RequestRecord.model_validate_json(raw) if raw else None
 
     # ------------------------------------------------------------ gateway-side futures
     def set_outcome(self, request_id: str, *, result: dict | None = None, error: dict | None = None) -> None:
         value = {"result": result} if error is None else {"error": error}
-        self.redis.set(f"{PREFIX}:outcome:{request_id}", json.dumps(value), ex=self.ttl)
+        self.redis.set(names.gateway_key("outcome", request_id), json.dumps(value), ex=self.ttl)
 
     def get_outcome(self, request_id: str) -> dict | None:
-        raw = self.redis.get(f"{PREFIX}:outcome:{request_id}")
+        raw = self.redis.get(names.gateway_key("outcome", request_id))
         return json.loads(raw) if raw else None
+
+    def copy_done(self, owner: str, idempotency_key: str) -> str | None:
+        """The path a checkpoint copy with this idempotency key already made, if any."""
+        raw = self.redis.get(names.gateway_key("copy", owner, idempotency_key))
+        return raw.decode() if isinstance(raw, bytes) else raw
+
+    def remember_copy(self, owner: str, idempotency_key: str, path: str, ttl_s: int) -> None:
+        self.redis.set(names.gateway_key("copy", owner, idempotency_key), path, ex=ttl_s)

@@ -91,3 +91,50 @@ def idle_key(hostname: str) -> str:
 
 def wake_key(hostname: str) -> str:
     return WAKE_PREFIX + hostname
+
+
+# ---------------------------------------------------------------- usage metering (treadle.metering)
+
+
+def usage_ops_key(session_id: str) -> str:
+    return f"{PREFIX}:usage:ops:{session_id}"
+
+
+def usage_totals_key(kind: str, name: str) -> str:
+    return f"{PREFIX}:usage:{kind}:{name}"
+
+
+def usage_timeline_key(owner: str) -> str:
+    return f"{PREFIX}:usage:timeline:{owner}"
+
+
+USAGE_OWNERS_KEY = f"{PREFIX}:usage:owners"
+
+
+def quota_sessions_key(owner: str) -> str:
+    """The owner's active sessions (treadle.quotas)."""
+    return f"{PREFIX}:quota:sessions:{owner}"
+
+
+# ---------------------------------------------------------------- the gateway's own state (treadle.gateway.store)
+
+
+def gateway_key(*parts: str) -> str:
+    """`treadle:gw:<part>:<part>...`: gateway sessions, samplers, in-flight requests, downloads, copies."""
+    return ":".join([f"{PREFIX}:gw", *parts])
+
+
+# ---------------------------------------------------------------- batch runs (treadle.runs)
+
+BATCH_RUNS_KEY = f"{PREFIX}:bruns"
+OPEN_BATCH_RUNS_KEY = f"{PREFIX}:bruns:open"
+RUNNER_PREFIX = f"{PREFIX}:brunner:"
+
+
+def batch_run_key(name: str) -> str:
+    return f"{PREFIX}:brun:{name}"
+
+
+def batch_run_lease_key(name: str) -> str:
+    return f"{PREFIX}:brun-lease:{name}"
+

@@ -21,21 +21,18 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field
 
 from treadle.errors import InvalidRequestError, UserError
+from treadle.queue import names
 from treadle.storage.paths import validate_name
 
 RunState = Literal["queued", "running", "restarting", "succeeded", "failed", "stopped"]
 TERMINAL_STATES = ("succeeded", "failed", "stopped")
-INDEX_KEY = "treadle:bruns"
-OPEN_KEY = "treadle:bruns:open"
+INDEX_KEY = names.BATCH_RUNS_KEY
+OPEN_KEY = names.OPEN_BATCH_RUNS_KEY
 LEASE_TTL_MS = 15_000
 
 
-def run_key(name: str) -> str:
-    return f"treadle:brun:{name}"
-
-
-def lease_key(name: str) -> str:
-    return f"treadle:brun-lease:{name}"
+run_key = names.batch_run_key
+lease_key = names.batch_run_lease_key
 
 
 class RunNotFoundError(UserError):

@@ -33,13 +33,14 @@ import redis as redis_lib
 from pydantic import BaseModel, Field
 
 from treadle.errors import TreadleError
+from treadle.queue import names
 from treadle.runs.logs import LogCapture, last_json_line, read_checkpoints, segment_key
 from treadle.runs.process import die_with_runner, has_exited, kill_group, process_start_time
 from treadle.runs.records import RunRecord, RunStore
 from treadle.storage import BlobStore
 
 log = logging.getLogger("treadle.runner")
-RUNNER_PREFIX = "treadle:brunner:"
+RUNNER_PREFIX = names.RUNNER_PREFIX
 
 
 class RunnerConfig(BaseModel):
