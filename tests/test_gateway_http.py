@@ -80,8 +80,9 @@ def test_another_owners_model_request_and_checkpoint_are_404(gateway, alice_mode
         assert bob.get(f"/training_runs/{alice_model}").status_code == 404
         assert bob.get(f"/training_runs/{alice_model}/checkpoints").status_code == 404
         assert bob.delete(f"/training_runs/{alice_model}/checkpoints/weights/mine").status_code == 404
-        assert alice_model not in [r["training_run_id"] for r in bob.get("/training_runs").json()["training_runs"]]
-        assert alice_model in [r["training_run_id"] for r in alice.get("/training_runs").json()["training_runs"]]
+        # (the shared stack holds many runs: ask for all of them, not the first page of 20)
+        assert alice_model not in [r["training_run_id"] for r in bob.get("/training_runs?limit=10000").json()["training_runs"]]
+        assert alice_model in [r["training_run_id"] for r in alice.get("/training_runs?limit=10000").json()["training_runs"]]
     with httpx.Client(base_url=gateway.url, headers={"Authorization": f"Bearer {BOB_KEY}"}) as bob_openai:
         response = bob_openai.post("/v1/completions", json={"model": path, "prompt": "hi", "max_tokens": 2})
         assert response.status_code == 404

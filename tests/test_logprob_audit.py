@@ -8,8 +8,9 @@ import threading
 import pytest
 import torch
 
-from treadle.gpu_worker.sampling.hf import batch_decode, logprob_audit
-from treadle.gpu_worker.model.adapters import AdapterBank, peft_lora_config
+from treadle.gpu_worker.sampling import logprob_audit
+from treadle.gpu_worker.sampling.hf import batch_decode
+from treadle.gpu_worker.model.adapters import AdapterBank
 from treadle.gpu_worker.model.device_lock import DeviceLock
 from treadle.gpu_worker.model.host import ModelHost
 from treadle.gpu_worker.sampling.hf.scheduler import SampleScheduler
@@ -21,7 +22,7 @@ from tests.test_batch_sampling import PROMPTS, WAIT, job
 def family_bank(request) -> AdapterBank:
     model_dir = request.getfixturevalue(request.param)
     bank = AdapterBank(ModelHost(model_dir))
-    bank.add("one", peft_lora_config(LoraConfig(rank=4, alpha=8), model_dir), seed=0)
+    bank.add("one", bank.lora_config(LoraConfig(rank=4, alpha=8)), seed=0)
     with torch.no_grad():  # a B matrix that is not zero, so the adapter changes the logprobs
         for key, param in bank.parameters("one").items():
             if "lora_B" in key:

@@ -116,7 +116,7 @@ def _deepseek_v3(**kw):
     return DeepseekV3Config(**kw, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=32,
                             first_k_dense_replace=1, n_group=1, topk_group=1, q_lora_rank=24, kv_lora_rank=16,
                             qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, rope_interleave=True,
-                            rope_parameters={**_YARN, "mscale": 1.0, "mscale_all_dim": 1.0})
+                            rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
 
 
 def _qwen3_5(**kw):
