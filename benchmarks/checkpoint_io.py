@@ -32,8 +32,12 @@ from treadle.testing.seaweed import SeaweedServer
 # SmolLM2-135M: 30 layers, hidden 576, 3 KV heads of 64, MLP 1536.
 LAYERS, HIDDEN, KV, MLP = 30, 576, 192, 1536
 PROJECTIONS = {  # name: (in_features, out_features)
-    "self_attn.q_proj": (HIDDEN, HIDDEN), "self_attn.k_proj": (HIDDEN, KV), "self_attn.v_proj": (HIDDEN, KV),
-    "self_attn.o_proj": (HIDDEN, HIDDEN), "mlp.gate_proj": (HIDDEN, MLP), "mlp.up_proj": (HIDDEN, MLP),
+    "self_attn.q_proj": (HIDDEN, HIDDEN),
+    "self_attn.k_proj": (HIDDEN, KV),
+    "self_attn.v_proj": (HIDDEN, KV),
+    "self_attn.o_proj": (HIDDEN, HIDDEN),
+    "mlp.gate_proj": (HIDDEN, MLP),
+    "mlp.up_proj": (HIDDEN, MLP),
     "mlp.down_proj": (MLP, HIDDEN),
 }
 
@@ -53,17 +57,26 @@ def write_training_state(root: Path, rank: int, seed: int = 0) -> int:
     root.mkdir(parents=True)
     save_file(adapter, str(root / "adapter_model.safetensors"))
     save_file(optimizer, str(root / "optimizer.safetensors"))
-    (root / "adapter_config.json").write_text(json.dumps({"r": rank, "lora_alpha": 2 * rank, "target_modules": "all-linear"}))
+    (root / "adapter_config.json").write_text(
+        json.dumps({"r": rank, "lora_alpha": 2 * rank, "target_modules": "all-linear"})
+    )
     (root / "trainer_state.json").write_text(json.dumps({"step": 100, "applied_seq": 250}))
     return sum(p.stat().st_size for p in root.iterdir())
 
 
 def raw_client(server: SeaweedServer):
     return boto3.client(
-        "s3", endpoint_url=server.endpoint, aws_access_key_id=server.access_key,
-        aws_secret_access_key=server.secret_key, region_name=server.region,
-        config=Config(signature_version="s3v4", s3={"addressing_style": "path"},
-                      request_checksum_calculation="when_required", response_checksum_validation="when_required"),
+        "s3",
+        endpoint_url=server.endpoint,
+        aws_access_key_id=server.access_key,
+        aws_secret_access_key=server.secret_key,
+        region_name=server.region,
+        config=Config(
+            signature_version="s3v4",
+            s3={"addressing_style": "path"},
+            request_checksum_calculation="when_required",
+            response_checksum_validation="when_required",
+        ),
     )
 
 
@@ -99,9 +112,16 @@ def main() -> None:
         with SeaweedServer() as server:
             source = work / "state"
             size = write_training_state(source, args.rank)
-            s3 = S3Store(server.bucket, "bench-treadle", S3Settings(
-                endpoint_url=server.endpoint, access_key_id=server.access_key,
-                secret_access_key=server.secret_key, region_name=server.region))
+            s3 = S3Store(
+                server.bucket,
+                "bench-treadle",
+                S3Settings(
+                    endpoint_url=server.endpoint,
+                    access_key_id=server.access_key,
+                    secret_access_key=server.secret_key,
+                    region_name=server.region,
+                ),
+            )
             s3.check()
             store = CheckpointStore(s3)
             client = raw_client(server)
@@ -127,8 +147,10 @@ def main() -> None:
         ("load / get", med["treadle load"], med["raw get"]),
         ("save+load / put+get", med["treadle save"] + med["treadle load"], med["raw put"] + med["raw get"]),
     ]
-    print(f"checkpoint I/O, {mb:.1f} MB in 4 files (LoRA r={args.rank}, SmolLM2-135M shapes), "
-          f"weed mini on loopback, median of {args.rounds} rounds")
+    print(
+        f"checkpoint I/O, {mb:.1f} MB in 4 files (LoRA r={args.rank}, SmolLM2-135M shapes), "
+        f"weed mini on loopback, median of {args.rounds} rounds"
+    )
     print(f"{'operation':<22}{'treadle s':>11}{'MB/s':>8}{'raw boto3 s':>13}{'MB/s':>8}{'ratio':>8}")
     for label, ours, raw in rows:
         print(f"{label:<22}{ours:>11.3f}{mb / ours:>8.0f}{raw:>13.3f}{mb / raw:>8.0f}{ours / raw:>8.2f}")

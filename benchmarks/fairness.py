@@ -39,9 +39,16 @@ def pct(xs: list[float], q: float) -> float:
 
 def batch(rows: int, length: int, seed: int) -> list[Datum]:
     rng = np.random.default_rng(seed)
-    return [Datum(model_input=ModelInput.from_ints(rng.integers(5, 250, length).tolist()),
-                  loss_fn_inputs={"target_tokens": rng.integers(5, 250, length), "weights": np.ones(length, dtype=np.float32)})
-            for _ in range(rows)]
+    return [
+        Datum(
+            model_input=ModelInput.from_ints(rng.integers(5, 250, length).tolist()),
+            loss_fn_inputs={
+                "target_tokens": rng.integers(5, 250, length),
+                "weights": np.ones(length, dtype=np.float32),
+            },
+        )
+        for _ in range(rows)
+    ]
 
 
 def light_loop(tc, sampler, stop: threading.Event | None, steps: int) -> tuple[list[float], list[float]]:
@@ -91,8 +98,9 @@ def run(heavy: int, alone_steps: int) -> dict:
 
             b_alone = light_loop(b, b_sampler, None, alone_steps)
             a_alone_s = heavy_burst(a, a_sampler, heavy)
-            heavy_ms = [o.compute_s * 1000 for o in Meter(sc.ops.redis).session_ops(a.session_id)
-                        if o.op == "forward_backward"][-heavy:]
+            heavy_ms = [
+                o.compute_s * 1000 for o in Meter(sc.ops.redis).session_ops(a.session_id) if o.op == "forward_backward"
+            ][-heavy:]
 
             stop, together = threading.Event(), {}
             loop = threading.Thread(target=lambda: together.update(b=light_loop(b, b_sampler, stop, 1_000_000)))
@@ -105,14 +113,20 @@ def run(heavy: int, alone_steps: int) -> dict:
     (step_alone, sample_alone), (step_beside, sample_beside) = b_alone, together["b"]
     heavy_op = statistics.median(heavy_ms)
     return {
-        "heavy_ops": heavy, "heavy_op_ms_p50": heavy_op,
+        "heavy_ops": heavy,
+        "heavy_op_ms_p50": heavy_op,
         "b_step_ms_alone": {"p50": pct(step_alone, 0.5), "p95": pct(step_alone, 0.95), "n": len(step_alone)},
         "b_step_ms_beside_a": {"p50": pct(step_beside, 0.5), "p95": pct(step_beside, 0.95), "n": len(step_beside)},
         "b_sample_ms_alone": {"p50": pct(sample_alone, 0.5), "p95": pct(sample_alone, 0.95), "n": len(sample_alone)},
-        "b_sample_ms_beside_a": {"p50": pct(sample_beside, 0.5), "p95": pct(sample_beside, 0.95), "n": len(sample_beside)},
+        "b_sample_ms_beside_a": {
+            "p50": pct(sample_beside, 0.5),
+            "p95": pct(sample_beside, 0.95),
+            "n": len(sample_beside),
+        },
         "b_step_p95_beside_a_in_heavy_ops": pct(step_beside, 0.95) / heavy_op,
         "b_step_p50_beside_over_alone": pct(step_beside, 0.5) / pct(step_alone, 0.5),
-        "a_heavy_ops_per_s_alone": heavy / a_alone_s, "a_heavy_ops_per_s_beside_b": heavy / a_together_s,
+        "a_heavy_ops_per_s_alone": heavy / a_alone_s,
+        "a_heavy_ops_per_s_beside_b": heavy / a_together_s,
         "a_throughput_beside_over_alone": a_alone_s / a_together_s,
     }
 
@@ -130,12 +144,18 @@ def main() -> None:
     print(f"A's heavy op (16 x 256 tokens): {figures['heavy_op_ms_p50']:.1f} ms median on the worker")
     for what in ("b_step_ms", "b_sample_ms"):
         alone, beside = figures[f"{what}_alone"], figures[f"{what}_beside_a"]
-        print(f"B {what[2:-3]:6s} p50 / p95: alone {alone['p50']:.1f} / {alone['p95']:.1f} ms (n={alone['n']}), "
-              f"beside A {beside['p50']:.1f} / {beside['p95']:.1f} ms (n={beside['n']})")
-    print(f"B's p95 step beside A: {figures['b_step_p95_beside_a_in_heavy_ops']:.2f} of A's heavy ops; "
-          f"B's p50 step beside A / alone: {figures['b_step_p50_beside_over_alone']:.2f}x")
-    print(f"A's throughput: alone {figures['a_heavy_ops_per_s_alone']:.2f} ops/s, beside B "
-          f"{figures['a_heavy_ops_per_s_beside_b']:.2f} ops/s ({figures['a_throughput_beside_over_alone']:.2f}x)")
+        print(
+            f"B {what[2:-3]:6s} p50 / p95: alone {alone['p50']:.1f} / {alone['p95']:.1f} ms (n={alone['n']}), "
+            f"beside A {beside['p50']:.1f} / {beside['p95']:.1f} ms (n={beside['n']})"
+        )
+    print(
+        f"B's p95 step beside A: {figures['b_step_p95_beside_a_in_heavy_ops']:.2f} of A's heavy ops; "
+        f"B's p50 step beside A / alone: {figures['b_step_p50_beside_over_alone']:.2f}x"
+    )
+    print(
+        f"A's throughput: alone {figures['a_heavy_ops_per_s_alone']:.2f} ops/s, beside B "
+        f"{figures['a_heavy_ops_per_s_beside_b']:.2f} ops/s ({figures['a_throughput_beside_over_alone']:.2f}x)"
+    )
 
 
 if __name__ == "__main__":

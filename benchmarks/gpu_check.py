@@ -25,8 +25,17 @@ from treadle.gpu_worker.sampling.vllm.sampler import VllmOptions
 from treadle.types import AdamParams, Datum, LoraConfig, ModelInput, SamplingParams
 
 # Dense bf16 peaks (TFLOP/s, no sparsity) by device name fragment.
-BF16_PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "L4": 121.0, "A10": 125.0,
-                    "RTX 4090": 165.0, "B200": 2250.0, "GH200": 989.0}
+BF16_PEAK_TFLOPS = {
+    "H200": 989.0,
+    "H100": 989.0,
+    "A100": 312.0,
+    "L40S": 362.0,
+    "L4": 121.0,
+    "A10": 125.0,
+    "RTX 4090": 165.0,
+    "B200": 2250.0,
+    "GH200": 989.0,
+}
 
 
 def peak_tflops(name: str) -> float | None:
@@ -34,8 +43,10 @@ def peak_tflops(name: str) -> float | None:
 
 
 def datum(tokens: list[int]) -> Datum:
-    return Datum(model_input=ModelInput.from_ints(tokens[:-1]),
-                 loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * (len(tokens) - 1)})
+    return Datum(
+        model_input=ModelInput.from_ints(tokens[:-1]),
+        loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * (len(tokens) - 1)},
+    )
 
 
 def train(engine: Engine, steps: int, batch: int, length: int) -> float:
@@ -69,7 +80,7 @@ def logprob_gap(engine: Engine, sampler: str, prompt: list[int]) -> float:
     for seq in engine.sample(sampler, ModelInput.from_ints(prompt), 4, SamplingParams(max_tokens=32, seed=1)).sequences:
         tokens = prompt + seq.tokens
         expected = engine.forward("s", [datum(tokens)], "cross_entropy").loss_fn_outputs[0]["logprobs"].to_numpy()
-        worst = max(worst, float(np.abs(np.asarray(seq.logprobs) - expected[len(prompt) - 1:]).max()))
+        worst = max(worst, float(np.abs(np.asarray(seq.logprobs) - expected[len(prompt) - 1 :]).max()))
     return worst
 
 
@@ -90,7 +101,9 @@ def main() -> None:
     failed = []
     for kind in ("hf", "vllm"):
         t0 = time.perf_counter()
-        engine = Engine(model_dir, device="cuda", dtype="bfloat16", sampler=kind, vllm=VllmOptions(gpu_memory_share=0.3))
+        engine = Engine(
+            model_dir, device="cuda", dtype="bfloat16", sampler=kind, vllm=VllmOptions(gpu_memory_share=0.3)
+        )
         print(f"[{kind}] engine up in {time.perf_counter() - t0:.0f} s on {name}", flush=True)
         engine.create_session("s", LoraConfig(rank=32, alpha=32, seed=0))
         if kind == "hf":
@@ -98,15 +111,21 @@ def main() -> None:
             params = sum(p.numel() for p in engine._host.model.parameters())
             peak = peak_tflops(name)
             mfu = f"{6 * params * rate / (peak * 1e12):.1%} of {peak:.0f} TFLOP/s" if peak else "n/a (unknown peak)"
-            print(f"training: {rate:,.0f} tokens/s (bf16, LoRA r32, {args.batch} x {args.length} tokens/step), MFU {mfu}", flush=True)
+            print(
+                f"training: {rate:,.0f} tokens/s (bf16, LoRA r32, {args.batch} x {args.length} tokens/step), MFU {mfu}",
+                flush=True,
+            )
         else:
             train(engine, 2, 4, 128)  # the snapshot below is of a trained adapter here too
         engine.snapshot_sampler("s", "snap")
         base = sample_rate(engine, None, prompts, args.rows // len(prompts), args.tokens)
         lora = sample_rate(engine, "snap", prompts, args.rows // len(prompts), args.tokens)
         gap = logprob_gap(engine, "snap", prompts[0])
-        print(f"sampling [{kind}]: base {base:,.0f} tokens/s, LoRA {lora:,.0f} tokens/s "
-              f"({args.rows} rows x {args.tokens} tokens); max |sampled - trainer| logprob {gap:.3f}", flush=True)
+        print(
+            f"sampling [{kind}]: base {base:,.0f} tokens/s, LoRA {lora:,.0f} tokens/s "
+            f"({args.rows} rows x {args.tokens} tokens); max |sampled - trainer| logprob {gap:.3f}",
+            flush=True,
+        )
         if gap > args.tolerance:
             failed.append(f"{kind}: logprob gap {gap:.3f} > {args.tolerance}")
         engine.close()

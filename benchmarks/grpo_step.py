@@ -40,7 +40,7 @@ def datums_of(tokenizer, problems, prompts, completions, samples: int):
     """GRPO datums: per group, rewards centred on the group mean; uniform groups still train (A = 0)."""
     datums = []
     for g, (problem, prompt) in enumerate(zip(problems, prompts)):
-        group = completions[g * samples:(g + 1) * samples]
+        group = completions[g * samples : (g + 1) * samples]
         rewards = [reward(tokenizer.decode(t, skip_special_tokens=True), problem.answer, 0.0, True) for t, _ in group]
         datums += [rl_datum(prompt, t, lp, a) for (t, lp), a in zip(group, group_advantages(rewards, False)) if t]
     return datums
@@ -62,11 +62,17 @@ class InProcessStep(InProcess):
         torch = self.torch
         datums = datums_of(self.host.tokenizer, problems, prompts, self.generate(prompts, samples, tokens), samples)
         with self.bank.using("policy", trainable=True) as model:
-            lps = self.target_logprobs(model, [np.asarray(d.model_input.to_ints(), dtype=np.int64) for d in datums],
-                                       [d.loss_fn_inputs["target_tokens"].to_numpy() for d in datums],
-                                       device=self.host.device, pad_token_id=self.host.pad_token_id)
-            inputs = {k: torch.from_numpy(np.concatenate([d.loss_fn_inputs[k].to_numpy() for d in datums]).astype(np.float32))
-                      for k in ("logprobs", "advantages")}
+            lps = self.target_logprobs(
+                model,
+                [np.asarray(d.model_input.to_ints(), dtype=np.int64) for d in datums],
+                [d.loss_fn_inputs["target_tokens"].to_numpy() for d in datums],
+                device=self.host.device,
+                pad_token_id=self.host.pad_token_id,
+            )
+            inputs = {
+                k: torch.from_numpy(np.concatenate([d.loss_fn_inputs[k].to_numpy() for d in datums]).astype(np.float32))
+                for k in ("logprobs", "advantages")
+            }
             self.loss(torch.cat(lps), inputs, {}).backward()
         self.adamw.step()
         self.adamw.zero_grad(set_to_none=True)
@@ -76,10 +82,14 @@ def treadle_step(training, sampler, tokenizer, problems, prompts, samples: int, 
     """The same step on the SDK; returns the new sampler."""
     from treadle import AdamParams, ModelInput, SamplingParams
 
-    futures = [sampler.sample(ModelInput.from_ints(p), samples, SamplingParams(max_tokens=tokens, temperature=1.0, seed=i))
-               for i, p in enumerate(prompts)]
+    futures = [
+        sampler.sample(ModelInput.from_ints(p), samples, SamplingParams(max_tokens=tokens, temperature=1.0, seed=i))
+        for i, p in enumerate(prompts)
+    ]
     completions = [(s.tokens, s.logprobs) for f in futures for s in f.result().sequences]
-    fwd = training.forward_backward(datums_of(tokenizer, problems, prompts, completions, samples), "importance_sampling")
+    fwd = training.forward_backward(
+        datums_of(tokenizer, problems, prompts, completions, samples), "importance_sampling"
+    )
     optim = training.optim_step(AdamParams(learning_rate=LEARNING_RATE, eps=1e-8))
     fwd.result(), optim.result()
     return training.save_weights_and_get_sampling_client()
@@ -93,7 +103,9 @@ def main() -> None:
     parser.add_argument("--rank", type=int, default=32, help="LoRA rank")
     parser.add_argument("--threads", type=int, default=2, help="torch threads, in-process and in the worker")
     parser.add_argument("--rounds", type=int, default=3, help="measured rounds (after one warm-up step of each)")
-    parser.add_argument("--model_dir", default=None, help="model directory (default: SmolLM2-135M-Instruct, prepared offline)")
+    parser.add_argument(
+        "--model_dir", default=None, help="model directory (default: SmolLM2-135M-Instruct, prepared offline)"
+    )
     args = parser.parse_args()
 
     from treadle import ServiceClient
@@ -124,8 +136,10 @@ def main() -> None:
                 print(f"round {round_index}: in-process {in_process:.1f} s, treadle {through:.1f} s", flush=True)
         training.stop()
 
-    print(f"\nGRPO step, {args.prompts} prompts x {args.samples} samples x {args.tokens} tokens, importance_sampling, "
-          f"LoRA r{args.rank}, {args.threads} torch threads, {args.rounds} rounds (median)")
+    print(
+        f"\nGRPO step, {args.prompts} prompts x {args.samples} samples x {args.tokens} tokens, importance_sampling, "
+        f"LoRA r{args.rank}, {args.threads} torch threads, {args.rounds} rounds (median)"
+    )
     for name, values in times.items():
         print(f"  {name:<11} {statistics.median(values):7.1f} s")
     ratio = statistics.median(t / i for t, i in zip(times["treadle"], times["in-process"]))

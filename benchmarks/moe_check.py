@@ -39,10 +39,20 @@ def build_gpt_oss_20b_shaped(directory: Path, layers: int) -> str:
 
     tokenizer = build_tokenizer()
     config = GptOssConfig(
-        num_hidden_layers=layers, num_local_experts=32, num_experts_per_tok=4, vocab_size=len(tokenizer),
-        hidden_size=2880, intermediate_size=2880, head_dim=64, num_attention_heads=64, num_key_value_heads=8,
-        sliding_window=128, layer_types=["sliding_attention", "full_attention"] * (layers // 2) + ["sliding_attention"] * (layers % 2),
-        max_position_embeddings=4096, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+        num_hidden_layers=layers,
+        num_local_experts=32,
+        num_experts_per_tok=4,
+        vocab_size=len(tokenizer),
+        hidden_size=2880,
+        intermediate_size=2880,
+        head_dim=64,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        sliding_window=128,
+        layer_types=["sliding_attention", "full_attention"] * (layers // 2) + ["sliding_attention"] * (layers % 2),
+        max_position_embeddings=4096,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
     )
     device = "cuda" if torch.cuda.is_available() else "cpu"
     with torch.device(device):
@@ -55,11 +65,13 @@ def build_gpt_oss_20b_shaped(directory: Path, layers: int) -> str:
 def datum(tokens: list[int], prompt_len: int, sampled_logprobs: list[float], advantage: float) -> Datum:
     n = len(tokens) - 1
     mask = np.zeros(n, dtype=np.float32)
-    mask[prompt_len - 1:] = 1.0
+    mask[prompt_len - 1 :] = 1.0
     logprobs = np.zeros(n, dtype=np.float32)
-    logprobs[prompt_len - 1:] = sampled_logprobs
-    return Datum(model_input=ModelInput.from_ints(tokens[:-1]),
-                 loss_fn_inputs={"target_tokens": tokens[1:], "logprobs": logprobs, "advantages": mask * advantage})
+    logprobs[prompt_len - 1 :] = sampled_logprobs
+    return Datum(
+        model_input=ModelInput.from_ints(tokens[:-1]),
+        loss_fn_inputs={"target_tokens": tokens[1:], "logprobs": logprobs, "advantages": mask * advantage},
+    )
 
 
 def main() -> None:
@@ -104,8 +116,12 @@ def run(stack: LocalStack, args) -> dict:
     for step in range(args.steps):
         sampler = training.save_weights_and_get_sampling_client(f"step-{step}")
         t0 = time.monotonic()
-        futures = [sampler.sample(ModelInput.from_ints(p), args.samples, SamplingParams(max_tokens=args.tokens, seed=step * 100 + i))
-                   for i, p in enumerate(prompts)]
+        futures = [
+            sampler.sample(
+                ModelInput.from_ints(p), args.samples, SamplingParams(max_tokens=args.tokens, seed=step * 100 + i)
+            )
+            for i, p in enumerate(prompts)
+        ]
         groups = [f.result(timeout=1800) for f in futures]
         sample_s.append(time.monotonic() - t0)
         sampled_tokens += sum(len(s.tokens) for g in groups for s in g.sequences)
@@ -114,7 +130,9 @@ def run(stack: LocalStack, args) -> dict:
         for prompt, group in zip(prompts, groups):
             rewards = np.array([len(set(s.tokens)) for s in group.sequences], dtype=np.float32)  # any signal will do
             advantages = rewards - rewards.mean()
-            data = [datum(prompt + s.tokens, len(prompt), s.logprobs, float(a)) for s, a in zip(group.sequences, advantages)]
+            data = [
+                datum(prompt + s.tokens, len(prompt), s.logprobs, float(a)) for s, a in zip(group.sequences, advantages)
+            ]
             trained_tokens += sum(len(d.model_input.to_ints()) for d in data)
             pending.append(training.forward_backward(data, "importance_sampling"))
         pending.append(training.optim_step(AdamParams(learning_rate=1e-5)))
@@ -124,21 +142,31 @@ def run(stack: LocalStack, args) -> dict:
     # Sampler vs trainer: a fresh snapshot's samples against the trainer's forward of the same tokens.
     sampler = training.save_weights_and_get_sampling_client("final")
     for i, prompt in enumerate(prompts[:4]):
-        group = sampler.sample(ModelInput.from_ints(prompt), 2, SamplingParams(max_tokens=args.tokens, seed=i)).result(timeout=1800)
+        group = sampler.sample(ModelInput.from_ints(prompt), 2, SamplingParams(max_tokens=args.tokens, seed=i)).result(
+            timeout=1800
+        )
         for seq in group.sequences:
             tokens = prompt + seq.tokens
-            forward = training.forward([Datum(model_input=ModelInput.from_ints(tokens[:-1]),
-                                              loss_fn_inputs={"target_tokens": tokens[1:],
-                                                              "weights": [1.0] * (len(tokens) - 1)})],
-                                       "cross_entropy").result(timeout=1800)
-            trained = forward.loss_fn_outputs[0]["logprobs"].to_numpy()[len(prompt) - 1:]
+            forward = training.forward(
+                [
+                    Datum(
+                        model_input=ModelInput.from_ints(tokens[:-1]),
+                        loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * (len(tokens) - 1)},
+                    )
+                ],
+                "cross_entropy",
+            ).result(timeout=1800)
+            trained = forward.loss_fn_outputs[0]["logprobs"].to_numpy()[len(prompt) - 1 :]
             gaps.extend(np.abs(trained - np.asarray(seq.logprobs)).tolist())
     return {
-        "steps": args.steps, "rows_per_step": args.prompts * args.samples, "max_tokens": args.tokens,
+        "steps": args.steps,
+        "rows_per_step": args.prompts * args.samples,
+        "max_tokens": args.tokens,
         "sample_tokens_per_s": round(sampled_tokens / sum(sample_s), 1),
         "train_tokens_per_s": round(trained_tokens / sum(train_s), 1),
         "step_s": [round(a + b, 2) for a, b in zip(sample_s, train_s)],
-        "sampler_vs_trainer_logprob_max": round(max(gaps), 4), "sampler_vs_trainer_logprob_mean": round(float(np.mean(gaps)), 5),
+        "sampler_vs_trainer_logprob_max": round(max(gaps), 4),
+        "sampler_vs_trainer_logprob_mean": round(float(np.mean(gaps)), 5),
     }
 
 

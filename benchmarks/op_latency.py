@@ -44,9 +44,13 @@ def pct(xs: list[float], q: float) -> float:
 
 def step_batch() -> list[Datum]:
     rng = np.random.default_rng(0)
-    return [Datum(model_input=ModelInput.from_ints(rng.integers(5, 250, 32).tolist()),
-                  loss_fn_inputs={"target_tokens": rng.integers(5, 250, 32), "weights": np.ones(32, dtype=np.float32)})
-            for _ in range(4)]
+    return [
+        Datum(
+            model_input=ModelInput.from_ints(rng.integers(5, 250, 32).tolist()),
+            loss_fn_inputs={"target_tokens": rng.integers(5, 250, 32), "weights": np.ones(32, dtype=np.float32)},
+        )
+        for _ in range(4)
+    ]
 
 
 def noop_submitter(sc: ServiceClient, session_id: str):
@@ -70,8 +74,10 @@ def measure(n: int) -> dict[str, float]:
             sc = ServiceClient(broker_url=stack.broker_url, storage_url=stack.storage_url)
             tc = sc.create_lora_training_client("tiny", rank=8, seed=0)
             submit_noop = noop_submitter(sc, tc.session_id)
-            datum = Datum(model_input=ModelInput.from_ints(list(range(5, 13))),
-                          loss_fn_inputs={"target_tokens": list(range(6, 14)), "weights": [1.0] * 8})
+            datum = Datum(
+                model_input=ModelInput.from_ints(list(range(5, 13))),
+                loss_fn_inputs={"target_tokens": list(range(6, 14)), "weights": [1.0] * 8},
+            )
             batch = step_batch()
 
             def noop():
@@ -91,7 +97,11 @@ def measure(n: int) -> dict[str, float]:
                 out[f"{name}_p50_ms"], out[f"{name}_p99_ms"] = statistics.median(lat), pct(lat, 0.99)
             through, inprocess, default_threads = [], [], []
             for _ in range(max(2, n // 50)):
-                for fn, times in ((train_step, through), (inprocess_step, inprocess), (default_threads_step, default_threads)):
+                for fn, times in (
+                    (train_step, through),
+                    (inprocess_step, inprocess),
+                    (default_threads_step, default_threads),
+                ):
                     times += [timed(fn) for _ in range(STEP_BLOCK)]
                     time.sleep(QUIET_S)
             out["step_p50_ms"], out["inprocess_step_p50_ms"] = statistics.median(through), statistics.median(inprocess)
@@ -135,6 +145,7 @@ def inprocess_stepper(model_dir: str, sized_threads: bool = True):
     def step():
         engine.forward_backward("s", batch, "cross_entropy")
         engine.optim_step("s", ADAM)
+
     return step
 
 
@@ -143,17 +154,27 @@ def run_child(checkout: str, n: int, threads: int | None) -> dict[str, float]:
     env = {**os.environ, "PYTHONPATH": os.path.abspath(checkout)}
     if threads:  # read by torch in the child (the in-process step) and in the worker it starts
         env["OMP_NUM_THREADS"] = str(threads)
-    out = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", "--n", str(n)], env=env,
-                         cwd=os.path.abspath(checkout), capture_output=True, text=True, timeout=1800)
+    out = subprocess.run(
+        [sys.executable, os.path.abspath(__file__), "--child", "--n", str(n)],
+        env=env,
+        cwd=os.path.abspath(checkout),
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
     if out.returncode != 0:
         raise SystemExit(f"round on {checkout} failed:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 ROWS = [
-    ("noop p50 ms", "noop_p50_ms"), ("noop p99 ms", "noop_p99_ms"), ("noop pipelined ops/s", "noop_pipelined_ops_s"),
-    ("forward p50 ms", "forward_p50_ms"), ("forward pipelined ops/s", "forward_pipelined_ops_s"),
-    ("4x32 step p50 ms", "step_p50_ms"), ("same step in-process p50 ms", "inprocess_step_p50_ms"),
+    ("noop p50 ms", "noop_p50_ms"),
+    ("noop p99 ms", "noop_p99_ms"),
+    ("noop pipelined ops/s", "noop_pipelined_ops_s"),
+    ("forward p50 ms", "forward_p50_ms"),
+    ("forward pipelined ops/s", "forward_pipelined_ops_s"),
+    ("4x32 step p50 ms", "step_p50_ms"),
+    ("same step in-process p50 ms", "inprocess_step_p50_ms"),
     ("  in-process, all threads p50 ms", "default_threads_step_p50_ms"),
 ]
 
@@ -163,8 +184,12 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=300, help="ops per measurement")
     parser.add_argument("--compare", metavar="CHECKOUT", help="another checkout of treadle to measure side by side")
     parser.add_argument("--rounds", type=int, default=3, help="rounds per side (interleaved with --compare)")
-    parser.add_argument("--threads", type=int, default=None,
-                        help="torch threads of the worker and of the in-process step (default: torch's, one per core)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch threads of the worker and of the in-process step (default: torch's, one per core)",
+    )
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -174,7 +199,7 @@ def main() -> None:
     sides = {"this": here, **({"other": args.compare} if args.compare else {})}
     results: dict[str, list[dict]] = {side: [] for side in sides}
     for r in range(args.rounds):
-        for side, checkout in (sides.items() if r % 2 == 0 else reversed(sides.items())):
+        for side, checkout in sides.items() if r % 2 == 0 else reversed(sides.items()):
             print(f"round {r + 1}: {side} ({checkout}) ...", file=sys.stderr, flush=True)
             results[side].append(run_child(checkout, args.n, args.threads))
     for rs in results.values():
@@ -182,8 +207,10 @@ def main() -> None:
             x["step_ratio"] = x["step_p50_ms"] / x["inprocess_step_p50_ms"]
             x["step_ratio_default_threads"] = x["step_p50_ms"] / x["default_threads_step_p50_ms"]
     med = {side: {k: statistics.median(x[k] for x in rs) for k in rs[0]} for side, rs in results.items()}
-    print(f"\nop latency through treadle (one session, {args.n} ops each, loopback Redis, 1 worker, "
-          f"torch threads {args.threads or 'default'}; medians of {len(results['this'])} round(s))")
+    print(
+        f"\nop latency through treadle (one session, {args.n} ops each, loopback Redis, 1 worker, "
+        f"torch threads {args.threads or 'default'}; medians of {len(results['this'])} round(s))"
+    )
     head = f"{'':<30}{'this':>12}" + (f"{'other':>12}{'this/other':>12}" if args.compare else "")
     print(head)
     for label, key in ROWS:
@@ -193,11 +220,15 @@ def main() -> None:
         print(line)
     for side in sides:
         rounds = ", ".join(f"{x['step_ratio']:.2f}x" for x in results[side])
-        print(f"{side}: 4x32 step through treadle / in-process (alternating) = {med[side]['step_ratio']:.2f}x "
-              f"(median of the rounds: {rounds})")
+        print(
+            f"{side}: 4x32 step through treadle / in-process (alternating) = {med[side]['step_ratio']:.2f}x "
+            f"(median of the rounds: {rounds})"
+        )
         rounds = ", ".join(f"{x['step_ratio_default_threads']:.2f}x" for x in results[side])
-        print(f"{side}: ... / in-process with all threads on every op = {med[side]['step_ratio_default_threads']:.2f}x "
-              f"(median of the rounds: {rounds})")
+        print(
+            f"{side}: ... / in-process with all threads on every op = {med[side]['step_ratio_default_threads']:.2f}x "
+            f"(median of the rounds: {rounds})"
+        )
 
 
 if __name__ == "__main__":

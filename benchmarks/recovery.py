@@ -24,7 +24,12 @@ from treadle.testing.tiny_model import build_tiny_model
 
 def batch(step: int, length: int) -> list[Datum]:
     toks = [(step * 11 + j * 5) % 240 + 5 for j in range(length + 1)]
-    return [Datum(model_input=ModelInput.from_ints(toks[:-1]), loss_fn_inputs={"target_tokens": toks[1:], "weights": [1.0] * length})]
+    return [
+        Datum(
+            model_input=ModelInput.from_ints(toks[:-1]),
+            loss_fn_inputs={"target_tokens": toks[1:], "weights": [1.0] * length},
+        )
+    ]
 
 
 def owner_pid(sc: ServiceClient, session_id: str) -> int:
@@ -44,8 +49,12 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         model = args.model or build_tiny_model(f"{tmp}/tiny", arch="llama", seed=0)
-        stack = LocalStack([f"m={model}"], home=f"{tmp}/stack", workers=2,
-                           worker_args=["--lease_ttl_s", str(args.lease_ttl_s), "--checkpoint_every", str(args.checkpoint_every)])
+        stack = LocalStack(
+            [f"m={model}"],
+            home=f"{tmp}/stack",
+            workers=2,
+            worker_args=["--lease_ttl_s", str(args.lease_ttl_s), "--checkpoint_every", str(args.checkpoint_every)],
+        )
         with stack:
             sc = ServiceClient(broker_url=stack.broker_url, storage_url=stack.storage_url)
             tc = sc.create_lora_training_client("m", rank=8, seed=0)
@@ -68,17 +77,29 @@ def main() -> None:
                 t_flow = time.time()
                 rec = json.loads(sc.ops.session_info(tc.session_id).last_recovery)
                 started = rec["at"] - rec["total_s"]
-                rows.append({
-                    "lease": started - t_kill, "load": rec["load_s"], "replay": rec["replay_s"],
-                    "ops": rec["replayed_ops"], "first_op": t_flow - rec["at"], "total": t_flow - t_kill,
-                })
+                rows.append(
+                    {
+                        "lease": started - t_kill,
+                        "load": rec["load_s"],
+                        "replay": rec["replay_s"],
+                        "ops": rec["replayed_ops"],
+                        "first_op": t_flow - rec["at"],
+                        "total": t_flow - t_kill,
+                    }
+                )
                 stack.start_worker()
                 stack.wait_for_workers(2, 300)
-    print(f"\nrecovery after SIGKILL (lease TTL {args.lease_ttl_s:g} s, checkpoint every {args.checkpoint_every} steps, "
-          f"{args.tokens}-token batches, {'tiny model' if args.model is None else args.model})")
-    print(f"{'round':<7}{'lease wait s':>13}{'ckpt load s':>13}{'replay s':>10}{'replayed ops':>14}{'first op s':>12}{'kill->flowing s':>17}")
+    print(
+        f"\nrecovery after SIGKILL (lease TTL {args.lease_ttl_s:g} s, checkpoint every {args.checkpoint_every} steps, "
+        f"{args.tokens}-token batches, {'tiny model' if args.model is None else args.model})"
+    )
+    print(
+        f"{'round':<7}{'lease wait s':>13}{'ckpt load s':>13}{'replay s':>10}{'replayed ops':>14}{'first op s':>12}{'kill->flowing s':>17}"
+    )
     for i, r in enumerate(rows):
-        print(f"{i:<7}{r['lease']:>13.2f}{r['load']:>13.3f}{r['replay']:>10.3f}{r['ops']:>14d}{r['first_op']:>12.3f}{r['total']:>17.2f}")
+        print(
+            f"{i:<7}{r['lease']:>13.2f}{r['load']:>13.3f}{r['replay']:>10.3f}{r['ops']:>14d}{r['first_op']:>12.3f}{r['total']:>17.2f}"
+        )
 
 
 if __name__ == "__main__":

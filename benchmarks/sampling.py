@@ -27,18 +27,33 @@ import tempfile
 import time
 
 PROMPTS = [
-    "Write a long story about a lighthouse keeper.", "Explain how rain forms, in detail.",
-    "Describe a journey across a desert.", "Write a letter to a friend about your garden.",
-    "Tell the history of bread.", "Describe the life of a honeybee.", "Write a story about a robot who paints.",
-    "Explain how a bicycle works.", "Describe a busy market in the morning.", "Write about the sea at night.",
-    "Tell a story about two brothers and a river.", "Explain why the sky changes colour at sunset.",
+    "Write a long story about a lighthouse keeper.",
+    "Explain how rain forms, in detail.",
+    "Describe a journey across a desert.",
+    "Write a letter to a friend about your garden.",
+    "Tell the history of bread.",
+    "Describe the life of a honeybee.",
+    "Write a story about a robot who paints.",
+    "Explain how a bicycle works.",
+    "Describe a busy market in the morning.",
+    "Write about the sea at night.",
+    "Tell a story about two brothers and a river.",
+    "Explain why the sky changes colour at sunset.",
 ]
 
 
 def chat_prompts(tokenizer, count: int) -> list[list[int]]:
-    return [list(tokenizer.apply_chat_template([{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}],
-                                               add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"])
-            for i in range(count)]
+    return [
+        list(
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}],
+                add_generation_prompt=True,
+                tokenize=True,
+                return_dict=True,
+            )["input_ids"]
+        )
+        for i in range(count)
+    ]
 
 
 class InProcess:
@@ -56,9 +71,15 @@ class InProcess:
         self.host = ModelHost(model_dir)
         self.bank = AdapterBank(self.host)
         self.bank.add("policy", self.bank.lora_config(LoraConfig(rank=rank, alpha=rank)), seed=0)
-        self.config = lambda tokens: GenerationConfig(do_sample=True, max_new_tokens=tokens, temperature=1.0, top_k=0,
-                                                      top_p=1.0, pad_token_id=self.host.pad_token_id,
-                                                      eos_token_id=self.host.eos_token_id)
+        self.config = lambda tokens: GenerationConfig(
+            do_sample=True,
+            max_new_tokens=tokens,
+            temperature=1.0,
+            top_k=0,
+            top_p=1.0,
+            pad_token_id=self.host.pad_token_id,
+            eos_token_id=self.host.eos_token_id,
+        )
 
     def generate(self, prompts: list[list[int]], samples: int, tokens: int) -> list[tuple[list[int], list[float]]]:
         """One batched `generate` of every row: per row, its tokens through the first EOS and their logprobs."""
@@ -68,11 +89,16 @@ class InProcess:
         ids = torch.full((len(rows), width), pad, dtype=torch.long)
         mask = torch.zeros((len(rows), width), dtype=torch.long)
         for i, p in enumerate(rows):
-            ids[i, width - len(p):], mask[i, width - len(p):] = torch.tensor(p), 1
+            ids[i, width - len(p) :], mask[i, width - len(p) :] = torch.tensor(p), 1
         device = self.host.device
         with self.bank.using("policy", trainable=False) as model, torch.no_grad():
-            out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), generation_config=self.config(tokens),
-                                 return_dict_in_generate=True, output_logits=True)
+            out = model.generate(
+                input_ids=ids.to(device),
+                attention_mask=mask.to(device),
+                generation_config=self.config(tokens),
+                return_dict_in_generate=True,
+                output_logits=True,
+            )
         new = out.sequences[:, width:]
         logprobs = torch.stack([torch.log_softmax(step.float(), dim=-1) for step in out.logits], dim=1)
         logprobs = logprobs.gather(2, new.unsqueeze(2)).squeeze(2)
@@ -111,13 +137,19 @@ def backend_rows(model_dir: str, prompts: list[list[int]], args) -> dict[str, li
         engine.snapshot_sampler("bench", "snapshot")
 
         def at_once(sampler, samples, tokens, engine=engine):
-            futures = [engine.sample_async(sampler, ModelInput.from_ints(p), samples, SamplingParams(max_tokens=tokens, seed=i))
-                       for i, p in enumerate(prompts[: args.prompts])]
+            futures = [
+                engine.sample_async(
+                    sampler, ModelInput.from_ints(p), samples, SamplingParams(max_tokens=tokens, seed=i)
+                )
+                for i, p in enumerate(prompts[: args.prompts])
+            ]
             return sum(len(s.tokens) for f in futures for s in f.result().sequences)
 
         for label, sampler in (("base", None), (f"LoRA r{args.rank}", "snapshot")):
             at_once(sampler, 2, 8)  # warm-up
-            results[f"{kind}, {label}"] = [timed(lambda: at_once(sampler, args.samples, args.tokens)) for _ in range(args.rounds)]
+            results[f"{kind}, {label}"] = [
+                timed(lambda: at_once(sampler, args.samples, args.tokens)) for _ in range(args.rounds)
+            ]
         engine.close()
     return results
 
@@ -138,7 +170,9 @@ def main() -> None:
     parser.add_argument("--rank", type=int, default=32, help="LoRA rank of every adapter")
     parser.add_argument("--threads", type=int, default=2, help="torch threads, in-process and in the worker")
     parser.add_argument("--rounds", type=int, default=2, help="measured rounds (after one warm-up round)")
-    parser.add_argument("--model_dir", default=None, help="model directory (default: SmolLM2-135M-Instruct, prepared offline)")
+    parser.add_argument(
+        "--model_dir", default=None, help="model directory (default: SmolLM2-135M-Instruct, prepared offline)"
+    )
     parser.add_argument("--worker_args", default="", help="extra `treadle worker` options, space-separated")
     parser.add_argument("--backends", default="hf,vllm", help="sampler backends compared in rows 5, comma-separated")
     parser.add_argument("--backends_only", action="store_true", help="only the backend rows (5)")
@@ -156,21 +190,33 @@ def main() -> None:
     if args.backends_only:
         print_backends(backend_rows(model_dir, prompts, args), args)
         return
-    with tempfile.TemporaryDirectory() as tmp, LocalStack([f"bench={model_dir}"], home=f"{tmp}/stack",
-                                                          worker_args=args.worker_args.split()) as stack:
+    with (
+        tempfile.TemporaryDirectory() as tmp,
+        LocalStack([f"bench={model_dir}"], home=f"{tmp}/stack", worker_args=args.worker_args.split()) as stack,
+    ):
         service = ServiceClient(broker_url=stack.broker_url, storage_url=stack.storage_url)
-        trainers = [service.create_lora_training_client("bench", rank=args.rank, alpha=args.rank, seed=i)
-                    for i in range(args.sessions)]
+        trainers = [
+            service.create_lora_training_client("bench", rank=args.rank, alpha=args.rank, seed=i)
+            for i in range(args.sessions)
+        ]
         samplers = [t.save_weights_and_get_sampling_client() for t in trainers]
         one = [(samplers[0], p) for p in prompts[: args.prompts]]
-        per_session = [[(s, prompts[k * args.session_prompts + j]) for j in range(args.session_prompts)]
-                       for k, s in enumerate(samplers)]
+        per_session = [
+            [(s, prompts[k * args.session_prompts + j]) for j in range(args.session_prompts)]
+            for k, s in enumerate(samplers)
+        ]
         rows = {
-            "in-process batched generate": lambda n, t: sum(len(r) for r, _ in inproc.generate(prompts[: args.prompts], n, t)),
+            "in-process batched generate": lambda n, t: sum(
+                len(r) for r, _ in inproc.generate(prompts[: args.prompts], n, t)
+            ),
             "treadle, requests at once": lambda n, t: sample_all(one, n, t, at_once=True),
             "treadle, one request at a time": lambda n, t: sample_all(one, n, t, at_once=False),
-            f"{args.sessions} sessions at once": lambda n, t: sample_all([x for s in per_session for x in s], n, t, at_once=True),
-            f"{args.sessions} sessions one after another": lambda n, t: sum(sample_all(s, n, t, at_once=True) for s in per_session),
+            f"{args.sessions} sessions at once": lambda n, t: sample_all(
+                [x for s in per_session for x in s], n, t, at_once=True
+            ),
+            f"{args.sessions} sessions one after another": lambda n, t: sum(
+                sample_all(s, n, t, at_once=True) for s in per_session
+            ),
         }
         for fn in rows.values():  # warm-up, left out of the figures
             fn(2, 8)
@@ -183,12 +229,16 @@ def main() -> None:
 
     rate = {name: [n / s for n, s in runs] for name, runs in results.items()}
     names = list(rows)
-    print(f"\nsampling throughput, {args.prompts} prompts x {args.samples} samples x {args.tokens} tokens, T=1, "
-          f"LoRA r{args.rank}, {args.threads} torch threads, {args.rounds} rounds (median)")
+    print(
+        f"\nsampling throughput, {args.prompts} prompts x {args.samples} samples x {args.tokens} tokens, T=1, "
+        f"LoRA r{args.rank}, {args.threads} torch threads, {args.rounds} rounds (median)"
+    )
     print(f"{'row':<34}{'tokens':>8}{'seconds':>9}{'tokens/s':>10}")
     for name in names:
-        print(f"{name:<34}{statistics.median(n for n, _ in results[name]):>8.0f}"
-              f"{statistics.median(s for _, s in results[name]):>9.1f}{statistics.median(rate[name]):>10.1f}")
+        print(
+            f"{name:<34}{statistics.median(n for n, _ in results[name]):>8.0f}"
+            f"{statistics.median(s for _, s in results[name]):>9.1f}{statistics.median(rate[name]):>10.1f}"
+        )
 
     def ratio(a: str, b: str) -> float:
         return statistics.median(x / y for x, y in zip(rate[a], rate[b]))
@@ -201,12 +251,16 @@ def main() -> None:
 
 
 def print_backends(results: dict[str, list[tuple[int, float]]], args) -> None:
-    print(f"\nsampler backends, engine level, {args.prompts} prompts x {args.samples} samples x {args.tokens} tokens, "
-          f"T=1, {args.threads} torch threads, {args.rounds} rounds (median)")
+    print(
+        f"\nsampler backends, engine level, {args.prompts} prompts x {args.samples} samples x {args.tokens} tokens, "
+        f"T=1, {args.threads} torch threads, {args.rounds} rounds (median)"
+    )
     print(f"{'backend':<34}{'tokens':>8}{'seconds':>9}{'tokens/s':>10}")
     for name, runs in results.items():
-        print(f"{name:<34}{statistics.median(n for n, _ in runs):>8.0f}{statistics.median(s for _, s in runs):>9.1f}"
-              f"{statistics.median(n / s for n, s in runs):>10.1f}")
+        print(
+            f"{name:<34}{statistics.median(n for n, _ in runs):>8.0f}{statistics.median(s for _, s in runs):>9.1f}"
+            f"{statistics.median(n / s for n, s in runs):>10.1f}"
+        )
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """`treadle worker` whose handler of one op sleeps first: widens the window a recovery test kills in.
 
-    python -m tests.slow_worker OP SECONDS <treadle worker options...>
+python -m tests.slow_worker OP SECONDS <treadle worker options...>
 """
 
 from __future__ import annotations

@@ -29,8 +29,12 @@ def solo(stack, gateway, tiny_model_dir, tmp_path_factory):
     """A worker serving the tiny model as `solo` on the shared stack's Redis and storage."""
     home = tmp_path_factory.mktemp("solo-worker")
     log = open(home / "worker.log", "wb")
-    worker = subprocess.Popen([*stack.worker_command, "--model", f"{MODEL}={tiny_model_dir}", "--lease_ttl_s", "3"],
-                              env={**stack.env(), "OMP_NUM_THREADS": "1"}, stdout=log, stderr=subprocess.STDOUT)
+    worker = subprocess.Popen(
+        [*stack.worker_command, "--model", f"{MODEL}={tiny_model_dir}", "--lease_ttl_s", "3"],
+        env={**stack.env(), "OMP_NUM_THREADS": "1"},
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     ops = OpsClient(stack.broker_url)
     deadline = time.monotonic() + 180
     while not any(m.name == MODEL for m in ops.served_models()):
@@ -51,8 +55,9 @@ def _prompt_logprobs(**where) -> list[float | None]:
     service = tinker.ServiceClient()
     try:
         sampler = service.create_sampling_client(**(where or {"base_model": MODEL}))
-        out = sampler.sample(tt.ModelInput.from_ints(PROMPT), 1, tt.SamplingParams(max_tokens=2, seed=1),
-                             include_prompt_logprobs=True).result()
+        out = sampler.sample(
+            tt.ModelInput.from_ints(PROMPT), 1, tt.SamplingParams(max_tokens=2, seed=1), include_prompt_logprobs=True
+        ).result()
         assert len(out.sequences[0].tokens) == 2
         return out.prompt_logprobs
     finally:
@@ -63,8 +68,10 @@ def _session(lr: float) -> tuple[tinker.ServiceClient, tinker.TrainingClient]:
     """A service client with one LoRA session that ran a forward (and, with lr > 0, a step that moved it)."""
     service = tinker.ServiceClient()
     training = service.create_lora_training_client(base_model=MODEL, rank=4, seed=0).result()
-    datum = tt.Datum(model_input=tt.ModelInput.from_ints(PROMPT[:-1]),
-                     loss_fn_inputs={"target_tokens": PROMPT[1:], "weights": [1.0] * (len(PROMPT) - 1)})
+    datum = tt.Datum(
+        model_input=tt.ModelInput.from_ints(PROMPT[:-1]),
+        loss_fn_inputs={"target_tokens": PROMPT[1:], "weights": [1.0] * (len(PROMPT) - 1)},
+    )
     training.forward([datum], "cross_entropy").result()
     if lr > 0:
         training.forward_backward([datum], "cross_entropy").result()
@@ -78,7 +85,11 @@ def _close(ops: OpsClient, service: tinker.ServiceClient, training: tinker.Train
     deadline = time.monotonic() + 120
     while True:
         record = ops.session_info(training.model_id)
-        if record is not None and record.status == "stopped" and not ops.redis.exists(names.lease_key(training.model_id)):
+        if (
+            record is not None
+            and record.status == "stopped"
+            and not ops.redis.exists(names.lease_key(training.model_id))
+        ):
             return
         assert time.monotonic() < deadline, f"session {training.model_id} still {record and record.status}"
         time.sleep(0.2)

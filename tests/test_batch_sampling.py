@@ -68,8 +68,9 @@ class StepCounter:
 def job(bank, prompt, adapter=None, num_samples=2, **params) -> SampleJob:
     host = bank.host
     sampling = SamplingParams(**params)
-    request = prepare_sample(ModelInput.from_ints(prompt), num_samples, sampling, 0,
-                             max_seq_len=host.max_seq_len, vocab_size=host.vocab_size)
+    request = prepare_sample(
+        ModelInput.from_ints(prompt), num_samples, sampling, 0, max_seq_len=host.max_seq_len, vocab_size=host.vocab_size
+    )
     return SampleJob(adapter, request, num_samples, sampling, frozenset({host.eos_token_id, *request.stop_token_ids}))
 
 
@@ -94,7 +95,9 @@ def test_mixed_adapter_batch_logprobs_equal_forward(bank, scheduler):
     counter = StepCounter(bank)
     try:
         adapters = [*ADAPTERS, None]
-        jobs = [job(bank, p, a, num_samples=3, max_tokens=10 + i, seed=i) for i, (p, a) in enumerate(zip(PROMPTS, adapters))]
+        jobs = [
+            job(bank, p, a, num_samples=3, max_tokens=10 + i, seed=i) for i, (p, a) in enumerate(zip(PROMPTS, adapters))
+        ]
         responses = submit_together(scheduler, jobs)
     finally:
         counter.close()
@@ -118,7 +121,10 @@ def test_mixed_steps_by_runs_equal_split_forwards_bitwise(bank, scheduler, monke
     # per adapter run on its slice of the cache (the path of expert adapters): the same tokens and
     # logprobs to the bit.
     def run():
-        jobs = [job(bank, p, a, num_samples=3, max_tokens=8, seed=i) for i, (p, a) in enumerate(zip(PROMPTS, [*ADAPTERS, None]))]
+        jobs = [
+            job(bank, p, a, num_samples=3, max_tokens=8, seed=i)
+            for i, (p, a) in enumerate(zip(PROMPTS, [*ADAPTERS, None]))
+        ]
         return [[(s.tokens, s.logprobs) for s in r.sequences] for r in submit_together(scheduler, jobs)]
 
     by_runs = run()
@@ -141,7 +147,9 @@ def test_adapter_runs_and_adapters_off(bank):
         peft_base = bank.peft_model(input_ids=ids).logits
     assert torch.equal(base, peft_base) and torch.equal(base, via_using)
     assert torch.equal(adapted, again) and not torch.equal(base, adapted) and still_trainable
-    with bank.using("one", trainable=False):  # PEFT's disable_adapter left it trainable: frozen again for the other tests
+    with bank.using(
+        "one", trainable=False
+    ):  # PEFT's disable_adapter left it trainable: frozen again for the other tests
         assert not any(p.requires_grad for p in bank.parameters("one").values())
 
 
@@ -188,19 +196,28 @@ def test_lone_seeded_request_is_reproducible_and_independent_of_the_batch(bank, 
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)  # more threads split kernels differently: the result must not move
     try:
-        lone = [scheduler.sample(job(bank, PROMPTS[3], "two", num_samples=2, max_tokens=10, seed=7)).result(timeout=WAIT)
-                for _ in range(3)]
+        lone = [
+            scheduler.sample(job(bank, PROMPTS[3], "two", num_samples=2, max_tokens=10, seed=7)).result(timeout=WAIT)
+            for _ in range(3)
+        ]
         drawn = [[(s.tokens, s.logprobs) for s in r.sequences] for r in lone]
         assert drawn[0] == drawn[1] == drawn[2]
         # Its own RNG and batch-invariant forwards: sharing the prefill and the decode steps with other
         # requests (other adapters, other paddings) leaves its tokens and logprobs as they were, bit for bit.
-        crowd = [job(bank, p, a, num_samples=3, max_tokens=12, seed=50 + i) for i, (p, a) in enumerate(zip(PROMPTS, ADAPTERS))]
-        _, _, _, batched = submit_together(scheduler, [*crowd, job(bank, PROMPTS[3], "two", num_samples=2, max_tokens=10, seed=7)])
+        crowd = [
+            job(bank, p, a, num_samples=3, max_tokens=12, seed=50 + i)
+            for i, (p, a) in enumerate(zip(PROMPTS, ADAPTERS))
+        ]
+        _, _, _, batched = submit_together(
+            scheduler, [*crowd, job(bank, PROMPTS[3], "two", num_samples=2, max_tokens=10, seed=7)]
+        )
         assert [(s.tokens, s.logprobs) for s in batched.sequences] == drawn[0]
         # Joining a batch that is already decoding (its cache padded to the batch's width) changes nothing either.
         running = scheduler.sample(job(bank, PROMPTS[1], None, num_samples=5, max_tokens=40, seed=1, stop=[]))
         _wait_until_decoding(scheduler)
-        joined = scheduler.sample(job(bank, PROMPTS[3], "two", num_samples=2, max_tokens=10, seed=7)).result(timeout=WAIT)
+        joined = scheduler.sample(job(bank, PROMPTS[3], "two", num_samples=2, max_tokens=10, seed=7)).result(
+            timeout=WAIT
+        )
         assert not running.done()
         assert [(s.tokens, s.logprobs) for s in joined.sequences] == drawn[0]
         running.result(timeout=WAIT)
@@ -214,7 +231,13 @@ def _wait_until_decoding(scheduler) -> None:
 
 
 def test_batched_compute_logprobs_equal_unbatched(bank, scheduler):
-    cases = [(PROMPTS[0], "one", 0), (PROMPTS[1], None, 3), (PROMPTS[2], "three", 0), (PROMPTS[3], "two", 2), ([9], "one", 2)]
+    cases = [
+        (PROMPTS[0], "one", 0),
+        (PROMPTS[1], None, 3),
+        (PROMPTS[2], "three", 0),
+        (PROMPTS[3], "two", 2),
+        ([9], "one", 2),
+    ]
     alone = [scheduler.compute_logprobs(a, np.array(p), k).result(timeout=WAIT) for p, a, k in cases]
     with scheduler.device_lock:
         futures = [scheduler.compute_logprobs(a, np.array(p), k) for p, a, k in cases]
@@ -271,7 +294,7 @@ def test_prompt_and_sample_side_logprob_options_match_the_forward_alone_and_batc
     assert drawn.shape == drawn_lp.shape == (len(prompt) - 1, 3) and drawn.dtype == np.int64
     np.testing.assert_allclose(drawn_lp, full.gather(1, torch.from_numpy(drawn)).numpy(), atol=1e-5)
     for seq in alone.sequences:  # T=1, no top-k/p: the distribution sampled from is the model's own
-        after = _full_logprobs(bank, "two", [*prompt, *seq.tokens])[len(prompt) - 1:-1]
+        after = _full_logprobs(bank, "two", [*prompt, *seq.tokens])[len(prompt) - 1 : -1]
         values, ids = after.topk(4, dim=-1)
         assert len(seq.topk_logprobs) == len(seq.tokens)
         assert [[t for t, _ in row] for row in seq.topk_logprobs] == ids.tolist()
@@ -282,7 +305,9 @@ def test_prompt_and_sample_side_logprob_options_match_the_forward_alone_and_batc
     assert plain.target_prompt_logprobs is None and plain.prompt_alt_tokens is None
     assert all(s.topk_logprobs is None for s in plain.sequences)
     # Batched with other requests: the same numbers, bit for bit.
-    crowd = [job(bank, p, a, num_samples=2, max_tokens=8, seed=20 + i) for i, (p, a) in enumerate(zip(PROMPTS, ADAPTERS))]
+    crowd = [
+        job(bank, p, a, num_samples=2, max_tokens=8, seed=20 + i) for i, (p, a) in enumerate(zip(PROMPTS, ADAPTERS))
+    ]
     *_, batched = submit_together(scheduler, [*crowd, extras_job(**asked)])
     assert batched.model_dump() == alone.model_dump()
     # Greedy: every draw is the argmax, and the sampled distribution is a point mass (one top entry).
@@ -294,17 +319,23 @@ def test_prompt_and_sample_side_logprob_options_match_the_forward_alone_and_batc
     assert got.sequences[0].topk_logprobs == [[(t, 0.0)] for t in got.sequences[0].tokens]
 
 
-@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, -1, 1.0), (0.7, 5, 1.0), (1.3, -1, 0.6), (0.5, 40, 0.9), (0.0, -1, 1.0)])
+@pytest.mark.parametrize(
+    "temperature,top_k,top_p", [(1.0, -1, 1.0), (0.7, 5, 1.0), (1.3, -1, 0.6), (0.5, 40, 0.9), (0.0, -1, 1.0)]
+)
 def test_processed_logprobs_match_hf_warpers_per_row(temperature, top_k, top_p):
     logits = torch.randn(3, 64, generator=torch.Generator().manual_seed(0)) * 3
     # Row 1 uses the parameters under test; rows 0 and 2 keep the defaults and must stay untouched.
     out = processed_logprobs(logits, [1.0, temperature, 1.0], [-1, top_k, -1], [1.0, top_p, 1.0])
     scores = logits[1:2].clone()
-    warpers = [TopKLogitsWarper(1)] if temperature == 0 else [
-        *([TemperatureLogitsWarper(temperature)] if temperature != 1 else []),
-        *([TopKLogitsWarper(top_k)] if top_k > 0 else []),
-        *([TopPLogitsWarper(top_p)] if top_p < 1 else []),
-    ]
+    warpers = (
+        [TopKLogitsWarper(1)]
+        if temperature == 0
+        else [
+            *([TemperatureLogitsWarper(temperature)] if temperature != 1 else []),
+            *([TopKLogitsWarper(top_k)] if top_k > 0 else []),
+            *([TopPLogitsWarper(top_p)] if top_p < 1 else []),
+        ]
+    )
     for warper in warpers:
         scores = warper(None, scores)
     torch.testing.assert_close(out[1], torch.log_softmax(scores, dim=-1)[0])
@@ -335,8 +366,9 @@ def test_token_budget_keeps_big_requests_apart(bank):
     counter = StepCounter(bank)
     try:
         # Each request projects 3 rows x (9 + 20) = 87 positions: two together would exceed 100.
-        responses = submit_together(scheduler, [job(bank, PROMPTS[1], a, num_samples=3, max_tokens=20, seed=0, stop=[])
-                                                for a in ("one", "two")])
+        responses = submit_together(
+            scheduler, [job(bank, PROMPTS[1], a, num_samples=3, max_tokens=20, seed=0, stop=[]) for a in ("one", "two")]
+        )
     finally:
         counter.close()
         scheduler.close()

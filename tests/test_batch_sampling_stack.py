@@ -12,8 +12,10 @@ WAIT = 120
 
 
 def train_steps(training, steps: int) -> None:
-    datum = Datum(model_input=ModelInput.from_ints(list(range(20, 30))),
-                  loss_fn_inputs={"target_tokens": list(range(21, 31)), "weights": [1.0] * 10})
+    datum = Datum(
+        model_input=ModelInput.from_ints(list(range(20, 30))),
+        loss_fn_inputs={"target_tokens": list(range(21, 31)), "weights": [1.0] * 10},
+    )
     for _ in range(steps):
         training.forward_backward([datum], "cross_entropy")
         training.optim_step(AdamParams(learning_rate=5e-3)).result(timeout=WAIT)
@@ -34,8 +36,10 @@ def trained(stack):
 
 def forward_logprobs(training, tokens: list[int]) -> np.ndarray:
     """The session's own teacher-forced logprobs of tokens[1:] (a plain forward, no sampling)."""
-    datum = Datum(model_input=ModelInput.from_ints(tokens[:-1]),
-                  loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * (len(tokens) - 1)})
+    datum = Datum(
+        model_input=ModelInput.from_ints(tokens[:-1]),
+        loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * (len(tokens) - 1)},
+    )
     return training.forward([datum], "cross_entropy").result(timeout=WAIT).loss_fn_outputs[0]["logprobs"].to_numpy()
 
 
@@ -43,16 +47,18 @@ def test_three_snapshots_and_the_base_model_in_one_batch(trained):
     service, sessions = trained
     samplers = [t.save_weights_and_get_sampling_client() for t in sessions]
     base = service.create_sampling_client(base_model=TINY)
-    futures = [s.sample(ModelInput.from_ints(PROMPT), 3, SamplingParams(max_tokens=8, seed=i))
-               for i, s in enumerate([*samplers, base])]
+    futures = [
+        s.sample(ModelInput.from_ints(PROMPT), 3, SamplingParams(max_tokens=8, seed=i))
+        for i, s in enumerate([*samplers, base])
+    ]
     responses = [f.result(timeout=WAIT) for f in futures]
     for training, response in zip(sessions, responses):
         for seq in response.sequences:
             # The snapshot equals the session right now (no training since): its forward scores the tokens.
-            expected = forward_logprobs(training, PROMPT + seq.tokens)[len(PROMPT) - 1:]
+            expected = forward_logprobs(training, PROMPT + seq.tokens)[len(PROMPT) - 1 :]
             np.testing.assert_allclose(seq.logprobs, expected, atol=1e-4)
     for seq in responses[3].sequences:
-        expected = base.compute_logprobs(ModelInput.from_ints(PROMPT + seq.tokens)).result(timeout=WAIT)[len(PROMPT):]
+        expected = base.compute_logprobs(ModelInput.from_ints(PROMPT + seq.tokens)).result(timeout=WAIT)[len(PROMPT) :]
         np.testing.assert_allclose(seq.logprobs, expected, atol=1e-4)
 
 
@@ -81,12 +87,15 @@ def test_stop_strings_ids_and_max_tokens_per_row_in_one_batch(trained):
     ref = base.sample(ModelInput.from_ints(PROMPT), 1, greedy).result(timeout=WAIT).sequences[0].tokens
     assert len(ref) == 12  # the reference runs to its length (no EOS), so every cut below is the stop's
     stop_id, stop_text = ref[4], tokenizer.decode(ref[6:8])
-    futures = [base.sample(ModelInput.from_ints(PROMPT), 1, p) for p in (
-        SamplingParams(max_tokens=12, temperature=0, stop=[stop_id]),
-        SamplingParams(max_tokens=12, temperature=0, stop=stop_text),
-        SamplingParams(max_tokens=3, temperature=0, stop=[]),
-        greedy,
-    )]
+    futures = [
+        base.sample(ModelInput.from_ints(PROMPT), 1, p)
+        for p in (
+            SamplingParams(max_tokens=12, temperature=0, stop=[stop_id]),
+            SamplingParams(max_tokens=12, temperature=0, stop=stop_text),
+            SamplingParams(max_tokens=3, temperature=0, stop=[]),
+            greedy,
+        )
+    ]
     by_id, by_string, by_length, full = [f.result(timeout=WAIT).sequences[0] for f in futures]
     assert by_id.tokens == ref[: ref.index(stop_id) + 1] and by_id.stop_reason == "stop"
     first_text = next(k for k in range(1, 13) if stop_text in tokenizer.decode(ref[:k]))
@@ -103,13 +112,17 @@ def test_same_seeds_give_the_same_tokens_whatever_shares_the_batch(trained):
     alone = [sampler.sample(ModelInput.from_ints(PROMPT), 3, params).result(timeout=WAIT) for _ in range(2)]
     drawn = [[(s.tokens, s.logprobs) for s in r.sequences] for r in alone]
     assert drawn[0] == drawn[1]  # a lone seeded request: identical on every call
+
     # The same requests in the same order, twice, each time with other sessions' requests around them.
     def together():
-        crowd = [base.sample(ModelInput.from_ints(list(range(30, 30 + n))), 2, SamplingParams(max_tokens=6, seed=n))
-                 for n in (3, 7)]
+        crowd = [
+            base.sample(ModelInput.from_ints(list(range(30, 30 + n))), 2, SamplingParams(max_tokens=6, seed=n))
+            for n in (3, 7)
+        ]
         mine = sampler.sample(ModelInput.from_ints(PROMPT), 3, params)
         [f.result(timeout=WAIT) for f in crowd]
         return [(s.tokens, s.logprobs) for s in mine.result(timeout=WAIT).sequences]
+
     assert together() == together() == drawn[0]  # batch-invariant: bit for bit, not only the tokens
 
 

@@ -14,11 +14,25 @@ from treadle.recipes.conversations import load_conversations
 from treadle.recipes.packing import pack_conversations
 from treadle.recipes.rendering import RenderedConversation, render_conversation
 
-TULU = {"id": "oasst1_1", "source": "ai2-adapt-dev/oasst1", "messages": [
-    {"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2 + 2?"}, {"role": "assistant", "content": "4"}]}
-ULTRACHAT_200K = {"prompt": "Name a colour.", "prompt_id": "ab12", "messages": [
-    {"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "Blue."},
-    {"role": "user", "content": "Another?"}, {"role": "assistant", "content": "Red."}]}
+TULU = {
+    "id": "oasst1_1",
+    "source": "ai2-adapt-dev/oasst1",
+    "messages": [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "What is 2 + 2?"},
+        {"role": "assistant", "content": "4"},
+    ],
+}
+ULTRACHAT_200K = {
+    "prompt": "Name a colour.",
+    "prompt_id": "ab12",
+    "messages": [
+        {"role": "user", "content": "Name a colour."},
+        {"role": "assistant", "content": "Blue."},
+        {"role": "user", "content": "Another?"},
+        {"role": "assistant", "content": "Red."},
+    ],
+}
 ULTRACHAT_ORIGINAL = {"id": "7", "data": ["Name a colour.", "Blue.", "Another?", "Red."]}
 
 
@@ -48,12 +62,31 @@ def test_packing_keeps_each_conversations_mask_and_zeroes_the_boundary():
 
 
 def test_packed_chat_sft_from_parquet_lowers_heldout_loss(service_client, tmp_path):
-    rows = [{"id": str(i), "source": "synthetic", "messages": [
-        {"role": "user", "content": f"Say the word number {i % 5}."}, {"role": "assistant", "content": f"word{i % 5} done"}]}
-        for i in range(40)]
+    rows = [
+        {
+            "id": str(i),
+            "source": "synthetic",
+            "messages": [
+                {"role": "user", "content": f"Say the word number {i % 5}."},
+                {"role": "assistant", "content": f"word{i % 5} done"},
+            ],
+        }
+        for i in range(40)
+    ]
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "train.parquet")
-    cfg = sft.Config(base_model="tiny", log_dir=str(tmp_path / "run"), data_path=str(tmp_path / "train.parquet"), eval_size=6,
-                     pack_tokens=256, steps=5, batch_size=2, learning_rate=1e-2, lora_rank=4, eval_every=0, save_every=5)
+    cfg = sft.Config(
+        base_model="tiny",
+        log_dir=str(tmp_path / "run"),
+        data_path=str(tmp_path / "train.parquet"),
+        eval_size=6,
+        pack_tokens=256,
+        steps=5,
+        batch_size=2,
+        learning_rate=1e-2,
+        lora_rank=4,
+        eval_every=0,
+        save_every=5,
+    )
     result = sft.main(cfg, service_client)
     tokenizer = service_client.create_lora_training_client("tiny", rank=4).get_tokenizer()
     one = render_conversation(tokenizer, rows[0]["messages"], "all_assistant")

@@ -43,8 +43,12 @@ def sft_batch(offset: int, n: int = 2, length: int = 16) -> list[Datum]:
     out = []
     for i in range(n):
         toks = [(offset * 7 + i * 13 + j * 3) % 250 + 5 for j in range(length + 1)]
-        out.append(Datum(model_input=ModelInput.from_ints(toks[:-1]),
-                         loss_fn_inputs={"target_tokens": toks[1:], "weights": [0.0] * 3 + [1.0] * (length - 3)}))
+        out.append(
+            Datum(
+                model_input=ModelInput.from_ints(toks[:-1]),
+                loss_fn_inputs={"target_tokens": toks[1:], "weights": [0.0] * 3 + [1.0] * (length - 3)},
+            )
+        )
     return out
 
 
@@ -118,8 +122,9 @@ def history(s3_stack, sc) -> History:
     sample_after = sampler.sample(PROMPT, 2, SEEDED).result(timeout=60)
     tc.stop()
     new_pid = replace_worker(s3_stack, sc)
-    return History(tc.run_id, state_path, sampler_path, old_pid, new_pid, losses_after, final_probe,
-                   sample_at_save, sample_after)
+    return History(
+        tc.run_id, state_path, sampler_path, old_pid, new_pid, losses_after, final_probe, sample_at_save, sample_after
+    )
 
 
 # ------------------------------------------------------------------ resume-from-state
@@ -242,7 +247,9 @@ def test_save_weights_for_sampler_with_merge_weights(sc, tiny_model_dir, tmp_pat
     exported_model = AutoModelForCausalLM.from_pretrained(exported).eval()
     torch.testing.assert_close(_logits(exported_model, tokens), adapter_logits, atol=1e-4, rtol=0)
     assert sorted(os.listdir(rest.export(path, str(tmp_path / "export-adapter")))) == [
-        "adapter_config.json", "adapter_model.safetensors"]
+        "adapter_config.json",
+        "adapter_model.safetensors",
+    ]
     tc.stop()
 
 
@@ -286,8 +293,13 @@ def test_bad_names_and_paths_are_rejected_and_the_session_survives(sc):
             tc.save_state(name).result(timeout=60)
         with pytest.raises(InvalidCheckpointNameError, match="name"):
             tc.save_weights_for_sampler(name).result(timeout=60)
-    for path in ["treadle://../weights/x", f"treadle://{tc.run_id}/weights/..", f"treadle://{tc.run_id}/other/x",
-                 f"s3://{tc.run_id}/weights/x", f"treadle://{tc.run_id}/weights/a/b"]:
+    for path in [
+        "treadle://../weights/x",
+        f"treadle://{tc.run_id}/weights/..",
+        f"treadle://{tc.run_id}/other/x",
+        f"s3://{tc.run_id}/weights/x",
+        f"treadle://{tc.run_id}/weights/a/b",
+    ]:
         with pytest.raises(InvalidCheckpointNameError):
             tc.load_state(path).result(timeout=60)
         with pytest.raises(InvalidCheckpointNameError):
@@ -321,8 +333,13 @@ def test_checkpoints_cli_against_s3(sc, s3_stack, s3_env, history, tmp_path):
     env = {**os.environ, **s3_env, "TREADLE_STORAGE_URL": s3_stack.storage_url}
 
     def cli(*args: str) -> str:
-        out = subprocess.run([sys.executable, "-m", "treadle.cli", "checkpoints", *args], env=env,
-                             capture_output=True, text=True, timeout=120)
+        out = subprocess.run(
+            [sys.executable, "-m", "treadle.cli", "checkpoints", *args],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert out.returncode == 0, out.stderr
         return out.stdout
 
@@ -334,7 +351,12 @@ def test_checkpoints_cli_against_s3(sc, s3_stack, s3_env, history, tmp_path):
     listed = cli("list")  # every run
     assert all(p in listed for p in (history.state_path, history.sampler_path, short, live))
     info = json.loads(cli("info", history.state_path))
-    assert (info["base_model"], info["kind"], info["name"], info["step"]) == ("tiny", "weights", "mid", STEPS_BEFORE_SAVE)
+    assert (info["base_model"], info["kind"], info["name"], info["step"]) == (
+        "tiny",
+        "weights",
+        "mid",
+        STEPS_BEFORE_SAVE,
+    )
 
     downloaded = Path(cli("download", history.state_path, "--out", str(tmp_path / "dl")).strip())
     for name, entry in info["files"].items():
@@ -363,13 +385,29 @@ def test_worker_with_a_bad_s3_configuration_fails_at_start_up(sc, s3_stack, tiny
     unreachable = f"http://127.0.0.1:{free_port()}"
     cases = {
         "wrong secret": ({"AWS_SECRET_ACCESS_KEY": "not-the-secret"}, r"SignatureDoesNotMatch.*AWS_SECRET_ACCESS_KEY"),
-        "unreachable endpoint": ({"AWS_ENDPOINT_URL": unreachable}, rf"at {re.escape(unreachable)} failed: Could not connect"),
+        "unreachable endpoint": (
+            {"AWS_ENDPOINT_URL": unreachable},
+            rf"at {re.escape(unreachable)} failed: Could not connect",
+        ),
     }
-    command = [sys.executable, "-m", "treadle.cli", "worker", "--model", f"tiny={tiny_model_dir}",
-               "--broker_url", s3_stack.broker_url, "--storage_url", s3_stack.storage_url]
-    procs = {case: subprocess.Popen(command, env={**s3_stack.env(), **override}, stdout=subprocess.DEVNULL,
-                                    stderr=subprocess.PIPE, text=True)
-             for case, (override, _) in cases.items()}  # both at once: each spends most of its time importing torch
+    command = [
+        sys.executable,
+        "-m",
+        "treadle.cli",
+        "worker",
+        "--model",
+        f"tiny={tiny_model_dir}",
+        "--broker_url",
+        s3_stack.broker_url,
+        "--storage_url",
+        s3_stack.storage_url,
+    ]
+    procs = {
+        case: subprocess.Popen(
+            command, env={**s3_stack.env(), **override}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+        )
+        for case, (override, _) in cases.items()
+    }  # both at once: each spends most of its time importing torch
     for case, proc in procs.items():
         _, stderr = proc.communicate(timeout=120)
         assert proc.returncode != 0, case

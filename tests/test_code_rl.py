@@ -19,8 +19,15 @@ import pytest
 
 from treadle import ServiceClient
 from treadle.recipes import code_rl, sft
-from treadle.recipes.code_tasks import (CodeTest, extract_code, grade, load_code_problems, problem_from_row,
-                                        problem_prompt, split_problems)
+from treadle.recipes.code_tasks import (
+    CodeTest,
+    extract_code,
+    grade,
+    load_code_problems,
+    problem_from_row,
+    problem_prompt,
+    split_problems,
+)
 from treadle.recipes.datums import multi_turn_rl_datum
 from treadle.recipes.rendering import render_continuation, tool_message
 from treadle.recipes.run_log import RunLog
@@ -49,7 +56,9 @@ def _rows(path) -> list[dict]:
 
 
 def _expected(solution: str, stdin: str) -> str:
-    return subprocess.run([sys.executable, "-c", solution], input=stdin, capture_output=True, text=True, check=True).stdout
+    return subprocess.run(
+        [sys.executable, "-c", solution], input=stdin, capture_output=True, text=True, check=True
+    ).stdout
 
 
 @pytest.fixture(scope="module")
@@ -60,8 +69,15 @@ def sandbox() -> LocalSandbox:
 @pytest.fixture(scope="module")
 def tiny_problems(tmp_path_factory) -> str:
     path = tmp_path_factory.mktemp("code") / "problems.jsonl"
-    rows = [{"name": n, "statement": s, "solution": sol, "tests": [{"input": i, "output": _expected(sol, i)} for i in inputs]}
-            for n, s, sol, inputs in TINY_PROBLEMS]
+    rows = [
+        {
+            "name": n,
+            "statement": s,
+            "solution": sol,
+            "tests": [{"input": i, "output": _expected(sol, i)} for i in inputs],
+        }
+        for n, s, sol, inputs in TINY_PROBLEMS
+    ]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return str(path)
 
@@ -73,19 +89,51 @@ def warm_start(stack, tiny_problems, tmp_path_factory) -> str:
     for problem in load_code_problems(tiny_problems):
         for answer in [ECHO, ECHO, ECHO, NO_CODE]:
             for turns in (1, 2):
-                conversations.append([{"role": "user", "content": problem_prompt(problem, turns)}, {"role": "assistant", "content": answer}])
+                conversations.append(
+                    [
+                        {"role": "user", "content": problem_prompt(problem, turns)},
+                        {"role": "assistant", "content": answer},
+                    ]
+                )
     data = tmp_path_factory.mktemp("code-sft") / "sft.jsonl"
     data.write_text("".join(json.dumps({"messages": c}) + "\n" for c in conversations))
-    cfg = sft.Config(base_model="tiny", log_dir=str(data.parent / "run"), data_path=str(data), eval_size=1, steps=150, batch_size=8,
-                     learning_rate=2e-3, lora_rank=32, eval_every=0, save_every=150)
+    cfg = sft.Config(
+        base_model="tiny",
+        log_dir=str(data.parent / "run"),
+        data_path=str(data),
+        eval_size=1,
+        steps=150,
+        batch_size=8,
+        learning_rate=2e-3,
+        lora_rank=32,
+        eval_every=0,
+        save_every=150,
+    )
     return sft.main(cfg, ServiceClient(broker_url=stack.broker_url, storage_url=stack.storage_url)).final_state_path
 
 
 def _config(log_dir, problems: str, init_state: str, **overrides) -> code_rl.Config:
-    settings = dict(base_model="tiny", log_dir=str(log_dir), problems_path=problems, heldout_fraction=0.5, init_state=init_state,
-                    steps=2, groups_per_batch=2, group_size=4, max_tokens=40, max_context=512, public_tests=1, temperature=0.6,
-                    learning_rate=1e-3, eval_every=0, save_every=2,
-                    num_rollout_workers=2, sandbox_workers=2, sandbox_cpu_seconds=1, sandbox_wall_seconds=2.0)
+    settings = dict(
+        base_model="tiny",
+        log_dir=str(log_dir),
+        problems_path=problems,
+        heldout_fraction=0.5,
+        init_state=init_state,
+        steps=2,
+        groups_per_batch=2,
+        group_size=4,
+        max_tokens=40,
+        max_context=512,
+        public_tests=1,
+        temperature=0.6,
+        learning_rate=1e-3,
+        eval_every=0,
+        save_every=2,
+        num_rollout_workers=2,
+        sandbox_workers=2,
+        sandbox_cpu_seconds=1,
+        sandbox_wall_seconds=2.0,
+    )
     return code_rl.Config(**{**settings, **overrides})
 
 
@@ -119,18 +167,35 @@ def test_the_offline_problem_set_is_well_formed_and_its_references_pass(sandbox)
 
 
 def test_loads_deepcoder_taco_and_livecodebench_rows_and_grades_function_problems(sandbox):
-    deepcoder = problem_from_row({"problem": "Add.", "tests": json.dumps([{"input": "1 2\n", "output": "3\n", "testtype": "stdin"}])})
+    deepcoder = problem_from_row(
+        {"problem": "Add.", "tests": json.dumps([{"input": "1 2\n", "output": "3\n", "testtype": "stdin"}])}
+    )
     assert deepcoder.tests == (CodeTest("1 2\n", "3\n"),) and deepcoder.fn_name is None
-    taco = problem_from_row({"question": "Add them.", "input_output": json.dumps({"fn_name": "add", "inputs": [[1, 2], [5, 5]], "outputs": [[3], [10]]})})
+    taco = problem_from_row(
+        {
+            "question": "Add them.",
+            "input_output": json.dumps({"fn_name": "add", "inputs": [[1, 2], [5, 5]], "outputs": [[3], [10]]}),
+        }
+    )
     assert taco.fn_name == "add" and taco.tests[0] == CodeTest("[1, 2]", "[3]")
-    lcb = problem_from_row({"question_content": "Sum a list.", "question_id": "abc1", "metadata": json.dumps({"func_name": "total"}),
-                            "starter_code": "class Solution:\n    def total(self, xs):", "private_test_cases": "eJzLSM3JyQcABiwCFQ==",
-                            "public_test_cases": json.dumps([{"input": "[1, 2, 3]", "output": "6", "testtype": "functional"}])})
+    lcb = problem_from_row(
+        {
+            "question_content": "Sum a list.",
+            "question_id": "abc1",
+            "metadata": json.dumps({"func_name": "total"}),
+            "starter_code": "class Solution:\n    def total(self, xs):",
+            "private_test_cases": "eJzLSM3JyQcABiwCFQ==",
+            "public_test_cases": json.dumps([{"input": "[1, 2, 3]", "output": "6", "testtype": "functional"}]),
+        }
+    )
     assert (lcb.name, lcb.fn_name, lcb.tests) == ("abc1", "total", (CodeTest("[[1, 2, 3]]", "6"),))
     assert "class Solution" in problem_prompt(lcb, 1)
     assert grade(sandbox, taco, "```python\ndef add(a, b):\n    return a + b\n```").reward == 1.0
     assert grade(sandbox, taco, "```python\ndef add(a, b):\n    return a * b\n```").reward == 0.0
-    assert grade(sandbox, lcb, "```python\nclass Solution:\n    def total(self, xs):\n        return sum(xs)\n```").reward == 1.0
+    assert (
+        grade(sandbox, lcb, "```python\nclass Solution:\n    def total(self, xs):\n        return sum(xs)\n```").reward
+        == 1.0
+    )
     with pytest.raises(ValueError, match="needs a statement field"):
         problem_from_row({"title": "x", "tests": []}, 7)
 
@@ -153,13 +218,18 @@ def test_tool_result_is_rendered_by_the_template_after_the_sampled_tokens_and_ca
     prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     second_prompt = tokenizer.decode(tokenizer.encode(prompt, add_special_tokens=False) + sampled + after)
     assert second_prompt == tokenizer.apply_chat_template(
-        [*messages, {"role": "assistant", "content": reply}, {"role": "tool", "content": report}], tokenize=False, add_generation_prompt=True)
+        [*messages, {"role": "assistant", "content": reply}, {"role": "tool", "content": report}],
+        tokenize=False,
+        add_generation_prompt=True,
+    )
     # a reply cut off by max_tokens gets its end-of-turn from the template
     assert tokenizer.decode(render_continuation(tokenizer, messages, reply, False, [])).startswith("<|im_end|>")
 
     prompt_ids = tokenizer.encode(prompt, add_special_tokens=False)
     final = tokenizer.encode("```python\nprint(1)\n```", add_special_tokens=False)
-    datum = multi_turn_rl_datum([(prompt_ids, None), (sampled, [-0.5] * len(sampled)), (after, None), (final, [-0.25] * len(final))], 2.0)
+    datum = multi_turn_rl_datum(
+        [(prompt_ids, None), (sampled, [-0.5] * len(sampled)), (after, None), (final, [-0.25] * len(final))], 2.0
+    )
     advantages = datum.loss_fn_inputs["advantages"].to_numpy()
     expected = np.array([0.0] * (len(prompt_ids) - 1) + [2.0] * len(sampled) + [0.0] * len(after) + [2.0] * len(final))
     assert np.array_equal(advantages, expected)
@@ -168,16 +238,23 @@ def test_tool_result_is_rendered_by_the_template_after_the_sampled_tokens_and_ca
 
 def test_a_template_without_a_tool_role_gets_the_result_as_a_user_message():
     tokenizer = build_tokenizer(0)
-    tokenizer.chat_template = ("{% for m in messages %}{% if m['role'] not in ['user', 'assistant', 'system'] %}"
-                               "{{ raise_exception('unknown role ' + m['role']) }}{% endif %}"
-                               "<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-                               "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-    assert tool_message(tokenizer, "check_solution", "3 passed") == {"role": "user", "content": "[check_solution result]\n3 passed"}
+    tokenizer.chat_template = (
+        "{% for m in messages %}{% if m['role'] not in ['user', 'assistant', 'system'] %}"
+        "{{ raise_exception('unknown role ' + m['role']) }}{% endif %}"
+        "<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    assert tool_message(tokenizer, "check_solution", "3 passed") == {
+        "role": "user",
+        "content": "[check_solution result]\n3 passed",
+    }
     assert tool_message(build_tokenizer(0), "check_solution", "3 passed")["role"] == "tool"
 
 
 # -------------------------------------------------------------------- smoke runs on the local stack
-def test_two_turn_episode_shows_the_tool_result_in_the_second_prompt(service_client, tiny_problems, warm_start, sandbox):
+def test_two_turn_episode_shows_the_tool_result_in_the_second_prompt(
+    service_client, tiny_problems, warm_start, sandbox
+):
     training = service_client.create_training_client_from_state(warm_start)
     tokenizer = training.get_tokenizer()
     sampler = training.save_weights_and_get_sampling_client()
@@ -188,10 +265,13 @@ def test_two_turn_episode_shows_the_tool_result_in_the_second_prompt(service_cli
             seeds.append(params.seed)
             return sampler.sample(prompt, num_samples, params)
 
-    problem = next(p for p in load_code_problems(tiny_problems) if p.name == "triple")  # echo fails it: a report of failures
+    problem = next(
+        p for p in load_code_problems(tiny_problems) if p.name == "triple"
+    )  # echo fails it: a report of failures
     cfg = _config("unused", tiny_problems, warm_start, max_turns=2)
-    attempts = code_rl.run_episodes(Recording(), tokenizer, sandbox, problem, cfg, 8,
-                                    code_rl.SamplingParams(max_tokens=40, temperature=0.6, seed=3))
+    attempts = code_rl.run_episodes(
+        Recording(), tokenizer, sandbox, problem, cfg, 8, code_rl.SamplingParams(max_tokens=40, temperature=0.6, seed=3)
+    )
     two_turn = [a for a in attempts if a.tool_report is not None]
     assert two_turn, [a.answer for a in attempts]
     # every second answer has its own seed: episodes with the same first answer must not all draw the same second one
@@ -226,8 +306,19 @@ def test_code_rl_sync_runs_trains_and_logs(service_client, tiny_problems, warm_s
 
 
 def test_code_rl_async_with_requeue_never_trains_on_staler_groups(service_client, tiny_problems, warm_start, tmp_path):
-    cfg = _config(tmp_path, tiny_problems, warm_start, mode="async", max_turns=2, steps=8, groups_per_batch=1, group_size=2,
-                  num_rollout_workers=4, max_steps_off_policy=1, stale_policy="requeue")
+    cfg = _config(
+        tmp_path,
+        tiny_problems,
+        warm_start,
+        mode="async",
+        max_turns=2,
+        steps=8,
+        groups_per_batch=1,
+        group_size=2,
+        num_rollout_workers=4,
+        max_steps_off_policy=1,
+        stale_policy="requeue",
+    )
     code_rl.main(cfg, service_client)
     rollouts = _rows(tmp_path / "rollouts.jsonl")
     used = [r for r in rollouts if r["action"] == "use"]
@@ -238,7 +329,9 @@ def test_code_rl_async_with_requeue_never_trains_on_staler_groups(service_client
     for i, r in enumerate(rollouts):
         if r["action"] == "requeue" and i + 1 < len(rollouts):
             again = rollouts[i + 1]
-            assert (again["problem_index"], again["action"], again["staleness"]) == (r["problem_index"], "use", 0), rollouts
+            assert (again["problem_index"], again["action"], again["staleness"]) == (r["problem_index"], "use", 0), (
+                rollouts
+            )
     metrics = [r for r in _rows(tmp_path / "metrics.jsonl") if r["step"] > 0]
     assert sum(r["groups/requeued"] for r in metrics) == len(stale)
 
@@ -247,7 +340,9 @@ class Killed(Exception):
     pass
 
 
-def test_a_kill_right_after_a_checkpoint_record_loses_no_metrics_row(service_client, tiny_problems, warm_start, tmp_path, monkeypatch):
+def test_a_kill_right_after_a_checkpoint_record_loses_no_metrics_row(
+    service_client, tiny_problems, warm_start, tmp_path, monkeypatch
+):
     """The step's metrics row is written before its checkpoint is recorded, so resuming from that checkpoint keeps every row."""
     record = RunLog.record_checkpoint
 
@@ -268,13 +363,44 @@ def test_a_kill_right_after_a_checkpoint_record_loses_no_metrics_row(service_cli
 def test_resume_after_kill_continues_the_problem_stream(stack, tiny_problems, warm_start, tmp_path):
     """SIGKILL the recipe after its first checkpoint, rerun with --resume; compare with an uninterrupted run."""
     env = {**stack.env(), "OMP_NUM_THREADS": "1"}
-    args = ["--base_model", "tiny", "--problems_path", tiny_problems, "--heldout_fraction", "0.5", "--init_state", warm_start,
-            "--steps", "4", "--save_every", "2", "--groups_per_batch", "1", "--group_size", "2", "--max_tokens", "40",
-            "--eval_every", "0", "--learning_rate", "1e-3", "--num_rollout_workers", "1", "--sandbox_workers", "2"]
+    args = [
+        "--base_model",
+        "tiny",
+        "--problems_path",
+        tiny_problems,
+        "--heldout_fraction",
+        "0.5",
+        "--init_state",
+        warm_start,
+        "--steps",
+        "4",
+        "--save_every",
+        "2",
+        "--groups_per_batch",
+        "1",
+        "--group_size",
+        "2",
+        "--max_tokens",
+        "40",
+        "--eval_every",
+        "0",
+        "--learning_rate",
+        "1e-3",
+        "--num_rollout_workers",
+        "1",
+        "--sandbox_workers",
+        "2",
+    ]
 
     def run(log_dir, *extra) -> subprocess.Popen:
-        return subprocess.Popen([sys.executable, "-m", "treadle.recipes.code_rl", "--log_dir", str(log_dir), *args, *extra],
-                                cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        return subprocess.Popen(
+            [sys.executable, "-m", "treadle.recipes.code_rl", "--log_dir", str(log_dir), *args, *extra],
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
 
     killed = tmp_path / "killed"
     proc = run(killed)
@@ -292,24 +418,30 @@ def test_resume_after_kill_continues_the_problem_stream(stack, tiny_problems, wa
     assert "resuming from" in out
     rows = _rows(killed / "metrics.jsonl")
     assert [r["step"] for r in rows] == list(range(5))
-    assert [r["problem_index"] for r in _rows(killed / "rollouts.jsonl")] == list(range(4))  # each problem once, in order
+    assert [r["problem_index"] for r in _rows(killed / "rollouts.jsonl")] == list(
+        range(4)
+    )  # each problem once, in order
 
     fresh = run(tmp_path / "fresh")
     out, _ = fresh.communicate(timeout=600)
     assert fresh.returncode == 0, out
     reference = _rows(tmp_path / "fresh" / "metrics.jsonl")
     assert [r["reward/mean"] for r in rows[1:]] == [r["reward/mean"] for r in reference[1:]]
-    assert [r["answer"] for r in _rows(killed / "samples.jsonl")] == [r["answer"] for r in _rows(tmp_path / "fresh" / "samples.jsonl")]
+    assert [r["answer"] for r in _rows(killed / "samples.jsonl")] == [
+        r["answer"] for r in _rows(tmp_path / "fresh" / "samples.jsonl")
+    ]
 
 
 def test_code_rl_imports_and_shows_help_without_torch():
     """A laptop client has no torch: the recipe, its sandbox and its --help import none of the worker side."""
-    code = ("import sys, runpy\n"
-            "for name in ('torch', 'transformers', 'peft', 'accelerate'): sys.modules[name] = None\n"
-            "import treadle.recipes.code_rl\n"
-            "assert not any(m.startswith('treadle.gpu_worker') for m in sys.modules)\n"
-            "sys.argv = ['code_rl', '--help']\n"
-            "runpy.run_module('treadle.recipes.code_rl', run_name='__main__')\n")
+    code = (
+        "import sys, runpy\n"
+        "for name in ('torch', 'transformers', 'peft', 'accelerate'): sys.modules[name] = None\n"
+        "import treadle.recipes.code_rl\n"
+        "assert not any(m.startswith('treadle.gpu_worker') for m in sys.modules)\n"
+        "sys.argv = ['code_rl', '--help']\n"
+        "runpy.run_module('treadle.recipes.code_rl', run_name='__main__')\n"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=60)
     assert out.returncode == 0, out.stderr
     assert "--max_steps_off_policy" in out.stdout and "--stale_policy" in out.stdout and "--max_turns" in out.stdout

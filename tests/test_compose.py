@@ -14,7 +14,14 @@ import pytest
 import redis
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.fixtures.compose import COMPOSE_KEY, TREADLE_IMAGE, MissingVariable, basic_auth_header, interpolate, load_compose
+from tests.fixtures.compose import (
+    COMPOSE_KEY,
+    TREADLE_IMAGE,
+    MissingVariable,
+    basic_auth_header,
+    interpolate,
+    load_compose,
+)
 
 load = load_compose
 REQUIRED = {"REDIS_PASSWORD", "MINIO_ROOT_USER", "MINIO_ROOT_PASSWORD", "FLOWER_BASIC_AUTH", "TREADLE_KEYS_FILE"}
@@ -92,9 +99,11 @@ def env_drift(compose: dict) -> list[str]:
         for key in svc.get("environment") or {}:
             if not key.startswith("TREADLE_") or key == CONFIG_ENV or key in SHARED_ENV.values():
                 continue
-            if not (key.startswith(prefix) and key[len(prefix):].lower() in options):
-                problems.append(f"{name}: {key} is no option of `treadle {svc['command'][0]}` (its variables: "
-                                f"{prefix}<OPTION>, see `treadle {svc['command'][0]} --help`)")
+            if not (key.startswith(prefix) and key[len(prefix) :].lower() in options):
+                problems.append(
+                    f"{name}: {key} is no option of `treadle {svc['command'][0]}` (its variables: "
+                    f"{prefix}<OPTION>, see `treadle {svc['command'][0]} --help`)"
+                )
     return problems
 
 
@@ -108,15 +117,20 @@ def test_the_drift_check_catches_a_misspelled_and_a_foreign_variable():
     worker_env["TREADLE_WORKER_METRICS_PROT"] = worker_env.pop("TREADLE_WORKER_METRICS_PORT")
     compose["services"]["runner"]["environment"]["TREADLE_GATEWAY_PORT"] = "8000"
     found = env_drift(compose)
-    assert len(found) == 2 and found[0].startswith("worker: TREADLE_WORKER_METRICS_PROT is no option of `treadle worker`")
+    assert len(found) == 2 and found[0].startswith(
+        "worker: TREADLE_WORKER_METRICS_PROT is no option of `treadle worker`"
+    )
     assert found[1].startswith("runner: TREADLE_GATEWAY_PORT is no option of `treadle runner`")
 
 
 def test_operations_doc_states_the_metrics_port_compose_gives_the_worker():
     doc = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "operations.md").read_text()
     env = load()["services"]["worker"]["environment"]
-    stated = re.search(r"compose\.yaml's worker sets `TREADLE_WORKER_METRICS_PORT=(\w+)` and "
-                       r"`TREADLE_WORKER_METRICS_ADDRESS=([\w.]+)`", doc)
+    stated = re.search(
+        r"compose\.yaml's worker sets `TREADLE_WORKER_METRICS_PORT=(\w+)` and "
+        r"`TREADLE_WORKER_METRICS_ADDRESS=([\w.]+)`",
+        doc,
+    )
     assert stated and stated.groups() == (env["TREADLE_WORKER_METRICS_PORT"], env["TREADLE_WORKER_METRICS_ADDRESS"])
 
 
@@ -135,7 +149,9 @@ def _auth_of(name: str, svc: dict) -> str | None:
         return "redis requirepass"
     if name == "minio" and _required(env.get("MINIO_ROOT_PASSWORD")):
         return "SigV4 keys"
-    if "TREADLE_GATEWAY_API_KEYS_FILE" in env and any(_REQUIRED_REF.match(v.rsplit(":", 2)[0]) for v in svc.get("volumes", [])):
+    if "TREADLE_GATEWAY_API_KEYS_FILE" in env and any(
+        _REQUIRED_REF.match(v.rsplit(":", 2)[0]) for v in svc.get("volumes", [])
+    ):
         return "gateway API keys"
     if _required(env.get("FLOWER_BASIC_AUTH")) and env.get("FLOWER_UNAUTHENTICATED_API") == "false":
         return "flower basic auth"
@@ -192,7 +208,9 @@ def test_the_privacy_check_catches_an_open_redis_and_a_default_password():
     default_pw["services"]["flower"]["environment"]["FLOWER_BASIC_AUTH"] = "${FLOWER_BASIC_AUTH:-admin:change-me}"
     assert any("FLOWER_BASIC_AUTH" in p for p in privacy_problems(default_pw))
     default_keys = copy.deepcopy(compose)
-    default_keys["services"]["gateway"]["volumes"] = ["${TREADLE_KEYS_FILE:-./deploy/keys.example.toml}:/etc/treadle/keys.toml:ro"]
+    default_keys["services"]["gateway"]["volumes"] = [
+        "${TREADLE_KEYS_FILE:-./deploy/keys.example.toml}:/etc/treadle/keys.toml:ro"
+    ]
     assert any("default secret" in p for p in privacy_problems(default_keys))
     literal = copy.deepcopy(compose)
     literal["services"]["worker"]["environment"]["TREADLE_BROKER_URL"] = "redis://:hunter2@redis:6379/0"
@@ -200,8 +218,13 @@ def test_the_privacy_check_catches_an_open_redis_and_a_default_password():
 
 
 def test_compose_refuses_to_start_without_each_operator_secret(tmp_path):
-    full = {"REDIS_PASSWORD": "a", "MINIO_ROOT_USER": "b", "MINIO_ROOT_PASSWORD": "c", "FLOWER_BASIC_AUTH": "d:e",
-            "TREADLE_KEYS_FILE": str(tmp_path / "k.toml")}
+    full = {
+        "REDIS_PASSWORD": "a",
+        "MINIO_ROOT_USER": "b",
+        "MINIO_ROOT_PASSWORD": "c",
+        "FLOWER_BASIC_AUTH": "d:e",
+        "TREADLE_KEYS_FILE": str(tmp_path / "k.toml"),
+    }
     assert REQUIRED == set(full)
     interpolate(load(), full)
     for name in REQUIRED:
@@ -213,8 +236,10 @@ def test_compose_refuses_to_start_without_each_operator_secret(tmp_path):
 
 
 def _ce_datum(types_module, ids):
-    return types_module.Datum(model_input=types_module.ModelInput.from_ints(ids[:-1]),
-                              loss_fn_inputs={"target_tokens": ids[1:], "weights": [1.0] * (len(ids) - 1)})
+    return types_module.Datum(
+        model_input=types_module.ModelInput.from_ints(ids[:-1]),
+        loss_fn_inputs={"target_tokens": ids[1:], "weights": [1.0] * (len(ids) - 1)},
+    )
 
 
 def test_compose_services_train_through_the_gateway_and_the_sdk(compose_on_host, monkeypatch):
@@ -258,7 +283,11 @@ def test_compose_services_train_through_the_gateway_and_the_sdk(compose_on_host,
     assert dep.compose["services"]["worker"]["environment"]["TREADLE_WORKER_METRICS_PORT"] == "9400"
     with urllib.request.urlopen(dep.worker_metrics_url, timeout=10) as r:
         families = {f.name: f for f in text_string_to_metric_families(r.read().decode())}
-    trained = [s.value for s in families["treadle_tokens"].samples if s.labels.get("kind") == "trained" and s.name.endswith("_total")]
+    trained = [
+        s.value
+        for s in families["treadle_tokens"].samples
+        if s.labels.get("kind") == "trained" and s.name.endswith("_total")
+    ]
     assert trained and trained[0] >= 10  # two forward_backwards of 5 tokens each
 
 
@@ -279,7 +308,9 @@ def _http_status(url: str) -> int:
 def test_compose_flower_lists_the_worker_behind_basic_auth(compose_on_host):
     dep = compose_on_host
     assert _http_status(f"{dep.flower_url}/api/workers") == 401
-    request = urllib.request.Request(f"{dep.flower_url}/api/workers?refresh=1", headers=basic_auth_header(dep.flower_auth))
+    request = urllib.request.Request(
+        f"{dep.flower_url}/api/workers?refresh=1", headers=basic_auth_header(dep.flower_auth)
+    )
     deadline, seen = time.monotonic() + 90, {}
     while dep.worker_hostname not in seen:
         assert time.monotonic() < deadline, f"flower never listed {dep.worker_hostname}; saw {list(seen)}"

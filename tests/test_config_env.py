@@ -39,7 +39,13 @@ def test_precedence_flag_over_env_over_file_over_default(tmp_path):
     cfg_file.write_text('[example]\nport = 3\nhost = "file-host"\nbroker_url = "redis://file"\n')
     env = {"T_EX_PORT": "4", "TREADLE_BROKER_URL": "redis://env", "T_EX_MODELS": "a,b", "T_EX_VERBOSE": "true"}
     got = load_config(Example, {"port": 5}, env_prefix="T_EX_", config_file=cfg_file, section="example", environ=env)
-    assert (got.port, got.host, got.broker_url, got.models, got.verbose) == (5, "file-host", "redis://env", ["a", "b"], True)
+    assert (got.port, got.host, got.broker_url, got.models, got.verbose) == (
+        5,
+        "file-host",
+        "redis://env",
+        ["a", "b"],
+        True,
+    )
     assert load_config(Example, {}, env_prefix="T_EX_", environ={}).host == "default-host"
     # The command-specific variable wins over the shared one.
     env["T_EX_BROKER_URL"] = "redis://specific"
@@ -82,7 +88,7 @@ def _leaf_commands(parser, path=()):
     subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
     if not subs:
         yield " ".join(path), parser
-    for name, child in (subs[0].choices.items() if subs else ()):
+    for name, child in subs[0].choices.items() if subs else ():
         yield from _leaf_commands(child, (*path, name))
 
 
@@ -121,15 +127,18 @@ NEWLY_WIRED = [
 
 
 @pytest.mark.parametrize("command,positionals,option,section,from_file,from_env,from_flag", NEWLY_WIRED)
-def test_environment_beats_the_file_and_a_flag_beats_the_environment(command, positionals, option, section, from_file,
-                                                                     from_env, from_flag, tmp_path, monkeypatch):
+def test_environment_beats_the_file_and_a_flag_beats_the_environment(
+    command, positionals, option, section, from_file, from_env, from_flag, tmp_path, monkeypatch
+):
     from treadle.cli import build_parser
     from treadle.config import config_of
 
     cfg_file = tmp_path / "treadle.toml"
     cfg_file.write_text(f"[{section}]\n{option} = {_toml(from_file)}\n")
     monkeypatch.setenv("TREADLE_CONFIG", str(cfg_file))
-    flag = [f"--{option}" if from_flag is not False else f"--no-{option}"] + ([] if isinstance(from_flag, bool) else [str(from_flag)])
+    flag = [f"--{option}" if from_flag is not False else f"--no-{option}"] + (
+        [] if isinstance(from_flag, bool) else [str(from_flag)]
+    )
 
     def resolved(*flags: str):
         ns = build_parser().parse_args([*command.split(), *flags, *positionals])
@@ -150,10 +159,14 @@ def test_environment_beats_the_file_and_a_flag_beats_the_environment(command, po
 def _treadle(command: str, env: dict[str, str], log) -> subprocess.Popen:
     """`treadle <command>` with no flags at all; the TREADLE_* of the test process are dropped first."""
     base = {k: v for k, v in os.environ.items() if not k.startswith(("TREADLE_", "FLOWER_"))}
-    return subprocess.Popen([sys.executable, "-m", "treadle.cli", command], env={**base, "OMP_NUM_THREADS": "1", **env},
-                            stdout=log, stderr=subprocess.STDOUT,
-                            # as from a terminal: a test run started in the background (`... &`) ignores SIGINT
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    return subprocess.Popen(
+        [sys.executable, "-m", "treadle.cli", command],
+        env={**base, "OMP_NUM_THREADS": "1", **env},
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        # as from a terminal: a test run started in the background (`... &`) ignores SIGINT
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
 
 
 def _wait(what: str, check, procs, timeout: float = 180):
@@ -196,25 +209,55 @@ def test_worker_gateway_and_flower_use_only_their_environment(stack, tiny_model_
     shared = {"TREADLE_BROKER_URL": stack.broker_url, "TREADLE_STORAGE_URL": stack.storage_url}
     log = open(tmp_path / "commands.log", "wb")
     procs = [
-        _treadle("worker", {**shared, "TREADLE_WORKER_MODEL": f"env-tiny={tiny_model_dir}",
-                            "TREADLE_WORKER_HOSTNAME": hostname, "TREADLE_WORKER_LEASE_TTL_S": "3",
-                            "TREADLE_WORKER_TASK_EVENTS": "true"}, log),
-        _treadle("gateway", {**shared, "TREADLE_GATEWAY_PORT": str(gw_port), "TREADLE_GATEWAY_API_KEYS": json.dumps({KEY: "env"})}, log),
+        _treadle(
+            "worker",
+            {
+                **shared,
+                "TREADLE_WORKER_MODEL": f"env-tiny={tiny_model_dir}",
+                "TREADLE_WORKER_HOSTNAME": hostname,
+                "TREADLE_WORKER_LEASE_TTL_S": "3",
+                "TREADLE_WORKER_TASK_EVENTS": "true",
+            },
+            log,
+        ),
+        _treadle(
+            "gateway",
+            {**shared, "TREADLE_GATEWAY_PORT": str(gw_port), "TREADLE_GATEWAY_API_KEYS": json.dumps({KEY: "env"})},
+            log,
+        ),
         _treadle("flower", {**shared, "TREADLE_FLOWER_PORT": str(fl_port), "FLOWER_UNAUTHENTICATED_API": "true"}, log),
     ]
     try:
         registry = WorkerRegistry(redis.Redis.from_url(stack.broker_url))
-        worker = _wait("the env-configured worker", lambda: next((w for w in registry.live_workers() if w.hostname == hostname), None), procs)
+        worker = _wait(
+            "the env-configured worker",
+            lambda: next((w for w in registry.live_workers() if w.hostname == hostname), None),
+            procs,
+        )
         assert [m.name for m in worker.models] == ["env-tiny"]
-        caps = _wait("the gateway", lambda: _get_json(f"http://127.0.0.1:{gw_port}/api/v1/get_server_capabilities", {"X-API-Key": KEY}), procs)
+        caps = _wait(
+            "the gateway",
+            lambda: _get_json(f"http://127.0.0.1:{gw_port}/api/v1/get_server_capabilities", {"X-API-Key": KEY}),
+            procs,
+        )
         assert {"env-tiny", "tiny"} <= {m["model_name"] for m in caps["supported_models"]}
-        _wait("flower listing the worker", lambda: hostname in _get_json(f"http://127.0.0.1:{fl_port}/api/workers?refresh=1"), procs)
+        _wait(
+            "flower listing the worker",
+            lambda: hostname in _get_json(f"http://127.0.0.1:{fl_port}/api/workers?refresh=1"),
+            procs,
+        )
         # TREADLE_WORKER_TASK_EVENTS: the worker sends task events, so Flower lists the session's op and its outcome.
-        tc = ServiceClient(broker_url=stack.broker_url, storage_url=stack.storage_url).create_lora_training_client("env-tiny", rank=4)
+        tc = ServiceClient(broker_url=stack.broker_url, storage_url=stack.storage_url).create_lora_training_client(
+            "env-tiny", rank=4
+        )
         tc.save_state("events").result()
         op = f"{tc.session_id}:1"
         task = _wait("flower listing the op", lambda: _get_json(f"http://127.0.0.1:{fl_port}/api/tasks").get(op), procs)
-        _wait("flower seeing the op succeed", lambda: _get_json(f"http://127.0.0.1:{fl_port}/api/task/info/{op}")["state"] == "SUCCESS", procs)
+        _wait(
+            "flower seeing the op succeed",
+            lambda: _get_json(f"http://127.0.0.1:{fl_port}/api/task/info/{op}")["state"] == "SUCCESS",
+            procs,
+        )
         assert task["name"] == "treadle.op.save_state" and task["worker"] == hostname
     finally:
         _stop(procs)
@@ -227,8 +270,18 @@ def test_up_uses_only_its_environment(tiny_model_dir, tmp_path):
     worker command has its own test above): Redis refuses a client without the password."""
     home, port, password = str(tmp_path / "home"), free_port(), "env-only-secret"
     with open(tmp_path / "up.log", "wb") as log:
-        proc = _treadle("up", {"TREADLE_UP_MODEL": f"tiny={tiny_model_dir}", "TREADLE_UP_HOME": home, "TREADLE_UP_WORKERS": "0",
-                               "TREADLE_UP_RUNNERS": "0", "TREADLE_UP_PORT": str(port), "TREADLE_UP_REDIS_PASSWORD": password}, log)
+        proc = _treadle(
+            "up",
+            {
+                "TREADLE_UP_MODEL": f"tiny={tiny_model_dir}",
+                "TREADLE_UP_HOME": home,
+                "TREADLE_UP_WORKERS": "0",
+                "TREADLE_UP_RUNNERS": "0",
+                "TREADLE_UP_PORT": str(port),
+                "TREADLE_UP_REDIS_PASSWORD": password,
+            },
+            log,
+        )
         try:
             info = _wait("the stack", lambda: find_running_stack(home), [proc])
             assert info.broker_url == f"redis://:{password}@127.0.0.1:{port}/0"
@@ -244,8 +297,9 @@ def test_up_uses_only_its_environment(tiny_model_dir, tmp_path):
 def _run(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
     """`treadle <args>` to completion, with the test process's TREADLE_* dropped first."""
     base = {k: v for k, v in os.environ.items() if not k.startswith("TREADLE_")}
-    return subprocess.run([sys.executable, "-m", "treadle.cli", *args], env={**base, **env}, capture_output=True,
-                          text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "treadle.cli", *args], env={**base, **env}, capture_output=True, text=True, timeout=120
+    )
 
 
 def test_training_runs_reads_its_store_from_flag_env_then_file(tmp_path):

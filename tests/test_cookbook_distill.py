@@ -42,7 +42,7 @@ class LocalPrompts(RLDatasetBuilder):
 
 def _answer_logprob(sampler: tinker.SamplingClient, prompt: list[int], answer: list[int]) -> float:
     logprobs = sampler.compute_logprobs(tinker.ModelInput.from_ints(prompt + answer)).result()
-    return sum(logprobs[len(prompt):])
+    return sum(logprobs[len(prompt) :])
 
 
 def test_cookbook_on_policy_distillation_two_steps(cookbook_tiny, tmp_path):
@@ -54,9 +54,13 @@ def test_cookbook_on_policy_distillation_two_steps(cookbook_tiny, tmp_path):
     # A fixed LoRA seed: unseeded, the SFT start varied (49 to 67 nats above the teacher) and so did the drop
     # after two steps (2 to 215 nats over 7 runs; the 2, from the 49 start, failed CI). Sampling stays random.
     student = service.create_lora_training_client("tiny", rank=4, seed=0)
-    data = [tinker.Datum(model_input=tinker.ModelInput.from_ints(p + answer[:-1]),
-                         loss_fn_inputs={"target_tokens": (p + answer)[1:],
-                                         "weights": [0.0] * (len(p) - 1) + [1.0] * len(answer)}) for p in prompts]
+    data = [
+        tinker.Datum(
+            model_input=tinker.ModelInput.from_ints(p + answer[:-1]),
+            loss_fn_inputs={"target_tokens": (p + answer)[1:], "weights": [0.0] * (len(p) - 1) + [1.0] * len(answer)},
+        )
+        for p in prompts
+    ]
     for _ in range(20):
         student.forward_backward(data, "cross_entropy")
         student.optim_step(tinker.AdamParams(learning_rate=5e-3)).result()
@@ -64,14 +68,33 @@ def test_cookbook_on_policy_distillation_two_steps(cookbook_tiny, tmp_path):
     start_sampler = student.save_weights_and_get_sampling_client().result()
     base = service.create_sampling_client(base_model="tiny")
 
-    config = chz.Blueprint(train_on_policy.Config).apply({
-        "log_path": str(tmp_path / "distill"), "model_name": "tiny", "recipe_name": "treadle_distill_test",
-        "renderer_name": "role_colon", "learning_rate": 3e-3, "max_tokens": len(answer) + 2, "lora_rank": 4,
-        "load_checkpoint_path": start_state, "max_steps": 2, "save_every": 0, "eval_every": 0,
-        "kl_penalty_coef": 1.0,
-        "dataset_configs": [DistillationDatasetConfig(dataset_builder=LocalPrompts(), groups_per_batch=2,
-                                                      teacher_config=TeacherConfig(base_model="tiny"))],
-    }).make()
+    config = (
+        chz.Blueprint(train_on_policy.Config)
+        .apply(
+            {
+                "log_path": str(tmp_path / "distill"),
+                "model_name": "tiny",
+                "recipe_name": "treadle_distill_test",
+                "renderer_name": "role_colon",
+                "learning_rate": 3e-3,
+                "max_tokens": len(answer) + 2,
+                "lora_rank": 4,
+                "load_checkpoint_path": start_state,
+                "max_steps": 2,
+                "save_every": 0,
+                "eval_every": 0,
+                "kl_penalty_coef": 1.0,
+                "dataset_configs": [
+                    DistillationDatasetConfig(
+                        dataset_builder=LocalPrompts(),
+                        groups_per_batch=2,
+                        teacher_config=TeacherConfig(base_model="tiny"),
+                    )
+                ],
+            }
+        )
+        .make()
+    )
     asyncio.run(train_on_policy.main(config))
 
     metrics = [json.loads(line) for line in (tmp_path / "distill" / "metrics.jsonl").read_text().splitlines()]

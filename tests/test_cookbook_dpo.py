@@ -35,16 +35,31 @@ def test_cookbook_train_dpo_runs_two_steps(tinker_env, tiny_model_dir, tmp_path)
     tokenizer_utils.register_tokenizer("tiny", lambda: AutoTokenizer.from_pretrained(tiny_model_dir))
     data = tmp_path / "comparisons.jsonl"
     data.write_text("".join(json.dumps(COMPARISON) + "\n" for _ in range(4)))
-    config = chz.Blueprint(train_dpo.Config).apply({
-        "log_path": str(tmp_path / "dpo"), "model_name": "tiny", "recipe_name": "treadle_dpo_test",
-        "renderer_name": "role_colon", "learning_rate": 1e-2, "lr_schedule": "constant", "dpo_beta": 0.5,
-        "lora_rank": 4, "max_steps": 2, "save_every": 0, "eval_every": 0,
-        "dataset_builder": DPODatasetBuilderFromComparisons(
-            comparison_builder=ComparisonBuilderFromJsonl(train_path=str(data)),
-            common_config=ChatDatasetBuilderCommonConfig(model_name_for_tokenizer="tiny", renderer_name="role_colon",
-                                                         max_length=128, batch_size=2),
-        ),
-    }).make()
+    config = (
+        chz.Blueprint(train_dpo.Config)
+        .apply(
+            {
+                "log_path": str(tmp_path / "dpo"),
+                "model_name": "tiny",
+                "recipe_name": "treadle_dpo_test",
+                "renderer_name": "role_colon",
+                "learning_rate": 1e-2,
+                "lr_schedule": "constant",
+                "dpo_beta": 0.5,
+                "lora_rank": 4,
+                "max_steps": 2,
+                "save_every": 0,
+                "eval_every": 0,
+                "dataset_builder": DPODatasetBuilderFromComparisons(
+                    comparison_builder=ComparisonBuilderFromJsonl(train_path=str(data)),
+                    common_config=ChatDatasetBuilderCommonConfig(
+                        model_name_for_tokenizer="tiny", renderer_name="role_colon", max_length=128, batch_size=2
+                    ),
+                ),
+            }
+        )
+        .make()
+    )
     train_dpo.main(config)
 
     metrics = [json.loads(line) for line in (tmp_path / "dpo" / "metrics.jsonl").read_text().splitlines()]

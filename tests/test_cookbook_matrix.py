@@ -74,62 +74,216 @@ def _builder(factory: str, *fields: str) -> tuple[str, ...]:
 
 
 RECIPES = [
-    Recipe("sl_basic", (Stage("sl_basic", (f"model_name={MODEL}", *COMMON, *_builder(
-        "chat_sl.chat_datasets:NoRobotsBuilder", "common_config.batch_size=8", "common_config.max_length=512",
-        f"common_config.model_name_for_tokenizer={MODEL}", f"common_config.renderer_name={RENDERER}"))),),
-           "no_robots; its dataset builder given again with batch 8"),
+    Recipe(
+        "sl_basic",
+        (
+            Stage(
+                "sl_basic",
+                (
+                    f"model_name={MODEL}",
+                    *COMMON,
+                    *_builder(
+                        "chat_sl.chat_datasets:NoRobotsBuilder",
+                        "common_config.batch_size=8",
+                        "common_config.max_length=512",
+                        f"common_config.model_name_for_tokenizer={MODEL}",
+                        f"common_config.renderer_name={RENDERER}",
+                    ),
+                ),
+            ),
+        ),
+        "no_robots; its dataset builder given again with batch 8",
+    ),
     Recipe("sl_loop", (Stage("sl_loop", (f"model_name={MODEL}", "batch_size=8", "max_steps=2", "save_every=0")),)),
     Recipe("chat_sl", (_rl("chat_sl.train", "batch_size=8"),), "no_robots"),
-    Recipe("prompt_distillation", (
-        Stage("prompt_distillation.create_data", ("output_file=data/lang.jsonl",), metrics_rows=0),
-        _rl("prompt_distillation.train", "file_path=lang.jsonl", "batch_size=4", "lora_rank=8"),
-    ), "data stage on 8 sentences; the train stage on a local file of its format (a random model never writes "
-       "the `Final Answer: xx` the data stage keeps)"),
-    Recipe("rl_basic", (Stage("rl_basic", (f"model_name={MODEL}", *COMMON, "max_tokens=8", *_builder(
-        "math_rl.math_env:Gsm8kDatasetBuilder", "batch_size=4", "group_size=2", f"renderer_name={RENDERER}",
-        f"model_name_for_tokenizer={MODEL}"))),), "GSM8K; its dataset builder given again with 4 x 2 samples a step"),
-    Recipe("rl_loop", (Stage("rl_loop", (f"model_name={MODEL}", "batch_size=2", "group_size=4", "max_tokens=12",
-                                         "max_steps=2", "save_every=0")),), "default loss stable_reinforce (aliased)"),
-    Recipe("math_rl", (_rl("math_rl.train", "groups_per_batch=4", "group_size=4", "max_tokens=16", rows=3),),
-           "arithmetic; default loss stable_reinforce (aliased)"),
-    Recipe("math_rl (async)", (_rl("math_rl.train", "groups_per_batch=4", "group_size=4", "max_tokens=16",
-                                   "max_steps_off_policy=1", rows=3),), "max_steps_off_policy=1"),
-    Recipe("guess_number", (_rl("multiplayer_rl.guess_number.train", "batch_size=2", "group_size=2", "max_tokens=16"),)),
+    Recipe(
+        "prompt_distillation",
+        (
+            Stage("prompt_distillation.create_data", ("output_file=data/lang.jsonl",), metrics_rows=0),
+            _rl("prompt_distillation.train", "file_path=lang.jsonl", "batch_size=4", "lora_rank=8"),
+        ),
+        "data stage on 8 sentences; the train stage on a local file of its format (a random model never writes "
+        "the `Final Answer: xx` the data stage keeps)",
+    ),
+    Recipe(
+        "rl_basic",
+        (
+            Stage(
+                "rl_basic",
+                (
+                    f"model_name={MODEL}",
+                    *COMMON,
+                    "max_tokens=8",
+                    *_builder(
+                        "math_rl.math_env:Gsm8kDatasetBuilder",
+                        "batch_size=4",
+                        "group_size=2",
+                        f"renderer_name={RENDERER}",
+                        f"model_name_for_tokenizer={MODEL}",
+                    ),
+                ),
+            ),
+        ),
+        "GSM8K; its dataset builder given again with 4 x 2 samples a step",
+    ),
+    Recipe(
+        "rl_loop",
+        (
+            Stage(
+                "rl_loop",
+                (f"model_name={MODEL}", "batch_size=2", "group_size=4", "max_tokens=12", "max_steps=2", "save_every=0"),
+            ),
+        ),
+        "default loss stable_reinforce (aliased)",
+    ),
+    Recipe(
+        "math_rl",
+        (_rl("math_rl.train", "groups_per_batch=4", "group_size=4", "max_tokens=16", rows=3),),
+        "arithmetic; default loss stable_reinforce (aliased)",
+    ),
+    Recipe(
+        "math_rl (async)",
+        (
+            _rl(
+                "math_rl.train", "groups_per_batch=4", "group_size=4", "max_tokens=16", "max_steps_off_policy=1", rows=3
+            ),
+        ),
+        "max_steps_off_policy=1",
+    ),
+    Recipe(
+        "guess_number", (_rl("multiplayer_rl.guess_number.train", "batch_size=2", "group_size=2", "max_tokens=16"),)
+    ),
     Recipe("twenty_questions", (_rl("multiplayer_rl.twenty_questions.train", "batch_size=2", "group_size=2"),)),
-    Recipe("text_arena", (_rl("multiplayer_rl.text_arena.train", "batch_size=2", "num_train_datapoints=8",
-                              "num_test_datapoints=2", "max_tokens=16"),), "TicTacToe-v0, self-play"),
-    Recipe("rl_numerics_check", (_rl("rl_numerics_check.train", "groups_per_batch=2", "group_size=2", "max_tokens=16",
-                                     "task.page_chars=200", "task.num_pages_min=2", "task.num_pages_max=3"),),
-           "wikitext, documents of 2-3 pages of 200 characters"),
+    Recipe(
+        "text_arena",
+        (
+            _rl(
+                "multiplayer_rl.text_arena.train",
+                "batch_size=2",
+                "num_train_datapoints=8",
+                "num_test_datapoints=2",
+                "max_tokens=16",
+            ),
+        ),
+        "TicTacToe-v0, self-play",
+    ),
+    Recipe(
+        "rl_numerics_check",
+        (
+            _rl(
+                "rl_numerics_check.train",
+                "groups_per_batch=2",
+                "group_size=2",
+                "max_tokens=16",
+                "task.page_chars=200",
+                "task.num_pages_min=2",
+                "task.num_pages_max=3",
+            ),
+        ),
+        "wikitext, documents of 2-3 pages of 200 characters",
+    ),
     Recipe("dpo", (Stage("preference.dpo.train", (f"model_name={MODEL}", "batch_size=8", "max_steps=2")),), "hh-rlhf"),
-    Recipe("shorter", (Stage("preference.shorter.train", (f"model_name={MODEL}", "batch_size=2", "group_size=2", "max_tokens=16",
-                                                         "max_steps=2", "eval_every=0")),)),
-    Recipe("rlhf_pipeline", (Stage("preference.rlhf.rlhf_pipeline", (
-        f"base_model={MODEL}", "batch_size=8", "rl_group_size=2", "rl_max_tokens=16", "max_steps=2",
-        "save_every=0", "eval_every=0"), metrics_rows=0),),
-           "SFT, reward model, RL: three stages in one run, logged under ~/tinker-runs"),
-    Recipe("on_policy_distillation", (_rl("distillation.on_policy_distillation", f"teacher_model={MODEL}",
-                                          "groups_per_batch=2", "group_size=2", "max_tokens=16", "lora_rank=8"),),
-           "DeepMath; the base model as teacher"),
-    Recipe("on_policy_multi_teacher", (_rl("distillation.on_policy_multi_teacher", f"deepmath_teacher_model={MODEL}",
-                                           f"tulu3_teacher_model={MODEL}", "deepmath_groups_per_batch=2",
-                                           "tulu3_groups_per_batch=2", "group_size=2", "max_tokens=16", "lora_rank=8"),),
-           "DeepMath and Tulu 3, two base-model teachers"),
-    Recipe("sdft", (_rl("sdft.train", "groups_per_batch=2", "max_tokens=16", "lora_rank=8"),),
-           "SciKnowEval; top-k [N, K] cross_entropy"),
-    Recipe("sdft (reverse)", (_rl("sdft.train", "groups_per_batch=2", "max_tokens=16", "lora_rank=8", "reverse=True"),),
-           "[N, K] logprobs into forward_backward_custom"),
-    Recipe("rubric", (
-        Stage("rubric.generate_data", metrics_rows=0),
-        _rl("rubric.train", f"grader_llm_name={MODEL}", "groups_per_batch=2", rows=3),
-    ), "an LLM grader on the base model; default loss stable_reinforce (aliased)"),
-    Recipe("decisions.demo", (Stage("decisions.demo", (f"model_name={MODEL}",), stdin="How do I pick a learning rate?\n\n",
-                                    metrics_rows=0),), "target_prompt_logprobs"),
-    Recipe("true_thinking_score", (Stage("true_thinking_score.analyze", (f"model_name={MODEL}", "dataset=gsm8k", "n_problems=1",
-                                                                        "max_tokens=64"), metrics_rows=0),),
-           "`analyze` on one GSM8K problem: chain-of-thought steps scored by prompt logprobs"),
-    Recipe("chat_app", (Stage("chat_app", (f"base_model={MODEL}", "max_tokens=16"), stdin="hello\nquit\n", metrics_rows=0),),
-           "`tinker_cookbook.chat_app.tinker_chat_cli`"),
+    Recipe(
+        "shorter",
+        (
+            Stage(
+                "preference.shorter.train",
+                (f"model_name={MODEL}", "batch_size=2", "group_size=2", "max_tokens=16", "max_steps=2", "eval_every=0"),
+            ),
+        ),
+    ),
+    Recipe(
+        "rlhf_pipeline",
+        (
+            Stage(
+                "preference.rlhf.rlhf_pipeline",
+                (
+                    f"base_model={MODEL}",
+                    "batch_size=8",
+                    "rl_group_size=2",
+                    "rl_max_tokens=16",
+                    "max_steps=2",
+                    "save_every=0",
+                    "eval_every=0",
+                ),
+                metrics_rows=0,
+            ),
+        ),
+        "SFT, reward model, RL: three stages in one run, logged under ~/tinker-runs",
+    ),
+    Recipe(
+        "on_policy_distillation",
+        (
+            _rl(
+                "distillation.on_policy_distillation",
+                f"teacher_model={MODEL}",
+                "groups_per_batch=2",
+                "group_size=2",
+                "max_tokens=16",
+                "lora_rank=8",
+            ),
+        ),
+        "DeepMath; the base model as teacher",
+    ),
+    Recipe(
+        "on_policy_multi_teacher",
+        (
+            _rl(
+                "distillation.on_policy_multi_teacher",
+                f"deepmath_teacher_model={MODEL}",
+                f"tulu3_teacher_model={MODEL}",
+                "deepmath_groups_per_batch=2",
+                "tulu3_groups_per_batch=2",
+                "group_size=2",
+                "max_tokens=16",
+                "lora_rank=8",
+            ),
+        ),
+        "DeepMath and Tulu 3, two base-model teachers",
+    ),
+    Recipe(
+        "sdft",
+        (_rl("sdft.train", "groups_per_batch=2", "max_tokens=16", "lora_rank=8"),),
+        "SciKnowEval; top-k [N, K] cross_entropy",
+    ),
+    Recipe(
+        "sdft (reverse)",
+        (_rl("sdft.train", "groups_per_batch=2", "max_tokens=16", "lora_rank=8", "reverse=True"),),
+        "[N, K] logprobs into forward_backward_custom",
+    ),
+    Recipe(
+        "rubric",
+        (
+            Stage("rubric.generate_data", metrics_rows=0),
+            _rl("rubric.train", f"grader_llm_name={MODEL}", "groups_per_batch=2", rows=3),
+        ),
+        "an LLM grader on the base model; default loss stable_reinforce (aliased)",
+    ),
+    Recipe(
+        "decisions.demo",
+        (
+            Stage(
+                "decisions.demo", (f"model_name={MODEL}",), stdin="How do I pick a learning rate?\n\n", metrics_rows=0
+            ),
+        ),
+        "target_prompt_logprobs",
+    ),
+    Recipe(
+        "true_thinking_score",
+        (
+            Stage(
+                "true_thinking_score.analyze",
+                (f"model_name={MODEL}", "dataset=gsm8k", "n_problems=1", "max_tokens=64"),
+                metrics_rows=0,
+            ),
+        ),
+        "`analyze` on one GSM8K problem: chain-of-thought steps scored by prompt logprobs",
+    ),
+    Recipe(
+        "chat_app",
+        (Stage("chat_app", (f"base_model={MODEL}", "max_tokens=16"), stdin="hello\nquit\n", metrics_rows=0),),
+        "`tinker_cookbook.chat_app.tinker_chat_cli`",
+    ),
 ]
 
 NETWORK = "needs a network service"
@@ -169,7 +323,14 @@ def seed_dataset(home: Path, repo: str, config: str | None, splits: dict[str, li
     datasets.load_dataset("json", data_files=files, cache_dir=str(work / "cache"))
     source = Path(glob.glob(str(work / "cache" / "json" / "*" / "*" / "*"))[0])
     name = camelcase_to_snakecase(repo.split("/")[-1])
-    target = home / "datasets" / "___".join([*repo.split("/")[:-1], name]) / (config or "default") / source.parent.name / source.name
+    target = (
+        home
+        / "datasets"
+        / "___".join([*repo.split("/")[:-1], name])
+        / (config or "default")
+        / source.parent.name
+        / source.name
+    )
     target.mkdir(parents=True)
     for path in source.iterdir():
         shutil.copy(path, target / path.name.replace("json-", f"{name}-"))
@@ -184,23 +345,74 @@ def _chat(question: str, answer: str) -> list[dict]:
 
 def _seed_datasets(home: Path) -> None:
     chats = [_chat(f"What is {i} plus one?", f"It is {i + 1}.") for i in range(300)]
-    seed_dataset(home, "HuggingFaceH4/no_robots", None, {
-        "train": [{"prompt": m[0]["content"], "prompt_id": str(i), "category": "Chat", "messages": m} for i, m in enumerate(chats)],
-        "test": [{"prompt": m[0]["content"], "prompt_id": str(i), "category": "Chat", "messages": m} for i, m in enumerate(chats[:8])]})
-    seed_dataset(home, "allenai/tulu-3-sft-mixture", None, {"train": [{"id": str(i), "source": "x", "messages": m} for i, m in enumerate(chats)]})
+    seed_dataset(
+        home,
+        "HuggingFaceH4/no_robots",
+        None,
+        {
+            "train": [
+                {"prompt": m[0]["content"], "prompt_id": str(i), "category": "Chat", "messages": m}
+                for i, m in enumerate(chats)
+            ],
+            "test": [
+                {"prompt": m[0]["content"], "prompt_id": str(i), "category": "Chat", "messages": m}
+                for i, m in enumerate(chats[:8])
+            ],
+        },
+    )
+    seed_dataset(
+        home,
+        "allenai/tulu-3-sft-mixture",
+        None,
+        {"train": [{"id": str(i), "source": "x", "messages": m} for i, m in enumerate(chats)]},
+    )
     gsm8k = [{"question": f"What is {i} plus 1?", "answer": f"It is {i + 1}.\n#### {i + 1}"} for i in range(300)]
     seed_dataset(home, "openai/gsm8k", "main", {"train": gsm8k, "test": gsm8k[:16]})
-    seed_dataset(home, "zwhe99/DeepMath-103K", None, {"train": [
-        {"question": f"What is {i} plus {i + 1}?", "final_answer": str(2 * i + 1), "difficulty": 1.0, "r1_solution_1": "."}
-        for i in range(16)]})
-    seed_dataset(home, "hicai-zju/SciKnowEval", None, {"test": [
-        {"question": f"Which element has atomic number {i % 4 + 1}?", "answerKey": "ABCD"[i % 4], "domain": "Chemistry",
-         "choices": {"label": ["A", "B", "C", "D"], "text": ["H", "He", "Li", "Be"]}, "details": {"level": "L3"},
-         "type": "mcq-4-choices"} for i in range(20)]})
-    hh = [{"chosen": f"\n\nHuman: Say {i}.\n\nAssistant: {i}", "rejected": f"\n\nHuman: Say {i}.\n\nAssistant: No."} for i in range(600)]
+    seed_dataset(
+        home,
+        "zwhe99/DeepMath-103K",
+        None,
+        {
+            "train": [
+                {
+                    "question": f"What is {i} plus {i + 1}?",
+                    "final_answer": str(2 * i + 1),
+                    "difficulty": 1.0,
+                    "r1_solution_1": ".",
+                }
+                for i in range(16)
+            ]
+        },
+    )
+    seed_dataset(
+        home,
+        "hicai-zju/SciKnowEval",
+        None,
+        {
+            "test": [
+                {
+                    "question": f"Which element has atomic number {i % 4 + 1}?",
+                    "answerKey": "ABCD"[i % 4],
+                    "domain": "Chemistry",
+                    "choices": {"label": ["A", "B", "C", "D"], "text": ["H", "He", "Li", "Be"]},
+                    "details": {"level": "L3"},
+                    "type": "mcq-4-choices",
+                }
+                for i in range(20)
+            ]
+        },
+    )
+    hh = [
+        {"chosen": f"\n\nHuman: Say {i}.\n\nAssistant: {i}", "rejected": f"\n\nHuman: Say {i}.\n\nAssistant: No."}
+        for i in range(600)
+    ]
     seed_dataset(home, "Anthropic/hh-rlhf", None, {"train": hh, "test": hh[:32]})
-    seed_dataset(home, "Salesforce/wikitext", "wikitext-103-raw-v1", {"train": [
-        {"text": f" The river {i} runs to the sea and the stone is blue . \n"} for i in range(400)]})
+    seed_dataset(
+        home,
+        "Salesforce/wikitext",
+        "wikitext-103-raw-v1",
+        {"train": [{"text": f" The river {i} runs to the sea and the stone is blue . \n"} for i in range(400)]},
+    )
 
 
 def _served_model(tiny_dir: str, out: Path) -> None:
@@ -208,8 +420,18 @@ def _served_model(tiny_dir: str, out: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_dir)
-    tokenizer.add_special_tokens({"additional_special_tokens": [
-        "<think>", "</think>", "<tool_call>", "</tool_call>", "<|vision_start|>", "<|vision_end|>"]})
+    tokenizer.add_special_tokens(
+        {
+            "additional_special_tokens": [
+                "<think>",
+                "</think>",
+                "<tool_call>",
+                "</tool_call>",
+                "<|vision_start|>",
+                "<|vision_end|>",
+            ]
+        }
+    )
     model = AutoModelForCausalLM.from_pretrained(tiny_dir)
     model.resize_token_embeddings(len(tokenizer))
     model.config.max_position_embeddings = 8192  # graders and teachers ask for up to 2048 new tokens
@@ -232,8 +454,12 @@ def cookbook_home(stack, tiny_qwen2_dir, tmp_path_factory):
 
     env = {**stack.env(), "HF_HOME": str(home), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     log = open(home / "worker.log", "wb")
-    worker = subprocess.Popen([*stack.worker_command, *(f"--model={name}" for name in SERVED), "--lease_ttl_s", "3"],
-                              env=env, stdout=log, stderr=subprocess.STDOUT)
+    worker = subprocess.Popen(
+        [*stack.worker_command, *(f"--model={name}" for name in SERVED), "--lease_ttl_s", "3"],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     from treadle.queue.ops_client import OpsClient
 
     ops = OpsClient(stack.broker_url)
@@ -241,8 +467,13 @@ def cookbook_home(stack, tiny_qwen2_dir, tmp_path_factory):
     while not {m.name for m in ops.served_models()} >= set(SERVED):
         assert worker.poll() is None and time.monotonic() < deadline, (home / "worker.log").read_text()[-3000:]
         time.sleep(0.5)
-    settings = GatewaySettings(port=0, broker_url=stack.broker_url, storage_url=stack.storage_url,
-                               api_keys={ALICE_KEY: "alice"}, loss_alias=["stable_reinforce=cispo"])
+    settings = GatewaySettings(
+        port=0,
+        broker_url=stack.broker_url,
+        storage_url=stack.storage_url,
+        api_keys={ALICE_KEY: "alice"},
+        loss_alias=["stable_reinforce=cispo"],
+    )
     with BackgroundGateway(settings) as gateway:
         yield home, gateway
     worker.terminate()
@@ -255,10 +486,20 @@ def _workdir(tmp_path: Path) -> Path:
     the cookbook's files there (as when run from a cookbook checkout), and prompt_distillation's 8 sentences."""
     example_data = tmp_path / "tinker_cookbook" / "example_data"
     shutil.copytree(str(resources.files("tinker_cookbook") / "example_data"), example_data)
-    sentences = ["The cat is red.", "Le chat est rouge.", "El gato es rojo.", "Die Katze ist rot.",
-                 "Il gatto è rosso.", "O gato é vermelho.", "De kat is rood.", "Kot jest czerwony."]
+    sentences = [
+        "The cat is red.",
+        "Le chat est rouge.",
+        "El gato es rojo.",
+        "Die Katze ist rot.",
+        "Il gatto è rosso.",
+        "O gato é vermelho.",
+        "De kat is rood.",
+        "Kot jest czerwony.",
+    ]
     (example_data / "multilingual.txt").write_text("\n".join(sentences) + "\n")
-    (tmp_path / "lang.jsonl").write_text("".join(json.dumps({"messages": _chat(s, "xx")}) + "\n" for s in sentences * 2))
+    (tmp_path / "lang.jsonl").write_text(
+        "".join(json.dumps({"messages": _chat(s, "xx")}) + "\n" for s in sentences * 2)
+    )
     return tmp_path
 
 
@@ -269,18 +510,36 @@ RESULTS: dict[str, float] = {}  # recipe -> seconds, for the report
 def test_recipe_runs_unchanged(recipe: Recipe, cookbook_home, tmp_path):
     home, gateway = cookbook_home
     cwd = _workdir(tmp_path)
-    env = {"PATH": os.environ["PATH"], "HOME": str(tmp_path), "HF_HOME": str(home), "HF_HUB_OFFLINE": "1",
-           "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
-           "TINKER_BASE_URL": gateway.url, "TINKER_API_KEY": ALICE_KEY}
+    env = {
+        "PATH": os.environ["PATH"],
+        "HOME": str(tmp_path),
+        "HF_HOME": str(home),
+        "HF_HUB_OFFLINE": "1",
+        "OMP_NUM_THREADS": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "TINKER_BASE_URL": gateway.url,
+        "TINKER_API_KEY": ALICE_KEY,
+    }
     started = time.monotonic()
     for i, stage in enumerate(recipe.stages):
         log_path = tmp_path / f"log{i}"
         args = [a for a in stage.args if not a.startswith("log_path=")]
         if stage.metrics_rows:
             args.append(f"log_path={log_path}")
-        module = "tinker_cookbook.chat_app.tinker_chat_cli" if stage.module == "chat_app" else f"tinker_cookbook.recipes.{stage.module}"
-        done = subprocess.run([sys.executable, "-m", module, *args], env=env, cwd=cwd, input=stage.stdin,
-                              capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+        module = (
+            "tinker_cookbook.chat_app.tinker_chat_cli"
+            if stage.module == "chat_app"
+            else f"tinker_cookbook.recipes.{stage.module}"
+        )
+        done = subprocess.run(
+            [sys.executable, "-m", module, *args],
+            env=env,
+            cwd=cwd,
+            input=stage.stdin,
+            capture_output=True,
+            text=True,
+            timeout=RUN_TIMEOUT_S,
+        )
         assert done.returncode == 0, f"{module} {' '.join(args)}\n" + done.stdout[-3000:] + done.stderr[-6000:]
         if stage.metrics_rows:
             rows = (log_path / "metrics.jsonl").read_text().splitlines()
@@ -292,7 +551,7 @@ def test_recipe_runs_unchanged(recipe: Recipe, cookbook_home, tmp_path):
 def _check_output(stage: Stage, stdout: str, home: Path) -> None:
     """What a recipe without metrics of its own must have shown."""
     if stage.module == "decisions.demo":
-        answer = json.loads(stdout[stdout.index("{"):stdout.index("}") + 1])
+        answer = json.loads(stdout[stdout.index("{") : stdout.index("}") + 1])
         assert set(answer) == {"billing", "sdk", "console", "cookbook"} and abs(sum(answer.values()) - 1) < 0.01, answer
     elif stage.module == "preference.rlhf.rlhf_pipeline":
         logs = home / "tinker-runs" / "rlhf-qwen3_5_9b_base"  # the pipeline's own place (cli_utils.runs_path)

@@ -31,8 +31,11 @@ SUFFIX = " Provide a numerical answer without units, written inside \\boxed{}."
 # rl_loop's one-shot example, which opens every prompt it builds.
 PREFIX = [
     {"role": "user", "content": "How many r's are in strawberry?" + SUFFIX},
-    {"role": "assistant", "content": "Let's spell the word out and number all the letters: 1) s 2) t 3) r 4) a 5) w 6) b "
-     "7) e 8) r 9) r 10) y. We have r's at positions 3, 8, and 9. \\boxed{3}"},
+    {
+        "role": "assistant",
+        "content": "Let's spell the word out and number all the letters: 1) s 2) t 3) r 4) a 5) w 6) b "
+        "7) e 8) r 9) r 10) y. We have r's at positions 3, 8, and 9. \\boxed{3}",
+    },
 ]
 
 
@@ -55,8 +58,8 @@ def _answer_one_or_two(tiny_model_dir: str, out: Path) -> None:
     ids = torch.zeros(len(examples), width, dtype=torch.long)
     labels = torch.full((len(examples), width), -100)
     for i, (prompt, target) in enumerate(examples):
-        ids[i, :len(prompt) + len(target)] = torch.tensor(prompt + target)
-        labels[i, len(prompt):len(prompt) + len(target)] = torch.tensor(target)
+        ids[i, : len(prompt) + len(target)] = torch.tensor(prompt + target)
+        labels[i, len(prompt) : len(prompt) + len(target)] = torch.tensor(target)
     torch.manual_seed(0)
     optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
     for _ in range(60):  # measured: the digit ends near 50/50, every other target token above 0.75
@@ -101,8 +104,9 @@ def served(stack, gateway, tiny_model_dir, tmp_path_factory):
     _seed_hf_cache(home, model_dir)
     env = {**stack.env(), "HF_HOME": str(home), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     log = open(home / "worker.log", "wb")
-    worker = subprocess.Popen([*stack.worker_command, "--model", MODEL, "--lease_ttl_s", "3"], env=env,
-                              stdout=log, stderr=subprocess.STDOUT)
+    worker = subprocess.Popen(
+        [*stack.worker_command, "--model", MODEL, "--lease_ttl_s", "3"], env=env, stdout=log, stderr=subprocess.STDOUT
+    )
     from treadle.queue.ops_client import OpsClient
 
     ops = OpsClient(stack.broker_url)
@@ -118,13 +122,36 @@ def served(stack, gateway, tiny_model_dir, tmp_path_factory):
 
 def test_rl_loop_cli_trains_two_gspo_steps(served, gateway, tmp_path):
     log_path = tmp_path / "rl"
-    env = {"PATH": os.environ["PATH"], "HOME": str(tmp_path), "HF_HOME": str(served), "HF_HUB_OFFLINE": "1",
-           "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
-           "TINKER_BASE_URL": gateway.url, "TINKER_API_KEY": ALICE_KEY}
-    args = [f"model_name={MODEL}", "loss_fn=gspo", "batch_size=2", "group_size=8", "max_tokens=12", "max_steps=2",
-            "lora_rank=4", "save_every=0", "learning_rate=1e-3", f"log_path={log_path}"]
-    done = subprocess.run([sys.executable, "-m", "tinker_cookbook.recipes.rl_loop", *args], env=env, cwd=tmp_path,
-                          capture_output=True, text=True, timeout=600)
+    env = {
+        "PATH": os.environ["PATH"],
+        "HOME": str(tmp_path),
+        "HF_HOME": str(served),
+        "HF_HUB_OFFLINE": "1",
+        "OMP_NUM_THREADS": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "TINKER_BASE_URL": gateway.url,
+        "TINKER_API_KEY": ALICE_KEY,
+    }
+    args = [
+        f"model_name={MODEL}",
+        "loss_fn=gspo",
+        "batch_size=2",
+        "group_size=8",
+        "max_tokens=12",
+        "max_steps=2",
+        "lora_rank=4",
+        "save_every=0",
+        "learning_rate=1e-3",
+        f"log_path={log_path}",
+    ]
+    done = subprocess.run(
+        [sys.executable, "-m", "tinker_cookbook.recipes.rl_loop", *args],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
 
     metrics = [json.loads(line) for line in (log_path / "metrics.jsonl").read_text().splitlines()]

@@ -38,8 +38,13 @@ class OneOrTwoEnv(Env):
         answer = self.renderer.tokenizer.decode(action)
         reward = 1.0 if "1" in answer else 0.5 if "2" in answer else 0.0
         EPISODES.append((self.batch, reward, len(action)))
-        return StepResult(reward=reward, episode_done=True, next_observation=tinker.ModelInput.empty(),
-                          next_stop_condition=self.renderer.get_stop_sequences(), metrics={"answered": float(reward > 0)})
+        return StepResult(
+            reward=reward,
+            episode_done=True,
+            next_observation=tinker.ModelInput.empty(),
+            next_stop_condition=self.renderer.get_stop_sequences(),
+            metrics={"answered": float(reward > 0)},
+        )
 
 
 class OneOrTwoGroup(EnvGroupBuilder):
@@ -76,12 +81,28 @@ class OneOrTwoBuilder(RLDatasetBuilder):
 
 def test_cookbook_rl_train_custom_env_two_steps(cookbook_tiny, tmp_path):
     EPISODES.clear()
-    config = chz.Blueprint(train.Config).apply({
-        "log_path": str(tmp_path / "rl"), "model_name": "tiny", "recipe_name": "treadle_rl_train_test",
-        "renderer_name": "role_colon", "dataset_builder": OneOrTwoBuilder(), "learning_rate": 1e-3,
-        "max_tokens": 6, "lora_rank": 4, "max_steps": 2, "save_every": 0, "eval_every": 0,
-        "loss_fn": "importance_sampling", "num_groups_to_log": 0, "rollout_json_export": False,
-    }).make()
+    config = (
+        chz.Blueprint(train.Config)
+        .apply(
+            {
+                "log_path": str(tmp_path / "rl"),
+                "model_name": "tiny",
+                "recipe_name": "treadle_rl_train_test",
+                "renderer_name": "role_colon",
+                "dataset_builder": OneOrTwoBuilder(),
+                "learning_rate": 1e-3,
+                "max_tokens": 6,
+                "lora_rank": 4,
+                "max_steps": 2,
+                "save_every": 0,
+                "eval_every": 0,
+                "loss_fn": "importance_sampling",
+                "num_groups_to_log": 0,
+                "rollout_json_export": False,
+            }
+        )
+        .make()
+    )
     asyncio.run(train.main(config))
 
     metrics = [json.loads(line) for line in (tmp_path / "rl" / "metrics.jsonl").read_text().splitlines()]

@@ -25,8 +25,10 @@ def test_weights_download_of_a_training_checkpoint_loads_with_peft(tinker_env, t
     sc = tinker.ServiceClient()
     tc = sc.create_lora_training_client(base_model="tiny", rank=4, seed=5).result()
     ids = tc.get_tokenizer().encode(TEXT)
-    datum = tt.Datum(model_input=tt.ModelInput.from_ints(ids[:-1]),
-                     loss_fn_inputs={"target_tokens": ids[1:], "weights": [1.0] * (len(ids) - 1)})
+    datum = tt.Datum(
+        model_input=tt.ModelInput.from_ints(ids[:-1]),
+        loss_fn_inputs={"target_tokens": ids[1:], "weights": [1.0] * (len(ids) - 1)},
+    )
     for _ in range(2):  # a trained adapter (LoRA B is zero at init), so equal logprobs mean the same weights
         tc.forward_backward([datum], "cross_entropy").result()
         tc.optim_step(tt.AdamParams(learning_rate=5e-2)).result()
@@ -35,7 +37,10 @@ def test_weights_download_of_a_training_checkpoint_loads_with_peft(tinker_env, t
     sc.close("success")
 
     out = weights.download(tinker_path=state_path, output_dir=str(tmp_path / "adapter"))
-    assert sorted(p.name for p in (tmp_path / "adapter").iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    assert sorted(p.name for p in (tmp_path / "adapter").iterdir()) == [
+        "adapter_config.json",
+        "adapter_model.safetensors",
+    ]
 
     base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, torch_dtype=torch.float32)
     base_lp = _logprobs(base, ids)

@@ -26,12 +26,39 @@ def test_reverse_kl_datum_by_hand():
 
 def test_distillation_lowers_the_students_kl_to_an_sft_teacher(service_client, tmp_path):
     data = write_jsonl(str(tmp_path / "sft.jsonl"), arithmetic_sft_conversations(24, seed=1, max_operand=3))
-    teacher = sft.main(sft.Config(base_model="tiny", log_dir=str(tmp_path / "teacher"), data_path=data, eval_size=4, steps=5,
-                                  batch_size=8, learning_rate=2e-2, lora_rank=8, eval_every=0, save_every=5), service_client)
+    teacher = sft.main(
+        sft.Config(
+            base_model="tiny",
+            log_dir=str(tmp_path / "teacher"),
+            data_path=data,
+            eval_size=4,
+            steps=5,
+            batch_size=8,
+            learning_rate=2e-2,
+            lora_rank=8,
+            eval_every=0,
+            save_every=5,
+        ),
+        service_client,
+    )
     assert "/weights/" in teacher.final_state_path  # a training state serves as the teacher's sampler too
-    cfg = distill.Config(base_model="tiny", teacher_path=teacher.final_state_path, log_dir=str(tmp_path / "student"), max_operand=3,
-                         steps=8, prompts_per_batch=4, samples_per_prompt=4, max_tokens=6, learning_rate=1e-2, lora_rank=8,
-                         eval_prompts=6, eval_samples=2, arithmetic_eval=False, eval_every=0, save_every=8)
+    cfg = distill.Config(
+        base_model="tiny",
+        teacher_path=teacher.final_state_path,
+        log_dir=str(tmp_path / "student"),
+        max_operand=3,
+        steps=8,
+        prompts_per_batch=4,
+        samples_per_prompt=4,
+        max_tokens=6,
+        learning_rate=1e-2,
+        lora_rank=8,
+        eval_prompts=6,
+        eval_samples=2,
+        arithmetic_eval=False,
+        eval_every=0,
+        save_every=8,
+    )
     result = distill.main(cfg, service_client)
     rows = [json.loads(line) for line in open(result.metrics_path)]
     assert [r["step"] for r in rows] == list(range(9))

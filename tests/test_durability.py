@@ -27,8 +27,12 @@ def batch(step: int) -> list[Datum]:
     out = []
     for i in range(2):
         toks = [(step * 11 + i * 17 + j * 5) % 240 + 5 for j in range(17)]
-        out.append(Datum(model_input=ModelInput.from_ints(toks[:-1]),
-                         loss_fn_inputs={"target_tokens": toks[1:], "weights": [0.0] * 3 + [1.0] * 13}))
+        out.append(
+            Datum(
+                model_input=ModelInput.from_ints(toks[:-1]),
+                loss_fn_inputs={"target_tokens": toks[1:], "weights": [0.0] * 3 + [1.0] * 13},
+            )
+        )
     return out
 
 
@@ -92,8 +96,13 @@ def make_stack(tiny_model_dir, tmp_path):
     def make(workers: int = 2, extra: list[str] | None = None, slow_op: str | None = None) -> LocalStack:
         # A slow op: its handler sleeps 2 s first, so the test can kill the worker inside it.
         command = [sys.executable, "-m", "tests.slow_worker", slow_op, "2"] if slow_op else None
-        s = LocalStack([f"tiny={tiny_model_dir}"], home=str(tmp_path / f"stack{len(stacks)}"), workers=workers,
-                       worker_args=["--lease_ttl_s", "2", "--checkpoint_every", "5", *(extra or [])], worker_command=command)
+        s = LocalStack(
+            [f"tiny={tiny_model_dir}"],
+            home=str(tmp_path / f"stack{len(stacks)}"),
+            workers=workers,
+            worker_args=["--lease_ttl_s", "2", "--checkpoint_every", "5", *(extra or [])],
+            worker_command=command,
+        )
         stacks.append(s)
         return s.start(wait_for_workers=180)
 
@@ -213,7 +222,9 @@ def test_an_op_handed_to_an_owner_that_died_waiting_runs_after_adoption(make_sta
     fb = tc.forward_backward(batch(0), "cross_entropy")
     fb.result(timeout=60)  # the owner now waits for the next op, for up to 8 s
     kill_owner(stack, sc, tc.session_id, replace=False)
-    seq, needs_doorbell = sc.ops.journal.append(tc.session_id, OptimStepRequest.build(adam_params=ADAM), token=uuid.uuid4().hex)
+    seq, needs_doorbell = sc.ops.journal.append(
+        tc.session_id, OptimStepRequest.build(adam_params=ADAM), token=uuid.uuid4().hex
+    )
     assert not needs_doorbell  # handed to the dead owner
     assert sc.ops.wait(names.future_id(tc.session_id, seq), timeout=120)["metrics"]["step:max"] == 1
     second = tc.forward_backward(batch(1), "cross_entropy").result(timeout=120).metrics["loss:sum"]

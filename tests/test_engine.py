@@ -36,7 +36,9 @@ def sft_data(engine: Engine) -> list[Datum]:
     for question, answer in CONVERSATIONS:
         encoded = engine.tokenizer.apply_chat_template(
             [{"role": "user", "content": question}, {"role": "assistant", "content": answer}],
-            tokenize=True, return_dict=True, return_assistant_tokens_mask=True,
+            tokenize=True,
+            return_dict=True,
+            return_assistant_tokens_mask=True,
         )
         ids, mask = encoded["input_ids"], encoded["assistant_masks"]
         data.append(datum(ids, [float(m) for m in mask[1:]]))
@@ -45,7 +47,9 @@ def sft_data(engine: Engine) -> list[Datum]:
 
 def datum(ids: list[int], weights: list[float] | None = None) -> Datum:
     weights = weights if weights is not None else [1.0] * (len(ids) - 1)
-    return Datum(model_input=ModelInput.from_ints(ids[:-1]), loss_fn_inputs={"target_tokens": ids[1:], "weights": weights})
+    return Datum(
+        model_input=ModelInput.from_ints(ids[:-1]), loss_fn_inputs={"target_tokens": ids[1:], "weights": weights}
+    )
 
 
 def adapter(engine: Engine, session_id: str) -> dict[str, torch.Tensor]:
@@ -90,14 +94,21 @@ def test_only_weighted_tokens_contribute(engine):
     weights = original.loss_fn_inputs["weights"].tolist()
     altered_targets = [t if w > 0 else (t + 7) % engine.vocab_size for t, w in zip(targets, weights)]
     assert altered_targets != targets
-    altered = Datum(model_input=original.model_input, loss_fn_inputs={"target_tokens": altered_targets, "weights": weights})
+    altered = Datum(
+        model_input=original.model_input, loss_fn_inputs={"target_tokens": altered_targets, "weights": weights}
+    )
 
     engine.create_session("mask-a", LORA)
     engine.create_session("mask-b", LORA)
     loss_a = engine.forward_backward("mask-a", [original], "cross_entropy").metrics["loss:sum"]
     loss_b = engine.forward_backward("mask-b", [altered], "cross_entropy").metrics["loss:sum"]
     assert loss_a == loss_b
-    hand = -sum(lp * w for lp, w in zip(engine.forward("mask-a", [original], "cross_entropy").loss_fn_outputs[0]["logprobs"].tolist(), weights))
+    hand = -sum(
+        lp * w
+        for lp, w in zip(
+            engine.forward("mask-a", [original], "cross_entropy").loss_fn_outputs[0]["logprobs"].tolist(), weights
+        )
+    )
     assert loss_a == pytest.approx(hand, rel=1e-5)
     engine.optim_step("mask-a", ADAM)
     engine.optim_step("mask-b", ADAM)
@@ -176,7 +187,9 @@ def test_optimizer_matches_torch_adamw(engine, grad_clip_norm):
     reference_opt = torch.optim.AdamW(list(reference.values()))
     schedule = [
         AdamParams(learning_rate=3e-3, grad_clip_norm=grad_clip_norm),
-        AdamParams(learning_rate=1e-3, beta1=0.8, beta2=0.99, eps=1e-8, weight_decay=0.1, grad_clip_norm=grad_clip_norm),
+        AdamParams(
+            learning_rate=1e-3, beta1=0.8, beta2=0.99, eps=1e-8, weight_decay=0.1, grad_clip_norm=grad_clip_norm
+        ),
         AdamParams(learning_rate=2e-3, weight_decay=0.01, grad_clip_norm=grad_clip_norm),
         AdamParams(learning_rate=2e-3, grad_clip_norm=grad_clip_norm),
     ]
@@ -250,8 +263,9 @@ def test_a_sample_request_is_queued_while_the_device_is_busy(engine):
     device) apart; so queueing a request never waits for the device."""
     prompt, queued = ModelInput.from_ints([5, 6, 7, 8]), []
     with engine._lock:  # a decode step or a training op holds the device
-        thread = threading.Thread(target=lambda: queued.append(
-            engine.sample_async(None, prompt, 2, SamplingParams(max_tokens=4, seed=1))))
+        thread = threading.Thread(
+            target=lambda: queued.append(engine.sample_async(None, prompt, 2, SamplingParams(max_tokens=4, seed=1)))
+        )
         thread.start()
         thread.join(timeout=120)
         assert not thread.is_alive() and len(queued) == 1, "sample_async waited for the device"
@@ -282,7 +296,9 @@ def test_logprobs_are_those_of_the_warped_distribution(engine):
     engine.create_session("warp", LORA)
     engine.snapshot_sampler("warp", "warp-v1")
     prompt = [1, 266, 269, 202, 75]
-    warped = engine.sample("warp-v1", ModelInput.from_ints(prompt), 2, SamplingParams(max_tokens=8, seed=5, temperature=0.7, top_k=5))
+    warped = engine.sample(
+        "warp-v1", ModelInput.from_ints(prompt), 2, SamplingParams(max_tokens=8, seed=5, temperature=0.7, top_k=5)
+    )
     for seq in warped.sequences:
         full = ModelInput.from_ints(prompt + seq.tokens)
         raw = engine.sample("warp-v1", full, 1, SamplingParams(max_tokens=1), topk_prompt_logprobs=engine.vocab_size)
@@ -296,7 +312,10 @@ def test_logprobs_are_those_of_the_warped_distribution(engine):
             expected = scaled[token] - torch.logsumexp(top.values, 0)
             assert logprob == pytest.approx(expected.item(), abs=1e-4)
             assert logprob > distribution[token].item()  # not the raw-model logprob
-    greedy = [engine.sample("warp-v1", ModelInput.from_ints(prompt), 1, SamplingParams(max_tokens=8, seed=s, temperature=0)) for s in (1, 2)]
+    greedy = [
+        engine.sample("warp-v1", ModelInput.from_ints(prompt), 1, SamplingParams(max_tokens=8, seed=s, temperature=0))
+        for s in (1, 2)
+    ]
     assert greedy[0].sequences[0].tokens == greedy[1].sequences[0].tokens
     assert greedy[0].sequences[0].logprobs == [0.0] * len(greedy[0].sequences[0].tokens)
 
@@ -342,7 +361,9 @@ def test_prompt_logprobs_and_compute_logprobs(engine):
     forward = engine.forward("plp", [datum(ids)], "cross_entropy").loss_fn_outputs[0]["logprobs"].tolist()
     assert computed[0] is None and len(computed) == len(ids)
     assert computed[1:] == pytest.approx(forward, abs=1e-5)
-    response = engine.sample("plp-v1", prompt, 1, SamplingParams(max_tokens=1), include_prompt_logprobs=True, topk_prompt_logprobs=3)
+    response = engine.sample(
+        "plp-v1", prompt, 1, SamplingParams(max_tokens=1), include_prompt_logprobs=True, topk_prompt_logprobs=3
+    )
     assert response.prompt_logprobs[1:] == pytest.approx(forward, abs=1e-5)
     assert response.topk_prompt_logprobs[0] is None
     for position, top in enumerate(response.topk_prompt_logprobs[1:], start=1):
@@ -419,7 +440,11 @@ def test_sampler_weights_round_trip_and_merged_export(engine, tiny_model_dir, tm
     assert (merged_logits - adapter_logits).abs().max().item() < 1e-4
     assert (merged_logits - base_logits).abs().max().item() > 1e-2  # the adapter is really in there
     engine_lp = engine.forward("export", [data[0]], "cross_entropy").loss_fn_outputs[0]["logprobs"].to_torch()
-    merged_lp = torch.log_softmax(merged_logits[0], -1).gather(1, torch.tensor(data[0].loss_fn_inputs["target_tokens"].tolist()).unsqueeze(1)).squeeze(1)
+    merged_lp = (
+        torch.log_softmax(merged_logits[0], -1)
+        .gather(1, torch.tensor(data[0].loss_fn_inputs["target_tokens"].tolist()).unsqueeze(1))
+        .squeeze(1)
+    )
     assert torch.allclose(engine_lp, merged_lp, atol=1e-4)
 
 
@@ -473,18 +498,54 @@ def _bad_requests(engine: Engine):
     long_ids = [5] * (engine.max_seq_len + 1)
     rl = dict(target_tokens=targets, logprobs=[-1.0] * n, advantages=[1.0] * n)
     return [
-        ([ok, make(target_tokens=targets, weights=weights[:-1])], "cross_entropy", None,
-         f"data[1].loss_fn_inputs.weights: length {n - 1} != model_input length {n}"),
-        ([make(long_ids, target_tokens=long_ids, weights=[1.0] * len(long_ids))], "cross_entropy", None,
-         f"data[0].model_input: length {len(long_ids)} exceeds max sequence length {engine.max_seq_len}"),
-        ([make([*tokens[:-1], 9999], target_tokens=targets, weights=weights)], "cross_entropy", None,
-         f"data[0].model_input.tokens[{n - 1}]: token id 9999 outside vocabulary (size {engine.vocab_size})"),
-        ([make(target_tokens=[*targets[:-1], 600], weights=weights)], "cross_entropy", None,
-         f"data[0].loss_fn_inputs.target_tokens[{n - 1}]: token id 600 outside vocabulary"),
-        ([make(**{**rl, "advantages": [float("nan")] * n})], "ppo", None, "data[0].loss_fn_inputs.advantages: contains NaN/inf"),
-        ([make(**{**rl, "logprobs": [float("-inf")] * n})], "importance_sampling", None, "data[0].loss_fn_inputs.logprobs: contains NaN/inf"),
-        ([make(target_tokens=targets, logprobs=[-1.0] * n)], "cispo", None, "data[0].loss_fn_inputs.advantages: missing"),
-        ([make(target_tokens=targets, weights=weights, mask=weights)], "cross_entropy", None, "data[0].loss_fn_inputs.mask: not an input of cross_entropy"),
+        (
+            [ok, make(target_tokens=targets, weights=weights[:-1])],
+            "cross_entropy",
+            None,
+            f"data[1].loss_fn_inputs.weights: length {n - 1} != model_input length {n}",
+        ),
+        (
+            [make(long_ids, target_tokens=long_ids, weights=[1.0] * len(long_ids))],
+            "cross_entropy",
+            None,
+            f"data[0].model_input: length {len(long_ids)} exceeds max sequence length {engine.max_seq_len}",
+        ),
+        (
+            [make([*tokens[:-1], 9999], target_tokens=targets, weights=weights)],
+            "cross_entropy",
+            None,
+            f"data[0].model_input.tokens[{n - 1}]: token id 9999 outside vocabulary (size {engine.vocab_size})",
+        ),
+        (
+            [make(target_tokens=[*targets[:-1], 600], weights=weights)],
+            "cross_entropy",
+            None,
+            f"data[0].loss_fn_inputs.target_tokens[{n - 1}]: token id 600 outside vocabulary",
+        ),
+        (
+            [make(**{**rl, "advantages": [float("nan")] * n})],
+            "ppo",
+            None,
+            "data[0].loss_fn_inputs.advantages: contains NaN/inf",
+        ),
+        (
+            [make(**{**rl, "logprobs": [float("-inf")] * n})],
+            "importance_sampling",
+            None,
+            "data[0].loss_fn_inputs.logprobs: contains NaN/inf",
+        ),
+        (
+            [make(target_tokens=targets, logprobs=[-1.0] * n)],
+            "cispo",
+            None,
+            "data[0].loss_fn_inputs.advantages: missing",
+        ),
+        (
+            [make(target_tokens=targets, weights=weights, mask=weights)],
+            "cross_entropy",
+            None,
+            "data[0].loss_fn_inputs.mask: not an input of cross_entropy",
+        ),
         ([ok], "foo", None, "loss_fn: unknown 'foo'; expected one of cross_entropy, importance_sampling"),
         ([make(**rl)], "ppo", {"clip_ratio": 0.2}, "loss_fn_config.clip_ratio: not a parameter of ppo"),
         ([make(**rl)], "dro", {"beta": float("nan")}, "loss_fn_config.beta: nan is not a finite number"),
@@ -513,11 +574,15 @@ def test_bad_sample_requests(engine):
     too_long = ModelInput.from_ints([5] * engine.max_seq_len)
     with pytest.raises(InvalidRequestError, match="prompt: length 512 leaves no room"):
         engine.sample(None, too_long, 1, SamplingParams(max_tokens=1))
-    with pytest.raises(InvalidRequestError, match="sampling_params.max_tokens: prompt length 500 \\+ max_tokens 20 exceeds"):
+    with pytest.raises(
+        InvalidRequestError, match="sampling_params.max_tokens: prompt length 500 \\+ max_tokens 20 exceeds"
+    ):
         engine.sample(None, ModelInput.from_ints([5] * 500), 1, SamplingParams(max_tokens=20))
     with pytest.raises(InvalidRequestError, match=r"prompt.tokens\[1\]: token id -3 outside vocabulary"):
         # The client refuses a negative id when the input is built; the engine checks again, for raw callers.
-        engine.sample(None, ModelInput(chunks=[EncodedTextChunk.model_construct(tokens=[5, -3])]), 1, SamplingParams(max_tokens=2))
+        engine.sample(
+            None, ModelInput(chunks=[EncodedTextChunk.model_construct(tokens=[5, -3])]), 1, SamplingParams(max_tokens=2)
+        )
     with pytest.raises(InvalidRequestError, match=r"sampling_params.stop\[0\]: token id 100000"):
         engine.sample(None, ModelInput.from_ints([5]), 1, SamplingParams(max_tokens=2, stop=[100000]))
     assert len(engine.compute_logprobs(None, too_long)) == engine.max_seq_len  # a full-length prompt can be scored

@@ -29,9 +29,14 @@ def test_chatml_template_with_assistant_mask(tiny_model_dir):
     assert len(tokenizer) == VOCAB_SIZE
     assert tokenizer.eos_token == "<|im_end|>" and tokenizer.pad_token == "<|pad|>"
     messages = [{"role": "user", "content": "hi café 東京"}, {"role": "assistant", "content": "two plus two"}]
-    encoded = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+    encoded = tokenizer.apply_chat_template(
+        messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+    )
     ids, mask = encoded["input_ids"], encoded["assistant_masks"]
-    assert tokenizer.decode(ids) == "<|im_start|>user\nhi café 東京<|im_end|>\n<|im_start|>assistant\ntwo plus two<|im_end|>"
+    assert (
+        tokenizer.decode(ids)
+        == "<|im_start|>user\nhi café 東京<|im_end|>\n<|im_start|>assistant\ntwo plus two<|im_end|>"
+    )
     assistant = [t for t, m in zip(ids, mask) if m]
     assert tokenizer.decode(assistant) == "two plus two<|im_end|>"
     prompt = tokenizer.apply_chat_template(messages[:1], tokenize=False, add_generation_prompt=True)

@@ -14,9 +14,13 @@ def test_a_small_request_goes_in_at_the_first_round_with_room_not_after_a_backlo
     finished, futures = [], {}
     try:
         with scheduler.device_lock:  # all queued before the first admission round
-            for name, request in [*((f"big{i}", job(bank, PROMPTS[1], "one", num_samples=3, max_tokens=20, seed=i, stop=[]))
-                                    for i in range(4)),
-                                  ("small", job(bank, PROMPTS[2], "two", num_samples=1, max_tokens=3, seed=0, stop=[]))]:
+            for name, request in [
+                *(
+                    (f"big{i}", job(bank, PROMPTS[1], "one", num_samples=3, max_tokens=20, seed=i, stop=[]))
+                    for i in range(4)
+                ),
+                ("small", job(bank, PROMPTS[2], "two", num_samples=1, max_tokens=3, seed=0, stop=[])),
+            ]:
                 futures[name] = scheduler.sample(request)
                 futures[name].add_done_callback(lambda _, name=name: finished.append(name))
         responses = {name: future.result(timeout=WAIT) for name, future in futures.items()}
@@ -25,4 +29,6 @@ def test_a_small_request_goes_in_at_the_first_round_with_room_not_after_a_backlo
     bigs = [name for name in finished if name.startswith("big")]
     assert bigs == ["big0", "big1", "big2", "big3"]  # one snapshot's requests keep their order
     assert finished.index("small") <= 1, finished  # at most the big one admitted in the same first round before it
-    assert len(responses["small"].sequences) == 1 and all(len(r.sequences) == 3 for n, r in responses.items() if n != "small")
+    assert len(responses["small"].sequences) == 1 and all(
+        len(r.sequences) == 3 for n, r in responses.items() if n != "small"
+    )

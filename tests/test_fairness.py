@@ -33,7 +33,9 @@ ADAM = AdamParams(learning_rate=1e-3)
 # ------------------------------------------------------------ the share arithmetic
 
 
-def _serve(fair: FairShare, ready: dict[str, str], tokens: dict[str, int], turns: int, noise=lambda turn: 1.0) -> dict[str, int]:
+def _serve(
+    fair: FairShare, ready: dict[str, str], tokens: dict[str, int], turns: int, noise=lambda turn: 1.0
+) -> dict[str, int]:
     """`turns` turns of forward_backwards of `tokens[key]` tokens at 10 us a token (times `noise(turn)`)."""
     served = dict.fromkeys(ready, 0)
     for turn in range(turns):
@@ -53,7 +55,9 @@ def test_owners_share_device_time_by_weight_and_sessions_share_their_owners():
 def test_identical_work_is_charged_alike_however_noisy_its_timing():
     """One op measuring 1x to 4x an identical one (a loaded host) must not tilt the shares."""
     fair = FairShare({"alice": 2})
-    served = _serve(fair, {"a": "alice", "c": "carol"}, {"a": 1000, "c": 1000}, 300, noise=lambda turn: 1 + 3 * (turn % 7 == 0))
+    served = _serve(
+        fair, {"a": "alice", "c": "carol"}, {"a": 1000, "c": 1000}, 300, noise=lambda turn: 1 + 3 * (turn % 7 == 0)
+    )
     assert served == {"a": 200, "c": 100}
 
 
@@ -90,10 +94,26 @@ def _free_port() -> int:
 @pytest.fixture(scope="module")
 def fair_stack(tiny_model_dir, tmp_path_factory):
     port = _free_port()
-    stack = LocalStack([f"tiny={tiny_model_dir}"], home=str(tmp_path_factory.mktemp("fair")), worker_args=[
-        "--lease_ttl_s", "3", "--owner_weights", json.dumps({"alice": 2}), "--metrics_port", str(port),
-        "--max_queued_ops_per_session", str(SESSION_BOUND), "--max_queued_ops_per_owner", str(OWNER_BOUND),
-        "--max_queued_sample_rows_per_owner", str(ROW_BOUND), "--logprob_audit_fraction", "1"])
+    stack = LocalStack(
+        [f"tiny={tiny_model_dir}"],
+        home=str(tmp_path_factory.mktemp("fair")),
+        worker_args=[
+            "--lease_ttl_s",
+            "3",
+            "--owner_weights",
+            json.dumps({"alice": 2}),
+            "--metrics_port",
+            str(port),
+            "--max_queued_ops_per_session",
+            str(SESSION_BOUND),
+            "--max_queued_ops_per_owner",
+            str(OWNER_BOUND),
+            "--max_queued_sample_rows_per_owner",
+            str(ROW_BOUND),
+            "--logprob_audit_fraction",
+            "1",
+        ],
+    )
     stack.start(wait_for_workers=180)
     yield ServiceClient(broker_url=stack.broker_url, storage_url=stack.storage_url), stack, port
     stack.stop()
@@ -127,8 +147,10 @@ def test_a_light_loop_waits_for_at_most_two_heavy_ops_of_a_tenant_that_pipelines
     a_ops = _spans(sc, a.session_id)
     b_optims = _spans(sc, b.session_id, "optim_step")
     assert b_optims[-1][1] < a_ops[-1][0], "B's loop ran beside A's backlog, not after it"
-    waited = [sum(1 for start, end in a_ops if start >= submitted and end <= optim_start)
-              for submitted, (optim_start, _) in zip(steps, b_optims)]
+    waited = [
+        sum(1 for start, end in a_ops if start >= submitted and end <= optim_start)
+        for submitted, (optim_start, _) in zip(steps, b_optims)
+    ]
     assert max(waited) <= 2, waited
     a.stop()
     b.stop()
@@ -208,11 +230,19 @@ def test_past_the_sample_row_bound_a_sample_request_fails_until_earlier_rows_are
     prompt = ModelInput.from_ints([5, 6, 7, 8])
     long_run = SamplingParams(max_tokens=400, temperature=1.0, seed=0)
     first = sampler.sample(prompt, num_samples=ROW_BOUND, sampling_params=long_run)
-    with pytest.raises(CapacityError, match=f"max_queued_sample_rows_per_owner: owner 'sdk' has {ROW_BOUND} sample rows"):
+    with pytest.raises(
+        CapacityError, match=f"max_queued_sample_rows_per_owner: owner 'sdk' has {ROW_BOUND} sample rows"
+    ):
         sampler.sample(prompt, num_samples=1, sampling_params=long_run)
     assert len(first.result(timeout=300).sequences) == ROW_BOUND
-    assert len(sampler.sample(prompt, num_samples=2, sampling_params=SamplingParams(max_tokens=4, seed=0))
-               .result(timeout=120).sequences) == 2
+    assert (
+        len(
+            sampler.sample(prompt, num_samples=2, sampling_params=SamplingParams(max_tokens=4, seed=0))
+            .result(timeout=120)
+            .sequences
+        )
+        == 2
+    )
     # Every sequence was drawn at temperature 1, so each is audited against the training forward (off the decode path).
     _, port = fair_stack[1:]
     deadline = time.monotonic() + 120
@@ -230,14 +260,19 @@ def test_status_and_metrics_show_each_sessions_place_in_line_and_its_estimated_w
     a, b = _session(sc, seed=0), _session(sc, seed=1)
     futures = []
     for i in range(30):  # 60 ops: within the owner bound (both are the SDK's, owner `sdk`)
-        futures += [a.forward_backward(sft_batch(i, n=8, length=96), "cross_entropy"),
-                    b.forward_backward(sft_batch(i, n=8, length=96), "cross_entropy")]
+        futures += [
+            a.forward_backward(sft_batch(i, n=8, length=96), "cross_entropy"),
+            b.forward_backward(sft_batch(i, n=8, length=96), "cross_entropy"),
+        ]
     seen, metrics, text = None, None, ""
     while not futures[-1].done():
         report = collect_status(sc.ops.redis)  # what `treadle status` prints
         mine = {s.session_id: s for s in report.sessions if s.session_id in (a.session_id, b.session_id)}
-        if len(mine) == 2 and all(s.queued_ops > 1 and s.op_cost_s > 0 for s in mine.values()) \
-                and sorted(s.queue_position or 0 for s in mine.values()) == [1, 2]:
+        if (
+            len(mine) == 2
+            and all(s.queued_ops > 1 and s.op_cost_s > 0 for s in mine.values())
+            and sorted(s.queue_position or 0 for s in mine.values()) == [1, 2]
+        ):
             seen, metrics, text = mine, _scrape(port), render(report)
             break
         time.sleep(0.05)

@@ -21,10 +21,18 @@ from treadle.queue import names
 def _model(gateway) -> tuple[str, str]:
     """(client session id, model id) of a new training model of alice's."""
     with _client(gateway, ALICE_KEY) as alice:
-        session_id = alice.post("/create_session", json={"tags": [], "user_metadata": None, "sdk_version": "0.38.0"}).json()["session_id"]
-        created = alice.post("/create_model", json={
-            "session_id": session_id, "model_seq_id": 0, "base_model": "tiny", "lora_config": {"rank": 4, "seed": 1},
-        }).json()
+        session_id = alice.post(
+            "/create_session", json={"tags": [], "user_metadata": None, "sdk_version": "0.38.0"}
+        ).json()["session_id"]
+        created = alice.post(
+            "/create_model",
+            json={
+                "session_id": session_id,
+                "model_seq_id": 0,
+                "base_model": "tiny",
+                "lora_config": {"rank": 4, "seed": 1},
+            },
+        ).json()
         return session_id, _result(alice, created["request_id"]).json()["model_id"]
 
 
@@ -56,8 +64,11 @@ def test_past_the_bound_a_submit_is_429_with_retry_after_and_takes_nothing(gatew
 
 def _requests_429(gateway) -> float:
     text = httpx.get(gateway.url + "/metrics").text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith("treadle_gateway_requests_total{") and 'status="429"' in line)
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("treadle_gateway_requests_total{") and 'status="429"' in line
+    )
 
 
 def test_the_official_sdk_retries_a_429_and_every_op_runs_once(tinker_env, service_client):
@@ -70,8 +81,15 @@ def test_the_official_sdk_retries_a_429_and_every_op_runs_once(tinker_env, servi
     refused_before = _requests_429(tinker_env)
     other = service_client.create_lora_training_client("tiny", rank=4, seed=0)
     heavy = [other.forward(sft_batch(i, n=32, length=256), "cross_entropy") for i in range(4)]
-    data = [[tt.Datum(model_input=tt.ModelInput.from_ints([5 + i, 6 + i, 7 + i]),
-                      loss_fn_inputs={"target_tokens": [6 + i, 7 + i, 8 + i], "weights": [1.0, 1.0, 1.0]})] for i in range(3)]
+    data = [
+        [
+            tt.Datum(
+                model_input=tt.ModelInput.from_ints([5 + i, 6 + i, 7 + i]),
+                loss_fn_inputs={"target_tokens": [6 + i, 7 + i, 8 + i], "weights": [1.0, 1.0, 1.0]},
+            )
+        ]
+        for i in range(3)
+    ]
     steps = [tc.forward_backward(batch, "cross_entropy") for batch in data]
     optim = tc.optim_step(tt.AdamParams(learning_rate=1e-3))
     assert [len(step.result().loss_fn_outputs) for step in steps] == [1, 1, 1]

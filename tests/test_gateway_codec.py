@@ -23,7 +23,8 @@ from treadle.types import ForwardBackwardOutput, SampleResponse, TensorData
 def _sdk_request(data, loss_fn="ppo", config=None, forward_only=False) -> bytes:
     request = tt.ForwardBackwardRequest(
         forward_backward_input=tt.ForwardBackwardInput(data=data, loss_fn=loss_fn, loss_fn_config=config),
-        model_id="s-1:train:0", seq_id=7,
+        model_id="s-1:train:0",
+        seq_id=7,
     )
     msg = forward_backward_request_to_proto(request)
     msg.forward_only = forward_only
@@ -32,11 +33,18 @@ def _sdk_request(data, loss_fn="ppo", config=None, forward_only=False) -> bytes:
 
 def test_forward_backward_request_decodes_to_treadle_datums():
     data = [
-        tt.Datum(model_input=tt.ModelInput.from_ints([5, 6, 7]), loss_fn_inputs={
-            "target_tokens": [6, 7, 8], "logprobs": [-1.0, -2.0, -3.0], "advantages": [0.5, 0.5, 0.5],
-        }),
-        tt.Datum(model_input=tt.ModelInput(chunks=[tt.EncodedTextChunk(tokens=[1]), tt.EncodedTextChunk(tokens=[2])]),
-                 loss_fn_inputs={"target_tokens": [2, 3], "weights": [0.0, 1.0]}),
+        tt.Datum(
+            model_input=tt.ModelInput.from_ints([5, 6, 7]),
+            loss_fn_inputs={
+                "target_tokens": [6, 7, 8],
+                "logprobs": [-1.0, -2.0, -3.0],
+                "advantages": [0.5, 0.5, 0.5],
+            },
+        ),
+        tt.Datum(
+            model_input=tt.ModelInput(chunks=[tt.EncodedTextChunk(tokens=[1]), tt.EncodedTextChunk(tokens=[2])]),
+            loss_fn_inputs={"target_tokens": [2, 3], "weights": [0.0, 1.0]},
+        ),
     ]
     msg = parse_forward_backward(_sdk_request(data, config={"clip_low_threshold": 0.7, "clip_high_threshold": 1.3}))
     request = forward_backward_request(msg)
@@ -54,9 +62,12 @@ def test_forward_backward_request_decodes_to_treadle_datums():
 
 
 def test_forward_only_flag_and_sparse_inputs():
-    sparse = tt.TensorData(data=[0.5, 2.0], dtype="float32", shape=[2, 3],
-                           sparse_crow_indices=[0, 1, 2], sparse_col_indices=[2, 0])
-    data = [tt.Datum(model_input=tt.ModelInput.from_ints([1, 2]), loss_fn_inputs={"target_tokens": [2, 3], "dist": sparse})]
+    sparse = tt.TensorData(
+        data=[0.5, 2.0], dtype="float32", shape=[2, 3], sparse_crow_indices=[0, 1, 2], sparse_col_indices=[2, 0]
+    )
+    data = [
+        tt.Datum(model_input=tt.ModelInput.from_ints([1, 2]), loss_fn_inputs={"target_tokens": [2, 3], "dist": sparse})
+    ]
     msg = parse_forward_backward(_sdk_request(data, "cross_entropy", forward_only=True))
     request = forward_backward_request(msg)
     assert msg.forward_only is True and request.op == "forward"
@@ -66,8 +77,12 @@ def test_forward_only_flag_and_sparse_inputs():
 
 
 def test_image_chunks_and_garbage_are_user_errors():
-    data = [tt.Datum(model_input=tt.ModelInput(chunks=[tt.ImageChunk(data=b"\x89PNG", format="png")]),
-                     loss_fn_inputs={"target_tokens": [1]})]
+    data = [
+        tt.Datum(
+            model_input=tt.ModelInput(chunks=[tt.ImageChunk(data=b"\x89PNG", format="png")]),
+            loss_fn_inputs={"target_tokens": [1]},
+        )
+    ]
     with pytest.raises(InvalidRequestError, match=r"data\[0\].model_input: image"):
         forward_backward_request(parse_forward_backward(_sdk_request(data, "cross_entropy")))
     with pytest.raises(InvalidRequestError, match="not a protobuf ForwardBackwardRequest"):
@@ -75,22 +90,30 @@ def test_image_chunks_and_garbage_are_user_errors():
 
 
 def test_forward_backward_output_round_trips_through_the_sdk_decoder():
-    outputs = [TensorData.from_list([-0.5, -1.25], "float32"), TensorData.from_list([-3.0], "float32"), TensorData.from_list([], "float32")]
-    result = ForwardBackwardOutput(loss_fn_outputs=[{"logprobs": t} for t in outputs], metrics={"loss:sum": 4.75, "step:max": 3.0})
+    outputs = [
+        TensorData.from_list([-0.5, -1.25], "float32"),
+        TensorData.from_list([-3.0], "float32"),
+        TensorData.from_list([], "float32"),
+    ]
+    result = ForwardBackwardOutput(
+        loss_fn_outputs=[{"logprobs": t} for t in outputs], metrics={"loss:sum": 4.75, "step:max": 3.0}
+    )
     decoded = deserialize_forward_backward_output(encode_forward_backward_output(result))
     assert decoded.metrics == {"loss:sum": 4.75, "step:max": 3.0}
     assert [o["logprobs"].tolist() for o in decoded.loss_fn_outputs] == [[-0.5, -1.25], [-3.0], []]
 
 
 def test_sample_response_round_trips_with_none_prompt_logprobs_and_topk():
-    result = SampleResponse.model_validate({
-        "sequences": [
-            {"tokens": [4, 5, 6], "logprobs": [-0.1, -0.2, -0.3], "stop_reason": "stop"},
-            {"tokens": [9], "logprobs": None, "stop_reason": "length"},
-        ],
-        "prompt_logprobs": [None, -1.5, -2.5],
-        "topk_prompt_logprobs": [None, [(3, -0.5), (4, -1.0)], [(7, -0.25)]],
-    })
+    result = SampleResponse.model_validate(
+        {
+            "sequences": [
+                {"tokens": [4, 5, 6], "logprobs": [-0.1, -0.2, -0.3], "stop_reason": "stop"},
+                {"tokens": [9], "logprobs": None, "stop_reason": "length"},
+            ],
+            "prompt_logprobs": [None, -1.5, -2.5],
+            "topk_prompt_logprobs": [None, [(3, -0.5), (4, -1.0)], [(7, -0.25)]],
+        }
+    )
     decoded = deserialize_sample_response(encode_sample_response(result))
     assert [s.tokens for s in decoded.sequences] == [[4, 5, 6], [9]]
     assert [s.stop_reason for s in decoded.sequences] == ["stop", "length"]
@@ -123,7 +146,6 @@ def test_keys_come_from_a_toml_file_and_must_start_with_tml(tmp_path, monkeypatc
         GatewaySettings(api_keys={"sk-nope": "eve"})
 
 
-
 def test_target_ids_and_their_scores_keep_the_requests_layout_through_the_sdks_decoder():
     import torch
 
@@ -135,27 +157,49 @@ def test_target_ids_and_their_scores_keep_the_requests_layout_through_the_sdks_d
     ids = torch.full((10, 2), -1, dtype=torch.int64)  # sparse enough that the SDK sends CSR
     ids[2] = torch.tensor([7, 9])
     sparse = tt.TensorData.from_torch_sparse(ids, pad_value=-1)
-    wire = WireTensor(data=sparse.data, dtype="int64", shape=sparse.shape, sparse_crow_indices=sparse.sparse_crow_indices,
-                      sparse_col_indices=sparse.sparse_col_indices)
+    wire = WireTensor(
+        data=sparse.data,
+        dtype="int64",
+        shape=sparse.shape,
+        sparse_crow_indices=sparse.sparse_crow_indices,
+        sparse_col_indices=sparse.sparse_col_indices,
+    )
     dense, layout = dense_target_ids(wire, 10)
     assert (dense.to_numpy() == ids.numpy()).all() and layout == {"crow": [0, 0, 0] + [2] * 8, "col": [0, 1]}
     scores = np.where(ids.numpy() >= 0, -1.5, 0.0).astype(np.float32)
-    alt = PromptAltTokens(tokens=TensorData.from_numpy(np.zeros((10, 3), dtype=np.int64)),
-                          logprobs=TensorData.from_numpy(np.full((10, 3), -2.0, dtype=np.float32)))
-    response = SampleResponse(sequences=[SampledSequence(tokens=[5, 6], logprobs=[-0.1, -0.2], stop_reason="length",
-                                                         topk_logprobs=[[(5, -0.1), (8, -2.0)], [(6, -0.2)]])],
-                              target_prompt_logprobs=TensorData.from_numpy(scores), prompt_alt_tokens=alt)
+    alt = PromptAltTokens(
+        tokens=TensorData.from_numpy(np.zeros((10, 3), dtype=np.int64)),
+        logprobs=TensorData.from_numpy(np.full((10, 3), -2.0, dtype=np.float32)),
+    )
+    response = SampleResponse(
+        sequences=[
+            SampledSequence(
+                tokens=[5, 6],
+                logprobs=[-0.1, -0.2],
+                stop_reason="length",
+                topk_logprobs=[[(5, -0.1), (8, -2.0)], [(6, -0.2)]],
+            )
+        ],
+        target_prompt_logprobs=TensorData.from_numpy(scores),
+        prompt_alt_tokens=alt,
+    )
     got = deserialize_sample_response(encode_sample_response(response, layout))
     assert got.target_prompt_logprobs.sparse_crow_indices == [0, 0, 0] + [2] * 8
     assert (got.target_prompt_logprobs.to_numpy() == scores).all()
-    assert (deserialize_sample_response(encode_sample_response(response)).target_prompt_logprobs.to_numpy() == scores).all()
+    assert (
+        deserialize_sample_response(encode_sample_response(response)).target_prompt_logprobs.to_numpy() == scores
+    ).all()
     assert got.prompt_alt_tokens.tokens.to_numpy().shape == (10, 3) and got.prompt_alt_tokens.tokens.dtype == "int64"
     # A short top-k row is padded with the SDK's sentinel, which its list form drops again.
     assert got.sequences[0].topk_logprobs == [[(5, pytest.approx(-0.1)), (8, -2.0)], [(6, pytest.approx(-0.2))]]
-    for bad, match in ((WireTensor(data=[2**70], dtype="int64", shape=[4, 1]), "not a token id"),
-                       (WireTensor(data=[1.5] * 4, dtype="int64", shape=[4, 1]), "1.5 is not a token id"),
-                       (WireTensor(data=[1] * 4, dtype="int64", shape=[3, 1]), r"must be int64 \[len\(prompt\) - 1 = 4, K\]"),
-                       (WireTensor(data=[1], dtype="int64", shape=[4, 1], sparse_crow_indices=[0, 1], sparse_col_indices=[0]),
-                        "not a valid sparse CSR")):
+    for bad, match in (
+        (WireTensor(data=[2**70], dtype="int64", shape=[4, 1]), "not a token id"),
+        (WireTensor(data=[1.5] * 4, dtype="int64", shape=[4, 1]), "1.5 is not a token id"),
+        (WireTensor(data=[1] * 4, dtype="int64", shape=[3, 1]), r"must be int64 \[len\(prompt\) - 1 = 4, K\]"),
+        (
+            WireTensor(data=[1], dtype="int64", shape=[4, 1], sparse_crow_indices=[0, 1], sparse_col_indices=[0]),
+            "not a valid sparse CSR",
+        ),
+    ):
         with pytest.raises(InvalidRequestError, match=match):
             dense_target_ids(bad, 4)

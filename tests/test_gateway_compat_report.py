@@ -67,8 +67,12 @@ class Context:
         self.archive = tinker.ServiceClient(project_id="archive")  # copy_weights needs a destination project
         self.tc = self.sc.create_lora_training_client(base_model="tiny", rank=4, seed=0).result()
         tokens = self.tc.get_tokenizer().encode("the cat is red and the dog is blue")
-        self.data = [tt.Datum(model_input=tt.ModelInput.from_ints(tokens[:-1]),
-                              loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * (len(tokens) - 1)})]
+        self.data = [
+            tt.Datum(
+                model_input=tt.ModelInput.from_ints(tokens[:-1]),
+                loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * (len(tokens) - 1)},
+            )
+        ]
         self.prompt = tt.ModelInput.from_ints(tokens[:4])
         self.state_path = self.tc.save_state("compat").result().path
         self.sampler_path = self.tc.save_weights_for_sampler("compat").result().path
@@ -132,7 +136,11 @@ CALLS = {
     "TrainingClient.save_weights_for_sampler": lambda c: (c.tc, (c.name("sampler"),), {}),
     "SamplingClient.compute_logprobs": lambda c: (c.scl, (c.prompt,), {}),
     "SamplingClient.create": lambda c: (tinker.SamplingClient, (c.tc.holder,), {"model_path": c.sampler_path}),
-    "SamplingClient.from_sampler_handle": lambda c: (tinker.SamplingClient, (c.scl.get_sampler_handle(),), {"api_key": ALICE_KEY}),
+    "SamplingClient.from_sampler_handle": lambda c: (
+        tinker.SamplingClient,
+        (c.scl.get_sampler_handle(),),
+        {"api_key": ALICE_KEY},
+    ),
     "SamplingClient.get_base_model": lambda c: (c.scl, (), {}),
     "SamplingClient.get_sampler_handle": lambda c: (c.scl, (), {}),
     "SamplingClient.get_telemetry": lambda c: (c.scl, (), {}),
@@ -146,7 +154,11 @@ CALLS = {
     "RestClient.export_session_trace": lambda c: (c.rest, (c.session_id,), {}),
     "RestClient.get_audit_log": lambda c: (c.rest, (), {}),
     # Tinker's own limit: a window of at most 14 days
-    "RestClient.get_billing_usage": lambda c: (c.rest, (date(2026, 1, 1).isoformat(), date(2026, 1, 8).isoformat()), {}),
+    "RestClient.get_billing_usage": lambda c: (
+        c.rest,
+        (date(2026, 1, 1).isoformat(), date(2026, 1, 8).isoformat()),
+        {},
+    ),
     "RestClient.get_current_checkpoint_storage_usage": lambda c: (c.rest, (), {}),
     "RestClient.get_external_weights_urls": lambda c: (c.rest, (), {"tinker_path": c.external_path}),
     "RestClient.get_sampler": lambda c: (c.rest, (c.sampler_id(),), {}),
@@ -169,8 +181,12 @@ CALLS = {
 
 
 def public_methods() -> list[str]:
-    return [f"{cls.__name__}.{name}" for cls in CLASSES
-            for name, member in inspect.getmembers(cls) if not name.startswith("_") and callable(member)]
+    return [
+        f"{cls.__name__}.{name}"
+        for cls in CLASSES
+        for name, member in inspect.getmembers(cls)
+        if not name.startswith("_") and callable(member)
+    ]
 
 
 async def _drain(value):

@@ -19,12 +19,16 @@ def trained_sampler_path(gateway):
     sdk = tinker.ServiceClient(base_url=gateway.url, api_key=ALICE_KEY)
     tc = sdk.create_lora_training_client(base_model="tiny", rank=8, seed=0).result()
     tok = tc.get_tokenizer()
-    prompt = tok.encode(tok.apply_chat_template(QUESTION, add_generation_prompt=True, tokenize=False), add_special_tokens=False)
+    prompt = tok.encode(
+        tok.apply_chat_template(QUESTION, add_generation_prompt=True, tokenize=False), add_special_tokens=False
+    )
     answer = tok.encode(TARGET + "<|im_end|>", add_special_tokens=False)
     tokens = prompt + answer
     weights = [0.0] * (len(prompt) - 1) + [1.0] * len(answer)
-    datum = tt.Datum(model_input=tt.ModelInput.from_ints(tokens[:-1]),
-                     loss_fn_inputs={"target_tokens": tokens[1:], "weights": weights})
+    datum = tt.Datum(
+        model_input=tt.ModelInput.from_ints(tokens[:-1]),
+        loss_fn_inputs={"target_tokens": tokens[1:], "weights": weights},
+    )
     for _ in range(60):
         tc.forward_backward([datum], "cross_entropy")
         tc.optim_step(tt.AdamParams(learning_rate=2e-3))
@@ -48,13 +52,17 @@ def test_chat_completion_uses_the_fine_tuned_weights(client, trained_sampler_pat
 
 
 def test_chat_options_n_seed_stop_logprobs(client, trained_sampler_path):
-    kwargs = dict(model=trained_sampler_path, messages=QUESTION, n=3, temperature=1.0, top_p=0.9, max_tokens=6, seed=123)
+    kwargs = dict(
+        model=trained_sampler_path, messages=QUESTION, n=3, temperature=1.0, top_p=0.9, max_tokens=6, seed=123
+    )
     first = client.chat.completions.create(**kwargs, logprobs=True)
     again = client.chat.completions.create(**kwargs)
     assert len(first.choices) == 3
     assert [c.message.content for c in first.choices] == [c.message.content for c in again.choices]  # seeded
     assert all(all(t.logprob <= 0 for t in c.logprobs.content) and c.logprobs.content for c in first.choices)
-    stopped = client.chat.completions.create(model=trained_sampler_path, messages=QUESTION, temperature=0, max_tokens=12, stop=[" river"])
+    stopped = client.chat.completions.create(
+        model=trained_sampler_path, messages=QUESTION, temperature=0, max_tokens=12, stop=[" river"]
+    )
     assert stopped.choices[0].message.content == "blue moon"
 
 

@@ -18,8 +18,13 @@ from treadle import types as rt
 from treadle.gateway.paths import to_treadle
 
 RANK, SEED = 8, 11
-TEXTS = ["the cat is red and the dog is blue", "one two three four five six", "hello world yes no please thanks",
-         "sun moon tree river stone", "what is the answer to the question"]
+TEXTS = [
+    "the cat is red and the dog is blue",
+    "one two three four five six",
+    "hello world yes no please thanks",
+    "sun moon tree river stone",
+    "what is the answer to the question",
+]
 ADAM = dict(learning_rate=5e-3, beta1=0.9, beta2=0.95, eps=1e-8)
 
 
@@ -29,15 +34,27 @@ def _pairs(tokenizer, texts):
 
 def _ce(cls, ids_list):
     """Cross-entropy datums (pre-shifted) built with either SDK's types."""
-    return [cls.Datum(model_input=cls.ModelInput.from_ints(ids[:-1]),
-                      loss_fn_inputs={"target_tokens": ids[1:], "weights": [1.0] * (len(ids) - 1)}) for ids in ids_list]
+    return [
+        cls.Datum(
+            model_input=cls.ModelInput.from_ints(ids[:-1]),
+            loss_fn_inputs={"target_tokens": ids[1:], "weights": [1.0] * (len(ids) - 1)},
+        )
+        for ids in ids_list
+    ]
 
 
 def _ppo(cls, ids_list, old_logprobs):
-    return [cls.Datum(model_input=cls.ModelInput.from_ints(ids[:-1]), loss_fn_inputs={
-        "target_tokens": ids[1:], "logprobs": [float(x) - 0.05 for x in lp],
-        "advantages": [1.0 if i % 2 == 0 else -0.5] * (len(ids) - 1),
-    }) for i, (ids, lp) in enumerate(zip(ids_list, old_logprobs))]
+    return [
+        cls.Datum(
+            model_input=cls.ModelInput.from_ints(ids[:-1]),
+            loss_fn_inputs={
+                "target_tokens": ids[1:],
+                "logprobs": [float(x) - 0.05 for x in lp],
+                "advantages": [1.0 if i % 2 == 0 else -0.5] * (len(ids) - 1),
+            },
+        )
+        for i, (ids, lp) in enumerate(zip(ids_list, old_logprobs))
+    ]
 
 
 def _logprobs(out):
@@ -75,7 +92,10 @@ def test_official_sdk_training_loop_equals_treadle_sdk(clients):
     # ppo on the logprobs the first step returned
     old = _logprobs(first_off)
     ppo_config = {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}
-    f_off, f_tr = tc.forward_backward(_ppo(tt, ids, old), "ppo", ppo_config), rc.forward_backward(_ppo(rt, ids, old), "ppo", ppo_config)
+    f_off, f_tr = (
+        tc.forward_backward(_ppo(tt, ids, old), "ppo", ppo_config),
+        rc.forward_backward(_ppo(rt, ids, old), "ppo", ppo_config),
+    )
     tc.optim_step(tt.AdamParams(**ADAM)).result(), rc.optim_step(rt.AdamParams(**ADAM)).result()
     _assert_same_output(f_off.result(), f_tr.result())
 
@@ -83,8 +103,12 @@ def test_official_sdk_training_loop_equals_treadle_sdk(clients):
     sampler = tc.save_weights_and_get_sampling_client().result()
     treadle_sampler = rc.save_weights_and_get_sampling_client()
     prompt = tokenizer.encode("the cat is")
-    got = sampler.sample(tt.ModelInput.from_ints(prompt), 2, tt.SamplingParams(max_tokens=6, seed=5, temperature=1.0)).result()
-    want = treadle_sampler.sample(rt.ModelInput.from_ints(prompt), 2, rt.SamplingParams(max_tokens=6, seed=5, temperature=1.0)).result()
+    got = sampler.sample(
+        tt.ModelInput.from_ints(prompt), 2, tt.SamplingParams(max_tokens=6, seed=5, temperature=1.0)
+    ).result()
+    want = treadle_sampler.sample(
+        rt.ModelInput.from_ints(prompt), 2, rt.SamplingParams(max_tokens=6, seed=5, temperature=1.0)
+    ).result()
     assert [s.tokens for s in got.sequences] == [s.tokens for s in want.sequences]
     for g, w in zip(got.sequences, want.sequences):
         np.testing.assert_allclose(g.logprobs, w.logprobs, rtol=1e-5, atol=1e-6)
@@ -105,8 +129,10 @@ def test_official_sdk_training_loop_equals_treadle_sdk(clients):
     for client, types_ in ((tc, tt), (restored, tt), (treadle_restored, rt)):
         client.forward_backward(_ce(types_, ids), "cross_entropy")
         client.optim_step(types_.AdamParams(**ADAM))
-    after = [client.forward(_ce(types_, ids), "cross_entropy").result()
-             for client, types_ in ((tc, tt), (restored, tt), (treadle_restored, rt))]
+    after = [
+        client.forward(_ce(types_, ids), "cross_entropy").result()
+        for client, types_ in ((tc, tt), (restored, tt), (treadle_restored, rt))
+    ]
     _assert_same_output(after[1], after[0])  # Adam moments came back exactly, or this step would differ
     _assert_same_output(after[1], after[2])
 
@@ -117,11 +143,16 @@ def test_chunked_forward_backward_equals_one_batch(clients):
     tc = official.create_lora_training_client(base_model="tiny", rank=RANK, seed=SEED).result()
     rc = treadle_sdk.create_lora_training_client("tiny", rank=RANK, seed=SEED)
     ids = _pairs(tc.get_tokenizer(), TEXTS)
-    chunked, whole = tc.forward_backward(_ce(tt, ids), "cross_entropy").result(), rc.forward_backward(_ce(rt, ids), "cross_entropy").result()
+    chunked, whole = (
+        tc.forward_backward(_ce(tt, ids), "cross_entropy").result(),
+        rc.forward_backward(_ce(rt, ids), "cross_entropy").result(),
+    )
     assert len(chunked.loss_fn_outputs) == 5
     _assert_same_output(chunked, whole)
     tc.optim_step(tt.AdamParams(**ADAM)).result(), rc.optim_step(rt.AdamParams(**ADAM)).result()
-    _assert_same_output(tc.forward(_ce(tt, ids), "cross_entropy").result(), rc.forward(_ce(rt, ids), "cross_entropy").result())
+    _assert_same_output(
+        tc.forward(_ce(tt, ids), "cross_entropy").result(), rc.forward(_ce(rt, ids), "cross_entropy").result()
+    )
 
 
 def _dpo_loss(data, logprobs, beta=0.5):
@@ -164,7 +195,9 @@ def test_official_sdk_target_prompt_logprobs_equal_compute_logprobs_and_the_forw
     ids = torch.full((n - 1, 3), -1, dtype=torch.int64)
     ids[:, 0] = torch.tensor(prompt[1:])  # row i scores prompt position i + 1: its own token there
     ids[-1, 1:] = torch.tensor(prompt[:2])
-    dense = sampler.sample(tt.ModelInput.from_ints(prompt), 1, once, target_prompt_logprobs=tt.TensorData.from_torch(ids)).result()
+    dense = sampler.sample(
+        tt.ModelInput.from_ints(prompt), 1, once, target_prompt_logprobs=tt.TensorData.from_torch(ids)
+    ).result()
     scored = dense.target_prompt_logprobs.to_numpy()
     assert dense.target_prompt_logprobs.dtype == "float32" and scored.shape == (n - 1, 3)
     own = sampler.compute_logprobs(tt.ModelInput.from_ints(prompt)).result()
@@ -175,15 +208,25 @@ def test_official_sdk_target_prompt_logprobs_equal_compute_logprobs_and_the_forw
     # Sparse, as the cookbook's decisions recipe sends it: the answer lists the same cells.
     sparse_ids = torch.full((n - 1, 3), -1, dtype=torch.int64)
     sparse_ids[-1] = ids[-1]
-    sparse = sampler.sample(tt.ModelInput.from_ints(prompt), 1, once,
-                            target_prompt_logprobs=tt.TensorData.from_torch_sparse(sparse_ids, pad_value=-1)).result()
+    sparse = sampler.sample(
+        tt.ModelInput.from_ints(prompt),
+        1,
+        once,
+        target_prompt_logprobs=tt.TensorData.from_torch_sparse(sparse_ids, pad_value=-1),
+    ).result()
     got = sparse.target_prompt_logprobs
     assert got.sparse_crow_indices is not None and got.shape == [n - 1, 3]
     np.testing.assert_allclose(got.to_numpy()[-1], scored[-1], atol=1e-6)
     assert (got.to_numpy()[:-1] == 0.0).all()
-    with pytest.raises(Exception, match=r"target_prompt_logprobs: int64 of shape \[3, 1\]; must be int64 \[len\(prompt\) - 1 = "):
-        sampler.sample(tt.ModelInput.from_ints(prompt), 1, once,
-                       target_prompt_logprobs=tt.TensorData.from_torch(torch.zeros((3, 1), dtype=torch.int64))).result()
+    with pytest.raises(
+        Exception, match=r"target_prompt_logprobs: int64 of shape \[3, 1\]; must be int64 \[len\(prompt\) - 1 = "
+    ):
+        sampler.sample(
+            tt.ModelInput.from_ints(prompt),
+            1,
+            once,
+            target_prompt_logprobs=tt.TensorData.from_torch(torch.zeros((3, 1), dtype=torch.int64)),
+        ).result()
 
 
 def test_official_sdk_topk_sample_logprobs_and_prompt_alt_tokens(clients):
@@ -198,7 +241,9 @@ def test_official_sdk_topk_sample_logprobs_and_prompt_alt_tokens(clients):
     alone = ask().result()
     for seq in alone.sequences:  # T=1: the distribution sampled from is the model's, the top-k of the prompt's logprobs
         full = tt.ModelInput.from_ints(prompt + seq.tokens)
-        ref = sampler.sample(full, 1, tt.SamplingParams(max_tokens=1), include_prompt_logprobs=True, topk_prompt_logprobs=k).result()
+        ref = sampler.sample(
+            full, 1, tt.SamplingParams(max_tokens=1), include_prompt_logprobs=True, topk_prompt_logprobs=k
+        ).result()
         assert len(seq.topk_logprobs) == len(seq.tokens) and all(len(row) == k for row in seq.topk_logprobs)
         for t, row in enumerate(seq.topk_logprobs):
             want = ref.topk_prompt_logprobs[n + t]
@@ -209,11 +254,18 @@ def test_official_sdk_topk_sample_logprobs_and_prompt_alt_tokens(clients):
     drawn_lp = alone.prompt_alt_tokens.logprobs.to_numpy()
     assert drawn.shape == drawn_lp.shape == (n - 1, 3)
     # Each draw's logprob is the one target_prompt_logprobs gives that id at that position.
-    scored = sampler.sample(tt.ModelInput.from_ints(prompt), 1, tt.SamplingParams(max_tokens=1),
-                            target_prompt_logprobs=tt.TensorData.from_numpy(drawn)).result()
+    scored = sampler.sample(
+        tt.ModelInput.from_ints(prompt),
+        1,
+        tt.SamplingParams(max_tokens=1),
+        target_prompt_logprobs=tt.TensorData.from_numpy(drawn),
+    ).result()
     np.testing.assert_allclose(drawn_lp, scored.target_prompt_logprobs.to_numpy(), atol=1e-5)
     # Submitted alongside other requests (so they may share the prefill and decode steps): the same answer.
-    others = [sampler.sample(tt.ModelInput.from_ints(prompt[: 3 + i]), 2, tt.SamplingParams(max_tokens=8, seed=i)) for i in range(3)]
+    others = [
+        sampler.sample(tt.ModelInput.from_ints(prompt[: 3 + i]), 2, tt.SamplingParams(max_tokens=8, seed=i))
+        for i in range(3)
+    ]
     together = ask().result()
     [f.result() for f in others]
     assert [s.tokens for s in together.sequences] == [s.tokens for s in alone.sequences]

@@ -31,8 +31,11 @@ LIVENESS_S = 120
 @pytest.fixture(scope="module")
 def lingering(tiny_model_dir, tmp_path_factory):
     os.environ["OMP_NUM_THREADS"] = "1"
-    stack = LocalStack([f"tiny={tiny_model_dir}"], home=str(tmp_path_factory.mktemp("handoff")),
-                       worker_args=["--lease_ttl_s", "3", "--linger_ms", str(int(WINDOW_S * 1000))])
+    stack = LocalStack(
+        [f"tiny={tiny_model_dir}"],
+        home=str(tmp_path_factory.mktemp("handoff")),
+        worker_args=["--lease_ttl_s", "3", "--linger_ms", str(int(WINDOW_S * 1000))],
+    )
     stack.start(wait_for_workers=180)
     yield ServiceClient(broker_url=stack.broker_url, storage_url=stack.storage_url), stack
     stack.stop()

@@ -19,10 +19,15 @@ from treadle.local_stack import find_running_stack, free_port
 def test_treadle_up_is_found_and_ctrl_c_leaves_no_orphans(tiny_model_dir, tmp_path):
     home = str(tmp_path / "home")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "treadle.cli", "up", "--model", f"tiny={tiny_model_dir}", "--home", home],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                            # as from a terminal: a test run started in the background (`... &`) ignores SIGINT
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "treadle.cli", "up", "--model", f"tiny={tiny_model_dir}", "--home", home],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        # as from a terminal: a test run started in the background (`... &`) ignores SIGINT
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     try:
         deadline = time.monotonic() + 180
         while find_running_stack(home) is None:
@@ -49,8 +54,12 @@ def test_treadle_up_is_found_and_ctrl_c_leaves_no_orphans(tiny_model_dir, tmp_pa
 def test_flower_sees_the_worker_online(stack):
     port = free_port()
     env = {**os.environ, "FLOWER_UNAUTHENTICATED_API": "true"}
-    flower = subprocess.Popen([sys.executable, "-m", "treadle.cli", "flower", "--broker_url", stack.broker_url, "--port", str(port)],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    flower = subprocess.Popen(
+        [sys.executable, "-m", "treadle.cli", "flower", "--broker_url", stack.broker_url, "--port", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env=env,
+    )
     try:
         from treadle.queue.workers import WorkerRegistry
         import redis
@@ -74,4 +83,7 @@ def test_flower_sees_the_worker_online(stack):
 def _datum():
     from treadle import Datum, ModelInput
 
-    return Datum(model_input=ModelInput.from_ints([5, 6, 7, 8]), loss_fn_inputs={"target_tokens": [6, 7, 8, 9], "weights": [1.0] * 4})
+    return Datum(
+        model_input=ModelInput.from_ints([5, 6, 7, 8]),
+        loss_fn_inputs={"target_tokens": [6, 7, 8, 9], "weights": [1.0] * 4},
+    )

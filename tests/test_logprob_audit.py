@@ -42,8 +42,12 @@ def _audited_gaps(bank: AdapterBank, rows: int) -> list[float]:
     logprob_audit.configure(fraction=1.0, observe=observe)
     scheduler = SampleScheduler(bank, bank.host, DeviceLock())
     try:
-        futures = [scheduler.sample(job(bank, PROMPTS[i % len(PROMPTS)], adapter, num_samples=rows // 2, max_tokens=12, seed=i))
-                   for i, adapter in enumerate(["one", None])]
+        futures = [
+            scheduler.sample(
+                job(bank, PROMPTS[i % len(PROMPTS)], adapter, num_samples=rows // 2, max_tokens=12, seed=i)
+            )
+            for i, adapter in enumerate(["one", None])
+        ]
         for future in futures:
             future.result(timeout=WAIT)
         assert all_in.wait(WAIT), f"{len(gaps)} of {rows} audits came back"
@@ -68,7 +72,9 @@ def test_the_gap_is_float_noise_on_a_correct_sampler_and_large_on_a_wrong_one(fa
 
 
 def test_only_sequences_of_the_models_own_distribution_are_audited(family_bank):
-    audit = logprob_audit.LogprobAudit(family_bank, family_bank.host, DeviceLock(), logprob_audit._Settings(fraction=1.0))
+    audit = logprob_audit.LogprobAudit(
+        family_bank, family_bank.host, DeviceLock(), logprob_audit._Settings(fraction=1.0)
+    )
     drawn = [SampledSequence(tokens=[7, 8], logprobs=[-1.0, -2.0], stop_reason="length")]
     for params in ({"temperature": 0.7}, {"top_k": 5}, {"top_p": 0.9}):
         tempered = job(family_bank, PROMPTS[0], "one", num_samples=1, max_tokens=4, seed=0, **params)

@@ -25,9 +25,14 @@ IDS = list(range(5, 18))
 
 def _rl_datum(shift: float = 0.3) -> tt.Datum:
     n = len(IDS) - 1
-    return tt.Datum(model_input=tt.ModelInput.from_ints(IDS[:-1]), loss_fn_inputs={
-        "target_tokens": IDS[1:], "logprobs": [-5.0 + shift * (i % 3) for i in range(n)],
-        "advantages": [1.0 if i % 2 else -0.5 for i in range(n)]})
+    return tt.Datum(
+        model_input=tt.ModelInput.from_ints(IDS[:-1]),
+        loss_fn_inputs={
+            "target_tokens": IDS[1:],
+            "logprobs": [-5.0 + shift * (i % 3) for i in range(n)],
+            "advantages": [1.0 if i % 2 else -0.5 for i in range(n)],
+        },
+    )
 
 
 def test_the_option_parses_and_bad_aliases_name_the_limit():
@@ -49,15 +54,24 @@ def test_without_an_alias_the_refusal_names_what_to_pass(tinker_env):
         with pytest.raises(Exception) as err:
             training.forward_backward([_rl_datum()], "stable_reinforce").result()
         message = str(err.value)
-        assert "not published" in message and "loss_fn=cispo" in message and "--loss_alias stable_reinforce=cispo" in message
+        assert (
+            "not published" in message
+            and "loss_fn=cispo" in message
+            and "--loss_alias stable_reinforce=cispo" in message
+        )
     finally:
         service.close("success")
 
 
 @pytest.fixture(scope="module")
 def aliased(stack):
-    settings = GatewaySettings(port=0, broker_url=stack.broker_url, storage_url=stack.storage_url,
-                               api_keys={ALICE_KEY: "alice"}, loss_alias=["stable_reinforce=cispo"])
+    settings = GatewaySettings(
+        port=0,
+        broker_url=stack.broker_url,
+        storage_url=stack.storage_url,
+        api_keys={ALICE_KEY: "alice"},
+        loss_alias=["stable_reinforce=cispo"],
+    )
     with BackgroundGateway(settings) as gw:
         yield gw
 
@@ -67,7 +81,9 @@ def test_an_aliased_gateway_trains_stable_reinforce_as_cispo(aliased, monkeypatc
     monkeypatch.setenv("TINKER_API_KEY", ALICE_KEY)
     service = tinker.ServiceClient()
     try:
-        training = service.create_lora_training_client(base_model="tiny", rank=4, seed=0, user_metadata={"who": "test"}).result()
+        training = service.create_lora_training_client(
+            base_model="tiny", rank=4, seed=0, user_metadata={"who": "test"}
+        ).result()
         as_cispo = training.forward([_rl_datum()], "cispo").result()
         aliased_out = training.forward([_rl_datum()], "stable_reinforce").result()
         assert aliased_out.metrics["loss:sum"] == as_cispo.metrics["loss:sum"]
@@ -86,9 +102,12 @@ def test_an_aliased_gateway_trains_stable_reinforce_as_cispo(aliased, monkeypatc
 
 
 def test_the_alias_is_logged_at_start(stack, caplog):
-    settings = GatewaySettings(port=0, broker_url=stack.broker_url, api_keys={ALICE_KEY: "alice"},
-                               loss_alias=["stable_reinforce=ppo"])
+    settings = GatewaySettings(
+        port=0, broker_url=stack.broker_url, api_keys={ALICE_KEY: "alice"}, loss_alias=["stable_reinforce=ppo"]
+    )
     with caplog.at_level(logging.WARNING, logger="treadle.gateway.app"), BackgroundGateway(settings):
         pass
-    assert any("loss_alias: forward_backward requests for stable_reinforce train with ppo" in r.getMessage()
-               for r in caplog.records)
+    assert any(
+        "loss_alias: forward_backward requests for stable_reinforce train with ppo" in r.getMessage()
+        for r in caplog.records
+    )

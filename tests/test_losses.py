@@ -134,8 +134,12 @@ def test_gspo_ratio_ignores_unmarked_tokens():
 
     def grad(q):
         lp = torch.tensor(LP, dtype=torch.float64, requires_grad=True)
-        inputs = {"logprobs": torch.tensor(q, dtype=torch.float64), "advantages": torch.tensor(ADV, dtype=torch.float64),
-                  "sequence_ratio_mask": torch.tensor(RATIO_MASK, dtype=torch.float64), "sequence_index": torch.tensor(SEQUENCE)}
+        inputs = {
+            "logprobs": torch.tensor(q, dtype=torch.float64),
+            "advantages": torch.tensor(ADV, dtype=torch.float64),
+            "sequence_ratio_mask": torch.tensor(RATIO_MASK, dtype=torch.float64),
+            "sequence_index": torch.tensor(SEQUENCE),
+        }
         LOSSES["gspo"].fn(lp, inputs, config).backward()
         return lp.grad.tolist()
 
@@ -151,7 +155,9 @@ def test_unserved_losses_are_refused_with_the_alternatives():
     from treadle.queue.ops import ForwardBackwardRequest
     from treadle.types import Datum, ModelInput
 
-    datum = Datum(model_input=ModelInput.from_ints([1, 2]), loss_fn_inputs={"target_tokens": [2, 3], "weights": [1.0, 1.0]})
+    datum = Datum(
+        model_input=ModelInput.from_ints([1, 2]), loss_fn_inputs={"target_tokens": [2, 3], "weights": [1.0, 1.0]}
+    )
     with pytest.raises(InvalidRequestError) as err:
         ForwardBackwardRequest.build(data=[datum], loss_fn="stable_reinforce")
     assert "stable_reinforce" in str(err.value) and "not published" in str(err.value)

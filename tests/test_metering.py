@@ -10,7 +10,9 @@ from treadle.metering import SDK_OWNER, Meter, OpUsage, Usage
 
 
 def _op(session, seq, owner="alice", at=1000.0, **counts):
-    return OpUsage(session_id=session, op_id=str(seq), op="forward_backward", owner=owner, base_model="tiny", at=at, **counts)
+    return OpUsage(
+        session_id=session, op_id=str(seq), op="forward_backward", owner=owner, base_model="tiny", at=at, **counts
+    )
 
 
 def test_totals_per_session_and_owner_are_exact(redis_client):
@@ -18,7 +20,9 @@ def test_totals_per_session_and_owner_are_exact(redis_client):
     assert meter.record(_op("s1", 1, prefill_tokens=14, trained_tokens=14, compute_s=0.25))
     assert meter.record(_op("s1", 2, prefill_tokens=3, sampled_tokens=40, compute_s=0.5))
     assert meter.record(_op("s2", 1, owner="bob", trained_tokens=7))
-    assert meter.session_usage("s1") == Usage(ops=2, prefill_tokens=17, sampled_tokens=40, trained_tokens=14, compute_s=0.75)
+    assert meter.session_usage("s1") == Usage(
+        ops=2, prefill_tokens=17, sampled_tokens=40, trained_tokens=14, compute_s=0.75
+    )
     assert meter.owner_usage("alice") == meter.session_usage("s1")
     assert meter.owner_usage("bob") == Usage(ops=1, trained_tokens=7)
     assert meter.owners() == ["alice", "bob"]
@@ -36,6 +40,7 @@ def test_a_replayed_or_redelivered_op_is_never_counted_twice(redis_client):
 
 def test_concurrent_duplicates_count_once(redis_url):
     """Eight clients record the same 50 ops at once (redelivery racing a replay): each counts once."""
+
     def record_all():
         meter = Meter(redis.Redis.from_url(redis_url))
         for seq in range(50):
@@ -53,7 +58,7 @@ def test_concurrent_duplicates_count_once(redis_url):
 def test_since_sums_exactly_the_ops_at_or_after_it(redis_client):
     meter = Meter(redis_client)
     for seq, at in enumerate([100.0, 200.0, 300.0, 400.0]):
-        meter.record(_op("s1" if seq % 2 else "s2", seq, at=at, sampled_tokens=10 ** seq))
+        meter.record(_op("s1" if seq % 2 else "s2", seq, at=at, sampled_tokens=10**seq))
     assert meter.owner_usage("alice", since=300.0) == Usage(ops=2, sampled_tokens=100 + 1000)
     assert meter.owner_usage("alice", since=0) == meter.owner_usage("alice")
     assert meter.owner_usage("alice", since=401.0) == Usage()
@@ -82,9 +87,16 @@ def test_billing_events_bucket_by_hour_session_and_kind():
     def op(name, at, session="s1", **counts):
         return OpUsage(session_id=session, op_id=str(at), op=name, owner="alice", base_model="tiny", at=at, **counts)
 
-    events = _events([op("forward_backward", 3600.0, trained_tokens=12), op("forward", 3700.0, prefill_tokens=5),
-                      op("sample", 3800.0, prefill_tokens=4, sampled_tokens=10), op("save_state", 3900.0),
-                      op("forward_backward", 7200.0, trained_tokens=3), op("optim_step", 7300.0, compute_s=1.0)])
+    events = _events(
+        [
+            op("forward_backward", 3600.0, trained_tokens=12),
+            op("forward", 3700.0, prefill_tokens=5),
+            op("sample", 3800.0, prefill_tokens=4, sampled_tokens=10),
+            op("save_state", 3900.0),
+            op("forward_backward", 7200.0, trained_tokens=3),
+            op("optim_step", 7300.0, compute_s=1.0),
+        ]
+    )
     rows = [(e["bucket_start"][11:16], e["session_id"], e["event_info"]) for e in events]
     assert rows == [
         ("01:00", "s1", {"type": "training", "token_count": 17}),

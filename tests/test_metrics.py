@@ -20,8 +20,11 @@ from treadle.queue.workers import ServedModel, WorkerAnnouncement, WorkerRegistr
 
 def samples(text: str) -> dict[tuple, float]:
     """(sample name, sorted labels) -> value, from Prometheus text format."""
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
 
 
 def scrape(url: str) -> dict[tuple, float]:
@@ -45,7 +48,10 @@ def test_worker_metrics_server_parses_and_moves(redis_client):
         assert after[key] - before.get(key, 0) == 14
         count = ("treadle_op_seconds_count", (("base_model", "m-metrics"), ("op", "forward_backward")))
         assert after[count] - before.get(count, 0) == 2
-        errors = ("treadle_ops_total", (("base_model", "m-metrics"), ("op", "forward_backward"), ("outcome", "user_error")))
+        errors = (
+            "treadle_ops_total",
+            (("base_model", "m-metrics"), ("op", "forward_backward"), ("outcome", "user_error")),
+        )
         assert after[errors] - before.get(errors, 0) == 1
         assert after[("treadle_checkpoint_bytes_total", (("kind", "auto"),))] >= 4096
         assert after[("treadle_queue_depth", (("base_model", "m-metrics"),))] == 2
@@ -56,9 +62,14 @@ def test_worker_metrics_server_parses_and_moves(redis_client):
 def test_deployment_collector_reads_workers_sessions_and_queues(redis_client):
     from prometheus_client import CollectorRegistry, generate_latest
 
-    WorkerRegistry(redis_client).announce(WorkerAnnouncement(
-        hostname="w@h", pid=1, started_at=time.time(),
-        models=[ServedModel(name="tiny", path="/m", max_seq_len=64, vocab_size=100)]))
+    WorkerRegistry(redis_client).announce(
+        WorkerAnnouncement(
+            hostname="w@h",
+            pid=1,
+            started_at=time.time(),
+            models=[ServedModel(name="tiny", path="/m", max_seq_len=64, vocab_size=100)],
+        )
+    )
     sessions = SessionRegistry(redis_client)
     for sid, status in [("a", "active"), ("b", "active"), ("c", "stopped")]:
         sessions.create(SessionRecord(session_id=sid, run_id=sid, base_model="tiny", status=status))
@@ -79,9 +90,15 @@ def test_the_grafana_dashboard_queries_only_metrics_treadle_exports(redis_client
 
     exported = {m.name for m in metrics.REGISTRY.collect()}
     exported |= {m.name for m in install(FastAPI(), lambda: redis_client).collect()}
-    dashboard = json.loads((pathlib.Path(__file__).resolve().parents[1] / "deploy" / "grafana-dashboard.json").read_text())
-    queried = {re.sub(r"_(bucket|total|count|sum)$", "", name) for panel in dashboard["panels"] for t in panel["targets"]
-               for name in re.findall(r"\btreadle_\w+", t["expr"])}
+    dashboard = json.loads(
+        (pathlib.Path(__file__).resolve().parents[1] / "deploy" / "grafana-dashboard.json").read_text()
+    )
+    queried = {
+        re.sub(r"_(bucket|total|count|sum)$", "", name)
+        for panel in dashboard["panels"]
+        for t in panel["targets"]
+        for name in re.findall(r"\btreadle_\w+", t["expr"])
+    }
     assert len(queried) >= 10 and queried <= exported, queried - exported
 
 
@@ -95,6 +112,8 @@ def test_operations_doc_names_each_metric_under_the_process_that_exports_it(redi
     section = doc.split("## Metrics (Prometheus)", 1)[1].split("\n## ", 1)[0]
     gateway_text, worker_text = section.split("\n- Gateway:", 1)[1].split("\n- Each worker", 1)
     named = lambda text: {re.sub(r"_(total)$", "", n) for n in re.findall(r"\btreadle_\w+", text.split("\n\n")[0])}  # noqa: E731
-    worker = {m.name for m in metrics.REGISTRY.collect()} | {"treadle_queue_depth"}  # the queue depths of the models it serves
+    worker = {m.name for m in metrics.REGISTRY.collect()} | {
+        "treadle_queue_depth"
+    }  # the queue depths of the models it serves
     assert named(gateway_text) == {m.name for m in install(FastAPI(), lambda: redis_client).collect()}
     assert named(worker_text) == worker

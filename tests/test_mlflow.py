@@ -38,10 +38,25 @@ def tracking_uri(tmp_path_factory) -> str:
 def test_dpo_run_in_mlflow_equals_metrics_jsonl_and_registers_every_checkpoint(service_client, tmp_path, tracking_uri):
     uri = tracking_uri
     heldout = write_jsonl(str(tmp_path / "pairs.jsonl"), arithmetic_pairs(4, max_operand=3))
-    cfg = dpo.Config(base_model="tiny", log_dir=str(tmp_path / "dpo-run"), pairs=8, heldout_path=heldout, heldout_pairs=2,
-                     max_operand=3, steps=4, batch_size=4, beta=0.5, learning_rate=5e-3, lora_rank=4, max_tokens=3,
-                     eval_every=2, save_every=2, mlflow_experiment="treadle-test", mlflow_tracking_uri=uri,
-                     registered_model_name="tiny-dpo")
+    cfg = dpo.Config(
+        base_model="tiny",
+        log_dir=str(tmp_path / "dpo-run"),
+        pairs=8,
+        heldout_path=heldout,
+        heldout_pairs=2,
+        max_operand=3,
+        steps=4,
+        batch_size=4,
+        beta=0.5,
+        learning_rate=5e-3,
+        lora_rank=4,
+        max_tokens=3,
+        eval_every=2,
+        save_every=2,
+        mlflow_experiment="treadle-test",
+        mlflow_tracking_uri=uri,
+        registered_model_name="tiny-dpo",
+    )
     result = dpo.main(cfg, service_client)
     client = MlflowClient(tracking_uri=uri, registry_uri=uri)
     (run,) = client.search_runs([client.get_experiment_by_name("treadle-test").experiment_id])
@@ -49,12 +64,19 @@ def test_dpo_run_in_mlflow_equals_metrics_jsonl_and_registers_every_checkpoint(s
     assert run.data.params["beta"] == "0.5" and run.data.params["steps"] == "4"
     rows = _rows(result.metrics_path)
     assert _history(client, run.info.run_id, rows) == _expected(rows)  # every metric of every step, exactly
-    assert {"curve.png", "metrics.jsonl", "checkpoints.jsonl"} <= {a.path for a in client.list_artifacts(run.info.run_id)}
+    assert {"curve.png", "metrics.jsonl", "checkpoints.jsonl"} <= {
+        a.path for a in client.list_artifacts(run.info.run_id)
+    }
 
     versions = sorted(client.search_model_versions("name = 'tiny-dpo'"), key=lambda v: int(v.version))
     # sampler snapshots of the evals at steps 0, 2, 4 and the training states of steps 2 and 4, in the order saved
     assert [(v.tags["kind"], int(v.tags["step"])) for v in versions] == [
-        ("sampler", 0), ("sampler", 2), ("state", 2), ("sampler", 4), ("state", 4)]
+        ("sampler", 0),
+        ("sampler", 2),
+        ("state", 2),
+        ("sampler", 4),
+        ("state", 4),
+    ]
     states = [c["state_path"] for c in _rows(tmp_path / "dpo-run" / "checkpoints.jsonl")]
     assert [v.source for v in versions if v.tags["kind"] == "state"] == states
     rest = service_client.create_rest_client()
@@ -85,6 +107,8 @@ def test_a_resumed_run_is_a_new_mlflow_run_that_equals_the_rewound_metrics(tmp_p
     rows = _rows(tmp_path / "run" / "metrics.jsonl")
     assert [r["loss"] for r in rows] == [1.0, 0.5, 4.0, 5.0]
     client = MlflowClient(tracking_uri=uri)
-    runs = client.search_runs([client.get_experiment_by_name("resume").experiment_id], order_by=["attributes.start_time DESC"])
+    runs = client.search_runs(
+        [client.get_experiment_by_name("resume").experiment_id], order_by=["attributes.start_time DESC"]
+    )
     assert len(runs) == 2 and runs[0].info.status == "FINISHED"
     assert _history(client, runs[0].info.run_id, rows) == _expected(rows)

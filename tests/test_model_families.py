@@ -71,8 +71,9 @@ def agree(actual, expected, family: str, dtype: str, *, fp32_max: float | None =
         bound = max(fp32_max or 0.0, tolerance(family, dtype))
         assert diff.max() <= bound, f"{family} fp32: max |diff| {diff.max():.3g} > {bound}"
     else:
-        assert diff.max() <= BF16_MAX and diff.mean() <= BF16_MEAN, \
+        assert diff.max() <= BF16_MAX and diff.mean() <= BF16_MEAN, (
             f"{family} {dtype}: max |diff| {diff.max():.3g} (<= {BF16_MAX}), mean {diff.mean():.3g} (<= {BF16_MEAN})"
+        )
     return float(diff.max())
 
 
@@ -158,18 +159,21 @@ def test_family_through_the_engine(family, dtype, family_dirs, tmp_path):
         engine.snapshot_sampler("s", "snap")
         prompt = rng.integers(5, 500, 12).tolist()
         t0 = time.monotonic()
-        response = engine.sample("snap", ModelInput.from_ints(prompt), 3, SamplingParams(max_tokens=16, seed=3),
-                                 include_prompt_logprobs=True)
+        response = engine.sample(
+            "snap", ModelInput.from_ints(prompt), 3, SamplingParams(max_tokens=16, seed=3), include_prompt_logprobs=True
+        )
         tokens_per_s = sum(len(s.tokens) for s in response.sequences) / (time.monotonic() - t0)
         sample_gap = 0.0
         for seq in response.sequences:
             trained = forward_logprobs(engine, "s", prompt + seq.tokens)
-            sample_gap = max(sample_gap, agree(seq.logprobs, trained[len(prompt) - 1:], family, dtype))
+            sample_gap = max(sample_gap, agree(seq.logprobs, trained[len(prompt) - 1 :], family, dtype))
         agree(response.prompt_logprobs[1:], forward_logprobs(engine, "s", prompt), family, dtype)
         # The same rows under two adapters at once (the snapshot and the base model): the mixed-step path.
         t0 = time.monotonic()
-        mixed = [engine.sample_async(adapter, ModelInput.from_ints(prompt), 3, SamplingParams(max_tokens=16, seed=3))
-                 for adapter in ("snap", None)]
+        mixed = [
+            engine.sample_async(adapter, ModelInput.from_ints(prompt), 3, SamplingParams(max_tokens=16, seed=3))
+            for adapter in ("snap", None)
+        ]
         mixed_tokens = sum(len(s.tokens) for f in mixed for s in f.result(timeout=300).sequences)
         mixed_per_s = mixed_tokens / (time.monotonic() - t0)
         if dtype == "float32":  # alone or mixed, the same draw (bf16 rows agree to rounding only, see #31)
@@ -191,17 +195,25 @@ def test_family_through_the_engine(family, dtype, family_dirs, tmp_path):
         # The PEFT export and the merged export, each loaded by plain transformers (+ peft).
         torch_dtype = getattr(torch, dtype)
         engine.save_sampler_weights("snap", str(tmp_path / "adapter"))
-        peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(directory, dtype=torch_dtype),
-                                               str(tmp_path / "adapter")).eval()
+        peft_model = PeftModel.from_pretrained(
+            AutoModelForCausalLM.from_pretrained(directory, dtype=torch_dtype), str(tmp_path / "adapter")
+        ).eval()
         peft_gap = agree(plain_logprobs(peft_model, long), trained_long, family, dtype)
         export_merged(directory, str(tmp_path / "adapter"), str(tmp_path / "merged"))
         merged = AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged"), dtype=torch_dtype).eval()
         merged_gap = agree(plain_logprobs(merged, long), trained_long, family, dtype, fp32_max=MERGED_FP32_MAX)
     finally:
         engine.close()
-    ROWS[(family, dtype)] = dict(profile=profile, loss=(before, after), sample_gap=sample_gap, compute_gap=compute_gap,
-                                 peft_gap=peft_gap, merged_gap=merged_gap, tokens_per_s=tokens_per_s,
-                                 mixed_per_s=mixed_per_s)
+    ROWS[(family, dtype)] = dict(
+        profile=profile,
+        loss=(before, after),
+        sample_gap=sample_gap,
+        compute_gap=compute_gap,
+        peft_gap=peft_gap,
+        merged_gap=merged_gap,
+        tokens_per_s=tokens_per_s,
+        mixed_per_s=mixed_per_s,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -209,8 +221,11 @@ def family_stack(family_dirs, tmp_path_factory):
     """One Redis and one worker serving every family, each under its family name."""
     from treadle.local_stack import LocalStack
 
-    stack = LocalStack([f"{family}={path}" for family, path in family_dirs.items()],
-                       home=str(tmp_path_factory.mktemp("family-stack")), worker_args=["--lease_ttl_s", "5"])
+    stack = LocalStack(
+        [f"{family}={path}" for family, path in family_dirs.items()],
+        home=str(tmp_path_factory.mktemp("family-stack")),
+        worker_args=["--lease_ttl_s", "5"],
+    )
     stack.start(wait_for_workers=600)
     yield stack
     stack.stop()
@@ -233,21 +248,25 @@ def test_family_through_the_stack(family, family_stack):
     step.result(timeout=300)
     sampler = training.save_weights_and_get_sampling_client("family")
     prompt = rng.integers(5, 500, 10).tolist()
-    response = sampler.sample(ModelInput.from_ints(prompt), 2, SamplingParams(max_tokens=12, seed=5)).result(timeout=300)
+    response = sampler.sample(ModelInput.from_ints(prompt), 2, SamplingParams(max_tokens=12, seed=5)).result(
+        timeout=300
+    )
     for seq in response.sequences:
         trained = training.forward([cross_entropy_datum(prompt + seq.tokens)], "cross_entropy").result(timeout=300)
-        agree(seq.logprobs, trained.loss_fn_outputs[0]["logprobs"].to_numpy()[len(prompt) - 1:], family, "float32")
+        agree(seq.logprobs, trained.loss_fn_outputs[0]["logprobs"].to_numpy()[len(prompt) - 1 :], family, "float32")
     long = rng.integers(5, 500, LONG).tolist()
     computed = sampler.compute_logprobs(ModelInput.from_ints(long)).result(timeout=300)
     trained = training.forward([cross_entropy_datum(long)], "cross_entropy").result(timeout=300)
-    STACK_ROWS[family] = {"compute_gap": agree(computed[1:], trained.loss_fn_outputs[0]["logprobs"].to_numpy(),
-                                               family, "float32")}
+    STACK_ROWS[family] = {
+        "compute_gap": agree(computed[1:], trained.loss_fn_outputs[0]["logprobs"].to_numpy(), family, "float32")
+    }
 
 
 def _run(*args: str, timeout: float = 900) -> subprocess.CompletedProcess:
     env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
-    return subprocess.run([sys.executable, "-m", "treadle.cli", *args], capture_output=True, text=True, timeout=timeout,
-                          env=env)
+    return subprocess.run(
+        [sys.executable, "-m", "treadle.cli", *args], capture_output=True, text=True, timeout=timeout, env=env
+    )
 
 
 def test_models_check_on_every_family(family_dirs):
@@ -273,15 +292,28 @@ def test_a_model_treadle_cannot_serve_is_refused_by_name(tmp_path, family_stack)
 
     # Llama 4's chunked attention: a layer kind the batched sampler does not implement.
     tokenizer = build_tokenizer()
-    config = Llama4TextConfig(vocab_size=512, hidden_size=64, intermediate_size=128, intermediate_size_mlp=128,
-                              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                              attention_chunk_size=8, num_local_experts=2, max_position_embeddings=512,
-                              eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    config = Llama4TextConfig(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        intermediate_size_mlp=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        attention_chunk_size=8,
+        num_local_experts=2,
+        max_position_embeddings=512,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
     AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "llama4")
     tokenizer.save_pretrained(tmp_path / "llama4")
     check = _run("models", "check", str(tmp_path / "llama4"), "--no-smoke")
     assert check.returncode != 0 and "cannot serve" in check.stderr and "chunked attention" in check.stderr
-    worker = _run("worker", "--model", f"l4={tmp_path / 'llama4'}", "--broker_url", family_stack.broker_url, timeout=300)
+    worker = _run(
+        "worker", "--model", f"l4={tmp_path / 'llama4'}", "--broker_url", family_stack.broker_url, timeout=300
+    )
     assert worker.returncode != 0
     assert "cannot serve l4" in worker.stderr and "chunked attention" in worker.stderr
 
@@ -293,10 +325,13 @@ def test_the_vllm_backend_refuses_a_family_it_cannot_serve_by_name(family, famil
 
 
 def test_models_md_is_written_from_the_matrix():
-    missing = [(f, d) for f in FAMILY_NAMES for d in DTYPES if (f, d) not in ROWS] + \
-        [(f, "stack") for f in FAMILY_NAMES if f not in STACK_ROWS]
+    missing = [(f, d) for f in FAMILY_NAMES for d in DTYPES if (f, d) not in ROWS] + [
+        (f, "stack") for f in FAMILY_NAMES if f not in STACK_ROWS
+    ]
     if missing:
-        pytest.skip(f"the matrix did not run in full in this process (missing {missing[:3]}...): not rewriting the report")
+        pytest.skip(
+            f"the matrix did not run in full in this process (missing {missing[:3]}...): not rewriting the report"
+        )
     REPORT.write_text(render())
 
 
@@ -322,12 +357,16 @@ def render() -> str:
         fp32, bf16 = ROWS[(family, "float32")], ROWS[(family, "bfloat16")]
         p = fp32["profile"]
         counts = p.trainable_at_rank_32
-        gaps = [" / ".join(f"{r[k]:.1e}" for k in ("sample_gap", "compute_gap", "peft_gap", "merged_gap")) for r in (fp32, bf16)]
+        gaps = [
+            " / ".join(f"{r[k]:.1e}" for k in ("sample_gap", "compute_gap", "peft_gap", "merged_gap"))
+            for r in (fp32, bf16)
+        ]
         lines.append(
             f"| {p.family} | {', '.join(p.attention)} | {p.experts or '-'} | {', '.join(p.lora_attention)} | "
             f"{', '.join(p.lora_mlp) or '-'} | {', '.join(p.lora_experts) or '-'} | "
             f"{counts['attn']:,} / {counts['mlp']:,} / {counts['experts']:,} | {p.sampler.removeprefix('hf: ')} | "
-            f"{'yes' if p.vllm == 'yes' else 'no'} | {gaps[0]} | {gaps[1]} | {fp32['tokens_per_s']:.0f} / {fp32['mixed_per_s']:.0f} |")
+            f"{'yes' if p.vllm == 'yes' else 'no'} | {gaps[0]} | {gaps[1]} | {fp32['tokens_per_s']:.0f} / {fp32['mixed_per_s']:.0f} |"
+        )
     lines += [
         "",
         "- **Targets** are found from the loaded model (`treadle/gpu_worker/model/lora_targets.py`): every linear layer of a",

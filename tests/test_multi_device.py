@@ -38,8 +38,11 @@ def batch(step: int, sizes: tuple[int, ...] = (9, 13, 17, 21)) -> tuple[list[Dat
         if loss_fn == "cross_entropy":
             inputs = {"target_tokens": toks[1:], "weights": [0.0] * 2 + [1.0] * (n - 2)}
         else:
-            inputs = {"target_tokens": toks[1:], "logprobs": [-5.0 - 0.1 * (j % 7) for j in range(n)],
-                      "advantages": [(1.0 if (i + j) % 3 else -0.5) for j in range(n)]}
+            inputs = {
+                "target_tokens": toks[1:],
+                "logprobs": [-5.0 - 0.1 * (j % 7) for j in range(n)],
+                "advantages": [(1.0 if (i + j) % 3 else -0.5) for j in range(n)],
+            }
         out.append(Datum(model_input=ModelInput.from_ints(toks[:-1]), loss_fn_inputs=inputs))
     return out, loss_fn
 
@@ -90,8 +93,10 @@ def train(tc, steps: range) -> tuple[list[float], list[float]]:
     for step in steps:
         data, loss_fn = batch(step)
         pairs.append((tc.forward_backward(data, loss_fn), tc.optim_step(ADAM)))
-    return ([fb.result(timeout=120).metrics["loss:sum"] for fb, _ in pairs],
-            [opt.result(timeout=120).metrics["grad_norm:mean"] for _, opt in pairs])
+    return (
+        [fb.result(timeout=120).metrics["loss:sum"] for fb, _ in pairs],
+        [opt.result(timeout=120).metrics["grad_norm:mean"] for _, opt in pairs],
+    )
 
 
 def children(pid: int) -> list[int]:
@@ -125,8 +130,12 @@ def wait_until(predicate, what: str, bound: float = 60.0) -> float:
 @pytest.fixture(scope="module")
 def stack(tiny_model_dir, tmp_path_factory):
     os.environ["OMP_NUM_THREADS"] = "1"
-    s = LocalStack([f"tiny={tiny_model_dir}"], home=str(tmp_path_factory.mktemp("multi")), workers=0,
-                   worker_args=["--lease_ttl_s", "2", "--checkpoint_every", "5"])
+    s = LocalStack(
+        [f"tiny={tiny_model_dir}"],
+        home=str(tmp_path_factory.mktemp("multi")),
+        workers=0,
+        worker_args=["--lease_ttl_s", "2", "--checkpoint_every", "5"],
+    )
     s.start()
     s.devices = {}  # worker process -> its --devices
     yield s
@@ -179,7 +188,8 @@ def test_two_ranks_train_like_one_device(stack, sc, ref):
     prompt = ModelInput.from_ints(list(range(5, 25)))
     ref.engine.snapshot_sampler("same", "s")
     assert sampler.compute_logprobs(prompt).result(timeout=60)[1:] == pytest.approx(
-        ref.engine.compute_logprobs("s", prompt)[1:], abs=TOL)
+        ref.engine.compute_logprobs("s", prompt)[1:], abs=TOL
+    )
 
 
 def test_checkpoints_move_between_worker_sizes(stack, sc, ref):
@@ -201,8 +211,10 @@ def test_checkpoints_move_between_worker_sizes(stack, sc, ref):
     with tempfile.TemporaryDirectory() as tmp:
         ref.engine.save_state("one-device", tmp)
         assert files == sorted(os.listdir(tmp))
-    assert one_tc.optim_step(ADAM).result(timeout=60).metrics["grad_norm:mean"] == \
-        ref.engine.optim_step("from-two", ADAM).metrics["grad_norm:mean"]
+    assert (
+        one_tc.optim_step(ADAM).result(timeout=60).metrics["grad_norm:mean"]
+        == ref.engine.optim_step("from-two", ADAM).metrics["grad_norm:mean"]
+    )
     assert train(one_tc, range(4, 6)) == ref.run("from-two", range(4, 6))
     one = one_tc.save_state("one").result(timeout=60).path
 
@@ -212,8 +224,10 @@ def test_checkpoints_move_between_worker_sizes(stack, sc, ref):
     two_tc = sc.create_training_client_from_state_with_optimizer(one)
     ref.load("from-one", sc, one)
     single, _ = batch(6, sizes=(15,))
-    assert two_tc.forward(single, "cross_entropy").result(timeout=60).metrics["loss:sum"] == \
-        ref.engine.forward("from-one", single, "cross_entropy").metrics["loss:sum"]
+    assert (
+        two_tc.forward(single, "cross_entropy").result(timeout=60).metrics["loss:sum"]
+        == ref.engine.forward("from-one", single, "cross_entropy").metrics["loss:sum"]
+    )
     losses, norms = train(two_tc, range(6, 9))
     ref_losses, ref_norms = ref.run("from-one", range(6, 9))
     assert all(close(a, b) for a, b in zip(losses + norms, ref_losses + ref_norms))
@@ -274,5 +288,6 @@ def test_dead_ranks_take_their_group_down_and_the_loop_sees_nothing(stack, sc, r
 
 
 def adapter_files(sc: ServiceClient, tc) -> dict:
-    return {k: v.tolist() for k, v in adapter_of(sc, tc.save_state(f"end-{tc.session_id}").result(timeout=60).path).items()}
-
+    return {
+        k: v.tolist() for k, v in adapter_of(sc, tc.save_state(f"end-{tc.session_id}").result(timeout=60).path).items()
+    }

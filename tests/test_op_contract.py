@@ -91,7 +91,10 @@ def test_tensors_cross_the_journal_as_raw_bytes_and_come_back_as_arrays():
     from treadle.types import Datum, ModelInput
 
     weights = np.linspace(0, 1, 1000, dtype=np.float32)
-    datum = Datum(model_input=ModelInput.from_ints(range(1000)), loss_fn_inputs={"weights": weights, "target_tokens": np.arange(1000)})
+    datum = Datum(
+        model_input=ModelInput.from_ints(range(1000)),
+        loss_fn_inputs={"weights": weights, "target_tokens": np.arange(1000)},
+    )
     raw = ops.ForwardBackwardRequest.build(data=[datum], loss_fn="cross_entropy").encode()
     assert b'"b64"' in raw and b"0.001" not in raw  # not a list of floats
     back = ops.ForwardBackwardRequest.decode(raw).data[0].loss_fn_inputs["weights"]

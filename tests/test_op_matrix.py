@@ -29,7 +29,9 @@ def _batch(loss_fn: str, sampler_logprobs: list[np.ndarray] | None = None) -> li
         if loss_fn == "cross_entropy":
             inputs["weights"] = np.ones(length, dtype=np.float32)
         else:
-            inputs["logprobs"] = sampler_logprobs[i] if sampler_logprobs is not None else np.zeros(length, dtype=np.float32)
+            inputs["logprobs"] = (
+                sampler_logprobs[i] if sampler_logprobs is not None else np.zeros(length, dtype=np.float32)
+            )
             inputs["advantages"] = np.full(length, 0.5, dtype=np.float32)
         if loss_fn == "gspo":  # the tokens whose ratios make the sequence ratio: all of them here
             inputs["sequence_ratio_mask"] = np.ones(length, dtype=np.float32)
@@ -56,7 +58,9 @@ def test_training_ops_with_each_loss(service_client, loss_fn):
     after = tc.forward(data, loss_fn).result(timeout=60)
     assert after.metrics["step:max"] == 1
     # gspo's default clip range is 1 - 3e-4 .. 1 + 4e-4: its loss moves by at most that, relatively.
-    assert after.metrics["loss:sum"] != pytest.approx(before.metrics["loss:sum"], rel=1e-5 if loss_fn == "gspo" else 1e-3)
+    assert after.metrics["loss:sum"] != pytest.approx(
+        before.metrics["loss:sum"], rel=1e-5 if loss_fn == "gspo" else 1e-3
+    )
     lp_before = sum(o["logprobs"].to_numpy().sum() for o in before.loss_fn_outputs)
     lp_after = sum(o["logprobs"].to_numpy().sum() for o in after.loss_fn_outputs)
     assert lp_after > lp_before
@@ -71,7 +75,9 @@ def test_forward_backward_custom_matches_the_built_in_loss(service_client):
         tc = service_client.create_lora_training_client("tiny", rank=4, seed=2)
         data = _batch("cross_entropy")
         if custom:
-            out = tc.forward_backward_custom(data, lambda d, lps: (-sum(lp.sum() for lp in lps), {"n": len(lps)})).result(timeout=60)
+            out = tc.forward_backward_custom(
+                data, lambda d, lps: (-sum(lp.sum() for lp in lps), {"n": len(lps)})
+            ).result(timeout=60)
             assert out.metrics["n:mean"] == 2
         else:
             out = tc.forward_backward(data, "cross_entropy").result(timeout=60)

@@ -38,17 +38,24 @@ def rows(step: int, lengths) -> list[list[int]]:
 def datums(step: int, lengths=(7, 5), types=None) -> list:
     """Cross-entropy datums (treadle's, or the official SDK's `types`) whose inputs are exactly `lengths` tokens."""
     t = types or sys.modules["treadle"]
-    return [t.Datum(model_input=t.ModelInput.from_ints(toks[:-1]),
-                    loss_fn_inputs={"target_tokens": toks[1:], "weights": [1.0] * (len(toks) - 1)})
-            for toks in rows(step, lengths)]
+    return [
+        t.Datum(
+            model_input=t.ModelInput.from_ints(toks[:-1]),
+            loss_fn_inputs={"target_tokens": toks[1:], "weights": [1.0] * (len(toks) - 1)},
+        )
+        for toks in rows(step, lengths)
+    ]
 
 
 def scrape(url: str) -> dict[tuple, float]:
     """(sample name, sorted labels) -> value; parsing fails the test if the text is not Prometheus format."""
     with urllib.request.urlopen(url, timeout=10) as r:
         text = r.read().decode()
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
 
 
 def moved(before: dict, after: dict, name: str, **labels) -> float:
@@ -57,8 +64,13 @@ def moved(before: dict, after: dict, name: str, **labels) -> float:
 
 
 def usage_cli(stack: LocalStack, *args: str) -> dict:
-    out = subprocess.run([sys.executable, "-m", "treadle.cli", "usage", "--json", *args], env=stack.env(),
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "treadle.cli", "usage", "--json", *args],
+        env=stack.env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout)
 
@@ -72,9 +84,13 @@ def ops_stack(tiny_model_dir, tmp_path_factory):
     could live with. Workers without a limit for an owner never admit into its count, so the two limits
     stay apart (a deployment gives every worker the same limits)."""
     os.environ["OMP_NUM_THREADS"] = "1"
-    stack = LocalStack([f"tiny={tiny_model_dir}"], home=str(tmp_path_factory.mktemp("ops")), workers=0,
-                       password="ops-redis-pw", worker_args=["--lease_ttl_s", "2", "--checkpoint_every", "2",
-                                                             "--owner_session_limits", '{"carol": 1}'])
+    stack = LocalStack(
+        [f"tiny={tiny_model_dir}"],
+        home=str(tmp_path_factory.mktemp("ops")),
+        workers=0,
+        password="ops-redis-pw",
+        worker_args=["--lease_ttl_s", "2", "--checkpoint_every", "2", "--owner_session_limits", '{"carol": 1}'],
+    )
     stack.start()
     expiring = None
     try:
@@ -83,12 +99,32 @@ def ops_stack(tiny_model_dir, tmp_path_factory):
             port = free_port()
             stack.metrics_ports[stack.start_worker(["--metrics_port", str(port)]).pid] = port
         expiring = subprocess.Popen(
-            [sys.executable, "-m", "treadle.cli", "worker", "--model", f"tiny-exp={tiny_model_dir}", "--lease_ttl_s", "3",
-             "--session_idle_ttl_s", "5", "--max_sessions_per_owner", "1"],
-            env=stack.env(), stdout=open(os.path.join(stack.home, "logs", "worker-expiring.log"), "ab"), stderr=subprocess.STDOUT)
+            [
+                sys.executable,
+                "-m",
+                "treadle.cli",
+                "worker",
+                "--model",
+                f"tiny-exp={tiny_model_dir}",
+                "--lease_ttl_s",
+                "3",
+                "--session_idle_ttl_s",
+                "5",
+                "--max_sessions_per_owner",
+                "1",
+            ],
+            env=stack.env(),
+            stdout=open(os.path.join(stack.home, "logs", "worker-expiring.log"), "ab"),
+            stderr=subprocess.STDOUT,
+        )
         stack.wait_for_workers(3, 180)
-        settings = GatewaySettings(port=0, broker_url=stack.broker_url, storage_url=stack.storage_url,
-                                   api_keys={ALICE_KEY: "alice", CAROL_KEY: "carol"}, long_poll_seconds=5)
+        settings = GatewaySettings(
+            port=0,
+            broker_url=stack.broker_url,
+            storage_url=stack.storage_url,
+            api_keys={ALICE_KEY: "alice", CAROL_KEY: "carol"},
+            long_poll_seconds=5,
+        )
         with BackgroundGateway(settings) as gateway:
             stack.gateway = gateway
             yield stack
@@ -115,8 +151,13 @@ def test_worker_and_gateway_metrics_parse_and_move(ops_stack):
     worker_after, gateway_after = scrape(worker_url), scrape(gateway_url)
 
     assert moved(worker_before, worker_after, "treadle_tokens_total", kind="trained", base_model="tiny") == 2 * 12
-    assert moved(worker_before, worker_after, "treadle_ops_total", op="forward_backward", base_model="tiny", outcome="ok") == 2
-    assert moved(worker_before, worker_after, "treadle_ops_total", op="optim_step", base_model="tiny", outcome="ok") == 1
+    assert (
+        moved(worker_before, worker_after, "treadle_ops_total", op="forward_backward", base_model="tiny", outcome="ok")
+        == 2
+    )
+    assert (
+        moved(worker_before, worker_after, "treadle_ops_total", op="optim_step", base_model="tiny", outcome="ok") == 1
+    )
     assert moved(worker_before, worker_after, "treadle_op_seconds_count", op="forward_backward", base_model="tiny") == 2
     assert moved(worker_before, worker_after, "treadle_checkpoint_bytes_total", kind="state") == saved.size_bytes > 0
     assert moved(worker_before, worker_after, "treadle_checkpoint_seconds_count", kind="state") == 1
@@ -127,8 +168,17 @@ def test_worker_and_gateway_metrics_parse_and_move(ops_stack):
         time.sleep(0.2)
     assert scrape(worker_url)[active] == 1
     assert ("treadle_queue_depth", (("base_model", "tiny"),)) in worker_after
-    assert moved(gateway_before, gateway_after, "treadle_gateway_requests_total",
-                 route="/api/v1/healthz", method="GET", status="200") == 1
+    assert (
+        moved(
+            gateway_before,
+            gateway_after,
+            "treadle_gateway_requests_total",
+            route="/api/v1/healthz",
+            method="GET",
+            status="200",
+        )
+        == 1
+    )
     assert gateway_after[("treadle_deployment_workers", ())] == 3
     assert gateway_after[("treadle_deployment_active_sessions", (("base_model", "tiny"),))] >= 1
     assert ("treadle_queue_depth", (("base_model", "tiny-exp"),)) in gateway_after
@@ -157,8 +207,11 @@ def test_usage_is_exact_across_a_worker_sigkill_and_replay(ops_stack):
     assert moved(survivor_before, scrape(survivor_url), "treadle_lease_takeovers_total", base_model="tiny") == 1
     sampler = tc.save_weights_and_get_sampling_client()
     prompt = [11, 12, 13, 14]
-    out = sampler.sample(ModelInput.from_ints(prompt), num_samples=2,
-                         sampling_params=SamplingParams(max_tokens=5, temperature=1.0, seed=3)).result(timeout=120)
+    out = sampler.sample(
+        ModelInput.from_ints(prompt),
+        num_samples=2,
+        sampling_params=SamplingParams(max_tokens=5, temperature=1.0, seed=3),
+    ).result(timeout=120)
     sampled = sum(len(s.tokens) for s in out.sequences)
 
     usage = meter.session_usage(tc.session_id)
@@ -180,10 +233,13 @@ def test_gateway_quota_billing_and_storage_usage(ops_stack):
     tc.forward_backward(data[:1], "cross_entropy").result()
     path = tc.save_state("carol-1").result().path
     base = official.create_sampling_client(base_model="tiny")  # the bare base model: billed to carol too
-    out = base.sample(tt.ModelInput.from_ints([21, 22, 23]), num_samples=2,
-                      sampling_params=tt.SamplingParams(max_tokens=4, seed=5)).result()
+    out = base.sample(
+        tt.ModelInput.from_ints([21, 22, 23]), num_samples=2, sampling_params=tt.SamplingParams(max_tokens=4, seed=5)
+    ).result()
     sampled = sum(len(s.tokens) for s in out.sequences)
-    with pytest.raises(tinker.RequestFailedError, match=r"owner 'carol' has 1 active training sessions and the limit is 1"):
+    with pytest.raises(
+        tinker.RequestFailedError, match=r"owner 'carol' has 1 active training sessions and the limit is 1"
+    ):
         official.create_lora_training_client(base_model="tiny", rank=4).result()
 
     admin = tinker.AdminClient(base_url=ops_stack.gateway.url, api_key=CAROL_KEY)
@@ -195,11 +251,18 @@ def test_gateway_quota_billing_and_storage_usage(ops_stack):
         key = (event.session_id, event.event_info.type)
         kinds[key] = kinds.get(key, 0) + quantity
         assert event.base_model == "tiny"
-    assert kinds == {(tc.model_id, "training"): 19 + 6, (tc.model_id, "checkpoint"): 1,
-                     ("base:tiny", "sampling_prefill"): 3, ("base:tiny", "sampling_sample"): sampled}
+    assert kinds == {
+        (tc.model_id, "training"): 19 + 6,
+        (tc.model_id, "checkpoint"): 1,
+        ("base:tiny", "sampling_prefill"): 3,
+        ("base:tiny", "sampling_sample"): sampled,
+    }
     storage = admin.get_current_checkpoint_storage_usage().result()
-    manifest = ServiceClient(broker_url=ops_stack.broker_url, storage_url=ops_stack.storage_url) \
-        .create_rest_client().manifest(path.replace("tinker://", "treadle://"))
+    manifest = (
+        ServiceClient(broker_url=ops_stack.broker_url, storage_url=ops_stack.storage_url)
+        .create_rest_client()
+        .manifest(path.replace("tinker://", "treadle://"))
+    )
     assert [(i.checkpoint_count, i.size_bytes) for i in storage.data] == [(1, manifest.size_bytes)]
     with pytest.raises(tinker.TinkerError, match="aligned to a UTC hour"):
         admin.get_billing_usage(hour + timedelta(minutes=5), hour + timedelta(hours=1)).result()
@@ -209,8 +272,10 @@ def test_gateway_quota_billing_and_storage_usage(ops_stack):
 
     served = scrape(ops_stack.gateway.url + "/metrics")  # labelled by route template, with the router's prefix
     route = dict(route="/api/v1/billing/usage/events", method="GET")
-    assert (served[("treadle_gateway_requests_total", tuple(sorted({**route, "status": "200"}.items())))],
-            served[("treadle_gateway_requests_total", tuple(sorted({**route, "status": "400"}.items())))]) == (2, 1)
+    assert (
+        served[("treadle_gateway_requests_total", tuple(sorted({**route, "status": "200"}.items())))],
+        served[("treadle_gateway_requests_total", tuple(sorted({**route, "status": "400"}.items())))],
+    ) == (2, 1)
     assert usage_cli(ops_stack, "--owner", "carol", "--since", "1h")["owners"]["carol"]["trained_tokens"] == 25
     official.close("success")
 

@@ -16,7 +16,13 @@ from treadle.recipes import dpo, kto
 from treadle.recipes.math_tasks import grade, is_heldout
 from treadle.recipes.preference_data import arithmetic_kto_examples, arithmetic_pairs, write_jsonl
 from treadle.recipes.preference import completion_datum, reference_logprobs, reference_scorer
-from treadle.recipes.preference_losses import dpo_loss, dpo_on_pairs, forward_backward_with_loss, kto_loss, kto_reference_point
+from treadle.recipes.preference_losses import (
+    dpo_loss,
+    dpo_on_pairs,
+    forward_backward_with_loss,
+    kto_loss,
+    kto_reference_point,
+)
 
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -38,7 +44,9 @@ def test_dpo_loss_value_and_gradient_sign_by_hand():
     out = dpo_loss(np.array([-3.0]), np.array([-5.0]), np.array([-4.0]), np.array([-4.0]), beta=0.5)
     assert out.loss == pytest.approx(math.log(1 + math.exp(-1.0)), abs=1e-12)  # -log sigmoid(1) = 0.31326
     assert out.metrics["dpo/margin"] == pytest.approx(1.0)
-    assert out.metrics["dpo/chosen_reward"] == pytest.approx(0.5) and out.metrics["dpo/rejected_reward"] == pytest.approx(-0.5)
+    assert out.metrics["dpo/chosen_reward"] == pytest.approx(0.5) and out.metrics[
+        "dpo/rejected_reward"
+    ] == pytest.approx(-0.5)
     assert out.metrics["dpo/accuracy"] == 1.0 and out.metrics["dpo/kl_ref"] == pytest.approx(0.0)
     sig_minus_1 = 1 / (1 + math.e)  # sigmoid(-1) = 0.26894
     assert out.grad == pytest.approx([-0.5 * sig_minus_1, 0.5 * sig_minus_1], abs=1e-12)
@@ -72,7 +80,9 @@ def test_kto_loss_value_and_gradient_sign_by_hand():
     assert out.loss == pytest.approx(((1 - sig(0.5)) + 2 * (1 - sig(1.5))) / 2, abs=1e-12)
     assert out.grad == pytest.approx([-sig(0.5) * sig(-0.5) / 2, 2 * sig(1.5) * sig(-1.5) / 2], abs=1e-12)
     assert out.grad[0] < 0 < out.grad[1]  # push the desirable completion up and the undesirable one down
-    assert out.metrics["kto/reward_desirable"] == pytest.approx(1.0) and out.metrics["kto/reward_undesirable"] == pytest.approx(-1.0)
+    assert out.metrics["kto/reward_desirable"] == pytest.approx(1.0) and out.metrics[
+        "kto/reward_undesirable"
+    ] == pytest.approx(-1.0)
     numeric = _numeric_grad(lambda x: kto_loss(x, ref, desirable, 0.5, 1.0, 1.0, 2.0).loss, policy)
     np.testing.assert_allclose(out.grad, numeric, atol=1e-8)
 
@@ -111,9 +121,22 @@ def test_dpo_recipe_learns_the_preference_on_the_tiny_model(service_client, tmp_
     """Full batches of the same 8 pairs, also used as the 'held-out' file: a random tiny model cannot generalise
     across questions, so this checks the mechanics (reference, loss, gradient, eval) on pairs it can learn."""
     heldout = write_jsonl(str(tmp_path / "pairs.jsonl"), arithmetic_pairs(8, seed=0, max_operand=3))
-    cfg = dpo.Config(base_model="tiny", log_dir=str(tmp_path / "run"), pairs=8, heldout_path=heldout, heldout_pairs=4,
-                     max_operand=3, steps=6, batch_size=8, beta=0.5, learning_rate=5e-3, lora_rank=4, max_tokens=4,
-                     eval_every=3, save_every=3)
+    cfg = dpo.Config(
+        base_model="tiny",
+        log_dir=str(tmp_path / "run"),
+        pairs=8,
+        heldout_path=heldout,
+        heldout_pairs=4,
+        max_operand=3,
+        steps=6,
+        batch_size=8,
+        beta=0.5,
+        learning_rate=5e-3,
+        lora_rank=4,
+        max_tokens=4,
+        eval_every=3,
+        save_every=3,
+    )
     result = dpo.main(cfg, service_client)
     rows = _rows(result.metrics_path)
     assert [r["step"] for r in rows] == list(range(7))
@@ -133,12 +156,26 @@ def test_kto_recipe_learns_from_binary_labels_on_the_tiny_model(service_client, 
     """8 labelled examples in full batches; the held-out file holds pairs of the same 8 questions (mechanics, as above)."""
     data = write_jsonl(str(tmp_path / "kto.jsonl"), arithmetic_kto_examples(8, seed=0, max_operand=3))
     heldout = write_jsonl(str(tmp_path / "pairs.jsonl"), arithmetic_pairs(8, seed=0, max_operand=3))
-    cfg = kto.Config(base_model="tiny", log_dir=str(tmp_path / "run"), data_path=data, heldout_path=heldout, arithmetic_eval=False,
-                     steps=6, batch_size=8, beta=0.5, learning_rate=5e-3, lora_rank=4, eval_every=0, save_every=6)
+    cfg = kto.Config(
+        base_model="tiny",
+        log_dir=str(tmp_path / "run"),
+        data_path=data,
+        heldout_path=heldout,
+        arithmetic_eval=False,
+        steps=6,
+        batch_size=8,
+        beta=0.5,
+        learning_rate=5e-3,
+        lora_rank=4,
+        eval_every=0,
+        save_every=6,
+    )
     result = kto.main(cfg, service_client)
     rows = _rows(result.metrics_path)
     assert [r["step"] for r in rows] == list(range(7))
-    assert rows[1]["kto/loss"] == pytest.approx(0.5, abs=1e-4)  # r = z0 = 0 at the start: 1 - sigmoid(0) for every example
+    assert rows[1]["kto/loss"] == pytest.approx(
+        0.5, abs=1e-4
+    )  # r = z0 = 0 at the start: 1 - sigmoid(0) for every example
     assert all(r["kto/kl"] >= 0.0 for r in rows[1:])  # the reference point is floored at 0
     # ... from the estimate, which moves once the policy leaves the reference (up or down: on some CPUs the
     # mismatched pairs' logprobs fall and the floor keeps z0 at 0 on every step).
@@ -164,8 +201,10 @@ def test_dpo_through_the_gateway_with_the_official_tinker_sdk(tinker_env):
 
     def official_datum(prompt: str, completion: str):
         d = completion_datum(tokenizer, prompt, completion, None)
-        return tt.Datum(model_input=tt.ModelInput.from_ints(d.model_input.to_ints()),
-                        loss_fn_inputs={k: v.to_numpy() for k, v in d.loss_fn_inputs.items()})
+        return tt.Datum(
+            model_input=tt.ModelInput.from_ints(d.model_input.to_ints()),
+            loss_fn_inputs={k: v.to_numpy() for k, v in d.loss_fn_inputs.items()},
+        )
 
     pairs = arithmetic_pairs(4, max_operand=3)
     batch = [official_datum(p.prompt, p.chosen) for p in pairs] + [official_datum(p.prompt, p.rejected) for p in pairs]
@@ -187,10 +226,12 @@ def test_dpo_through_the_gateway_with_the_official_tinker_sdk(tinker_env):
 def test_recipes_import_and_show_help_without_torch():
     """Torch, transformers and peft blocked: each recipe imports and its generated --help lists its knobs."""
     for module in ("treadle.recipes.dpo", "treadle.recipes.kto", "treadle.recipes.distill"):
-        code = ("import sys, runpy\n"
-                "for name in ('torch', 'transformers', 'peft', 'accelerate'): sys.modules[name] = None\n"
-                f"sys.argv = ['{module}', '--help']\n"
-                f"runpy.run_module('{module}', run_name='__main__')\n")
+        code = (
+            "import sys, runpy\n"
+            "for name in ('torch', 'transformers', 'peft', 'accelerate'): sys.modules[name] = None\n"
+            f"sys.argv = ['{module}', '--help']\n"
+            f"runpy.run_module('{module}', run_name='__main__')\n"
+        )
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=60)
         assert out.returncode == 0, (module, out.stderr)
         assert "--learning_rate" in out.stdout and "--registered_model_name" in out.stdout and "--resume" in out.stdout

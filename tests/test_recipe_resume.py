@@ -22,15 +22,52 @@ def _config(recipe: str, tmp_path):
     run = dict(base_model="tiny", log_dir=str(tmp_path / "run"), steps=4, save_every=2, eval_every=0, lora_rank=4)
     if recipe == "dpo":
         pairs = write_jsonl(str(tmp_path / "pairs.jsonl"), arithmetic_pairs(8, seed=0, max_operand=3))
-        return dpo, dpo.Config(**run, pairs=8, heldout_path=pairs, heldout_pairs=2, max_operand=3, batch_size=2,
-                               beta=0.5, learning_rate=5e-3, max_tokens=4), "dpo/loss"
+        return (
+            dpo,
+            dpo.Config(
+                **run,
+                pairs=8,
+                heldout_path=pairs,
+                heldout_pairs=2,
+                max_operand=3,
+                batch_size=2,
+                beta=0.5,
+                learning_rate=5e-3,
+                max_tokens=4,
+            ),
+            "dpo/loss",
+        )
     if recipe == "kto":
         data = write_jsonl(str(tmp_path / "kto.jsonl"), arithmetic_kto_examples(8, seed=0, max_operand=3))
         pairs = write_jsonl(str(tmp_path / "pairs.jsonl"), arithmetic_pairs(4, seed=0, max_operand=3))
-        return kto, kto.Config(**run, data_path=data, heldout_path=pairs, arithmetic_eval=False, batch_size=2, beta=0.5,
-                               learning_rate=5e-3), "kto/loss"
-    return distill, distill.Config(**run, max_operand=3, prompts_per_batch=2, samples_per_prompt=2, max_tokens=4,
-                                   learning_rate=1e-2, eval_prompts=2, eval_samples=1, arithmetic_eval=False), "kl/student_teacher"
+        return (
+            kto,
+            kto.Config(
+                **run,
+                data_path=data,
+                heldout_path=pairs,
+                arithmetic_eval=False,
+                batch_size=2,
+                beta=0.5,
+                learning_rate=5e-3,
+            ),
+            "kto/loss",
+        )
+    return (
+        distill,
+        distill.Config(
+            **run,
+            max_operand=3,
+            prompts_per_batch=2,
+            samples_per_prompt=2,
+            max_tokens=4,
+            learning_rate=1e-2,
+            eval_prompts=2,
+            eval_samples=1,
+            arithmetic_eval=False,
+        ),
+        "kl/student_teacher",
+    )
 
 
 @pytest.mark.parametrize("recipe", ["dpo", "kto", "distill"])

@@ -23,14 +23,35 @@ def _rows(path) -> list[dict]:
 
 def _tiny_rl_config(log_dir, **overrides) -> math_rl.Config:
     """An easy task a random tiny model can climb: tiny operands, 3 tokens, credit for any integer."""
-    settings = dict(base_model="tiny", log_dir=str(log_dir), max_operand=3, max_tokens=3, format_reward=0.5,
-                    learning_rate=1e-2, lora_rank=4, groups_per_batch=8, group_size=8, eval_problems=3, eval_every=0, steps=10)
+    settings = dict(
+        base_model="tiny",
+        log_dir=str(log_dir),
+        max_operand=3,
+        max_tokens=3,
+        format_reward=0.5,
+        learning_rate=1e-2,
+        lora_rank=4,
+        groups_per_batch=8,
+        group_size=8,
+        eval_problems=3,
+        eval_every=0,
+        steps=10,
+    )
     return math_rl.Config(**{**settings, **overrides})
 
 
 def test_sft_lowers_heldout_loss_and_writes_logs(service_client, tmp_path):
-    cfg = sft.Config(base_model="tiny", log_dir=str(tmp_path), steps=6, batch_size=8, learning_rate=1e-2, lora_rank=8,
-                     eval_every=3, save_every=3, submit_ahead=2)
+    cfg = sft.Config(
+        base_model="tiny",
+        log_dir=str(tmp_path),
+        steps=6,
+        batch_size=8,
+        learning_rate=1e-2,
+        lora_rank=8,
+        eval_every=3,
+        save_every=3,
+        submit_ahead=2,
+    )
     result = sft.main(cfg, service_client)
     assert result.eval_loss_after < result.eval_loss_before - 0.3, (result.eval_loss_before, result.eval_loss_after)
     rows = _rows(result.metrics_path)
@@ -56,8 +77,16 @@ def test_math_rl_raises_reward_on_an_easy_task(service_client, tmp_path):
 
 @pytest.mark.parametrize("stale_policy", ["requeue", "discard"])
 def test_async_mode_never_trains_on_groups_staler_than_the_limit(service_client, tmp_path, stale_policy):
-    cfg = _tiny_rl_config(tmp_path, mode="async", steps=6, groups_per_batch=2, group_size=4, async_groups_in_flight=8,
-                          max_steps_off_policy=1, stale_policy=stale_policy)
+    cfg = _tiny_rl_config(
+        tmp_path,
+        mode="async",
+        steps=6,
+        groups_per_batch=2,
+        group_size=4,
+        async_groups_in_flight=8,
+        max_steps_off_policy=1,
+        stale_policy=stale_policy,
+    )
     math_rl.main(cfg, service_client)
     rollouts = _rows(tmp_path / "rollouts.jsonl")
     used = [r for r in rollouts if r["action"] == "use"]
@@ -79,13 +108,42 @@ def test_async_mode_never_trains_on_groups_staler_than_the_limit(service_client,
 def test_resume_after_kill_repeats_and_skips_no_step(stack, tmp_path):
     """SIGKILL the recipe after its first checkpoint, rerun with --resume; compare with an uninterrupted run."""
     env = {**stack.env(), "OMP_NUM_THREADS": "1"}
-    args = ["--base_model", "tiny", "--max_operand", "3", "--max_tokens", "3", "--format_reward", "0.5", "--learning_rate", "1e-2",
-            "--lora_rank", "4", "--groups_per_batch", "4", "--group_size", "4", "--eval_problems", "3", "--eval_every", "0",
-            "--steps", "40", "--save_every", "5"]
+    args = [
+        "--base_model",
+        "tiny",
+        "--max_operand",
+        "3",
+        "--max_tokens",
+        "3",
+        "--format_reward",
+        "0.5",
+        "--learning_rate",
+        "1e-2",
+        "--lora_rank",
+        "4",
+        "--groups_per_batch",
+        "4",
+        "--group_size",
+        "4",
+        "--eval_problems",
+        "3",
+        "--eval_every",
+        "0",
+        "--steps",
+        "40",
+        "--save_every",
+        "5",
+    ]
 
     def run(log_dir, *extra) -> subprocess.Popen:
-        return subprocess.Popen([sys.executable, "-m", "treadle.recipes.math_rl", "--log_dir", str(log_dir), *args, *extra],
-                                cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        return subprocess.Popen(
+            [sys.executable, "-m", "treadle.recipes.math_rl", "--log_dir", str(log_dir), *args, *extra],
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
 
     killed = tmp_path / "killed"
     proc = run(killed)
@@ -116,12 +174,26 @@ def test_resume_after_kill_repeats_and_skips_no_step(stack, tmp_path):
 
 def test_math_rl_on_gsm8k_jsonl_with_ppo_and_a_kl_penalty(service_client, tmp_path):
     """GSM8K from a local JSONL (answers after '#### '), the ppo loss, and KL-in-reward against the base model."""
-    rows = [{"question": f"Sam has {a} pens and buys {b} more. How many pens?", "answer": f"{a} + {b} = {a + b}\n#### {a + b}"}
-            for a, b in [(1, 2), (3, 1), (2, 2), (4, 1), (0, 3)]]
+    rows = [
+        {
+            "question": f"Sam has {a} pens and buys {b} more. How many pens?",
+            "answer": f"{a} + {b} = {a + b}\n#### {a + b}",
+        }
+        for a, b in [(1, 2), (3, 1), (2, 2), (4, 1), (0, 3)]
+    ]
     data = tmp_path / "gsm8k.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    cfg = _tiny_rl_config(tmp_path / "run", task="gsm8k", gsm8k_train_path=str(data), gsm8k_eval_path=str(data),
-                          loss_fn="ppo", kl_penalty_coef=0.05, steps=3, groups_per_batch=2, group_size=8)
+    cfg = _tiny_rl_config(
+        tmp_path / "run",
+        task="gsm8k",
+        gsm8k_train_path=str(data),
+        gsm8k_eval_path=str(data),
+        loss_fn="ppo",
+        kl_penalty_coef=0.05,
+        steps=3,
+        groups_per_batch=2,
+        group_size=8,
+    )
     result = math_rl.main(cfg, service_client)
     metrics = _rows(result.metrics_path)
     assert [r["step"] for r in metrics] == [0, 1, 2, 3]
@@ -136,8 +208,16 @@ def test_math_rl_on_gsm8k_jsonl_with_ppo_and_a_kl_penalty(service_client, tmp_pa
 
 def test_sft_resume_continues_exactly_from_the_checkpoint(service_client, tmp_path):
     """Drop the last checkpoint (as if the run died after step 2's save) and resume: steps 3-4 come out identical."""
-    cfg = sft.Config(base_model="tiny", log_dir=str(tmp_path), steps=4, batch_size=4, learning_rate=1e-2, lora_rank=4,
-                     eval_every=0, save_every=2)
+    cfg = sft.Config(
+        base_model="tiny",
+        log_dir=str(tmp_path),
+        steps=4,
+        batch_size=4,
+        learning_rate=1e-2,
+        lora_rank=4,
+        eval_every=0,
+        save_every=2,
+    )
     sft.main(cfg, service_client)
     original = _rows(tmp_path / "metrics.jsonl")
     checkpoints = (tmp_path / "checkpoints.jsonl").read_text().splitlines()

@@ -101,10 +101,15 @@ CONVERSATION = [
 def test_assistant_mask_matches_the_templates_generation_markers(chatml_tokenizer):
     """The tiny tokenizer's template marks assistant turns with {% generation %}: HF's own mask is the oracle."""
     rendered = render_conversation(chatml_tokenizer, CONVERSATION)
-    oracle = chatml_tokenizer.apply_chat_template(CONVERSATION, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+    oracle = chatml_tokenizer.apply_chat_template(
+        CONVERSATION, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+    )
     assert rendered.tokens == list(oracle["input_ids"])
     assert rendered.mask == [float(m) for m in oracle["assistant_masks"]]
-    assert chatml_tokenizer.decode([t for t, m in zip(rendered.tokens, rendered.mask) if m]) == "5<|im_end|>It is 8.<|im_end|>"
+    assert (
+        chatml_tokenizer.decode([t for t, m in zip(rendered.tokens, rendered.mask) if m])
+        == "5<|im_end|>It is 8.<|im_end|>"
+    )
 
 
 def test_last_assistant_only_and_prompt_prefix(chatml_tokenizer):
@@ -146,7 +151,7 @@ def test_heldout_split_is_disjoint_from_training_and_fixed():
     training = [arithmetic_problem_at(seed, i) for seed in range(3) for i in range(300)]
     assert not {p.question for p in training} & {p.question for p in heldout}
     assert arithmetic_problem_at(7, 12) == arithmetic_problem_at(7, 12)
-    assert all(eval(p.question[len("What is "):-1]) == p.answer for p in training[:50])
+    assert all(eval(p.question[len("What is ") : -1]) == p.answer for p in training[:50])
 
 
 def test_heldout_size_beyond_the_space_is_an_error():
@@ -154,15 +159,18 @@ def test_heldout_size_beyond_the_space_is_an_error():
         arithmetic_heldout(50, max_operand=2)
 
 
-@pytest.mark.parametrize("response, first_line_only, expected", [
-    ("12", True, 12),
-    ("7 + 5 = 12", True, 12),
-    ("7 - 9 = -2.", True, -2),
-    ("The answer is 1,234\nor 5", True, 1234),
-    ("The answer is 3\nor 5", False, 5),
-    ("no idea", True, None),
-    ("", True, None),
-])
+@pytest.mark.parametrize(
+    "response, first_line_only, expected",
+    [
+        ("12", True, 12),
+        ("7 + 5 = 12", True, 12),
+        ("7 - 9 = -2.", True, -2),
+        ("The answer is 1,234\nor 5", True, 1234),
+        ("The answer is 3\nor 5", False, 5),
+        ("no idea", True, None),
+        ("", True, None),
+    ],
+)
 def test_parse_answer(response, first_line_only, expected):
     assert parse_answer(response, first_line_only) == expected
 
@@ -186,13 +194,16 @@ def test_gsm8k_answer_and_local_jsonl(tmp_path):
 # ---------------------------------------------------------------- staleness
 
 
-@pytest.mark.parametrize("group_version, current, limit, policy, expected", [
-    (5, 5, 0, "requeue", "use"),
-    (4, 5, 0, "requeue", "requeue"),
-    (4, 5, 1, "discard", "use"),
-    (3, 5, 1, "discard", "discard"),
-    (3, 5, 2, "requeue", "use"),
-])
+@pytest.mark.parametrize(
+    "group_version, current, limit, policy, expected",
+    [
+        (5, 5, 0, "requeue", "use"),
+        (4, 5, 0, "requeue", "requeue"),
+        (4, 5, 1, "discard", "use"),
+        (3, 5, 1, "discard", "discard"),
+        (3, 5, 2, "requeue", "use"),
+    ],
+)
 def test_staleness_action(group_version, current, limit, policy, expected):
     assert staleness_action(group_version, current, limit, policy) == expected
 
@@ -244,7 +255,9 @@ def test_plot_writes_a_real_png(tmp_path):
 
     log = RunLog(str(tmp_path), _config())
     for step in range(6):
-        log.log_metrics(step, {"reward/mean": step / 5, **({"eval/accuracy": 0.2 + step / 10} if step % 2 == 0 else {})})
+        log.log_metrics(
+            step, {"reward/mean": step / 5, **({"eval/accuracy": 0.2 + step / 10} if step % 2 == 0 else {})}
+        )
     png = plot_metrics(log.metrics_path, str(tmp_path / "curve.png"), ["reward/mean", "eval/accuracy"])
     with open(png, "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
@@ -261,7 +274,10 @@ def test_cli_parses_config_flags():
     from treadle.recipes.cli import parse_config
     from treadle.recipes.math_rl import Config
 
-    cfg = parse_config(Config, ["--steps", "7", "--mode", "async", "--stale_policy", "discard", "--resume", "--stop", ".", "--stop", "!"])
+    cfg = parse_config(
+        Config,
+        ["--steps", "7", "--mode", "async", "--stale_policy", "discard", "--resume", "--stop", ".", "--stop", "!"],
+    )
     assert (cfg.steps, cfg.mode, cfg.stale_policy, cfg.resume, cfg.stop) == (7, "async", "discard", True, [".", "!"])
 
 

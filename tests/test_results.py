@@ -66,11 +66,19 @@ def test_an_ops_usage_result_and_applied_seq_are_all_written(redis_client, redis
     app = make_app(redis_url, result_url)
     app.backend.client.flushdb()
     registry = SessionRegistry(redis_client)
-    sequencer = Sequencer(SimpleNamespace(registry=registry), app, after_op=None, reload=None,
-                          usage=UsageRecorder(redis_client), linger=Linger(redis_client, "w", 0))
+    sequencer = Sequencer(
+        SimpleNamespace(registry=registry),
+        app,
+        after_op=None,
+        reload=None,
+        usage=UsageRecorder(redis_client),
+        linger=Linger(redis_client, "w", 0),
+    )
     assert sequencer._one_write == (results_db == "same")
     entry = JournalEntry(session_id="s1", seq=4, op="forward_backward", submitted_at=0.0, raw_request=b"")
-    usage = OpUsage(session_id="s1", op_id="4", op="forward_backward", base_model="tiny", trained_tokens=12, compute_s=0.5)
+    usage = OpUsage(
+        session_id="s1", op_id="4", op="forward_backward", base_model="tiny", trained_tokens=12, compute_s=0.5
+    )
     redis_client.hset(names.journal_key("s1"), "5", b"optim_step\n0.0\n{}")  # the op after it, journaled
     redis_client.set(names.lease_key("s1"), b"lease")
     for _ in range(2):  # a retry through a Redis outage repeats the whole write: still counted once

@@ -43,8 +43,12 @@ def wait_for(predicate, timeout: float, what: str, poll: float = 0.05):
 
 @pytest.fixture()
 def env(stack):
-    return {**os.environ, "TREADLE_BROKER_URL": stack.broker_url, "TREADLE_STORAGE_URL": stack.storage_url,
-            "OMP_NUM_THREADS": "1"}
+    return {
+        **os.environ,
+        "TREADLE_BROKER_URL": stack.broker_url,
+        "TREADLE_STORAGE_URL": stack.storage_url,
+        "OMP_NUM_THREADS": "1",
+    }
 
 
 @pytest.fixture()
@@ -71,8 +75,9 @@ def runners(stack):
 
 
 def treadle(env, *args, check: bool = True) -> subprocess.CompletedProcess:
-    done = subprocess.run([sys.executable, "-m", "treadle.cli", *args], env=env, cwd=REPO, capture_output=True,
-                          text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "treadle.cli", *args], env=env, cwd=REPO, capture_output=True, text=True, timeout=120
+    )
     assert not check or done.returncode == 0, done.stdout + done.stderr
     return done
 
@@ -102,7 +107,10 @@ def test_compose_runs_one_runner_that_shuts_down_gracefully():
     runner = compose["services"]["runner"]
     ns = build_parser().parse_args(runner["command"])
     assert ns.func.__name__ == "cmd_runner"
-    assert runner["environment"]["TREADLE_BROKER_URL"] == compose["services"]["worker"]["environment"]["TREADLE_BROKER_URL"]
+    assert (
+        runner["environment"]["TREADLE_BROKER_URL"]
+        == compose["services"]["worker"]["environment"]["TREADLE_BROKER_URL"]
+    )
     assert runner["restart"] == "unless-stopped" and "redis" in runner["depends_on"]
     # compose's SIGKILL must come after the runner's own SIGTERM-to-SIGKILL grace: runs are released, not orphaned
     assert int(runner["stop_grace_period"].rstrip("s")) > RunnerConfig().stop_grace_s
@@ -156,8 +164,14 @@ def test_a_stack_with_a_runner_runs_a_submitted_command_and_stops_it_with_the_st
 def test_a_failing_command_restarts_with_its_resume_args_then_fails_with_its_last_lines(env, store, runners):
     runners("r-fail")
     script = "import os, sys; print('attempt', os.environ['TREADLE_RUN_ATTEMPT'], sys.argv[1:]); print('boom', file=sys.stderr); sys.exit(3)"
-    name = submit(env, unique("fails"), sys.executable, "-c", script,
-                  options=("--max_restarts", "2", "--backoff_s", "0.05", "--resume_args=--again --from-last"))
+    name = submit(
+        env,
+        unique("fails"),
+        sys.executable,
+        "-c",
+        script,
+        options=("--max_restarts", "2", "--backoff_s", "0.05", "--resume_args=--again --from-last"),
+    )
     record = wait_for(lambda: finished(store, name), 60, "the run to fail")
     shown = status(env, name)
     assert shown.status.state == "failed" and shown.status.restarts == 2 and shown.status.attempt == 3
@@ -169,7 +183,10 @@ def test_a_failing_command_restarts_with_its_resume_args_then_fails_with_its_las
     log = treadle(env, "runs", "logs", name).stdout
     # the first start as submitted; every restart with the declared resume arguments
     assert [line for line in log.splitlines() if line.startswith("attempt")] == [
-        "attempt 1 []", "attempt 2 ['--again', '--from-last']", "attempt 3 ['--again', '--from-last']"]
+        "attempt 1 []",
+        "attempt 2 ['--again', '--from-last']",
+        "attempt 3 ['--again', '--from-last']",
+    ]
     listed = treadle(env, "runs", "list").stdout
     assert any(line.split()[:3] == [name, "failed", "2/2"] for line in listed.splitlines())
 
@@ -192,11 +209,29 @@ def _read_lines(pipe, into: queue.Queue) -> None:
 def test_logs_follow_streams_while_the_run_is_live(env, store, runners, tmp_path):
     runners("r-follow")
     go = tmp_path / "go"
-    script = ("import os, sys, time\nfor i in range(3): print('tick', i, flush=True)\n"
-              f"while not os.path.exists({str(go)!r}): time.sleep(0.05)\nprint('done', flush=True)")
+    script = (
+        "import os, sys, time\nfor i in range(3): print('tick', i, flush=True)\n"
+        f"while not os.path.exists({str(go)!r}): time.sleep(0.05)\nprint('done', flush=True)"
+    )
     name = submit(env, unique("follow"), sys.executable, "-c", script)
-    follower = subprocess.Popen([sys.executable, "-m", "treadle.cli", "runs", "logs", name, "--follow", "--poll_s", "0.1",
-                                 "--timeout_s", "120"], env=env, stdout=subprocess.PIPE, text=True)
+    follower = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "treadle.cli",
+            "runs",
+            "logs",
+            name,
+            "--follow",
+            "--poll_s",
+            "0.1",
+            "--timeout_s",
+            "120",
+        ],
+        env=env,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     lines: queue.Queue = queue.Queue()
     threading.Thread(target=_read_lines, args=(follower.stdout, lines), daemon=True).start()
     try:
@@ -224,12 +259,16 @@ def _group(pid: int) -> list[psutil.Process]:
 def test_runner_shutdown_leaves_the_run_adoptable_and_stop_kills_the_whole_group(env, store, runners):
     first = runners("r-first")
     name = submit(env, unique("sleeper"), "sh", "-c", "echo start $TREADLE_RUN_ATTEMPT; sleep 300 & sleep 301 & wait")
-    record = wait_for(lambda: (r := store.get(name)).status.state == "running" and r.status.pid and r, 60, "the first start")
+    record = wait_for(
+        lambda: (r := store.get(name)).status.state == "running" and r.status.pid and r, 60, "the first start"
+    )
     procs = wait_for(lambda: len(group := _group(record.status.pid)) == 3 and group, 60, "sh and its two sleeps")
 
     first.send_signal(signal.SIGTERM)
     assert first.wait(timeout=60) == 0
-    assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in procs), "orphans after runner shutdown"
+    assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in procs), (
+        "orphans after runner shutdown"
+    )
     record = store.get(name)
     assert record.status.state == "running" and store.lease_holder(name) is None  # released, not finished
 
@@ -246,9 +285,34 @@ def test_runner_shutdown_leaves_the_run_adoptable_and_stop_kills_the_whole_group
 
 
 # ------------------------------------------------------------------------ acceptance: math_rl survives kills
-RL_ARGS = ["--base_model", "tiny", "--max_operand", "3", "--max_tokens", "3", "--format_reward", "0.5", "--learning_rate",
-           "3e-3", "--lora_rank", "4", "--groups_per_batch", "2", "--group_size", "4", "--eval_problems", "2",
-           "--eval_every", "0", "--steps", "30", "--save_every", "3", "--seed", "0"]
+RL_ARGS = [
+    "--base_model",
+    "tiny",
+    "--max_operand",
+    "3",
+    "--max_tokens",
+    "3",
+    "--format_reward",
+    "0.5",
+    "--learning_rate",
+    "3e-3",
+    "--lora_rank",
+    "4",
+    "--groups_per_batch",
+    "2",
+    "--group_size",
+    "4",
+    "--eval_problems",
+    "2",
+    "--eval_every",
+    "0",
+    "--steps",
+    "30",
+    "--save_every",
+    "3",
+    "--seed",
+    "0",
+]
 
 
 def _last_step(log_dir) -> int:
@@ -282,15 +346,19 @@ def test_math_rl_run_survives_three_loop_kills_and_a_runner_kill_bit_identically
     by_id = {rid: runners(rid) for rid in ("r-a", "r-b")}
     recipe = [sys.executable, "-m", "treadle.recipes.math_rl", *RL_ARGS]
     killed_dir, fresh_dir = tmp_path / "killed", tmp_path / "fresh"
-    name = submit(env, unique("rl"), *recipe, "--log_dir", str(killed_dir), options=("--max_restarts", "5", "--backoff_s", "0.2"))
+    name = submit(
+        env, unique("rl"), *recipe, "--log_dir", str(killed_dir), options=("--max_restarts", "5", "--backoff_s", "0.2")
+    )
     # the uninterrupted reference runs beside it, outside the runners (killing a runner must not touch it)
     with open(tmp_path / "reference.log", "w") as out:
-        reference = subprocess.Popen([*recipe, "--log_dir", str(fresh_dir)], cwd=REPO, env=env, stdout=out,
-                                     stderr=subprocess.STDOUT)
+        reference = subprocess.Popen(
+            [*recipe, "--log_dir", str(fresh_dir)], cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT
+        )
 
     for attempt, step in enumerate(kill_at, start=1):
-        record = wait_for(lambda: (r := store.get(name)).status.attempt == attempt and r.status.pid and r, 120,
-                          f"attempt {attempt}")
+        record = wait_for(
+            lambda: (r := store.get(name)).status.attempt == attempt and r.status.pid and r, 120, f"attempt {attempt}"
+        )
         wait_for(lambda: _last_step(killed_dir) >= step, 300, f"step {step}", poll=0.02)
         time.sleep(chooser.uniform(0, 0.3))
         if attempt == 3:  # the runner that supervises the run: the loop dies with it, the other runner adopts
@@ -301,7 +369,12 @@ def test_math_rl_run_survives_three_loop_kills_and_a_runner_kill_bit_identically
     done = wait_for(lambda: finished(store, name), 600, "the killed run to finish")
     assert reference.wait(timeout=600) == 0, (tmp_path / "reference.log").read_text()[-3000:]
     shown = status(env, name)
-    assert (shown.status.state, shown.status.restarts, shown.status.adoptions, shown.status.attempt) == ("succeeded", 3, 1, 5)
+    assert (shown.status.state, shown.status.restarts, shown.status.adoptions, shown.status.attempt) == (
+        "succeeded",
+        3,
+        1,
+        5,
+    )
     assert done.status.last_exit_code == 0
     assert shown.status.last_metrics["step"] == 30
     assert shown.status.checkpoints[-1]["step"] == 30

@@ -33,8 +33,19 @@ def model_dir(tmp_path_factory) -> str:
     return build_tiny_model(tmp_path_factory.mktemp("tiny32"), head_dim=32)
 
 
-@pytest.fixture(scope="module", params=["hf", pytest.param("vllm", marks=pytest.mark.skipif(
-    not HAVE_VLLM and not os.environ.get("CI"), reason="no .venv-vllm: scripts/setup_vllm.sh cpu installs it"))])
+@pytest.fixture(
+    scope="module",
+    params=[
+        "hf",
+        pytest.param(
+            "vllm",
+            marks=pytest.mark.skipif(
+                not HAVE_VLLM and not os.environ.get("CI"),
+                reason="no .venv-vllm: scripts/setup_vllm.sh cpu installs it",
+            ),
+        ),
+    ],
+)
 def engine(request, model_dir):
     engine = Engine(model_dir, sampler=request.param, vllm=VllmOptions(max_lora_rank=8, max_loras=2, max_cpu_loras=4))
     engine.kind = request.param
@@ -43,8 +54,10 @@ def engine(request, model_dir):
 
 
 def datum(tokens: list[int]) -> Datum:
-    return Datum(model_input=ModelInput.from_ints(tokens[:-1]),
-                 loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * (len(tokens) - 1)})
+    return Datum(
+        model_input=ModelInput.from_ints(tokens[:-1]),
+        loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * (len(tokens) - 1)},
+    )
 
 
 def train(engine, session: str, steps: int) -> None:
@@ -83,13 +96,13 @@ def test_t1_sampled_logprobs_equal_the_trainers_forward(trained):
     worst = 0.0
     for sampler, session in samplers:
         for seq in sample(engine, sampler, n=3, max_tokens=16, seed=1).sequences:
-            expected = trainer_logprobs(engine, session, PROMPT + seq.tokens)[len(PROMPT) - 1:]
+            expected = trainer_logprobs(engine, session, PROMPT + seq.tokens)[len(PROMPT) - 1 :]
             worst = max(worst, float(np.abs(np.asarray(seq.logprobs) - expected).max()))
     print(f"\n{engine.kind}: max |sampled - trainer forward| logprob at T=1: {worst:.2e}")
     assert worst < TOLERANCE[engine.kind]
     # The adapters matter: a's tokens score differently under b.
     seq = sample(engine, "a-0", n=1, max_tokens=8, seed=2).sequences[0]
-    other = trainer_logprobs(engine, "b", PROMPT + seq.tokens)[len(PROMPT) - 1:]
+    other = trainer_logprobs(engine, "b", PROMPT + seq.tokens)[len(PROMPT) - 1 :]
     assert np.abs(np.asarray(seq.logprobs) - other).max() > 1e-2
 
 
@@ -108,7 +121,7 @@ def test_snapshot_stays_frozen_while_its_session_trains_on(trained):
     assert [s.logprobs for s in new.sequences] != [s.logprobs for s in before.sequences]
     # The new snapshot is the session as trained now: the trainer's forward scores its tokens.
     for seq in new.sequences:
-        expected = trainer_logprobs(engine, "c", PROMPT + seq.tokens)[len(PROMPT) - 1:]
+        expected = trainer_logprobs(engine, "c", PROMPT + seq.tokens)[len(PROMPT) - 1 :]
         np.testing.assert_allclose(seq.logprobs, expected, atol=TOLERANCE[engine.kind])
 
 
@@ -126,11 +139,17 @@ def test_same_seed_same_tokens(trained):
 def test_a_burst_of_long_seeded_requests_is_answered_alike_twice(trained):
     engine = trained
     sampler = snapshot(engine, "b", "b-burst")
-    prompts = [[(17 * i + j) % 400 + 5 for j in range(300)] for i in range(8)]  # 8 x 2 rows x 300: more than one prefill
+    prompts = [
+        [(17 * i + j) % 400 + 5 for j in range(300)] for i in range(8)
+    ]  # 8 x 2 rows x 300: more than one prefill
 
     def burst():
-        futures = [engine.sample_async(sampler if i % 2 else None, ModelInput.from_ints(p), 2, SamplingParams(max_tokens=6, seed=i))
-                   for i, p in enumerate(prompts)]
+        futures = [
+            engine.sample_async(
+                sampler if i % 2 else None, ModelInput.from_ints(p), 2, SamplingParams(max_tokens=6, seed=i)
+            )
+            for i, p in enumerate(prompts)
+        ]
         return [f.result(timeout=WAIT).sequences for f in futures]
 
     first, second = burst(), burst()
@@ -148,7 +167,7 @@ def test_processed_logprobs_are_those_of_the_distribution_sampled_from(trained):
     assert greedy.logprobs == [0.0] * 6  # greedy samples from a point mass
     hot = sample(engine, sampler, n=2, max_tokens=6, seed=3, temperature=0.5).sequences
     for seq in hot:
-        raw = trainer_logprobs(engine, "a", PROMPT + seq.tokens)[len(PROMPT) - 1:]
+        raw = trainer_logprobs(engine, "a", PROMPT + seq.tokens)[len(PROMPT) - 1 :]
         # At T=0.5 a likely token is likelier than under the model (raw): the logprobs are not the raw ones.
         assert not np.allclose(seq.logprobs, raw, atol=1e-2)
     top1 = sample(engine, sampler, n=2, max_tokens=6, seed=3, top_k=1).sequences
@@ -174,7 +193,8 @@ def test_stops_and_stop_reason(trained):
     eos = engine._host.eos_token_id
     for seq in sample(engine, None, n=8, max_tokens=40, seed=4, temperature=1.5).sequences:
         assert (seq.stop_reason == "stop" and seq.tokens[-1] == eos and eos not in seq.tokens[:-1]) or (
-            seq.stop_reason == "length" and len(seq.tokens) == 40 and eos not in seq.tokens)
+            seq.stop_reason == "length" and len(seq.tokens) == 40 and eos not in seq.tokens
+        )
 
 
 def test_base_model_sampling(trained):
@@ -182,11 +202,11 @@ def test_base_model_sampling(trained):
     response = sample(engine, None, n=4, max_tokens=10, seed=8)
     for seq in response.sequences:
         # A fresh session's LoRA B is zero: its forward is the base model's.
-        expected = trainer_logprobs(engine, "fresh", PROMPT + seq.tokens)[len(PROMPT) - 1:]
+        expected = trainer_logprobs(engine, "fresh", PROMPT + seq.tokens)[len(PROMPT) - 1 :]
         np.testing.assert_allclose(seq.logprobs, expected, atol=TOLERANCE[engine.kind])
     # The base model is not any session's snapshot: a trained adapter scores the same tokens otherwise.
     seq = response.sequences[0]
-    assert np.abs(trainer_logprobs(engine, "b", PROMPT + seq.tokens)[len(PROMPT) - 1:] - seq.logprobs).max() > 1e-2
+    assert np.abs(trainer_logprobs(engine, "b", PROMPT + seq.tokens)[len(PROMPT) - 1 :] - seq.logprobs).max() > 1e-2
 
 
 def reference_prompt_logprobs(engine, sampler: str | None, tokens: list[int], k: int):
@@ -206,15 +226,22 @@ def test_compute_logprobs_with_topk(trained, sampler_of):
     tokens = [5, *PROMPT, 7, 300, 12]
     chosen, top_ids, top_values = reference_prompt_logprobs(engine, sampler, tokens, 3)
     logprobs, top = engine.sampler.compute_logprobs(
-        engine._samplers[sampler] if sampler else None, np.array(tokens), 3).result(timeout=WAIT)
+        engine._samplers[sampler] if sampler else None, np.array(tokens), 3
+    ).result(timeout=WAIT)
     assert logprobs[0] is None and top[0] is None and len(logprobs) == len(top) == len(tokens)
     np.testing.assert_allclose(logprobs[1:], chosen, atol=TOLERANCE[engine.kind])
     assert [[t for t, _ in row] for row in top[1:]] == top_ids  # the same top 3, in order
     np.testing.assert_allclose([[v for _, v in row] for row in top[1:]], top_values, atol=TOLERANCE[engine.kind])
     # Through the engine's public door, and with a sample (the same prompt logprobs as the sample's prefill).
     assert engine.compute_logprobs(sampler, ModelInput.from_ints(tokens)) == logprobs
-    with_sample = engine.sample(sampler, ModelInput.from_ints(tokens), 2, SamplingParams(max_tokens=2, seed=0),
-                                include_prompt_logprobs=True, topk_prompt_logprobs=2)
+    with_sample = engine.sample(
+        sampler,
+        ModelInput.from_ints(tokens),
+        2,
+        SamplingParams(max_tokens=2, seed=0),
+        include_prompt_logprobs=True,
+        topk_prompt_logprobs=2,
+    )
     np.testing.assert_allclose(with_sample.prompt_logprobs[1:], chosen, atol=TOLERANCE[engine.kind])
     assert [[t for t, _ in row] for row in with_sample.topk_prompt_logprobs[1:]] == [ids[:2] for ids in top_ids]
     # A one-token prompt has no logprobs to give.
@@ -255,13 +282,27 @@ def test_prompt_and_sample_side_logprob_options_are_served_or_refused_by_name(tr
     engine = trained
     targets = np.full((len(PROMPT) - 1, 1), -1)
     targets[-1, 0] = 7
-    for extras in (SampleExtras(topk_sample_logprobs=2), SampleExtras(target_ids=targets), SampleExtras(prompt_alt_tokens_k=2)):
+    for extras in (
+        SampleExtras(topk_sample_logprobs=2),
+        SampleExtras(target_ids=targets),
+        SampleExtras(prompt_alt_tokens_k=2),
+    ):
+
         def ask(extras=extras):
-            return engine.sample(None, ModelInput.from_ints(PROMPT), 1, SamplingParams(max_tokens=2, seed=0), extras=extras)
+            return engine.sample(
+                None, ModelInput.from_ints(PROMPT), 1, SamplingParams(max_tokens=2, seed=0), extras=extras
+            )
+
         if engine.kind == "vllm":
-            asked = next(name for name, on in (("topk_sample_logprobs", extras.topk_sample_logprobs),
-                                               ("target_prompt_logprobs", extras.target_ids is not None),
-                                               ("prompt_alt_tokens_k", extras.prompt_alt_tokens_k)) if on)
+            asked = next(
+                name
+                for name, on in (
+                    ("topk_sample_logprobs", extras.topk_sample_logprobs),
+                    ("target_prompt_logprobs", extras.target_ids is not None),
+                    ("prompt_alt_tokens_k", extras.prompt_alt_tokens_k),
+                )
+                if on
+            )
             with pytest.raises(InvalidRequestError, match=f"{asked}: not served by the vllm sampler backend"):
                 ask()
             continue
@@ -269,6 +310,13 @@ def test_prompt_and_sample_side_logprob_options_are_served_or_refused_by_name(tr
         assert (got.sequences[0].topk_logprobs is not None) == bool(extras.topk_sample_logprobs)
         assert (got.target_prompt_logprobs is not None) == (extras.target_ids is not None)
         assert (got.prompt_alt_tokens is not None) == bool(extras.prompt_alt_tokens_k)
-    with pytest.raises(InvalidRequestError, match=r"target_prompt_logprobs\[0\]\[0\]: token id 100000 outside vocabulary"):
-        engine.sample(None, ModelInput.from_ints(PROMPT), 1, SamplingParams(max_tokens=2),
-                      extras=SampleExtras(target_ids=np.full((len(PROMPT) - 1, 1), 100000)))
+    with pytest.raises(
+        InvalidRequestError, match=r"target_prompt_logprobs\[0\]\[0\]: token id 100000 outside vocabulary"
+    ):
+        engine.sample(
+            None,
+            ModelInput.from_ints(PROMPT),
+            1,
+            SamplingParams(max_tokens=2),
+            extras=SampleExtras(target_ids=np.full((len(PROMPT) - 1, 1), 100000)),
+        )

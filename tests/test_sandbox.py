@@ -221,7 +221,9 @@ def test_many_runs_in_parallel_are_bounded_by_the_pool(sandbox):
     jobs = [(f"import os\nprint(os.getuid(), {i} * {i})", "") for i in range(8)]
     results = run_all(sandbox, jobs, parallelism=8)
     assert [r.stdout.split()[1] for r in results] == [str(i * i) for i in range(8)]
-    assert {int(r.stdout.split()[0]) for r in results} <= set(sandbox.uids)  # at most pool_size runs at once, one per uid
+    assert {int(r.stdout.split()[0]) for r in results} <= set(
+        sandbox.uids
+    )  # at most pool_size runs at once, one per uid
 
 
 def test_concurrent_callers_share_the_pool_safely(sandbox):
@@ -239,15 +241,19 @@ def test_cgroup_discovery_takes_a_delegated_v2_subtree_then_v1(tmp_path):
     v2 = tmp_path / "v2"
     service, leaf = v2 / "grader.service", v2 / "grader.service" / "main"
     leaf.mkdir(parents=True)
-    (leaf / "cgroup.subtree_control").write_text("\n")  # the grader's own leaf: it may not have children with controllers
+    (leaf / "cgroup.subtree_control").write_text(
+        "\n"
+    )  # the grader's own leaf: it may not have children with controllers
     (service / "cgroup.subtree_control").write_text("cpu memory pids\n")  # its delegated parent does
     v1 = {c: tmp_path / "v1" / c / "box" for c in ("memory", "pids")}
     for path in v1.values():
         path.mkdir(parents=True)
     mountinfo, own = tmp_path / "mountinfo", tmp_path / "cgroup"
-    mountinfo.write_text(f"30 20 0:26 / {v2} rw - cgroup2 cgroup2 rw\n"
-                         f"31 20 0:27 / {tmp_path / 'v1' / 'memory'} rw - cgroup cgroup rw,memory\n"
-                         f"32 20 0:28 / {tmp_path / 'v1' / 'pids'} rw - cgroup cgroup rw,pids\n")
+    mountinfo.write_text(
+        f"30 20 0:26 / {v2} rw - cgroup2 cgroup2 rw\n"
+        f"31 20 0:27 / {tmp_path / 'v1' / 'memory'} rw - cgroup cgroup rw,memory\n"
+        f"32 20 0:28 / {tmp_path / 'v1' / 'pids'} rw - cgroup cgroup rw,pids\n"
+    )
     own.write_text("2:memory:/box\n1:pids:/box\n0::/grader.service/main\n")
     parents, found = find_cgroup_parents(str(mountinfo), str(own))
     assert parents == {"memory": str(service), "pids": str(service)} and found == f"cgroup v2 under {service}"

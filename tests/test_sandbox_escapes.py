@@ -25,7 +25,9 @@ from treadle.recipes import sandbox_host
 from treadle.recipes.sandbox import IPC_MB, Limits, LocalSandbox
 
 MEMORY_MB = 128
-LIMITS = Limits(cpu_seconds=1, wall_seconds=20.0, memory_mb=MEMORY_MB, max_processes=4, max_output_bytes=64 * 1024, work_mb=4)
+LIMITS = Limits(
+    cpu_seconds=1, wall_seconds=20.0, memory_mb=MEMORY_MB, max_processes=4, max_output_bytes=64 * 1024, work_mb=4
+)
 # For the memory attempts: a file-size limit so large that it bounds no memfd or shared-memory file.
 MEMORY_LIMITS = LIMITS.model_copy(update={"max_output_bytes": 1 << 30})
 SECRET = "s3cr3t-on-the-host"
@@ -54,8 +56,23 @@ def attempt(name, call):
     return result
 """
 # x86_64 system call numbers the programs use through ctypes
-SYSCALLS = dict(ptrace=101, mount=165, reboot=169, sethostname=170, init_module=175, add_key=248, request_key=249, keyctl=250,
-                unshare=272, setns=308, perf_event_open=298, bpf=321, userfaultfd=323, io_uring_setup=425, clone=56)
+SYSCALLS = dict(
+    ptrace=101,
+    mount=165,
+    reboot=169,
+    sethostname=170,
+    init_module=175,
+    add_key=248,
+    request_key=249,
+    keyctl=250,
+    unshare=272,
+    setns=308,
+    perf_event_open=298,
+    bpf=321,
+    userfaultfd=323,
+    io_uring_setup=425,
+    clone=56,
+)
 
 
 def _uids_in(path: str, column: int, uids: list[int]) -> list[str]:
@@ -104,7 +121,9 @@ class Host:
     def untouched(self) -> None:
         with open(self.marker) as f:
             assert f.read() == SECRET, "the host's marker file changed"
-        assert sorted(os.listdir(os.path.dirname(self.marker))) == ["host.sock", "marker.txt"], "a file appeared on the host"
+        assert sorted(os.listdir(os.path.dirname(self.marker))) == ["host.sock", "marker.txt"], (
+            "a file appeared on the host"
+        )
         for listener in (self.listener, self.unix, self.abstract_sock):
             with pytest.raises(BlockingIOError):
                 listener.accept()  # nothing ever connected
@@ -142,6 +161,7 @@ def _contained(result, probes: int, status: str = "ok") -> None:
 
 
 # ---- host files, paths, environment ------------------------------------------------------------
+
 
 def test_writes_to_host_files_and_the_root_fail(sandbox, host):
     body = f"""
@@ -211,10 +231,15 @@ print("root", sorted(os.listdir("/proc/self/root/")))
     _contained(result, 5)
     root = eval(result.stdout.splitlines()[-1].split(" ", 1)[1])
     # the interpreter's prefix (under /root here) and the /usr-merged links at most
-    assert {"dev", "proc", "tmp", "usr", "work"} <= set(root) <= {"bin", "dev", "lib", "lib64", "proc", "root", "sbin", "tmp", "usr", "work"}
+    assert (
+        {"dev", "proc", "tmp", "usr", "work"}
+        <= set(root)
+        <= {"bin", "dev", "lib", "lib64", "proc", "root", "sbin", "tmp", "usr", "work"}
+    )
 
 
 # ---- network ------------------------------------------------------------------------------------
+
 
 def test_no_network_to_the_host_loopback_the_internet_or_dns(sandbox, host):
     body = f"""
@@ -239,6 +264,7 @@ for address in [{host.unix_path!r}, {host.abstract!r}, "/run/docker.sock", "/var
 
 # ---- processes, signals, privileges -------------------------------------------------------------
 
+
 def test_signals_reach_no_host_process(sandbox):
     bystander = subprocess.Popen(["sleep", "60"])
     try:
@@ -260,10 +286,10 @@ def test_privileged_calls_through_ctypes_are_refused(sandbox):
     body = f"""
 attempt("setuid 0", lambda: os.setuid(0))
 attempt("setgid 0", lambda: os.setgid(0))
-attempt("mount", lambda: sys_call({SYSCALLS['mount']}, b"none", b"/tmp", b"tmpfs", 0, None))
-attempt("sethostname", lambda: sys_call({SYSCALLS['sethostname']}, b"pwned", 5))
-attempt("reboot", lambda: sys_call({SYSCALLS['reboot']}, 0xfee1dead, 672274793, 0x4321FEDC, None))
-attempt("init_module", lambda: sys_call({SYSCALLS['init_module']}, None, 0, b""))
+attempt("mount", lambda: sys_call({SYSCALLS["mount"]}, b"none", b"/tmp", b"tmpfs", 0, None))
+attempt("sethostname", lambda: sys_call({SYSCALLS["sethostname"]}, b"pwned", 5))
+attempt("reboot", lambda: sys_call({SYSCALLS["reboot"]}, 0xfee1dead, 672274793, 0x4321FEDC, None))
+attempt("init_module", lambda: sys_call({SYSCALLS["init_module"]}, None, 0, b""))
 attempt("mknod", lambda: os.mknod("/tmp/sda", 0o600 | 0o60000, os.makedev(8, 0)))
 attempt("raise the address-space limit", lambda: __import__("resource").setrlimit(__import__("resource").RLIMIT_AS, (-1, -1)))
 attempt("raise the process limit", lambda: __import__("resource").setrlimit(__import__("resource").RLIMIT_NPROC, (10**6, 10**6)))
@@ -290,8 +316,8 @@ print("ESCAPED setuid copy" if euid == "0" else "contained setuid copy runs as "
 
 def test_ptrace_and_other_processes_memory_are_refused(sandbox):
     body = f"""
-attempt("ptrace attach to the parent", lambda: sys_call({SYSCALLS['ptrace']}, 16, os.getppid(), None, None))
-attempt("ptrace traceme", lambda: sys_call({SYSCALLS['ptrace']}, 0, 0, None, None))
+attempt("ptrace attach to the parent", lambda: sys_call({SYSCALLS["ptrace"]}, 16, os.getppid(), None, None))
+attempt("ptrace traceme", lambda: sys_call({SYSCALLS["ptrace"]}, 0, 0, None, None))
 attempt("/proc/parent/mem", lambda: open(f"/proc/{{os.getppid()}}/mem", "rb").read(1))
 """
     _contained(_run_attempt(sandbox, body), 3)
@@ -359,14 +385,14 @@ print("contained parent exits", flush=True)
 
 def test_new_namespaces_and_kernel_surfaces_are_refused(sandbox):
     body = f"""
-attempt("unshare user namespace", lambda: sys_call({SYSCALLS['unshare']}, 0x10000000))
-attempt("unshare ipc+mount", lambda: sys_call({SYSCALLS['unshare']}, 0x08000000 | 0x20000))
-attempt("clone into a user namespace", lambda: sys_call({SYSCALLS['clone']}, 0x10000000 | 17, None, None, None, 0))
-attempt("setns", lambda: sys_call({SYSCALLS['setns']}, os.open("/proc/self/ns/net", os.O_RDONLY), 0))
-attempt("io_uring_setup", lambda: sys_call({SYSCALLS['io_uring_setup']}, 8, (ctypes.c_char * 120)()))
-attempt("userfaultfd", lambda: sys_call({SYSCALLS['userfaultfd']}, 0))
-attempt("bpf", lambda: sys_call({SYSCALLS['bpf']}, 0, (ctypes.c_char * 72)(), 72))
-attempt("perf_event_open", lambda: sys_call({SYSCALLS['perf_event_open']}, (ctypes.c_char * 128)(), 0, -1, -1, 0))
+attempt("unshare user namespace", lambda: sys_call({SYSCALLS["unshare"]}, 0x10000000))
+attempt("unshare ipc+mount", lambda: sys_call({SYSCALLS["unshare"]}, 0x08000000 | 0x20000))
+attempt("clone into a user namespace", lambda: sys_call({SYSCALLS["clone"]}, 0x10000000 | 17, None, None, None, 0))
+attempt("setns", lambda: sys_call({SYSCALLS["setns"]}, os.open("/proc/self/ns/net", os.O_RDONLY), 0))
+attempt("io_uring_setup", lambda: sys_call({SYSCALLS["io_uring_setup"]}, 8, (ctypes.c_char * 120)()))
+attempt("userfaultfd", lambda: sys_call({SYSCALLS["userfaultfd"]}, 0))
+attempt("bpf", lambda: sys_call({SYSCALLS["bpf"]}, 0, (ctypes.c_char * 72)(), 72))
+attempt("perf_event_open", lambda: sys_call({SYSCALLS["perf_event_open"]}, (ctypes.c_char * 128)(), 0, -1, -1, 0))
 """
     _contained(_run_attempt(sandbox, body), 8)
 
@@ -380,7 +406,9 @@ ctypes.CFUNCTYPE(ctypes.c_long)(ctypes.addressof(ctypes.c_char.from_buffer(page)
 """
 
 
-@pytest.mark.parametrize("call", [f"sys_call(0x40000000 | {SYSCALLS['keyctl']}, 0, -3, 0)", INT_80], ids=["x32", "int_0x80"])
+@pytest.mark.parametrize(
+    "call", [f"sys_call(0x40000000 | {SYSCALLS['keyctl']}, 0, -3, 0)", INT_80], ids=["x32", "int_0x80"]
+)
 def test_other_architectures_system_calls_kill_the_program(sandbox, call):
     # the filter's rules name native numbers, so it kills a call made under another numbering instead
     body = f"""
@@ -394,6 +422,7 @@ print("ESCAPED the call returned", flush=True)
 
 
 # ---- output, files ------------------------------------------------------------------------------
+
 
 def test_a_gigabyte_of_output_is_capped(sandbox):
     result = sandbox.run("chunk = 'x' * (1 << 20)\nfor _ in range(1024):\n    print(chunk)")
@@ -431,6 +460,7 @@ print("open", len(fds))
 
 
 # ---- memory -------------------------------------------------------------------------------------
+
 
 def test_an_8_gb_allocation_hits_the_memory_limit(sandbox):
     body = f"""
@@ -559,7 +589,9 @@ def test_memory_outside_the_address_space_is_bounded(memory_sandbox, memory_sand
     result, grown_mb = _run_measured(box, HOGS[hog] + HOLD)
     assert "ESCAPED" not in result.stdout, result
     held_mb = int(result.stdout.split("held_mb")[1].split()[0])
-    print(f"{hog} {'with' if host_cgroups else 'without'} cgroup: held {held_mb} MiB, host shared memory grew {grown_mb:.1f} MiB")
+    print(
+        f"{hog} {'with' if host_cgroups else 'without'} cgroup: held {held_mb} MiB, host shared memory grew {grown_mb:.1f} MiB"
+    )
     assert held_mb < 2 * MEMORY_MB and grown_mb < 2 * MEMORY_MB
     assert result.status == "ok", result
 
@@ -596,17 +628,17 @@ def test_keyrings_are_out_of_reach_and_nothing_carries_to_the_next_run():
     box = LocalSandbox(LIMITS, pool_size=1)  # one slot: both runs below get the same uid
     plant = f"""
 buffer = ctypes.create_string_buffer(4096)
-attempt("read the grader's key", lambda: sys_call({SYSCALLS['keyctl']}, 11, {key}, buffer, 4096))
-attempt("search the session keyring", lambda: sys_call({SYSCALLS['keyctl']}, 10, -3, b"user", b"grader-secret", 0))
-attempt("request_key", lambda: sys_call({SYSCALLS['request_key']}, b"user", b"grader-secret", None, 0))
+attempt("read the grader's key", lambda: sys_call({SYSCALLS["keyctl"]}, 11, {key}, buffer, 4096))
+attempt("search the session keyring", lambda: sys_call({SYSCALLS["keyctl"]}, 10, -3, b"user", b"grader-secret", 0))
+attempt("request_key", lambda: sys_call({SYSCALLS["request_key"]}, b"user", b"grader-secret", None, 0))
 for keyring, name in [(-3, "session"), (-4, "user"), (-5, "user session")]:
     attempt("plant in the " + name + " keyring",
-            lambda: sys_call({SYSCALLS['add_key']}, b"user", b"planted", b"from-run-1", 10, keyring))
+            lambda: sys_call({SYSCALLS["add_key"]}, b"user", b"planted", b"from-run-1", 10, keyring))
 """
     _contained(_run_attempt(box, plant), 6)
     read_back = f"""
 for keyring in [-4, -5]:
-    attempt("find the planted key", lambda: sys_call({SYSCALLS['keyctl']}, 10, keyring, b"user", b"planted", 0))
+    attempt("find the planted key", lambda: sys_call({SYSCALLS["keyctl"]}, 10, keyring, b"user", b"planted", 0))
 """
     _contained(_run_attempt(box, read_back), 2)
     assert _keys_in(-3) == ["grader-secret"], "the grader's session keyring changed"
@@ -614,6 +646,7 @@ for keyring in [-4, -5]:
 
 
 # ---- runs at once -------------------------------------------------------------------------------
+
 
 def test_a_hostile_run_cannot_touch_a_concurrent_run(sandbox):
     victim = """
@@ -623,7 +656,9 @@ with open("/tmp/answer", "w") as f:
 time.sleep(1.5)
 print(open("/tmp/answer").read(), os.listdir("/tmp"), os.listdir("/work"))
 """
-    attacker = PRELUDE + """
+    attacker = (
+        PRELUDE
+        + """
 import glob, signal
 time.sleep(0.3)  # the victim is running by now
 others = [pid for pid in os.listdir("/proc") if pid.isdigit() and int(pid) != os.getpid()]
@@ -642,9 +677,12 @@ def overwrite():
         open(path, "w").write("0")
 attempt("write another run's tmp", overwrite)
 """
+    )
     results: dict[str, object] = {}
-    threads = [threading.Thread(target=lambda: results.setdefault("victim", sandbox.run(victim))),
-               threading.Thread(target=lambda: results.setdefault("attacker", sandbox.run(attacker)))]
+    threads = [
+        threading.Thread(target=lambda: results.setdefault("victim", sandbox.run(victim))),
+        threading.Thread(target=lambda: results.setdefault("attacker", sandbox.run(attacker))),
+    ]
     for thread in threads:
         thread.start()
     for thread in threads:
@@ -656,6 +694,7 @@ attempt("write another run's tmp", overwrite)
 
 # ---- what the sandbox reports and refuses -------------------------------------------------------
 
+
 def test_it_reports_its_protections_and_refuses_without_seccomp_unless_told(sandbox, monkeypatch, caplog):
     assert not sandbox.protections["seccomp"].startswith("missing") and "keyctl" in sandbox.protections["seccomp"]
     assert set(sandbox.protections) >= {"namespaces", "seccomp", "cgroup", "rlimits", "uids"}
@@ -666,6 +705,7 @@ def test_it_reports_its_protections_and_refuses_without_seccomp_unless_told(sand
 
     def no_libseccomp():
         raise ImportError("libseccomp not found")
+
     monkeypatch.setattr(sandbox_host, "seccomp_filter", no_libseccomp)
     with pytest.raises(RuntimeError, match=r"needs seccomp.*allow_missing=\('seccomp',\)"):
         LocalSandbox(LIMITS, pool_size=1)
@@ -686,7 +726,9 @@ def test_without_seccomp_the_cgroup_alone_bounds_a_memfd(monkeypatch):
 
 
 def test_a_pool_that_does_not_fit_in_memory_is_refused():
-    with pytest.raises(ValueError, match=r"pool_size x run memory = 4 x 8226 MiB = 32904 MiB exceeds .* budget of 16000 MiB"):
+    with pytest.raises(
+        ValueError, match=r"pool_size x run memory = 4 x 8226 MiB = 32904 MiB exceeds .* budget of 16000 MiB"
+    ):
         LocalSandbox(Limits(memory_mb=512, max_processes=16), pool_size=4, memory_budget_mb=16000)
     assert Limits(memory_mb=512, max_processes=16).run_memory_mb == 512 * 16 + 2 * 16 + IPC_MB
 

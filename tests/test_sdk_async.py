@@ -26,7 +26,10 @@ def twins() -> dict[str, tuple[typing.Callable, typing.Callable]]:
     for cls in CLASSES:
         for name, twin in inspect.getmembers(cls, inspect.iscoroutinefunction):
             if name.endswith("_async"):
-                found[f"{cls.__name__}.{name.removesuffix('_async')}"] = (getattr(cls, name.removesuffix("_async")), twin)
+                found[f"{cls.__name__}.{name.removesuffix('_async')}"] = (
+                    getattr(cls, name.removesuffix("_async")),
+                    twin,
+                )
     return found
 
 
@@ -49,8 +52,12 @@ def test_every_sdk_op_has_a_twin():
 
 def batch() -> list[Datum]:
     tokens = [5, 9, 14, 20, 27, 35, 44]
-    return [Datum(model_input=ModelInput.from_ints(tokens[:-1]),
-                  loss_fn_inputs={"target_tokens": tokens[1:], "weights": [0.0, 1.0, 1.0, 1.0, 1.0, 1.0]})]
+    return [
+        Datum(
+            model_input=ModelInput.from_ints(tokens[:-1]),
+            loss_fn_inputs={"target_tokens": tokens[1:], "weights": [0.0, 1.0, 1.0, 1.0, 1.0, 1.0]},
+        )
+    ]
 
 
 def sum_of_logprobs(data, logprobs):
@@ -91,8 +98,10 @@ async def await_every_twin(service: ServiceClient) -> set[str]:
     expected = -sum(float(lp) for out in forward.loss_fn_outputs for lp in out["logprobs"].to_numpy())
     assert custom.metrics["loss:sum"] == pytest.approx(expected, rel=1e-5) and custom.metrics["datums:mean"] == 1.0
     # Ops reach the session in the order their twins were started, also when gathered.
-    backward, step = await asyncio.gather(training.forward_backward_async(batch(), "cross_entropy"),
-                                          call(training, "optim_step", AdamParams(learning_rate=1e-3)))
+    backward, step = await asyncio.gather(
+        training.forward_backward_async(batch(), "cross_entropy"),
+        call(training, "optim_step", AdamParams(learning_rate=1e-3)),
+    )
     assert int(backward.id.rpartition(":")[2]) < int(step.id.rpartition(":")[2])
     await step
 

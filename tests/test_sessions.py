@@ -23,8 +23,12 @@ def sft_batch(offset: int, n: int = 2, length: int = 24) -> list[Datum]:
     for i in range(n):
         toks = [(offset * 7 + i * 13 + j * 3) % 250 + 5 for j in range(length + 1)]
         weights = [0.0] * 4 + [1.0] * (length - 4)  # a masked prompt
-        out.append(Datum(model_input=ModelInput.from_ints(toks[:-1]),
-                         loss_fn_inputs={"target_tokens": toks[1:], "weights": weights}))
+        out.append(
+            Datum(
+                model_input=ModelInput.from_ints(toks[:-1]),
+                loss_fn_inputs={"target_tokens": toks[1:], "weights": weights},
+            )
+        )
     return out
 
 
@@ -60,7 +64,9 @@ def test_sft_through_sdk_lowers_loss_and_equals_engine(service_client, tiny_mode
 
 def test_pipelined_ops_resolve_in_order(service_client):
     tc = service_client.create_lora_training_client("tiny", rank=4, seed=0)
-    pairs = [(tc.forward_backward(sft_batch(i, n=1, length=8), "cross_entropy"), tc.optim_step(ADAM)) for i in range(50)]
+    pairs = [
+        (tc.forward_backward(sft_batch(i, n=1, length=8), "cross_entropy"), tc.optim_step(ADAM)) for i in range(50)
+    ]
     for step, (fb, opt) in enumerate(pairs):
         assert fb.result(timeout=120).metrics["step:max"] == step  # ran before its optim_step
         assert opt.result(timeout=120).metrics["step:max"] == step + 1
@@ -124,7 +130,7 @@ def test_an_op_behind_one_not_yet_applied_rings_no_doorbell_and_still_runs(servi
 
     from treadle.gpu_worker.executor.linger import KEY_SLACK_MS
     from treadle.gpu_worker.executor.sequencer import READ_AHEAD_OPS
-    from treadle.gpu_worker.worker_main import WorkerConfig
+    from treadle.gpu_worker.worker_config import WorkerConfig
     from treadle.queue.ops import NoopRequest
 
     tc = service_client.create_lora_training_client("tiny", rank=4, seed=0)
@@ -213,31 +219,52 @@ def test_session_on_a_second_worker_process(stack, service_client, tiny_model_di
         stack.workers.remove(proc)
 
 
-@pytest.mark.parametrize("case, field", [
-    ("mismatched_lengths", "weights"),
-    ("unknown_loss", "loss_fn"),
-    ("token_out_of_vocab", "tokens"),
-    ("over_length", "model_input"),
-    ("nan_advantages", "advantages"),
-])
+@pytest.mark.parametrize(
+    "case, field",
+    [
+        ("mismatched_lengths", "weights"),
+        ("unknown_loss", "loss_fn"),
+        ("token_out_of_vocab", "tokens"),
+        ("over_length", "model_input"),
+        ("nan_advantages", "advantages"),
+    ],
+)
 def test_bad_input_is_a_clear_error_and_the_session_survives(service_client, case, field):
     tc = service_client.create_lora_training_client("tiny", rank=4, seed=0)
     good = sft_batch(4)
     toks = list(range(10, 30))
     loss_fn = "cross_entropy"
     if case == "mismatched_lengths":
-        bad = Datum(model_input=ModelInput.from_ints(toks[:-1]), loss_fn_inputs={"target_tokens": toks[1:], "weights": [1.0] * 5})
+        bad = Datum(
+            model_input=ModelInput.from_ints(toks[:-1]),
+            loss_fn_inputs={"target_tokens": toks[1:], "weights": [1.0] * 5},
+        )
     elif case == "unknown_loss":
         bad, loss_fn = good[0], "hinge"
     elif case == "token_out_of_vocab":
-        bad = Datum(model_input=ModelInput.from_ints([5, 6, 10**6]), loss_fn_inputs={"target_tokens": [6, 7, 8], "weights": [1.0] * 3})
+        bad = Datum(
+            model_input=ModelInput.from_ints([5, 6, 10**6]),
+            loss_fn_inputs={"target_tokens": [6, 7, 8], "weights": [1.0] * 3},
+        )
     elif case == "over_length":
         long = list(range(5, 5 + 600))
-        bad = Datum(model_input=ModelInput.from_ints([t % 250 for t in long]), loss_fn_inputs={"target_tokens": [t % 250 for t in long], "weights": [1.0] * 600})
+        bad = Datum(
+            model_input=ModelInput.from_ints([t % 250 for t in long]),
+            loss_fn_inputs={"target_tokens": [t % 250 for t in long], "weights": [1.0] * 600},
+        )
     else:
         n = len(toks) - 1
-        bad, loss_fn = Datum(model_input=ModelInput.from_ints(toks[:-1]), loss_fn_inputs={
-            "target_tokens": toks[1:], "logprobs": [-1.0] * n, "advantages": [math.nan] + [1.0] * (n - 1)}), "importance_sampling"
+        bad, loss_fn = (
+            Datum(
+                model_input=ModelInput.from_ints(toks[:-1]),
+                loss_fn_inputs={
+                    "target_tokens": toks[1:],
+                    "logprobs": [-1.0] * n,
+                    "advantages": [math.nan] + [1.0] * (n - 1),
+                },
+            ),
+            "importance_sampling",
+        )
     before = tc.forward(good, "cross_entropy").result(timeout=60).metrics["loss:sum"]
     with pytest.raises(InvalidRequestError) as err:
         tc.forward_backward([bad], loss_fn).result(timeout=60)
@@ -253,7 +280,10 @@ def test_bad_input_is_a_clear_error_and_the_session_survives(service_client, cas
 def test_wrong_types_are_rejected_naming_the_field(service_client):
     tc = service_client.create_lora_training_client("tiny", rank=4, seed=0)
     with pytest.raises(Exception) as err:
-        tc.forward_backward([{"model_input": ModelInput.from_ints([1, 2]), "loss_fn_inputs": {"target_tokens": ["a", "b"]}}], "cross_entropy").result(timeout=30)
+        tc.forward_backward(
+            [{"model_input": ModelInput.from_ints([1, 2]), "loss_fn_inputs": {"target_tokens": ["a", "b"]}}],
+            "cross_entropy",
+        ).result(timeout=30)
     assert "target_tokens" in str(err.value) or "data" in str(err.value)
     with pytest.raises(Exception) as err:
         tc.optim_step(AdamParams.model_validate({"learning_rate": "fast"}))

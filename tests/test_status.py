@@ -23,19 +23,41 @@ def test_queue_depth_counts_every_priority_list(redis_client):
 
 
 def test_status_of_a_dead_worker_queued_ops_and_usage(redis_client):
-    WorkerRegistry(redis_client).announce(WorkerAnnouncement(
-        hostname="w-live@h", pid=42, started_at=time.time() - 120, sessions=["s-other"],
-        models=[ServedModel(name="tiny", path="/m", max_seq_len=64, vocab_size=100)]))
+    WorkerRegistry(redis_client).announce(
+        WorkerAnnouncement(
+            hostname="w-live@h",
+            pid=42,
+            started_at=time.time() - 120,
+            sessions=["s-other"],
+            models=[ServedModel(name="tiny", path="/m", max_seq_len=64, vocab_size=100)],
+        )
+    )
     sessions = SessionRegistry(redis_client)
-    sessions.create(SessionRecord(session_id="s-1", run_id="r-1", base_model="tiny", owner="alice", worker="w-gone@h",
-                                  applied=2, step=1, checkpoint="treadle://r-1/weights/auto-2", checkpoint_seq=2))
+    sessions.create(
+        SessionRecord(
+            session_id="s-1",
+            run_id="r-1",
+            base_model="tiny",
+            owner="alice",
+            worker="w-gone@h",
+            applied=2,
+            step=1,
+            checkpoint="treadle://r-1/weights/auto-2",
+            checkpoint_seq=2,
+        )
+    )
     sessions.create(SessionRecord(session_id="s-old", run_id="r-2", base_model="tiny", status="stopped"))
     redis_client.hset(names.session_key("s-1"), "next_seq", 5)
     redis_client.rpush(names.session_queue("s-1"), b"m3", b"m4", b"m5")
     Meter(redis_client).record(OpUsage(session_id="s-1", op_id="2", op="optim_step", owner="alice", compute_s=0.1))
-    Meter(redis_client).record(OpUsage(session_id="s-1", op_id="2", op="optim_step", owner="alice", compute_s=0.1))  # a replay
-    Meter(redis_client).record(OpUsage(session_id="s-1", op_id="1", op="forward_backward", owner="alice",
-                                       trained_tokens=30, at=time.time() - 5))
+    Meter(redis_client).record(
+        OpUsage(session_id="s-1", op_id="2", op="optim_step", owner="alice", compute_s=0.1)
+    )  # a replay
+    Meter(redis_client).record(
+        OpUsage(
+            session_id="s-1", op_id="1", op="forward_backward", owner="alice", trained_tokens=30, at=time.time() - 5
+        )
+    )
 
     report = collect_status(redis_client)
     workers = {w.hostname: w for w in report.workers}
@@ -48,7 +70,9 @@ def test_status_of_a_dead_worker_queued_ops_and_usage(redis_client):
     assert "s-old" in {s.session_id for s in collect_status(redis_client, include_stopped=True).sessions}
     text = render(report)
     assert "w-gone@h  NO" in text and "treadle://r-1/weights/auto-2 (seq 2)" in text
-    header, row = next(lines for lines in zip(text.splitlines(), text.splitlines()[1:]) if lines[0].startswith("SESSION"))
+    header, row = next(
+        lines for lines in zip(text.splitlines(), text.splitlines()[1:]) if lines[0].startswith("SESSION")
+    )
     assert row.split()[header.split().index("STEP")] == "1"
 
 
@@ -57,14 +81,16 @@ def test_treadle_status_json_on_the_live_stack(stack, service_client):
 
     tc = service_client.create_lora_training_client("tiny", rank=4, seed=0)
     ids = [5, 6, 7, 8, 9]
-    datum = rt.Datum(model_input=rt.ModelInput.from_ints(ids[:-1]),
-                     loss_fn_inputs={"target_tokens": ids[1:], "weights": [1.0] * 4})
+    datum = rt.Datum(
+        model_input=rt.ModelInput.from_ints(ids[:-1]), loss_fn_inputs={"target_tokens": ids[1:], "weights": [1.0] * 4}
+    )
     for _ in range(3):
         tc.forward_backward([datum], "cross_entropy").result(timeout=120)
         tc.optim_step(rt.AdamParams(learning_rate=1e-3)).result(timeout=60)
     env = {**os.environ, "TREADLE_BROKER_URL": stack.broker_url}
-    out = subprocess.run([sys.executable, "-m", "treadle.cli", "status", "--json"], env=env, capture_output=True,
-                         text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "treadle.cli", "status", "--json"], env=env, capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 0, out.stderr
     report = json.loads(out.stdout)
     mine = next(s for s in report["sessions"] if s["session_id"] == tc.session_id)
@@ -72,8 +98,9 @@ def test_treadle_status_json_on_the_live_stack(stack, service_client):
     assert mine["step"] == 3  # three optim_steps
     # A session created from its checkpoint goes on from step 3, before it runs any op.
     resumed = service_client.create_training_client_from_state(tc.save_state("s3").result(timeout=60).path)
-    out = subprocess.run([sys.executable, "-m", "treadle.cli", "status", "--json"], env=env, capture_output=True,
-                         text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "treadle.cli", "status", "--json"], env=env, capture_output=True, text=True, timeout=120
+    )
     assert next(s for s in json.loads(out.stdout)["sessions"] if s["session_id"] == resumed.session_id)["step"] == 3
     # A worker's announcement (its sessions) is refreshed every heartbeat, so a just-created session may be
     # missing from the first report: read it again until it is there (a liveness bound: each read starts a process).
@@ -83,8 +110,15 @@ def test_treadle_status_json_on_the_live_stack(stack, service_client):
         if tc.session_id in worker["sessions"] or time.monotonic() > deadline:
             break
         time.sleep(0.5)
-        report = json.loads(subprocess.run([sys.executable, "-m", "treadle.cli", "status", "--json"], env=env, capture_output=True,
-                                           text=True, timeout=120).stdout)
+        report = json.loads(
+            subprocess.run(
+                [sys.executable, "-m", "treadle.cli", "status", "--json"],
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=120,
+            ).stdout
+        )
     assert worker["alive"] and "tiny" in worker["models"] and tc.session_id in worker["sessions"]
     assert worker["memory"]["rss"] > 0
     tc.stop()

@@ -60,6 +60,7 @@ PATH = CheckpointPath.parse("treadle://sess-1:train:0/weights/step-3")
 
 # -- blob store contract --------------------------------------------------------------------------------
 
+
 def test_implements_the_protocol(blob_store):
     assert isinstance(blob_store, BlobStore)
 
@@ -123,14 +124,23 @@ def test_local_store_refuses_keys_that_escape_its_root(tmp_path):
 
 # -- checkpoints ----------------------------------------------------------------------------------------
 
+
 def test_save_then_load_round_trips_files_and_metadata(store, ckpt_dir, tmp_path):
     root, files = ckpt_dir
     saved = store.save(
-        str(root), PATH, base_model="tiny-llama", lora_config={"rank": 8}, step=3, applied_seq=7,
-        ttl_seconds=3600, user_metadata={"note": "hello"}, extra={"rng": "abc"},
+        str(root),
+        PATH,
+        base_model="tiny-llama",
+        lora_config={"rank": 8},
+        step=3,
+        applied_seq=7,
+        ttl_seconds=3600,
+        user_metadata={"note": "hello"},
+        extra={"rng": "abc"},
     )
     assert {name: entry.model_dump() for name, entry in saved.files.items()} == {
-        name: {"sha256": sha256(data), "size": len(data)} for name, data in files.items()}
+        name: {"sha256": sha256(data), "size": len(data)} for name, data in files.items()
+    }
     assert saved.expires_at == pytest.approx(saved.created_at + 3600)
 
     loaded = store.load(PATH, str(tmp_path / "out"))
@@ -192,7 +202,10 @@ def test_a_flipped_byte_fails_the_load_naming_the_file(store, blob_store, ckpt_d
     data = bytearray(blob_store.get_bytes(key))
     data[len(data) // 2] ^= 0x01
     blob_store.put_bytes(key, bytes(data))
-    with pytest.raises(IntegrityError, match="'adapter_model.safetensors' of checkpoint treadle://sess-1:train:0/weights/step-3 is corrupt"):
+    with pytest.raises(
+        IntegrityError,
+        match="'adapter_model.safetensors' of checkpoint treadle://sess-1:train:0/weights/step-3 is corrupt",
+    ):
         store.load(PATH, str(tmp_path / "out"))
     assert not (tmp_path / "out" / "adapter_model.safetensors").exists(), "a corrupt file was left in place"
 

@@ -53,15 +53,18 @@ def test_parse_and_uri_round_trip(scheme):
     assert CheckpointPath.parse(path.uri()) == path
 
 
-@pytest.mark.parametrize("bad", [
-    "s3://run/weights/a",                # wrong scheme
-    "run/weights/a",                     # no scheme
-    "treadle://run/weights",             # too few parts
-    "treadle://run/weights/a/b",         # a '/' in the name
-    "treadle://run/weights/../x",        # traversal
-    "treadle://run/optimizer/a",         # unknown kind
-    "treadle:///weights/a",              # empty run id
-])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        "s3://run/weights/a",  # wrong scheme
+        "run/weights/a",  # no scheme
+        "treadle://run/weights",  # too few parts
+        "treadle://run/weights/a/b",  # a '/' in the name
+        "treadle://run/weights/../x",  # traversal
+        "treadle://run/optimizer/a",  # unknown kind
+        "treadle:///weights/a",  # empty run id
+    ],
+)
 def test_malformed_paths_are_rejected(bad):
     with pytest.raises(InvalidCheckpointNameError):
         CheckpointPath.parse(bad)

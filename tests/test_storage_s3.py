@@ -24,7 +24,9 @@ def test_unknown_access_key_fails_at_check(s3_server):
 
 def test_unreachable_endpoint_fails_at_check():
     (port,) = free_ports(1)  # nothing listens there
-    store = S3Store("b", "", S3Settings(endpoint_url=f"http://127.0.0.1:{port}", access_key_id="a", secret_access_key="b"))
+    store = S3Store(
+        "b", "", S3Settings(endpoint_url=f"http://127.0.0.1:{port}", access_key_id="a", secret_access_key="b")
+    )
     with pytest.raises(StorageError, match=f"127.0.0.1:{port}.*Could not connect"):
         store.check()
 

@@ -28,8 +28,10 @@ def trained(gateway):
         sc = tinker.ServiceClient(user_metadata={"team": "rest-test"}, display_name="nightly rest run")
         tc = sc.create_lora_training_client(base_model="tiny", rank=4, seed=0).result()
         tokens = tc.get_tokenizer().encode("the cat is red and the dog is blue")
-        datum = tt.Datum(model_input=tt.ModelInput.from_ints(tokens[:-1]),
-                         loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * (len(tokens) - 1)})
+        datum = tt.Datum(
+            model_input=tt.ModelInput.from_ints(tokens[:-1]),
+            loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * (len(tokens) - 1)},
+        )
         tc.forward_backward([datum], "cross_entropy").result()
         tc.optim_step(tt.AdamParams(learning_rate=1e-2)).result()
         state = tc.save_state("rest-state").result().path
@@ -69,10 +71,15 @@ def test_published_checkpoint_is_readable_by_others_and_never_writable(gateway, 
     alice.publish_checkpoint_from_tinker_path(path).result()
     try:
         assert _checkpoint(alice, path).public is True
-        assert set(bob.get_external_weights_urls(path).result().urls) == {"adapter_config.json", "adapter_model.safetensors"}
-        for write in (lambda: bob.unpublish_checkpoint_from_tinker_path(path).result(),
-                      lambda: bob.set_checkpoint_ttl_from_tinker_path(path, 7200).result(),
-                      lambda: bob.delete_checkpoint_from_tinker_path(path).result()):
+        assert set(bob.get_external_weights_urls(path).result().urls) == {
+            "adapter_config.json",
+            "adapter_model.safetensors",
+        }
+        for write in (
+            lambda: bob.unpublish_checkpoint_from_tinker_path(path).result(),
+            lambda: bob.set_checkpoint_ttl_from_tinker_path(path, 7200).result(),
+            lambda: bob.delete_checkpoint_from_tinker_path(path).result(),
+        ):
             with pytest.raises(tinker.NotFoundError):
                 write()
     finally:
@@ -96,8 +103,14 @@ def test_external_weight_urls_serve_the_adapter_files_without_a_key(gateway, tra
 
 def test_age_encrypted_export_decrypts_with_the_recipient_key(gateway, trained):
     identity = pyrage.x25519.Identity.generate()
-    path = trained["tc"].save_weights_external("rest-encrypted", ttl_seconds=3600,
-                                               age_encryption_recipients=[str(identity.to_public())]).result().path
+    path = (
+        trained["tc"]
+        .save_weights_external(
+            "rest-encrypted", ttl_seconds=3600, age_encryption_recipients=[str(identity.to_public())]
+        )
+        .result()
+        .path
+    )
     urls = _rest(gateway, ALICE_KEY).get_external_weights_urls(path).result().urls
     assert set(urls) == {"adapter_config.json.age", "adapter_model.safetensors.age"}
     with urllib.request.urlopen(urls["adapter_config.json.age"]) as got:
@@ -128,7 +141,9 @@ def test_search_sessions_by_name_metadata_and_owner(gateway, trained):
     by_meta = alice.search_sessions(tt.SessionSearchRequest(user_metadata={"team": "rest-test"})).result().sessions
     assert trained["session_id"] in [s.session_id for s in by_meta]
     assert not alice.search_sessions(tt.SessionSearchRequest(user_metadata={"team": "other"})).result().sessions
-    assert trained["session_id"] not in [s.session_id for s in bob.search_sessions(tt.SessionSearchRequest()).result().sessions]
+    assert trained["session_id"] not in [
+        s.session_id for s in bob.search_sessions(tt.SessionSearchRequest()).result().sessions
+    ]
     page = alice.search_sessions(tt.SessionSearchRequest(limit=1)).result()
     if page.next_cursor is not None:  # the next page starts after the first one
         nxt = alice.search_sessions(tt.SessionSearchRequest(limit=1, cursor=page.next_cursor)).result()
@@ -167,12 +182,18 @@ def test_a_delivered_future_answers_the_same_when_polled_again(gateway, trained)
     tc, headers = trained["tc"], {"X-API-Key": ALICE_KEY}
     seq = tc._get_request_id() + 1  # the SDK's own next seq_id, so its later calls stay in order
     body = tt.OptimStepRequest(adam_params=tt.AdamParams(learning_rate=1e-3), model_id=tc.model_id, seq_id=seq)
-    submitted = httpx.post(f"{gateway.url}/api/v1/optim_step", json=body.model_dump(mode="json"), headers=headers, timeout=30).json()
+    submitted = httpx.post(
+        f"{gateway.url}/api/v1/optim_step", json=body.model_dump(mode="json"), headers=headers, timeout=30
+    ).json()
 
     def poll() -> dict:
         for _ in range(20):  # each poll is held up to the gateway's long-poll time
-            answer = httpx.post(f"{gateway.url}/api/v1/retrieve_future", json={"request_id": submitted["request_id"]},
-                                headers=headers, timeout=30).json()
+            answer = httpx.post(
+                f"{gateway.url}/api/v1/retrieve_future",
+                json={"request_id": submitted["request_id"]},
+                headers=headers,
+                timeout=30,
+            ).json()
             if answer.get("type") != "try_again":
                 return answer
         raise AssertionError("no result after 20 polls")
@@ -188,9 +209,19 @@ def test_tinker_cli_checkpoint_download_of_external_weights(gateway, trained, tm
     import subprocess
     import sys
 
-    env = {"PATH": os.environ["PATH"], "HOME": str(tmp_path), "TINKER_BASE_URL": gateway.url, "TINKER_API_KEY": ALICE_KEY}
-    done = subprocess.run([sys.executable, "-m", "tinker.cli", "checkpoint", "download", trained["external"], "--output", str(tmp_path)],
-                          env=env, capture_output=True, text=True, timeout=120)
+    env = {
+        "PATH": os.environ["PATH"],
+        "HOME": str(tmp_path),
+        "TINKER_BASE_URL": gateway.url,
+        "TINKER_API_KEY": ALICE_KEY,
+    }
+    done = subprocess.run(
+        [sys.executable, "-m", "tinker.cli", "checkpoint", "download", trained["external"], "--output", str(tmp_path)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     target = tmp_path / trained["external"].removeprefix("tinker://").replace("/", "_")
     assert sorted(p.name for p in target.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]

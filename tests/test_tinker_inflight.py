@@ -25,8 +25,10 @@ def _sample(sampler: tinker.SamplingClient) -> tuple[list[int], list[float]]:
 
 
 def _train_step(tc: tinker.TrainingClient) -> None:
-    datum = tinker.Datum(model_input=tinker.ModelInput.from_ints(SEQUENCE[:-1]),
-                         loss_fn_inputs={"target_tokens": SEQUENCE[1:], "weights": [1.0] * (len(SEQUENCE) - 1)})
+    datum = tinker.Datum(
+        model_input=tinker.ModelInput.from_ints(SEQUENCE[:-1]),
+        loss_fn_inputs={"target_tokens": SEQUENCE[1:], "weights": [1.0] * (len(SEQUENCE) - 1)},
+    )
     tc.forward_backward([datum], "cross_entropy")
     tc.optim_step(tinker.AdamParams(learning_rate=1e-2)).result()
 

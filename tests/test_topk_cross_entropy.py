@@ -31,7 +31,9 @@ def engine(tiny_model_dir) -> Engine:
     return engine
 
 
-def _topk_data(vocab: int, lengths=(9, 14), k: int = K, seed: int = 0) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+def _topk_data(
+    vocab: int, lengths=(9, 14), k: int = K, seed: int = 0
+) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
     """(tokens, [N, k] targets, [N, k] weights) per datum: a renormalised "teacher" top-k at every position but
     the first, whose weights are 0 (a prompt token), and one position with a padded slot (weight 0)."""
     rng = np.random.default_rng(seed)
@@ -48,8 +50,10 @@ def _topk_data(vocab: int, lengths=(9, 14), k: int = K, seed: int = 0) -> list[t
 
 
 def _datum(tokens: np.ndarray, targets: np.ndarray, weights: np.ndarray) -> Datum:
-    return Datum(model_input=ModelInput.from_ints(tokens.tolist()),
-                 loss_fn_inputs={"target_tokens": TensorData.from_numpy(targets), "weights": TensorData.from_numpy(weights)})
+    return Datum(
+        model_input=ModelInput.from_ints(tokens.tolist()),
+        loss_fn_inputs={"target_tokens": TensorData.from_numpy(targets), "weights": TensorData.from_numpy(weights)},
+    )
 
 
 def _grads(engine: Engine, session_id: str) -> dict[str, torch.Tensor]:
@@ -62,7 +66,9 @@ def _trained_session(engine: Engine, session_id: str) -> None:
     """A session whose LoRA B is no longer zero (one step on 1-D data), so both A and B get gradients."""
     engine.create_session(session_id, LORA)
     ids = list(range(5, 20))
-    one = Datum(model_input=ModelInput.from_ints(ids[:-1]), loss_fn_inputs={"target_tokens": ids[1:], "weights": [1.0] * 14})
+    one = Datum(
+        model_input=ModelInput.from_ints(ids[:-1]), loss_fn_inputs={"target_tokens": ids[1:], "weights": [1.0] * 14}
+    )
     engine.forward_backward(session_id, [one], "cross_entropy")
     engine.optim_step(session_id, AdamParams(learning_rate=1e-2))
 
@@ -98,8 +104,13 @@ def test_loss_and_gradient_equal_a_direct_computation(engine):
 def test_k_equal_one_is_the_1d_loss_exactly(engine):
     _trained_session(engine, "k1")
     rows = _topk_data(engine.vocab_size, k=1)
-    flat = [Datum(model_input=ModelInput.from_ints(t.tolist()), loss_fn_inputs={
-        "target_tokens": tg[:, 0].tolist(), "weights": w[:, 0].tolist()}) for t, tg, w in rows]
+    flat = [
+        Datum(
+            model_input=ModelInput.from_ints(t.tolist()),
+            loss_fn_inputs={"target_tokens": tg[:, 0].tolist(), "weights": w[:, 0].tolist()},
+        )
+        for t, tg, w in rows
+    ]
     one_d = engine.forward_backward("k1", flat, "cross_entropy")
     grads_1d = _grads(engine, "k1")
     columns = engine.forward_backward("k1", [_datum(*r) for r in rows], "cross_entropy")
@@ -115,7 +126,9 @@ def test_micro_batches_and_mixed_batches_equal_one_whole_batch(engine):
     _trained_session(engine, "mixed")
     rows = _topk_data(engine.vocab_size, lengths=(9, 14, 11))
     ids = list(range(30, 42))
-    plain = Datum(model_input=ModelInput.from_ints(ids[:-1]), loss_fn_inputs={"target_tokens": ids[1:], "weights": [0.5] * 11})
+    plain = Datum(
+        model_input=ModelInput.from_ints(ids[:-1]), loss_fn_inputs={"target_tokens": ids[1:], "weights": [0.5] * 11}
+    )
     data = [_datum(*rows[0]), plain, _datum(*rows[1]), _datum(*rows[2])]
 
     whole = engine.forward_backward("mixed", data, "cross_entropy")
@@ -140,25 +153,52 @@ def test_micro_batches_and_mixed_batches_equal_one_whole_batch(engine):
     engine.drop_session("mixed")
 
 
-@pytest.mark.parametrize("loss_fn,inputs,expected", [
-    ("cross_entropy", {"target_tokens": np.ones((4, 2), np.int64), "weights": np.ones((4, 3), np.float32)},
-     "weights: shape [4, 3] != target_tokens shape [4, 2]"),
-    ("cross_entropy", {"target_tokens": np.ones((5, 2), np.int64), "weights": np.ones((5, 2), np.float32)},
-     "target_tokens: length 5 != model_input length 4"),
-    ("cross_entropy", {"target_tokens": np.ones((4, 0), np.int64), "weights": np.ones((4, 0), np.float32)},
-     "target_tokens: shape [4, 0]; K must be at least 1"),
-    ("cross_entropy", {"target_tokens": np.full((4, 2), 10**6, np.int64), "weights": np.ones((4, 2), np.float32)},
-     "target_tokens[0][0]: token id 1000000 outside vocabulary"),
-    ("cross_entropy", {"target_tokens": np.ones(4, np.int64)}, "weights: missing; cross_entropy needs target_tokens, weights"),
-    ("importance_sampling", {"target_tokens": np.ones((4, 2), np.int64), "logprobs": np.zeros(4, np.float32),
-                             "advantages": np.zeros(4, np.float32)},
-     "target_tokens: shape [4, 2]; [N, K] inputs are taken by cross_entropy's target_tokens and weights only"),
-])
+@pytest.mark.parametrize(
+    "loss_fn,inputs,expected",
+    [
+        (
+            "cross_entropy",
+            {"target_tokens": np.ones((4, 2), np.int64), "weights": np.ones((4, 3), np.float32)},
+            "weights: shape [4, 3] != target_tokens shape [4, 2]",
+        ),
+        (
+            "cross_entropy",
+            {"target_tokens": np.ones((5, 2), np.int64), "weights": np.ones((5, 2), np.float32)},
+            "target_tokens: length 5 != model_input length 4",
+        ),
+        (
+            "cross_entropy",
+            {"target_tokens": np.ones((4, 0), np.int64), "weights": np.ones((4, 0), np.float32)},
+            "target_tokens: shape [4, 0]; K must be at least 1",
+        ),
+        (
+            "cross_entropy",
+            {"target_tokens": np.full((4, 2), 10**6, np.int64), "weights": np.ones((4, 2), np.float32)},
+            "target_tokens[0][0]: token id 1000000 outside vocabulary",
+        ),
+        (
+            "cross_entropy",
+            {"target_tokens": np.ones(4, np.int64)},
+            "weights: missing; cross_entropy needs target_tokens, weights",
+        ),
+        (
+            "importance_sampling",
+            {
+                "target_tokens": np.ones((4, 2), np.int64),
+                "logprobs": np.zeros(4, np.float32),
+                "advantages": np.zeros(4, np.float32),
+            },
+            "target_tokens: shape [4, 2]; [N, K] inputs are taken by cross_entropy's target_tokens and weights only",
+        ),
+    ],
+)
 def test_bad_shapes_are_refused_by_field(engine, loss_fn, inputs, expected):
     engine.create_session("bad", LORA)
     try:
-        datum = Datum(model_input=ModelInput.from_ints([5, 6, 7, 8]),
-                      loss_fn_inputs={k: TensorData.from_numpy(v) for k, v in inputs.items()})
+        datum = Datum(
+            model_input=ModelInput.from_ints([5, 6, 7, 8]),
+            loss_fn_inputs={k: TensorData.from_numpy(v) for k, v in inputs.items()},
+        )
         with pytest.raises(InvalidRequestError) as err:
             engine.forward_backward("bad", [datum], loss_fn)
         assert f"data[0].loss_fn_inputs.{expected}" in str(err.value)
@@ -183,13 +223,22 @@ def test_sdk_topk_datums_reach_the_loss(official):
     tc = official
     vocab = tc.get_tokenizer().vocab_size
     rows = _topk_data(vocab, lengths=(8, 12))
-    topk = [tt.Datum(model_input=tt.ModelInput.from_ints(t.tolist()),
-                     loss_fn_inputs={"target_tokens": torch.from_numpy(tg), "weights": torch.from_numpy(w)})
-            for t, tg, w in rows]
+    topk = [
+        tt.Datum(
+            model_input=tt.ModelInput.from_ints(t.tolist()),
+            loss_fn_inputs={"target_tokens": torch.from_numpy(tg), "weights": torch.from_numpy(w)},
+        )
+        for t, tg, w in rows
+    ]
     # Each of the K columns as a 1-D datum: their losses add up to the [N, K] loss.
-    columns = [tt.Datum(model_input=tt.ModelInput.from_ints(t.tolist()),
-                        loss_fn_inputs={"target_tokens": tg[:, j].tolist(), "weights": w[:, j].tolist()})
-               for t, tg, w in rows for j in range(K)]
+    columns = [
+        tt.Datum(
+            model_input=tt.ModelInput.from_ints(t.tolist()),
+            loss_fn_inputs={"target_tokens": tg[:, j].tolist(), "weights": w[:, j].tolist()},
+        )
+        for t, tg, w in rows
+        for j in range(K)
+    ]
     out = tc.forward(topk, "cross_entropy").result()
     by_column = tc.forward(columns, "cross_entropy").result()
     assert out.metrics["loss:sum"] == pytest.approx(by_column.metrics["loss:sum"], abs=1e-4)

@@ -1,6 +1,6 @@
 """treadle: a self-hosted training-session service for LLM post-training.
 
-    from treadle import ServiceClient, Datum, ModelInput, TensorData, SamplingParams, AdamParams
+from treadle import ServiceClient, Datum, ModelInput, TensorData, SamplingParams, AdamParams
 """
 
 from treadle.types import (
@@ -16,8 +16,16 @@ from treadle.types import (
 )
 
 __all__ = [
-    "AdamParams", "Datum", "EncodedTextChunk", "ForwardBackwardOutput", "LoraConfig", "ModelInput",
-    "SampleResponse", "SamplingParams", "ServiceClient", "TensorData",
+    "AdamParams",
+    "Datum",
+    "EncodedTextChunk",
+    "ForwardBackwardOutput",
+    "LoraConfig",
+    "ModelInput",
+    "SampleResponse",
+    "SamplingParams",
+    "ServiceClient",
+    "TensorData",
 ]
 
 

@@ -16,13 +16,19 @@ from treadle.config import add_config_args, config_of
 
 
 class CheckpointsConfig(BaseModel):
-    storage_url: str | None = Field(default=None, description="Checkpoint store, file:///dir or s3://bucket/prefix (default: the running `treadle up` stack's).")
+    storage_url: str | None = Field(
+        default=None,
+        description="Checkpoint store, file:///dir or s3://bucket/prefix (default: the running `treadle up` stack's).",
+    )
     out: str = Field(default=".", description="Directory for download/export.")
     merged: bool = Field(default=False, description="export: a merged model instead of the adapter.")
 
 
 class TrainingRunsConfig(BaseModel):
-    storage_url: str | None = Field(default=None, description="Checkpoint store, file:///dir or s3://bucket/prefix (default: the running `treadle up` stack's).")
+    storage_url: str | None = Field(
+        default=None,
+        description="Checkpoint store, file:///dir or s3://bucket/prefix (default: the running `treadle up` stack's).",
+    )
     limit: int = Field(default=50, ge=1, description="List at most this many runs.")
 
 

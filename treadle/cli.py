@@ -22,27 +22,41 @@ from treadle.config import ConfigError, add_config_args, config_from_args
 
 class UpConfig(BaseModel):
     model: list[str] = Field(description="Models for the worker: a hub id, a dir, or NAME=DIR.")
-    home: str = Field(default=os.path.expanduser("~/.treadle/local"), description="State, logs, Redis data and checkpoints.")
+    home: str = Field(
+        default=os.path.expanduser("~/.treadle/local"), description="State, logs, Redis data and checkpoints."
+    )
     port: int | None = Field(default=None, description="Redis port (default: a free one).")
-    workers: int = Field(default=1, ge=0, description="Worker processes (0: Redis only; workers run elsewhere with `treadle worker`).")
+    workers: int = Field(
+        default=1, ge=0, description="Worker processes (0: Redis only; workers run elsewhere with `treadle worker`)."
+    )
     runners: int = Field(default=1, ge=0, description="Batch-run runners (`treadle runs submit`).")
-    redis_password: str | None = Field(default=None, description="Require this password on the stack's Redis (it is carried in the URLs).")
+    redis_password: str | None = Field(
+        default=None, description="Require this password on the stack's Redis (it is carried in the URLs)."
+    )
 
 
 def cmd_up(ns) -> None:
     from treadle.local_stack import LocalStack
 
     cfg = config_from_args(UpConfig, ns, "TREADLE_UP_", "up")
-    stack = LocalStack(cfg.model, home=cfg.home, port=cfg.port, workers=cfg.workers, runners=cfg.runners, password=cfg.redis_password)
-    print(f"starting redis on 127.0.0.1:{stack.port} and {cfg.workers} worker(s) for {', '.join(cfg.model)} and {cfg.runners} runner(s) ...", flush=True)
+    stack = LocalStack(
+        cfg.model, home=cfg.home, port=cfg.port, workers=cfg.workers, runners=cfg.runners, password=cfg.redis_password
+    )
+    print(
+        f"starting redis on 127.0.0.1:{stack.port} and {cfg.workers} worker(s) for {', '.join(cfg.model)} and {cfg.runners} runner(s) ...",
+        flush=True,
+    )
     stop = {"now": False}
     signal.signal(signal.SIGTERM, lambda *a: stop.update(now=True))
     try:
         stack.start()
-        print(f"treadle is up. In another shell:\n"
-              f"  export TREADLE_BROKER_URL={stack.broker_url} TREADLE_STORAGE_URL={stack.storage_url}\n"
-              f"  python -c 'from treadle import ServiceClient; print(ServiceClient().list_base_models())'\n"
-              f"(ServiceClient() with no settings also finds this stack.) Logs: {stack.home}/logs. Ctrl-C stops it.", flush=True)
+        print(
+            f"treadle is up. In another shell:\n"
+            f"  export TREADLE_BROKER_URL={stack.broker_url} TREADLE_STORAGE_URL={stack.storage_url}\n"
+            f"  python -c 'from treadle import ServiceClient; print(ServiceClient().list_base_models())'\n"
+            f"(ServiceClient() with no settings also finds this stack.) Logs: {stack.home}/logs. Ctrl-C stops it.",
+            flush=True,
+        )
         while not stop["now"]:
             time.sleep(0.5)
     except KeyboardInterrupt:
@@ -53,7 +67,8 @@ def cmd_up(ns) -> None:
 
 
 def cmd_worker(ns) -> None:
-    from treadle.gpu_worker.worker_main import WorkerConfig, run_worker
+    from treadle.gpu_worker.worker_config import WorkerConfig
+    from treadle.gpu_worker.worker_main import run_worker
 
     run_worker(config_from_args(WorkerConfig, ns, "TREADLE_WORKER_", "worker"))
 
@@ -72,9 +87,13 @@ def cmd_demo(ns) -> None:
 
 
 class FlowerConfig(BaseModel):
-    broker_url: str | None = Field(default=None, description="Redis URL of the broker (default: the running `treadle up` stack).")
+    broker_url: str | None = Field(
+        default=None, description="Redis URL of the broker (default: the running `treadle up` stack)."
+    )
     port: int = Field(default=5555, ge=1, le=65535, description="Port of Flower's web UI and API.")
-    address: str = Field(default="127.0.0.1", description="Interface to listen on; any other than loopback needs FLOWER_BASIC_AUTH.")
+    address: str = Field(
+        default="127.0.0.1", description="Interface to listen on; any other than loopback needs FLOWER_BASIC_AUTH."
+    )
 
 
 def cmd_flower(ns) -> None:
@@ -84,8 +103,19 @@ def cmd_flower(ns) -> None:
     # Flower shows every task's arguments and can revoke tasks: beyond loopback it must ask for a password.
     if cfg.address not in ("127.0.0.1", "localhost", "::1") and not os.environ.get("FLOWER_BASIC_AUTH"):
         sys.exit(f"flower --address {cfg.address} is reachable from other hosts: set FLOWER_BASIC_AUTH=user:password")
-    os.execvp(sys.executable, [sys.executable, "-m", "celery", "--broker", broker, "flower",
-                               f"--port={cfg.port}", f"--address={cfg.address}"])
+    os.execvp(
+        sys.executable,
+        [
+            sys.executable,
+            "-m",
+            "celery",
+            "--broker",
+            broker,
+            "flower",
+            f"--port={cfg.port}",
+            f"--address={cfg.address}",
+        ],
+    )
 
 
 def _broker(url: str | None) -> str:
@@ -101,7 +131,9 @@ def _broker(url: str | None) -> str:
 
 
 class StatusConfig(BaseModel):
-    broker_url: str | None = Field(default=None, description="Redis URL of the deployment (default: the running `treadle up` stack).")
+    broker_url: str | None = Field(
+        default=None, description="Redis URL of the deployment (default: the running `treadle up` stack)."
+    )
     include_stopped: bool = Field(default=False, description="Also list stopped and expired sessions.")
     as_json: bool = Field(default=False, alias="json", description="One JSON object, for scripts.")
 
@@ -117,9 +149,16 @@ def cmd_status(ns) -> None:
 
 
 class UsageConfig(BaseModel):
-    broker_url: str | None = Field(default=None, description="Redis URL of the deployment (default: the running `treadle up` stack).")
-    owner: str | None = Field(default=None, description="Only this owner (`sdk`: sessions of the treadle SDK); default: every owner.")
-    since: str | None = Field(default=None, description="Only ops finished since then: an ISO date-time (UTC if no zone), Unix seconds, or an age like 90m, 24h, 7d.")
+    broker_url: str | None = Field(
+        default=None, description="Redis URL of the deployment (default: the running `treadle up` stack)."
+    )
+    owner: str | None = Field(
+        default=None, description="Only this owner (`sdk`: sessions of the treadle SDK); default: every owner."
+    )
+    since: str | None = Field(
+        default=None,
+        description="Only ops finished since then: an ISO date-time (UTC if no zone), Unix seconds, or an age like 90m, 24h, 7d.",
+    )
     as_json: bool = Field(default=False, alias="json", description="One JSON object, for scripts.")
 
 
@@ -154,7 +193,9 @@ def cmd_usage(ns) -> None:
         return
     print(f"{'owner':<20} {'ops':>8} {'prefill':>12} {'sampled':>12} {'trained':>12} {'compute_s':>10}")
     for owner, u in usage.items():
-        print(f"{owner:<20} {u.ops:>8} {u.prefill_tokens:>12} {u.sampled_tokens:>12} {u.trained_tokens:>12} {u.compute_s:>10.2f}")
+        print(
+            f"{owner:<20} {u.ops:>8} {u.prefill_tokens:>12} {u.sampled_tokens:>12} {u.trained_tokens:>12} {u.compute_s:>10.2f}"
+        )
 
 
 def cmd_runner(ns) -> None:
@@ -183,7 +224,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_config_args(p, UpConfig, "TREADLE_UP_")
     p.set_defaults(func=cmd_up)
 
-    from treadle.gpu_worker.worker_main import WorkerConfig
+    from treadle.gpu_worker.worker_config import WorkerConfig
 
     p = sub.add_parser("worker", help="Run a GPU worker.")
     add_config_args(p, WorkerConfig, "TREADLE_WORKER_")

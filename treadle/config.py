@@ -31,7 +31,11 @@ from pydantic import BaseModel, ValidationError
 
 ConfigT = TypeVar("ConfigT", bound=BaseModel)
 
-SHARED_ENV = {"broker_url": "TREADLE_BROKER_URL", "result_url": "TREADLE_RESULT_URL", "storage_url": "TREADLE_STORAGE_URL"}
+SHARED_ENV = {
+    "broker_url": "TREADLE_BROKER_URL",
+    "result_url": "TREADLE_RESULT_URL",
+    "storage_url": "TREADLE_STORAGE_URL",
+}
 CONFIG_ENV = "TREADLE_CONFIG"
 
 
@@ -80,8 +84,13 @@ def _scalar_parser(annotation: Any):
     return parse
 
 
-def add_config_args(parser: argparse.ArgumentParser, model: type[BaseModel], env_prefix: str | None = None,
-                    with_config_file: bool = True, section: str | None = None) -> None:
+def add_config_args(
+    parser: argparse.ArgumentParser,
+    model: type[BaseModel],
+    env_prefix: str | None = None,
+    with_config_file: bool = True,
+    section: str | None = None,
+) -> None:
     """One `--field` per config field (type, default, description, environment variable) and `--config`.
 
     The parsed namespace also carries `config_spec` (model, prefix, section): `config_of(ns)` reads the
@@ -103,8 +112,12 @@ def add_config_args(parser: argparse.ArgumentParser, model: type[BaseModel], env
         else:
             parser.add_argument(flag, type=_scalar_parser(info.annotation), default=argparse.SUPPRESS, help=help_text)
     if with_config_file:
-        parser.add_argument("--config", dest="config_file", default=argparse.SUPPRESS,
-                            help=f"TOML or JSON file of these options (env ${CONFIG_ENV}); flags and the environment win over it.")
+        parser.add_argument(
+            "--config",
+            dest="config_file",
+            default=argparse.SUPPRESS,
+            help=f"TOML or JSON file of these options (env ${CONFIG_ENV}); flags and the environment win over it.",
+        )
 
 
 def _env_value(annotation: Any, text: str) -> Any:
@@ -116,7 +129,9 @@ def _env_value(annotation: Any, text: str) -> Any:
     return text
 
 
-def from_environment(model: type[BaseModel], prefix: str | None, environ: Mapping[str, str]) -> dict[str, tuple[str, Any]]:
+def from_environment(
+    model: type[BaseModel], prefix: str | None, environ: Mapping[str, str]
+) -> dict[str, tuple[str, Any]]:
     """field -> (the variable it came from, its value)."""
     values = {}
     for name, info in keys_of(model).items():
@@ -139,14 +154,22 @@ def from_file(model: type[BaseModel], path: str | os.PathLike, section: str | No
     known = keys_of(model)
     unknown = sorted(k for k, v in data.items() if k not in known and not isinstance(v, dict))
     if unknown:
-        raise ValueError(f"config file {path}: unknown option(s) {', '.join(unknown)}"
-                         f" for {section or model.__name__} (known: {', '.join(known)})")
+        raise ValueError(
+            f"config file {path}: unknown option(s) {', '.join(unknown)}"
+            f" for {section or model.__name__} (known: {', '.join(known)})"
+        )
     return {k: v for k, v in data.items() if k in known}
 
 
-def load_config(model: type[ConfigT], flags: Mapping[str, Any] | None = None, *, env_prefix: str | None = None,
-                config_file: str | os.PathLike | None = None, section: str | None = None,
-                environ: Mapping[str, str] | None = None) -> ConfigT:
+def load_config(
+    model: type[ConfigT],
+    flags: Mapping[str, Any] | None = None,
+    *,
+    env_prefix: str | None = None,
+    config_file: str | os.PathLike | None = None,
+    section: str | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> ConfigT:
     """Merge default < config file < environment < flags and validate the result as `model`."""
     environ = os.environ if environ is None else environ
     flags = dict(flags or {})
@@ -179,13 +202,16 @@ def _explain(exc: ValidationError, source: Mapping[str, str], prefix: str | None
         if name in source:
             got = f" (got {err.get('input')!r} from {source[name]})"
         else:
-            got = " (set --{} or {})".format(name, " or ".join(f"${v}" for v in env_names(name, prefix)) or "the config file")
+            got = " (set --{} or {})".format(
+                name, " or ".join(f"${v}" for v in env_names(name, prefix)) or "the config file"
+            )
         lines.append(f"{'.'.join(map(str, err['loc'])) or exc.title}: {err['msg']}{got}")
     return "; ".join(lines)
 
 
-def config_from_args(model: type[ConfigT], ns: argparse.Namespace, env_prefix: str | None = None,
-                     section: str | None = None) -> ConfigT:
+def config_from_args(
+    model: type[ConfigT], ns: argparse.Namespace, env_prefix: str | None = None, section: str | None = None
+) -> ConfigT:
     """The config of a parsed sub-command: only the flags actually given appear in `ns`."""
     return load_config(model, vars(ns), env_prefix=env_prefix, section=section)
 
@@ -196,8 +222,9 @@ def config_of(ns: argparse.Namespace) -> BaseModel:
     return load_config(model, vars(ns), env_prefix=prefix, section=section)
 
 
-def parse_config(config_cls: type[ConfigT], argv: Sequence[str] | None = None, prog: str | None = None,
-                 env_prefix: str | None = None) -> ConfigT:
+def parse_config(
+    config_cls: type[ConfigT], argv: Sequence[str] | None = None, prog: str | None = None, env_prefix: str | None = None
+) -> ConfigT:
     """Parse `argv` (default: sys.argv[1:]) into `config_cls`; booleans are `--flag` / `--no-flag`."""
     parser = argparse.ArgumentParser(prog=prog, description=config_cls.__doc__)
     add_config_args(parser, config_cls, env_prefix)

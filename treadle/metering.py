@@ -33,9 +33,13 @@ class OpUsage(BaseModel):
     op: str = Field(description="Op name, e.g. forward_backward, sample.")
     owner: str = Field(default=SDK_OWNER, description="Who pays: the gateway owner, or `sdk`.")
     base_model: str = Field(default="", description="Base model the op ran on.")
-    prefill_tokens: int = Field(default=0, ge=0, description="Prompt / input tokens run through the model (no padding).")
+    prefill_tokens: int = Field(
+        default=0, ge=0, description="Prompt / input tokens run through the model (no padding)."
+    )
     sampled_tokens: int = Field(default=0, ge=0, description="Tokens generated.")
-    trained_tokens: int = Field(default=0, ge=0, description="Input tokens of forward_backward (the tokens gradients flow from).")
+    trained_tokens: int = Field(
+        default=0, ge=0, description="Input tokens of forward_backward (the tokens gradients flow from)."
+    )
     compute_s: float = Field(default=0.0, ge=0.0, description="Seconds the op held the accelerator.")
     at: float = Field(default_factory=time.time, description="When the op finished (Unix seconds).")
 
@@ -53,7 +57,6 @@ class Usage(BaseModel):
         self.ops += 1
         for name in METRICS:
             setattr(self, name, getattr(self, name) + getattr(op, name))
-
 
 
 # KEYS: ops hash, session totals, owner totals, owner timeline, owners set.
@@ -83,10 +86,23 @@ class Meter:
         """Add one op's usage; False (and nothing counted) when this (session, op_id) was recorded before.
 
         `client`: a pipeline to queue the record on (its answer then comes with the pipeline's)."""
-        keys = [names.usage_ops_key(usage.session_id), names.usage_totals_key("session", usage.session_id), names.usage_totals_key("owner", usage.owner),
-                names.usage_timeline_key(usage.owner), names.USAGE_OWNERS_KEY]
-        args = [usage.op_id, usage.model_dump_json(), repr(usage.at), self.retention_s,
-                f"{usage.op_id}@{usage.session_id}", usage.owner, "ops", 1]
+        keys = [
+            names.usage_ops_key(usage.session_id),
+            names.usage_totals_key("session", usage.session_id),
+            names.usage_totals_key("owner", usage.owner),
+            names.usage_timeline_key(usage.owner),
+            names.USAGE_OWNERS_KEY,
+        ]
+        args = [
+            usage.op_id,
+            usage.model_dump_json(),
+            repr(usage.at),
+            self.retention_s,
+            f"{usage.op_id}@{usage.session_id}",
+            usage.owner,
+            "ops",
+            1,
+        ]
         for name in METRICS:  # zeros are left out: a missing field reads as 0, and each one is a write
             if getattr(usage, name):
                 args += [name, repr(getattr(usage, name))]
@@ -109,15 +125,22 @@ class Meter:
 
     def owner_ops(self, owner: str, since: float | None = None, until: float | None = None) -> list[OpUsage]:
         """The owner's op records that finished in [since, until), oldest first (from the time index)."""
-        members = self.redis.zrangebyscore(names.usage_timeline_key(owner), "-inf" if since is None else repr(since),
-                                           "+inf" if until is None else f"({until!r}")
+        members = self.redis.zrangebyscore(
+            names.usage_timeline_key(owner),
+            "-inf" if since is None else repr(since),
+            "+inf" if until is None else f"({until!r}",
+        )
         by_session: dict[str, list[str]] = {}
         for member in members:
             op_id, _, session_id = (member.decode() if isinstance(member, bytes) else member).partition("@")
             by_session.setdefault(session_id, []).append(op_id)
         records = []
         for session_id, op_ids in by_session.items():
-            records += [OpUsage.model_validate_json(raw) for raw in self.redis.hmget(names.usage_ops_key(session_id), op_ids) if raw]
+            records += [
+                OpUsage.model_validate_json(raw)
+                for raw in self.redis.hmget(names.usage_ops_key(session_id), op_ids)
+                if raw
+            ]
         return sorted(records, key=lambda r: r.at)
 
     def session_ops(self, session_id: str) -> list[OpUsage]:
@@ -131,5 +154,8 @@ class Meter:
 
 def _totals(raw: dict) -> Usage:
     values = {(k.decode() if isinstance(k, bytes) else k): float(v) for k, v in raw.items()}
-    return Usage(ops=int(values.get("ops", 0)), compute_s=values.get("compute_s", 0.0),
-                 **{name: int(values.get(name, 0)) for name in METRICS if name != "compute_s"})
+    return Usage(
+        ops=int(values.get("ops", 0)),
+        compute_s=values.get("compute_s", 0.0),
+        **{name: int(values.get(name, 0)) for name in METRICS if name != "compute_s"},
+    )

@@ -11,9 +11,15 @@ from treadle.config import add_config_args, config_of
 
 
 class ModelsCheckConfig(BaseModel):
-    device: str | None = Field(default=None, description="Device (default: the one a worker would pick: CUDA, else CPU).")
-    dtype: str | None = Field(default=None, description="float32 | bfloat16 | float16 (default: bf16 on CUDA, fp32 on CPU).")
-    smoke: bool = Field(default=True, description="Also train two steps and sample (--no-smoke: load and profile only).")
+    device: str | None = Field(
+        default=None, description="Device (default: the one a worker would pick: CUDA, else CPU)."
+    )
+    dtype: str | None = Field(
+        default=None, description="float32 | bfloat16 | float16 (default: bf16 on CUDA, fp32 on CPU)."
+    )
+    smoke: bool = Field(
+        default=True, description="Also train two steps and sample (--no-smoke: load and profile only)."
+    )
     as_json: bool = Field(default=False, description="Print the profile (and smoke result) as JSON.")
 
 
@@ -50,7 +56,9 @@ def check_one(model: str, cfg: ModelsCheckConfig) -> list[str]:
 
 
 def add_model_commands(sub) -> None:
-    p = sub.add_parser("models", help="Check that a worker can serve a model: family, LoRA targets, sampler, a smoke run.")
+    p = sub.add_parser(
+        "models", help="Check that a worker can serve a model: family, LoRA targets, sampler, a smoke run."
+    )
     p.add_argument("action", choices=["check"])
     p.add_argument("models", nargs="+", metavar="MODEL", help="Local directories or cached hub ids.")
     add_config_args(p, ModelsCheckConfig, "TREADLE_MODELS_", section="models")

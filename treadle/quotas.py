@@ -37,8 +37,9 @@ return -1
 class SessionQuota:
     """`admit(owner, session_id)` before creating a session; QuotaExceededError when the owner is at its limit."""
 
-    def __init__(self, redis, default_limit: int | None = None, limits: dict[str, int] | None = None,
-                 pending_s: float = 900.0):
+    def __init__(
+        self, redis, default_limit: int | None = None, limits: dict[str, int] | None = None, pending_s: float = 900.0
+    ):
         self.redis = redis
         self.default_limit = default_limit
         self.limits = dict(limits or {})
@@ -53,15 +54,22 @@ class SessionQuota:
         limit = self.limit_for(owner)
         if limit is None:
             return
-        active = int(self._admit(keys=[names.quota_sessions_key(owner)],
-                                 args=[session_id, repr(time.time()), limit, self.pending_s, session_key("")]))
+        active = int(
+            self._admit(
+                keys=[names.quota_sessions_key(owner)],
+                args=[session_id, repr(time.time()), limit, self.pending_s, session_key("")],
+            )
+        )
         if active >= 0:
             raise QuotaExceededError(
                 f"max_sessions_per_owner: owner {owner!r} has {active} active training sessions and the limit is "
-                f"{limit}; stop one (TrainingClient.stop(), or let it expire) before creating another")
+                f"{limit}; stop one (TrainingClient.stop(), or let it expire) before creating another"
+            )
 
     def release(self, owner: str, session_id: str) -> None:
         self.redis.zrem(names.quota_sessions_key(owner), session_id)
 
     def active(self, owner: str) -> list[str]:
-        return sorted(s.decode() if isinstance(s, bytes) else s for s in self.redis.zrange(names.quota_sessions_key(owner), 0, -1))
+        return sorted(
+            s.decode() if isinstance(s, bytes) else s for s in self.redis.zrange(names.quota_sessions_key(owner), 0, -1)
+        )

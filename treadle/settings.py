@@ -14,7 +14,9 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 class ConnectionSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="TREADLE_", extra="ignore")
 
-    broker_url: str | None = Field(default=None, description="Redis URL of the Celery broker, e.g. redis://127.0.0.1:6379/0.")
+    broker_url: str | None = Field(
+        default=None, description="Redis URL of the Celery broker, e.g. redis://127.0.0.1:6379/0."
+    )
     result_url: str | None = Field(default=None, description="Redis URL of the result backend; defaults to the broker.")
     storage_url: str | None = Field(default=None, description="Checkpoint store: file:///dir or s3://bucket/prefix.")
 

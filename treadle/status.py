@@ -27,9 +27,13 @@ class WorkerStatus(BaseModel):
     pid: int | None = Field(default=None, description="Process id on its host.")
     models: list[str] = Field(default_factory=list, description="Base models it serves.")
     sessions: list[str] = Field(default_factory=list, description="Sessions it owns.")
-    unloaded: list[str] = Field(default_factory=list, description="Owned sessions checkpointed and unloaded while idle.")
+    unloaded: list[str] = Field(
+        default_factory=list, description="Owned sessions checkpointed and unloaded while idle."
+    )
     uptime_s: float | None = Field(default=None, description="Seconds since it started.")
-    memory: dict[str, int] = Field(default_factory=dict, description="Bytes in use as the worker reports them (rss, device).")
+    memory: dict[str, int] = Field(
+        default_factory=dict, description="Bytes in use as the worker reports them (rss, device)."
+    )
 
 
 class SessionStatus(BaseModel):
@@ -39,14 +43,22 @@ class SessionStatus(BaseModel):
     status: str = Field(description="active | stopped | expired")
     worker: str | None = Field(description="The worker holding its lease.")
     applied: int = Field(description="Highest seq applied.")
-    step: int = Field(description="Optimizer steps of the session's weights, as its worker last recorded them (a "
-                      "session created from a checkpoint goes on from the checkpoint's step).")
+    step: int = Field(
+        description="Optimizer steps of the session's weights, as its worker last recorded them (a "
+        "session created from a checkpoint goes on from the checkpoint's step)."
+    )
     submitted: int = Field(description="Highest seq submitted.")
     queued_ops: int = Field(description="Ops submitted and not yet applied.")
-    queue_position: int | None = Field(default=None, description="Its next op's place in its worker's line (1: next, or "
-                                       "running), as the worker last decided; None when nothing is queued.")
-    est_wait_s: float | None = Field(default=None, description="Estimated seconds until its next op starts, from the "
-                                     "measured costs of the ops ahead of it; None when nothing is queued.")
+    queue_position: int | None = Field(
+        default=None,
+        description="Its next op's place in its worker's line (1: next, or "
+        "running), as the worker last decided; None when nothing is queued.",
+    )
+    est_wait_s: float | None = Field(
+        default=None,
+        description="Estimated seconds until its next op starts, from the "
+        "measured costs of the ops ahead of it; None when nothing is queued.",
+    )
     op_cost_s: float = Field(default=0.0, description="Average device seconds of its recent ops.")
     last_op: str | None = Field(default=None, description="Name of the last op metered.")
     last_activity: float = Field(description="Unix time of its last op.")
@@ -88,8 +100,16 @@ def collect_status(redis, include_stopped: bool = False) -> StatusReport:
     now = time.time()
     meter = Meter(redis)
     workers = {
-        w.hostname: WorkerStatus(hostname=w.hostname, alive=True, pid=w.pid, models=[m.name for m in w.models],
-                                 sessions=w.sessions, unloaded=w.unloaded, uptime_s=now - w.started_at, memory=w.memory)
+        w.hostname: WorkerStatus(
+            hostname=w.hostname,
+            alive=True,
+            pid=w.pid,
+            models=[m.name for m in w.models],
+            sessions=w.sessions,
+            unloaded=w.unloaded,
+            uptime_s=now - w.started_at,
+            memory=w.memory,
+        )
         for w in WorkerRegistry(redis).live_workers()
     }
     sessions = []
@@ -100,23 +120,43 @@ def collect_status(redis, include_stopped: bool = False) -> StatusReport:
             workers[record.worker] = WorkerStatus(hostname=record.worker, alive=False)
         submitted = int(redis.hget(names.session_key(record.session_id), "next_seq") or 0)
         ops = meter.session_ops(record.session_id)
-        sessions.append(SessionStatus(
-            session_id=record.session_id, owner=record.owner, base_model=record.base_model, status=record.status,
-            worker=record.worker, applied=record.applied, step=record.step,
-            submitted=max(submitted, record.applied),
-            queued_ops=max(0, submitted - record.applied), last_op=ops[-1].op if ops else None,
-            queue_position=record.queue_position or None if submitted > record.applied else None,
-            est_wait_s=record.queue_wait_s if submitted > record.applied else None, op_cost_s=record.op_cost_s,
-            last_activity=record.last_activity, idle_s=max(0.0, now - record.last_activity),
-            last_checkpoint=record.checkpoint, checkpoint_seq=record.checkpoint_seq,
-            usage=meter.session_usage(record.session_id),
-        ))
+        sessions.append(
+            SessionStatus(
+                session_id=record.session_id,
+                owner=record.owner,
+                base_model=record.base_model,
+                status=record.status,
+                worker=record.worker,
+                applied=record.applied,
+                step=record.step,
+                submitted=max(submitted, record.applied),
+                queued_ops=max(0, submitted - record.applied),
+                last_op=ops[-1].op if ops else None,
+                queue_position=record.queue_position or None if submitted > record.applied else None,
+                est_wait_s=record.queue_wait_s if submitted > record.applied else None,
+                op_cost_s=record.op_cost_s,
+                last_activity=record.last_activity,
+                idle_s=max(0.0, now - record.last_activity),
+                last_checkpoint=record.checkpoint,
+                checkpoint_seq=record.checkpoint_seq,
+                usage=meter.session_usage(record.session_id),
+            )
+        )
     models = sorted({m for w in workers.values() for m in w.models} | {s.base_model for s in sessions})
-    queues = [names.model_queue(m) for m in models] + [names.session_queue(s.session_id) for s in sessions if s.status == "active"]
-    served = [ModelStatus(name=m.name, family=m.family, dtype=m.dtype, sampler=m.sampler, workers=m.workers)
-              for m in WorkerRegistry(redis).served_models()]
-    return StatusReport(at=now, workers=sorted(workers.values(), key=lambda w: w.hostname), models=served, sessions=sessions,
-                        queues=[QueueDepth(queue=q, depth=queue_depth(redis, q)) for q in queues])
+    queues = [names.model_queue(m) for m in models] + [
+        names.session_queue(s.session_id) for s in sessions if s.status == "active"
+    ]
+    served = [
+        ModelStatus(name=m.name, family=m.family, dtype=m.dtype, sampler=m.sampler, workers=m.workers)
+        for m in WorkerRegistry(redis).served_models()
+    ]
+    return StatusReport(
+        at=now,
+        workers=sorted(workers.values(), key=lambda w: w.hostname),
+        models=served,
+        sessions=sessions,
+        queues=[QueueDepth(queue=q, depth=queue_depth(redis, q)) for q in queues],
+    )
 
 
 def _table(header: list[str], rows: list[list[str]]) -> list[str]:
@@ -140,19 +180,66 @@ def _bytes(memory: dict[str, int]) -> str:
 def render(report: StatusReport) -> str:
     """The report as four plain-text tables."""
     lines = [f"workers ({sum(w.alive for w in report.workers)} alive)"]
-    lines += _table(["HOSTNAME", "ALIVE", "MODELS", "SESSIONS", "UNLOADED", "UPTIME", "MEMORY"], [
-        [w.hostname, "yes" if w.alive else "NO", ",".join(w.models) or "-", str(len(w.sessions)), str(len(w.unloaded)),
-         _ago(w.uptime_s), _bytes(w.memory)] for w in report.workers])
+    lines += _table(
+        ["HOSTNAME", "ALIVE", "MODELS", "SESSIONS", "UNLOADED", "UPTIME", "MEMORY"],
+        [
+            [
+                w.hostname,
+                "yes" if w.alive else "NO",
+                ",".join(w.models) or "-",
+                str(len(w.sessions)),
+                str(len(w.unloaded)),
+                _ago(w.uptime_s),
+                _bytes(w.memory),
+            ]
+            for w in report.workers
+        ],
+    )
     lines += ["", f"models ({len(report.models)})"]
-    lines += _table(["MODEL", "FAMILY", "DTYPE", "SAMPLER", "WORKERS"], [
-        [m.name, m.family or "-", m.dtype or "-", m.sampler or "-", str(len(m.workers))] for m in report.models])
+    lines += _table(
+        ["MODEL", "FAMILY", "DTYPE", "SAMPLER", "WORKERS"],
+        [[m.name, m.family or "-", m.dtype or "-", m.sampler or "-", str(len(m.workers))] for m in report.models],
+    )
     lines += ["", f"sessions ({len(report.sessions)})"]
-    lines += _table(["SESSION", "OWNER", "MODEL", "STATUS", "WORKER", "APPLIED", "STEP", "QUEUED", "POSITION", "EST WAIT",
-                     "OP COST", "LAST OP", "IDLE", "TRAINED TOK", "LAST CHECKPOINT"], [
-        [s.session_id, s.owner or "(sdk)", s.base_model, s.status, s.worker or "-", str(s.applied), str(s.step), str(s.queued_ops),
-         str(s.queue_position or "-"), "-" if s.est_wait_s is None else f"{s.est_wait_s:.2f}s",
-         f"{s.op_cost_s * 1000:.0f}ms" if s.op_cost_s else "-", s.last_op or "-", _ago(s.idle_s), str(s.usage.trained_tokens),
-         f"{s.last_checkpoint} (seq {s.checkpoint_seq})" if s.last_checkpoint else "-"] for s in report.sessions])
+    lines += _table(
+        [
+            "SESSION",
+            "OWNER",
+            "MODEL",
+            "STATUS",
+            "WORKER",
+            "APPLIED",
+            "STEP",
+            "QUEUED",
+            "POSITION",
+            "EST WAIT",
+            "OP COST",
+            "LAST OP",
+            "IDLE",
+            "TRAINED TOK",
+            "LAST CHECKPOINT",
+        ],
+        [
+            [
+                s.session_id,
+                s.owner or "(sdk)",
+                s.base_model,
+                s.status,
+                s.worker or "-",
+                str(s.applied),
+                str(s.step),
+                str(s.queued_ops),
+                str(s.queue_position or "-"),
+                "-" if s.est_wait_s is None else f"{s.est_wait_s:.2f}s",
+                f"{s.op_cost_s * 1000:.0f}ms" if s.op_cost_s else "-",
+                s.last_op or "-",
+                _ago(s.idle_s),
+                str(s.usage.trained_tokens),
+                f"{s.last_checkpoint} (seq {s.checkpoint_seq})" if s.last_checkpoint else "-",
+            ]
+            for s in report.sessions
+        ],
+    )
     lines += ["", "queues"]
     lines += _table(["QUEUE", "DEPTH"], [[q.queue, str(q.depth)] for q in report.queues])
     return "\n".join(lines)

@@ -117,7 +117,9 @@ class EncodedTextChunk(_Request):
 class ModelInput(_Request):
     """A token sequence, as a list of chunks (only encoded text is supported)."""
 
-    chunks: list[EncodedTextChunk] = Field(default_factory=list, max_length=MAX_TOKENS_PER_SEQUENCE, description="Chunks in order.")
+    chunks: list[EncodedTextChunk] = Field(
+        default_factory=list, max_length=MAX_TOKENS_PER_SEQUENCE, description="Chunks in order."
+    )
 
     @classmethod
     def from_ints(cls, tokens: Sequence[int]) -> "ModelInput":
@@ -159,7 +161,9 @@ class TensorData(_Request):
 
     data: list[int] | list[float] = Field(description="Flattened values, row-major (made from the array on first use).")
     dtype: DType = Field(description="`int64` or `float32`.")
-    shape: list[Annotated[int, Field(ge=0)]] | None = Field(default=None, max_length=MAX_TENSOR_DIMS, description="Shape; None means 1-D.")
+    shape: list[Annotated[int, Field(ge=0)]] | None = Field(
+        default=None, max_length=MAX_TENSOR_DIMS, description="Shape; None means 1-D."
+    )
     _array: np.ndarray | None = PrivateAttr(default=None)
 
     @model_validator(mode="wrap")
@@ -199,7 +203,11 @@ class TensorData(_Request):
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, TensorData):
             return NotImplemented
-        return self.dtype == other.dtype and self.shape == other.shape and np.array_equal(self.to_numpy(), other.to_numpy())
+        return (
+            self.dtype == other.dtype
+            and self.shape == other.shape
+            and np.array_equal(self.to_numpy(), other.to_numpy())
+        )
 
     @classmethod
     def _of(cls, array: np.ndarray, dtype: DType, shape: list[int] | None) -> "TensorData":
@@ -212,8 +220,9 @@ class TensorData(_Request):
         dtype, shape = wire.get("dtype"), wire.get("shape")
         if dtype not in _NP_DTYPES:
             raise ValueError(f"dtype: {dtype!r} is not one of {', '.join(_NP_DTYPES)}")
-        if shape is not None and not (isinstance(shape, list) and len(shape) <= MAX_TENSOR_DIMS
-                                      and all(type(d) is int and d >= 0 for d in shape)):
+        if shape is not None and not (
+            isinstance(shape, list) and len(shape) <= MAX_TENSOR_DIMS and all(type(d) is int and d >= 0 for d in shape)
+        ):
             raise ValueError(f"shape: {shape!r:.80} is not a list of at most {MAX_TENSOR_DIMS} dimensions >= 0")
         try:
             array = np.frombuffer(base64.b64decode(wire["b64"], validate=True), dtype=_NP_DTYPES[dtype])
@@ -237,7 +246,11 @@ class TensorData(_Request):
     @classmethod
     def from_list(cls, values: Sequence[Any], dtype: DType | None = None) -> "TensorData":
         if dtype is None:
-            dtype = "int64" if all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in values) else "float32"
+            dtype = (
+                "int64"
+                if all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in values)
+                else "float32"
+            )
         try:
             array = np.asarray(values, dtype=_NP_DTYPES[dtype])
         except OverflowError:  # a ValueError, so a validator reports it as the field's error
@@ -283,7 +296,8 @@ class Datum(_Request):
 
     model_input: ModelInput = Field(description="Input tokens, i.e. tokens[:-1].")
     loss_fn_inputs: dict[str, TensorData] = Field(
-        default_factory=dict, max_length=MAX_LOSS_INPUTS,
+        default_factory=dict,
+        max_length=MAX_LOSS_INPUTS,
         description="Per-token loss inputs: target_tokens, weights, logprobs, advantages, ...",
     )
 
@@ -301,10 +315,18 @@ class Datum(_Request):
 class SamplingParams(_Request):
     """How to sample. `top_k=1` is greedy; `seed` makes a request reproducible."""
 
-    max_tokens: int | None = Field(default=None, ge=1, le=MAX_TOKENS_PER_SEQUENCE,
-                                   description="Most new tokens per sequence (None: up to the context limit).")
-    seed: int | None = Field(default=None, ge=0, le=SEED_MAX, description="Random seed; the same seed gives the same tokens.")
-    stop: str | list[str] | list[TokenId] | None = Field(default=None, description="Stop strings or stop token ids (at most 64).")
+    max_tokens: int | None = Field(
+        default=None,
+        ge=1,
+        le=MAX_TOKENS_PER_SEQUENCE,
+        description="Most new tokens per sequence (None: up to the context limit).",
+    )
+    seed: int | None = Field(
+        default=None, ge=0, le=SEED_MAX, description="Random seed; the same seed gives the same tokens."
+    )
+    stop: str | list[str] | list[TokenId] | None = Field(
+        default=None, description="Stop strings or stop token ids (at most 64)."
+    )
     temperature: float = Field(default=1.0, ge=0.0, le=100.0, description="Softmax temperature; 0 means greedy.")
     top_k: int = Field(default=-1, ge=-1, le=2**31 - 1, description="Keep the k most likely tokens; -1 keeps all.")
     top_p: float = Field(default=1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
@@ -345,7 +367,9 @@ class AdamParams(_Request):
     beta2: float = Field(default=0.95, ge=0.0, lt=1.0, description="Second-moment decay.")
     eps: float = Field(default=1e-12, gt=0.0, le=1.0, description="Denominator epsilon.")
     weight_decay: float = Field(default=0.0, ge=0.0, le=1.0, description="Decoupled weight decay.")
-    grad_clip_norm: float = Field(default=0.0, ge=0.0, le=1e6, description="Clip the global grad norm to this; 0 is off.")
+    grad_clip_norm: float = Field(
+        default=0.0, ge=0.0, le=1e6, description="Clip the global grad norm to this; 0 is off."
+    )
 
 
 class LossConfig(_Request):
@@ -359,8 +383,10 @@ class _ClipConfig(LossConfig):
     @model_validator(mode="after")
     def _ordered(self) -> "_ClipConfig":
         if self.clip_low_threshold >= self.clip_high_threshold:
-            raise ValueError(f"loss_fn_config.clip_low_threshold: {self.clip_low_threshold} must be below "
-                             f"clip_high_threshold {self.clip_high_threshold}")
+            raise ValueError(
+                f"loss_fn_config.clip_low_threshold: {self.clip_low_threshold} must be below "
+                f"clip_high_threshold {self.clip_high_threshold}"
+            )
         return self
 
 
@@ -376,19 +402,29 @@ class CISPOConfig(_ClipConfig):
 
 class DROConfig(LossConfig):
     # Tinker documents beta without a default; 0.05 is the value of its examples.
-    beta: float = Field(default=0.05, gt=0.0, le=1e4, description="Weight of the quadratic pull towards the sampler's logprobs.")
+    beta: float = Field(
+        default=0.05, gt=0.0, le=1e4, description="Weight of the quadratic pull towards the sampler's logprobs."
+    )
 
 
 class GSPOConfig(_ClipConfig):
     # In ratio space like ppo's; the defaults are the GSPO paper's clip ranges (3e-4 below, 4e-4 above).
-    clip_low_threshold: float = Field(default=1.0 - 3e-4, gt=0.0, le=1.0, description="Lower bound of the clipped sequence ratio.")
-    clip_high_threshold: float = Field(default=1.0 + 4e-4, ge=1.0, le=100.0, description="Upper bound of the clipped sequence ratio.")
+    clip_low_threshold: float = Field(
+        default=1.0 - 3e-4, gt=0.0, le=1.0, description="Lower bound of the clipped sequence ratio."
+    )
+    clip_high_threshold: float = Field(
+        default=1.0 + 4e-4, ge=1.0, le=100.0, description="Upper bound of the clipped sequence ratio."
+    )
 
 
 # Every built-in loss's parameters, with defaults and bounds; the worker's losses take their defaults from here.
 LOSS_CONFIGS: dict[str, type[LossConfig]] = {
-    "cross_entropy": LossConfig, "importance_sampling": LossConfig, "ppo": PPOConfig, "cispo": CISPOConfig,
-    "dro": DROConfig, "gspo": GSPOConfig,
+    "cross_entropy": LossConfig,
+    "importance_sampling": LossConfig,
+    "ppo": PPOConfig,
+    "cispo": CISPOConfig,
+    "dro": DROConfig,
+    "gspo": GSPOConfig,
 }
 
 
@@ -414,9 +450,14 @@ class LoraConfig(_Request):
 
 class SampledSequence(_Response):
     tokens: list[int] = Field(description="Sampled token ids (the stop token included when one ended it).")
-    logprobs: list[float] | None = Field(default=None, description="Logprob of each sampled token under the distribution sampled from.")
+    logprobs: list[float] | None = Field(
+        default=None, description="Logprob of each sampled token under the distribution sampled from."
+    )
     stop_reason: StopReason = Field(description="`stop` (a stop string/token or EOS) or `length` (max_tokens).")
-    topk_logprobs: list[list[tuple[int, float]]] | None = Field(default=None, description="Per sampled token, the top-k (token, logprob) of the distribution it was drawn from (topk_sample_logprobs).")
+    topk_logprobs: list[list[tuple[int, float]]] | None = Field(
+        default=None,
+        description="Per sampled token, the top-k (token, logprob) of the distribution it was drawn from (topk_sample_logprobs).",
+    )
 
 
 class PromptAltTokens(_Response):
@@ -429,15 +470,23 @@ class PromptAltTokens(_Response):
 class SampleResponse(_Response):
     sequences: list[SampledSequence] = Field(default_factory=list)
     prompt_logprobs: list[float | None] | None = Field(default=None, description="Per prompt token; entry 0 is None.")
-    topk_prompt_logprobs: list[list[tuple[int, float]] | None] | None = Field(default=None, description="Top-k (token, logprob) per prompt position; entry 0 is None.")
-    target_prompt_logprobs: TensorData | None = Field(default=None, description="float32, the request's target ids' shape: their logprobs, 0.0 where it had -1.")
-    prompt_alt_tokens: PromptAltTokens | None = Field(default=None, description="The draws prompt_alt_tokens_k asked for.")
+    topk_prompt_logprobs: list[list[tuple[int, float]] | None] | None = Field(
+        default=None, description="Top-k (token, logprob) per prompt position; entry 0 is None."
+    )
+    target_prompt_logprobs: TensorData | None = Field(
+        default=None, description="float32, the request's target ids' shape: their logprobs, 0.0 where it had -1."
+    )
+    prompt_alt_tokens: PromptAltTokens | None = Field(
+        default=None, description="The draws prompt_alt_tokens_k asked for."
+    )
     prompt_cache_hit_tokens: int = 0
 
 
 class ForwardBackwardOutput(_Response):
     loss_fn_output_type: str = "TensorData"
-    loss_fn_outputs: list[dict[str, TensorData]] = Field(default_factory=list, description="Per datum: {'logprobs': ...} of target_tokens.")
+    loss_fn_outputs: list[dict[str, TensorData]] = Field(
+        default_factory=list, description="Per datum: {'logprobs': ...} of target_tokens."
+    )
     metrics: dict[str, float] = Field(default_factory=dict, description="Keys are `name:reduction`, e.g. `loss:sum`.")
 
     @field_validator("metrics")

@@ -32,12 +32,23 @@ class DemoConfig(BaseModel):
     learning_rate: float = Field(default=3e-4, gt=0.0, description="AdamW learning rate of the LoRA adapter.")
     lora_rank: int = Field(default=16, ge=1, description="LoRA rank.")
     eval_problems: int = Field(default=50, ge=1, description="Size of the fixed held-out set.")
-    home: str = Field(default=os.path.expanduser("~/.treadle/demo"), description="Stack state, logs, checkpoints and run logs.")
-    model_cache_dir: str | None = Field(default=None, description="Converted model directory (default: ~/.cache/treadle/models/...).")
-    model_dir: str | None = Field(default=None, description="Serve this model directory instead of SmolLM2 (e.g. a tiny test model).")
-    worker_threads: int = Field(default_factory=lambda: os.cpu_count() or 1, ge=1,
-                                description="Torch threads of the worker (default: every CPU core of this machine).")
-    eval_every: int = Field(default=5, ge=0, description="Held-out eval every N steps, besides before and after (0: only those).")
+    home: str = Field(
+        default=os.path.expanduser("~/.treadle/demo"), description="Stack state, logs, checkpoints and run logs."
+    )
+    model_cache_dir: str | None = Field(
+        default=None, description="Converted model directory (default: ~/.cache/treadle/models/...)."
+    )
+    model_dir: str | None = Field(
+        default=None, description="Serve this model directory instead of SmolLM2 (e.g. a tiny test model)."
+    )
+    worker_threads: int = Field(
+        default_factory=lambda: os.cpu_count() or 1,
+        ge=1,
+        description="Torch threads of the worker (default: every CPU core of this machine).",
+    )
+    eval_every: int = Field(
+        default=5, ge=0, description="Held-out eval every N steps, besides before and after (0: only those)."
+    )
 
 
 @contextmanager
@@ -80,10 +91,19 @@ def run_demo(config: DemoConfig | None = None, **overrides) -> dict:
     try:
         service = ServiceClient(broker_url=stack.broker_url, storage_url=stack.storage_url)
         rl_config = math_rl.Config(
-            base_model=model_name, log_dir=os.path.join(cfg.home, f"runs/seed-{cfg.seed}"), seed=cfg.seed,
-            steps=cfg.steps, groups_per_batch=cfg.groups_per_batch, group_size=cfg.group_size,
-            learning_rate=cfg.learning_rate, lora_rank=cfg.lora_rank, eval_problems=cfg.eval_problems,
-            eval_every=cfg.eval_every, save_every=cfg.steps, max_tokens=16, temperature=1.0,
+            base_model=model_name,
+            log_dir=os.path.join(cfg.home, f"runs/seed-{cfg.seed}"),
+            seed=cfg.seed,
+            steps=cfg.steps,
+            groups_per_batch=cfg.groups_per_batch,
+            group_size=cfg.group_size,
+            learning_rate=cfg.learning_rate,
+            lora_rank=cfg.lora_rank,
+            eval_problems=cfg.eval_problems,
+            eval_every=cfg.eval_every,
+            save_every=cfg.steps,
+            max_tokens=16,
+            temperature=1.0,
         )
         with _phase(timings, "GRPO (eval before, train, eval after)"):
             result = math_rl.main(rl_config, service)
@@ -104,11 +124,19 @@ def run_demo(config: DemoConfig | None = None, **overrides) -> dict:
     print("\nwall time per phase")
     for name, seconds in timings.items():
         print(f"  {name:<14} {seconds:7.1f} s")
-    print(f"\nmetrics:          {result.metrics_path}\ncurve:            {result.png_path}\n"
-          f"final checkpoint: {result.final_state_path}\n(stored under {stack.storage_url})")
-    return {"seed": cfg.seed, "accuracy_before": result.eval_before, "accuracy_after": result.eval_after,
-            "seconds": timings, "metrics_path": result.metrics_path, "png_path": result.png_path,
-            "final_checkpoint": result.final_state_path}
+    print(
+        f"\nmetrics:          {result.metrics_path}\ncurve:            {result.png_path}\n"
+        f"final checkpoint: {result.final_state_path}\n(stored under {stack.storage_url})"
+    )
+    return {
+        "seed": cfg.seed,
+        "accuracy_before": result.eval_before,
+        "accuracy_after": result.eval_after,
+        "seconds": timings,
+        "metrics_path": result.metrics_path,
+        "png_path": result.png_path,
+        "final_checkpoint": result.final_state_path,
+    }
 
 
 if __name__ == "__main__":

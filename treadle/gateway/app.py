@@ -57,8 +57,9 @@ _NOT_FOUND = (CheckpointNotFoundError, SessionNotFoundError, NotFoundError)
 _UNAVAILABLE = (BrokerUnavailableError, NoWorkerError)
 
 
-def create_app(settings: GatewaySettings | None = None, *, ops: OpsClient | None = None,
-               checkpoints: CheckpointStore | None = None) -> FastAPI:
+def create_app(
+    settings: GatewaySettings | None = None, *, ops: OpsClient | None = None, checkpoints: CheckpointStore | None = None
+) -> FastAPI:
     """Build the app. `ops` and `checkpoints` default to clients of the settings' Redis and store."""
     settings = settings or GatewaySettings()
 
@@ -70,8 +71,13 @@ def create_app(settings: GatewaySettings | None = None, *, ops: OpsClient | None
             store = CheckpointStore.from_url(settings.storage_url)
         app.state.backend = Backend(settings, ops_client, store)
         for name, target in settings.loss_aliases.items():
-            log.warning("loss_alias: forward_backward requests for %s train with %s (recorded in each new run's "
-                        "user_metadata as %s)", name, target, LOSS_ALIAS_METADATA_KEY)
+            log.warning(
+                "loss_alias: forward_backward requests for %s train with %s (recorded in each new run's "
+                "user_metadata as %s)",
+                name,
+                target,
+                LOSS_ALIAS_METADATA_KEY,
+            )
         try:
             yield
         finally:
@@ -79,14 +85,26 @@ def create_app(settings: GatewaySettings | None = None, *, ops: OpsClient | None
 
     app = FastAPI(title="treadle gateway", lifespan=lifespan)
     app.state.keyring = KeyRing(settings.api_keys)
-    for module in (routes_session, routes_training, routes_sampling, routes_rest, routes_billing, routes_checkpoints, routes_sessions,
-                   downloads, futures):
+    for module in (
+        routes_session,
+        routes_training,
+        routes_sampling,
+        routes_rest,
+        routes_billing,
+        routes_checkpoints,
+        routes_sessions,
+        downloads,
+        futures,
+    ):
         app.include_router(module.router, prefix="/api/v1")
     app.include_router(openai_api.router, prefix="/v1")
-    metrics.install(app, lambda: app.state.backend.metrics_redis())  # GET /metrics, read at scrape time, after lifespan start
+    metrics.install(
+        app, lambda: app.state.backend.metrics_redis()
+    )  # GET /metrics, read at scrape time, after lifespan start
 
-    app.add_middleware(BodyLimits, max_body_bytes=settings.max_body_bytes,
-                       max_decompressed_bytes=settings.max_decompressed_bytes)
+    app.add_middleware(
+        BodyLimits, max_body_bytes=settings.max_body_bytes, max_decompressed_bytes=settings.max_decompressed_bytes
+    )
     # Every route's errors leave through these handlers, all in one JSON form: {"error", "category", "detail"}.
     app.add_exception_handler(TreadleError, _treadle_error)
     app.add_exception_handler(json.JSONDecodeError, _unparsable)

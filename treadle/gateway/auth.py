@@ -41,4 +41,3 @@ def require_owner(request: Request) -> str:
         detail = "missing API key (send X-API-Key or Authorization: Bearer)" if not key else "invalid API key"
         raise HTTPException(status_code=401, detail=detail)
     return owner
-

@@ -51,7 +51,9 @@ class Backend:
 
     def submit_sample(self, owner: str, request: SampleRequest, extra: dict | None = None) -> str:
         fid = self._ops.submit_sample(request.model_copy(update={"owner": owner}))  # metered to the caller
-        self.store.put_request(RequestRecord(request_id=fid, kind="sample", owner=owner, future_id=fid, extra=extra or {}))
+        self.store.put_request(
+            RequestRecord(request_id=fid, kind="sample", owner=owner, future_id=fid, extra=extra or {})
+        )
         return fid
 
     def wait(self, future_id: str, timeout: float) -> dict:

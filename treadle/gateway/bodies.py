@@ -50,14 +50,25 @@ class BodyLimits:
             try:
                 data = decompress_zstd(bytes(body), self.max_decompressed)
             except BodyTooLarge:
-                return await _refuse(scope, send, 413, f"body: decompresses to over max_decompressed_bytes = {self.max_decompressed} "
-                                                f"({len(body)} bytes compressed)")
+                return await _refuse(
+                    scope,
+                    send,
+                    413,
+                    f"body: decompresses to over max_decompressed_bytes = {self.max_decompressed} "
+                    f"({len(body)} bytes compressed)",
+                )
             except zstandard.ZstdError as exc:
                 return await _refuse(scope, send, 400, f"body: not valid zstd data ({exc})")
-            scope = {**scope, "headers": [(k, v) for k, v in scope["headers"]
-                                          if k.lower() not in (b"content-encoding", b"content-length")]}
+            scope = {
+                **scope,
+                "headers": [
+                    (k, v) for k, v in scope["headers"] if k.lower() not in (b"content-encoding", b"content-length")
+                ],
+            }
         else:
-            return await _refuse(scope, send, 415, f"content-encoding: {encoding!r} is not supported; send zstd or none")
+            return await _refuse(
+                scope, send, 415, f"content-encoding: {encoding!r} is not supported; send zstd or none"
+            )
 
         sent = False
 
@@ -83,7 +94,7 @@ def decompress_zstd(data: bytes, limit: int) -> bytes:
     out, pos, step = bytearray(), 0, _MIN_STEP
     frame = zstandard.ZstdDecompressor().decompressobj()
     while pos < len(data):
-        piece = frame.decompress(data[pos:pos + step])
+        piece = frame.decompress(data[pos : pos + step])
         pos += step
         out += piece
         if len(out) > limit:
@@ -108,6 +119,11 @@ def error_payload(path: str, message: str, category: str) -> dict:
 
 async def _refuse(scope, send, status: int, message: str) -> None:
     payload = json.dumps(error_payload(scope.get("path", ""), message, "user")).encode()
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]})
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())],
+        }
+    )
     await send({"type": "http.response.body", "body": payload})

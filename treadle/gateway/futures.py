@@ -65,7 +65,9 @@ _CHECKS = _CheckClock()
 
 
 @router.post("/retrieve_future")
-async def retrieve_future(request: Request, owner: str = Depends(require_owner), backend: Backend = Depends(get_backend)) -> Response:
+async def retrieve_future(
+    request: Request, owner: str = Depends(require_owner), backend: Backend = Depends(get_backend)
+) -> Response:
     req = parse_request(tt.FutureRetrieveRequest, await request.json())
     record = await run_in_threadpool(backend.store.get_request, req.request_id)
     if record is None or record.owner != owner:
@@ -97,16 +99,24 @@ def render_result(backend: Backend, record: RequestRecord, value: dict) -> Respo
     if record.extra.get("sampler_id") is not None:
         # The ephemeral save_weights_for_sampler: the snapshot becomes a sampling session the client samples from.
         inflight_of = record.extra.get("inflight_of")
-        backend.store.put_sampler(Sampler(sampler_id=record.extra["sampler_id"], owner=record.owner,
-                                          base_model=record.extra["base_model"], model_path=response.path,
-                                          inflight_of=inflight_of))
+        backend.store.put_sampler(
+            Sampler(
+                sampler_id=record.extra["sampler_id"],
+                owner=record.owner,
+                base_model=record.extra["base_model"],
+                model_path=response.path,
+                inflight_of=inflight_of,
+            )
+        )
         if inflight_of is not None:  # the model's inflight samplers, old and new, now sample this snapshot
             backend.store.add_inflight_target(inflight_of, record.extra["sampler_seq"], response.path)
         backend.store.add_member(record.extra["session_id"], "samplers", record.extra["sampler_id"])
         return JSONResponse({"sampling_session_id": record.extra["sampler_id"], "type": "save_weights_for_sampler"})
     if isinstance(response, SampleResponse):  # as the request asked: the prompt's last n, a sparse target's cells
         response = _last_n(response, record.extra.get("prompt_logprobs_last_n"))
-        return Response(encode_sample_response(response, record.extra.get("target_layout")), media_type=PROTO_MEDIA_TYPE)
+        return Response(
+            encode_sample_response(response, record.extra.get("target_layout")), media_type=PROTO_MEDIA_TYPE
+        )
     return render(response)
 
 
@@ -136,7 +146,9 @@ def _last_n(response: SampleResponse, last_n: int | None) -> SampleResponse:
         return response
     keep_from = max(0, len(response.prompt_logprobs) - last_n)
     topk = response.topk_prompt_logprobs
-    return response.model_copy(update={
-        "prompt_logprobs": [None] * keep_from + response.prompt_logprobs[keep_from:],
-        "topk_prompt_logprobs": None if topk is None else [None] * keep_from + topk[keep_from:],
-    })
+    return response.model_copy(
+        update={
+            "prompt_logprobs": [None] * keep_from + response.prompt_logprobs[keep_from:],
+            "topk_prompt_logprobs": None if topk is None else [None] * keep_from + topk[keep_from:],
+        }
+    )

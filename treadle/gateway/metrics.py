@@ -40,9 +40,16 @@ def route_template(scope: dict) -> str:
 def install(app: FastAPI, redis_fn) -> CollectorRegistry:
     """Measure every request of `app` and serve GET /metrics; `redis_fn()` gives the deployment's Redis."""
     registry = CollectorRegistry()
-    requests = Counter("treadle_gateway_requests", "HTTP requests answered.", ["route", "method", "status"], registry=registry)
-    seconds = Histogram("treadle_gateway_request_seconds", "Seconds to answer an HTTP request.", ["route"],
-                        buckets=_BUCKETS, registry=registry)
+    requests = Counter(
+        "treadle_gateway_requests", "HTTP requests answered.", ["route", "method", "status"], registry=registry
+    )
+    seconds = Histogram(
+        "treadle_gateway_request_seconds",
+        "Seconds to answer an HTTP request.",
+        ["route"],
+        buckets=_BUCKETS,
+        registry=registry,
+    )
     registry.register(DeploymentCollector(redis_fn))
 
     @app.middleware("http")

@@ -32,11 +32,15 @@ class _OpenAIRequest(BaseModel):
 
     model: str = Field(description="A sampler path (tinker:// or treadle://), a sampler id, or a served base model.")
     n: int = Field(default=1, ge=1, le=128, description="Completions to generate.")
-    max_tokens: int | None = Field(default=None, ge=1, le=MAX_TOKENS_PER_SEQUENCE, description="Most new tokens per completion.")
+    max_tokens: int | None = Field(
+        default=None, ge=1, le=MAX_TOKENS_PER_SEQUENCE, description="Most new tokens per completion."
+    )
     temperature: float = Field(default=1.0, ge=0.0, le=2.0, description="Sampling temperature; 0 is greedy.")
     top_p: float = Field(default=1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
     stop: str | list[str] | None = Field(default=None, description="Stop strings (not included in the output).")
-    seed: int | None = Field(default=None, ge=0, le=SEED_MAX, description="Random seed; the same seed gives the same completion.")
+    seed: int | None = Field(
+        default=None, ge=0, le=SEED_MAX, description="Random seed; the same seed gives the same completion."
+    )
     stream: bool = Field(default=False, description="Streaming is not supported.")
 
 
@@ -49,7 +53,9 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_OpenAIRequest):
     messages: list[ChatMessage] = Field(min_length=1, description="The conversation so far.")
-    max_completion_tokens: int | None = Field(default=None, ge=1, le=MAX_TOKENS_PER_SEQUENCE, description="Newer spelling of max_tokens.")
+    max_completion_tokens: int | None = Field(
+        default=None, ge=1, le=MAX_TOKENS_PER_SEQUENCE, description="Newer spelling of max_tokens."
+    )
     logprobs: bool = Field(default=False, description="Return the logprob of each generated token.")
     top_logprobs: int | None = Field(default=None, ge=0, le=0, description="Only 0 is supported.")
 
@@ -60,8 +66,15 @@ class ChatCompletionRequest(_OpenAIRequest):
 
 class CompletionRequest(_OpenAIRequest):
     prompt: str | list[int] = Field(description="A prompt string, or its token ids.")
-    max_tokens: int | None = Field(default=16, ge=1, le=MAX_TOKENS_PER_SEQUENCE, description="Most new tokens per completion (OpenAI's default is 16).")
-    logprobs: int | None = Field(default=None, ge=0, le=0, description="0 returns each token's logprob; top alternatives are not supported.")
+    max_tokens: int | None = Field(
+        default=16,
+        ge=1,
+        le=MAX_TOKENS_PER_SEQUENCE,
+        description="Most new tokens per completion (OpenAI's default is 16).",
+    )
+    logprobs: int | None = Field(
+        default=None, ge=0, le=0, description="0 returns each token's logprob; top alternatives are not supported."
+    )
     echo: Literal[False] = Field(default=False, description="Echoing the prompt is not supported.")
 
     @property
@@ -80,11 +93,16 @@ def load_tokenizer(source: str):
 @router.get("/models")
 async def list_models(owner: str = Depends(require_owner), backend: Backend = Depends(get_backend)) -> dict:
     served = await run_in_threadpool(backend.owners.served_models)
-    return {"object": "list", "data": [{"id": m.name, "object": "model", "created": 0, "owned_by": "treadle"} for m in served]}
+    return {
+        "object": "list",
+        "data": [{"id": m.name, "object": "model", "created": 0, "owned_by": "treadle"} for m in served],
+    }
 
 
 @router.post("/chat/completions")
-async def chat_completions(request: Request, owner: str = Depends(require_owner), backend: Backend = Depends(get_backend)):
+async def chat_completions(
+    request: Request, owner: str = Depends(require_owner), backend: Backend = Depends(get_backend)
+):
     req = parse_request(ChatCompletionRequest, await request.json())
     return await _complete(backend, owner, req, chat=True)
 
@@ -99,15 +117,26 @@ async def _complete(backend: Backend, owner: str, req: _OpenAIRequest, *, chat: 
     if req.stream:
         raise InvalidRequestError("stream: streaming responses are not supported; send stream=false")
     base_model, model_path = await run_in_threadpool(_resolve_model, backend, owner, req.model)
-    tokenizer = await run_in_threadpool(load_tokenizer, await run_in_threadpool(backend.owners.tokenizer_source, base_model))
+    tokenizer = await run_in_threadpool(
+        load_tokenizer, await run_in_threadpool(backend.owners.tokenizer_source, base_model)
+    )
     prompt = _prompt_tokens(tokenizer, req, chat)
     stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     max_tokens = (req.max_completion_tokens or req.max_tokens) if chat else req.max_tokens
-    params = parse_request(SamplingParams, {
-        "max_tokens": max_tokens, "temperature": req.temperature, "top_p": req.top_p, "seed": req.seed, "stop": stops or None,
-    }, "sampling_params")
-    sample = SampleRequest.build(base_model=base_model, model_path=model_path, prompt=prompt, num_samples=req.n,
-                                 sampling_params=params)
+    params = parse_request(
+        SamplingParams,
+        {
+            "max_tokens": max_tokens,
+            "temperature": req.temperature,
+            "top_p": req.top_p,
+            "seed": req.seed,
+            "stop": stops or None,
+        },
+        "sampling_params",
+    )
+    sample = SampleRequest.build(
+        base_model=base_model, model_path=model_path, prompt=prompt, num_samples=req.n, sampling_params=params
+    )
     future_id = await run_in_threadpool(backend.submit_sample, owner, sample)
     result = await run_in_threadpool(backend.wait, future_id, backend.settings.sample_timeout_seconds)
     choices = [_choice(i, tokenizer, seq, stops, chat, req.wants_logprobs) for i, seq in enumerate(result["sequences"])]
@@ -118,7 +147,11 @@ async def _complete(backend: Backend, owner: str, req: _OpenAIRequest, *, chat: 
         "created": int(time.time()),
         "model": req.model,
         "choices": choices,
-        "usage": {"prompt_tokens": len(prompt), "completion_tokens": completion_tokens, "total_tokens": len(prompt) + completion_tokens},
+        "usage": {
+            "prompt_tokens": len(prompt),
+            "completion_tokens": completion_tokens,
+            "total_tokens": len(prompt) + completion_tokens,
+        },
     }
 
 
@@ -165,18 +198,29 @@ def _choice(index: int, tokenizer, seq: dict, stops: list[str], chat: bool, with
     if chat:
         choice["message"] = {"role": "assistant", "content": text}
         if with_logprobs:
-            choice["logprobs"] = {"content": [
-                {"token": tokenizer.decode([t]), "logprob": lp, "bytes": list(tokenizer.decode([t]).encode()), "top_logprobs": []}
-                for t, lp in zip(tokens, logprobs or [])
-            ]}
+            choice["logprobs"] = {
+                "content": [
+                    {
+                        "token": tokenizer.decode([t]),
+                        "logprob": lp,
+                        "bytes": list(tokenizer.decode([t]).encode()),
+                        "top_logprobs": [],
+                    }
+                    for t, lp in zip(tokens, logprobs or [])
+                ]
+            }
         else:
             choice["logprobs"] = None
     else:
         choice["text"] = text
-        choice["logprobs"] = {
-            "tokens": [tokenizer.decode([t]) for t in tokens],
-            "token_logprobs": list((logprobs or [])[: len(tokens)]),
-            "top_logprobs": None,
-            "text_offset": [],
-        } if with_logprobs else None
+        choice["logprobs"] = (
+            {
+                "tokens": [tokenizer.decode([t]) for t in tokens],
+                "token_logprobs": list((logprobs or [])[: len(tokens)]),
+                "top_logprobs": None,
+                "text_offset": [],
+            }
+            if with_logprobs
+            else None
+        )
     return choice

@@ -29,10 +29,16 @@ class Ownership:
         self.store = store
         self._checkpoints = checkpoints
 
-    def new_client_session(self, owner: str, tags: list[str], user_metadata: dict | None,
-                           display_name: str | None = None) -> ClientSession:
-        session = ClientSession(session_id=f"s-{secrets.token_hex(8)}", owner=owner, tags=tags, user_metadata=user_metadata,
-                                display_name=display_name)
+    def new_client_session(
+        self, owner: str, tags: list[str], user_metadata: dict | None, display_name: str | None = None
+    ) -> ClientSession:
+        session = ClientSession(
+            session_id=f"s-{secrets.token_hex(8)}",
+            owner=owner,
+            tags=tags,
+            user_metadata=user_metadata,
+            display_name=display_name,
+        )
         self.store.put_session(session)
         return session
 
@@ -97,7 +103,9 @@ class Ownership:
         for model in served:
             if model.name == base_model:
                 return model
-        raise UnknownModelError(f"base_model: {base_model!r} is not served; served models: {', '.join(m.name for m in served) or 'none'}")
+        raise UnknownModelError(
+            f"base_model: {base_model!r} is not served; served models: {', '.join(m.name for m in served) or 'none'}"
+        )
 
     def tokenizer_source(self, base_model: str) -> str:
         """Where the base model's tokenizer loads from: the served model's directory or HF id (names may be aliases)."""

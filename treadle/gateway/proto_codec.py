@@ -48,8 +48,9 @@ def parse_forward_backward(body: bytes) -> pb.ForwardBackwardRequest:
     return msg
 
 
-def forward_backward_request(msg: pb.ForwardBackwardRequest, data: list[Datum] | None = None,
-                             loss_aliases: dict[str, str] | None = None) -> ForwardRequest:
+def forward_backward_request(
+    msg: pb.ForwardBackwardRequest, data: list[Datum] | None = None, loss_aliases: dict[str, str] | None = None
+) -> ForwardRequest:
     """treadle's typed forward (forward_only) or forward_backward request; tensors stay arrays.
     `loss_aliases` (the gateway's --loss_alias) serves an unserved loss name as the loss it maps to."""
     cls = ForwardRequest if msg.forward_only else ForwardBackwardRequest
@@ -68,10 +69,16 @@ def decode_data(msg: pb.ForwardBackwardRequest) -> list[Datum]:
     """The batch as treadle's Datums; a token, shape or sparse index the message cannot mean is an
     InvalidRequestError naming it (never a numpy error, which would be a 500)."""
     # Sparse tensors are the one place a small body becomes a large allocation: bound them all together.
-    sparse = sum(math.prod(abs(d) for d in t.shape) for d in msg.data for t in d.loss_fn_inputs.values()
-                 if t.WhichOneof("encoding") == "sparse_csr")
+    sparse = sum(
+        math.prod(abs(d) for d in t.shape)
+        for d in msg.data
+        for t in d.loss_fn_inputs.values()
+        if t.WhichOneof("encoding") == "sparse_csr"
+    )
     if sparse > MAX_TENSOR_VALUES:
-        raise InvalidRequestError(f"data: its sparse tensors hold {sparse} values once dense; at most {MAX_TENSOR_VALUES} (2^24) per request")
+        raise InvalidRequestError(
+            f"data: its sparse tensors hold {sparse} values once dense; at most {MAX_TENSOR_VALUES} (2^24) per request"
+        )
     return [_datum(i, d) for i, d in enumerate(msg.data)]
 
 
@@ -91,7 +98,9 @@ def _datum(index: int, datum: pb.Datum) -> Datum:
         chunks.append(_tokens(f"data[{index}].model_input.chunks[{c}].tokens", chunk.encoded_text.tokens))
     total = sum(len(c) for c in chunks)
     if total > MAX_TOKENS_PER_SEQUENCE:
-        raise InvalidRequestError(f"data[{index}].model_input: {total} tokens; at most {MAX_TOKENS_PER_SEQUENCE} (2^20)")
+        raise InvalidRequestError(
+            f"data[{index}].model_input: {total} tokens; at most {MAX_TOKENS_PER_SEQUENCE} (2^20)"
+        )
     inputs = {name: _tensor(f"data[{index}].loss_fn_inputs.{name}", t) for name, t in datum.loss_fn_inputs.items()}
     tokens = np.concatenate(chunks).tolist() if chunks else []
     try:
@@ -129,7 +138,9 @@ def _tensor(field: str, tensor: pb.Tensor) -> TensorData:
         raw = tensor.dense
     array = _array(field, raw, _NP[dtype])
     if shape is not None and math.prod(shape) != array.size:
-        raise InvalidRequestError(f"{field}: shape {shape} holds {math.prod(shape)} values but the tensor has {array.size}")
+        raise InvalidRequestError(
+            f"{field}: shape {shape} holds {math.prod(shape)} values but the tensor has {array.size}"
+        )
     return TensorData.from_numpy(array.reshape(shape) if shape is not None else array)
 
 
@@ -139,7 +150,9 @@ def _shape(field: str, shape: list[int]) -> list[int]:
     if any(d < 0 for d in shape):
         raise InvalidRequestError(f"{field}.shape: {shape} has a negative dimension; dimensions are >= 0")
     if math.prod(shape) > MAX_TENSOR_VALUES:
-        raise InvalidRequestError(f"{field}.shape: {shape} holds {math.prod(shape)} values; at most {MAX_TENSOR_VALUES} (2^24)")
+        raise InvalidRequestError(
+            f"{field}.shape: {shape} holds {math.prod(shape)} values; at most {MAX_TENSOR_VALUES} (2^24)"
+        )
     return shape
 
 
@@ -151,16 +164,25 @@ def _densify_csr(field: str, csr: pb.SparseCsr, dtype: str, shape: list[int] | N
     crow = _array(f"{field}.sparse_csr.crow_indices", csr.crow_indices, np.dtype("<i8"))
     cols = _array(f"{field}.sparse_csr.col_indices", csr.col_indices, np.dtype("<i8"))
     # Offsets within [0, nnz] first, so their differences cannot overflow.
-    if (crow.size != rows + 1 or crow[0] != 0 or crow[-1] != values.size or np.any((crow < 0) | (crow > values.size))
-            or np.any(np.diff(crow) < 0)):
-        raise InvalidRequestError(f"{field}.sparse_csr.crow_indices: {crow.tolist()!s:.80}; {rows} rows need {rows + 1} "
-                                  f"non-decreasing offsets from 0 to the {values.size} values")
+    if (
+        crow.size != rows + 1
+        or crow[0] != 0
+        or crow[-1] != values.size
+        or np.any((crow < 0) | (crow > values.size))
+        or np.any(np.diff(crow) < 0)
+    ):
+        raise InvalidRequestError(
+            f"{field}.sparse_csr.crow_indices: {crow.tolist()!s:.80}; {rows} rows need {rows + 1} "
+            f"non-decreasing offsets from 0 to the {values.size} values"
+        )
     if cols.size != values.size:
         raise InvalidRequestError(f"{field}.sparse_csr.col_indices: {cols.size} indices for {values.size} values")
     bad = np.flatnonzero((cols < 0) | (cols >= width))
     if bad.size:
         j = int(bad[0])
-        raise InvalidRequestError(f"{field}.sparse_csr.col_indices[{j}]: {int(cols[j])} is outside 0 to {width - 1} (shape {shape})")
+        raise InvalidRequestError(
+            f"{field}.sparse_csr.col_indices[{j}]: {int(cols[j])} is outside 0 to {width - 1} (shape {shape})"
+        )
     dense = np.zeros(shape, dtype=_NP[dtype])
     dense[np.repeat(np.arange(rows), np.diff(crow)), cols] = values
     return dense.tobytes()
@@ -194,7 +216,9 @@ def _batched(tensors: list[TensorData]) -> pb.BatchedTensor:
     offsets = np.cumsum([0] + [len(b) for b in blobs], dtype="<i8")
     shape = tensors[0].shape or []
     dtype = pb.DTYPE_INT64 if tensors[0].dtype == "int64" else pb.DTYPE_FLOAT32
-    return pb.BatchedTensor(data=b"".join(blobs), offsets=offsets.tobytes(), dtype=dtype, trailing_shape=list(shape[1:]))
+    return pb.BatchedTensor(
+        data=b"".join(blobs), offsets=offsets.tobytes(), dtype=dtype, trailing_shape=list(shape[1:])
+    )
 
 
 def encode_sample_response(result: SampleResponse, target_layout: dict | None = None) -> bytes:
@@ -202,13 +226,17 @@ def encode_sample_response(result: SampleResponse, target_layout: dict | None = 
     `target_layout`: the CSR indices of a sparse target_prompt_logprobs request, whose answer lists the same cells."""
     msg = pb.SampleResponse(prompt_cache_hit_tokens=result.prompt_cache_hit_tokens)
     for seq in result.sequences:
-        out = msg.sequences.add(stop_reason=_STOP[seq.stop_reason], tokens=np.asarray(seq.tokens, dtype="<i4").tobytes())
+        out = msg.sequences.add(
+            stop_reason=_STOP[seq.stop_reason], tokens=np.asarray(seq.tokens, dtype="<i4").tobytes()
+        )
         if seq.logprobs is not None:
             out.logprobs = np.asarray(seq.logprobs, dtype="<f4").tobytes()
         if seq.topk_logprobs is not None:
             _encode_topk(out.topk_sampled_logprobs, seq.topk_logprobs)
     if result.prompt_logprobs is not None:
-        msg.prompt_logprobs = np.asarray([math.nan if v is None else v for v in result.prompt_logprobs], dtype="<f4").tobytes()
+        msg.prompt_logprobs = np.asarray(
+            [math.nan if v is None else v for v in result.prompt_logprobs], dtype="<f4"
+        ).tobytes()
     if result.topk_prompt_logprobs:
         _encode_topk(msg.topk_prompt_logprobs, result.topk_prompt_logprobs)
     if result.target_prompt_logprobs is not None:
@@ -217,14 +245,24 @@ def encode_sample_response(result: SampleResponse, target_layout: dict | None = 
             msg.target_prompt_logprobs.CopyFrom(_dense_tensor(scores))
         else:
             values, crow, col = listed_scores(scores, target_layout)
-            msg.target_prompt_logprobs.CopyFrom(pb.Tensor(
-                sparse_csr=pb.SparseCsr(values=values.astype("<f4").tobytes(), crow_indices=crow.astype("<i8").tobytes(),
-                                        col_indices=col.astype("<i8").tobytes()),
-                dtype=pb.DTYPE_FLOAT32, shape=list(scores.shape)))
+            msg.target_prompt_logprobs.CopyFrom(
+                pb.Tensor(
+                    sparse_csr=pb.SparseCsr(
+                        values=values.astype("<f4").tobytes(),
+                        crow_indices=crow.astype("<i8").tobytes(),
+                        col_indices=col.astype("<i8").tobytes(),
+                    ),
+                    dtype=pb.DTYPE_FLOAT32,
+                    shape=list(scores.shape),
+                )
+            )
     if result.prompt_alt_tokens is not None:
         alt = result.prompt_alt_tokens
-        msg.prompt_alt_tokens.CopyFrom(pb.PromptAltTokens(tokens=_dense_tensor(alt.tokens.to_numpy()),
-                                                          logprobs=_dense_tensor(alt.logprobs.to_numpy())))
+        msg.prompt_alt_tokens.CopyFrom(
+            pb.PromptAltTokens(
+                tokens=_dense_tensor(alt.tokens.to_numpy()), logprobs=_dense_tensor(alt.logprobs.to_numpy())
+            )
+        )
     return msg.SerializeToString()
 
 

@@ -72,21 +72,31 @@ def _events(ops: list[OpUsage]) -> list[dict]:
         info = {"type": kind, "count": quantity} if kind == "checkpoint" else {"type": kind, "token_count": quantity}
         if kind == "sampling_prefill":
             info["cached"] = False
-        events.append({"bucket_start": _iso(start), "bucket_end": _iso(start + 3600), "base_model": base_model or None,
-                       "session_id": session_id, "event_info": info, "_order": (start, -quantity)})
+        events.append(
+            {
+                "bucket_start": _iso(start),
+                "bucket_end": _iso(start + 3600),
+                "base_model": base_model or None,
+                "session_id": session_id,
+                "event_info": info,
+                "_order": (start, -quantity),
+            }
+        )
     events.sort(key=lambda e: e.pop("_order"))  # by bucket, then descending quantity, as Tinker orders them
     return events
 
 
 @router.get("/billing/usage/events")
-async def billing_usage(starting_on: str, ending_before: str, owner: str = Depends(require_owner),
-                        backend: Backend = Depends(get_backend)) -> dict:
+async def billing_usage(
+    starting_on: str, ending_before: str, owner: str = Depends(require_owner), backend: Backend = Depends(get_backend)
+) -> dict:
     start, end = _hour("starting_on", starting_on), _hour("ending_before", ending_before)
     if start.timestamp() > time.time():
         raise InvalidRequestError(f"starting_on: {starting_on!r} is in the future")
     if not start < end <= start + MAX_WINDOW:
-        raise InvalidRequestError(f"ending_before: {ending_before!r} must be after starting_on ({starting_on!r}) and "
-                                  f"at most 14 days after it")
+        raise InvalidRequestError(
+            f"ending_before: {ending_before!r} must be after starting_on ({starting_on!r}) and at most 14 days after it"
+        )
 
     def build() -> dict:
         ops = backend.meter().owner_ops(owner, since=start.timestamp(), until=end.timestamp())
@@ -95,15 +105,18 @@ async def billing_usage(starting_on: str, ending_before: str, owner: str = Depen
         for session_id in sorted({e["session_id"] for e in events}):
             record = backend.session_info(session_id)
             metadata = record.user_metadata if record is not None and record.owner == owner else None  # only one's own
-            sessions[session_id] = {"user_metadata": None if metadata is None else {str(k): str(v) for k, v in metadata.items()}}
+            sessions[session_id] = {
+                "user_metadata": None if metadata is None else {str(k): str(v) for k, v in metadata.items()}
+            }
         return {"data": events, "sessions": sessions, "cost_data_through": None}
 
     return await run_in_threadpool(build)
 
 
 @router.get("/billing/usage/checkpoints/current")
-async def checkpoint_storage_usage(project_id: str | None = None, owner: str = Depends(require_owner),
-                                   backend: Backend = Depends(get_backend)) -> dict:
+async def checkpoint_storage_usage(
+    project_id: str | None = None, owner: str = Depends(require_owner), backend: Backend = Depends(get_backend)
+) -> dict:
     # treadle has no projects: every checkpoint of the owner counts, whatever project_id asks for.
     def build() -> dict:
         store, now = backend.owners.checkpoints(), time.time()

@@ -40,17 +40,25 @@ def _check_ttl(ttl_seconds, field: str = "ttl_seconds") -> int | None:
     if ttl_seconds is None:
         return None
     if isinstance(ttl_seconds, bool) or not isinstance(ttl_seconds, int) or not MIN_TTL_S <= ttl_seconds <= MAX_TTL_S:
-        raise InvalidRequestError(f"{field}: {ttl_seconds!r}; must be whole seconds from {MIN_TTL_S} (1 hour) to {MAX_TTL_S} (10 years), or null")
+        raise InvalidRequestError(
+            f"{field}: {ttl_seconds!r}; must be whole seconds from {MIN_TTL_S} (1 hour) to {MAX_TTL_S} (10 years), or null"
+        )
     return ttl_seconds
 
 
 @router.put("/training_runs/{run_id}/checkpoints/{kind}/{name}/ttl")
-async def set_ttl(run_id: str, kind: str, name: str, request: Request, owner: str = Depends(require_owner),
-                  backend: Backend = Depends(get_backend)) -> None:
+async def set_ttl(
+    run_id: str,
+    kind: str,
+    name: str,
+    request: Request,
+    owner: str = Depends(require_owner),
+    backend: Backend = Depends(get_backend),
+) -> None:
     """The checkpoint now expires `ttl_seconds` from this call (null: never)."""
     body = await request.json()
     if not isinstance(body, dict) or "ttl_seconds" not in body:
-        raise InvalidRequestError("ttl_seconds: missing; send {\"ttl_seconds\": seconds or null}")
+        raise InvalidRequestError('ttl_seconds: missing; send {"ttl_seconds": seconds or null}')
     ttl = _check_ttl(body["ttl_seconds"])
 
     def change() -> None:
@@ -69,37 +77,56 @@ async def _set_public(backend: Backend, owner: str, run_id: str, kind: str, name
 
 
 @router.post("/training_runs/{run_id}/checkpoints/{kind}/{name}/publish")
-async def publish(run_id: str, kind: str, name: str, owner: str = Depends(require_owner), backend: Backend = Depends(get_backend)) -> None:
+async def publish(
+    run_id: str, kind: str, name: str, owner: str = Depends(require_owner), backend: Backend = Depends(get_backend)
+) -> None:
     await _set_public(backend, owner, run_id, kind, name, True)
 
 
 @router.delete("/training_runs/{run_id}/checkpoints/{kind}/{name}/publish")
-async def unpublish(run_id: str, kind: str, name: str, owner: str = Depends(require_owner), backend: Backend = Depends(get_backend)) -> None:
+async def unpublish(
+    run_id: str, kind: str, name: str, owner: str = Depends(require_owner), backend: Backend = Depends(get_backend)
+) -> None:
     await _set_public(backend, owner, run_id, kind, name, False)
 
 
 @router.get("/training_runs/{run_id}/checkpoints/{kind}/{name}/external_weights_urls")
-async def external_weights_urls(run_id: str, kind: str, name: str, request: Request, owner: str = Depends(require_owner),
-                                backend: Backend = Depends(get_backend)) -> dict:
+async def external_weights_urls(
+    run_id: str,
+    kind: str,
+    name: str,
+    request: Request,
+    owner: str = Depends(require_owner),
+    backend: Backend = Depends(get_backend),
+) -> dict:
     """One signed GET link per file, keyed by its path in the checkpoint (`.age` files when encrypted)."""
     if kind != "external_weights":
-        raise InvalidRequestError(f"checkpoint kind: {kind!r}; download URLs are for external_weights checkpoints (save_weights_external)")
+        raise InvalidRequestError(
+            f"checkpoint kind: {kind!r}; download URLs are for external_weights checkpoints (save_weights_external)"
+        )
 
     def build() -> dict:
         path, manifest = backend.owners.readable_checkpoint(_tinker_path(run_id, kind, name), owner)
         now = time.time()
-        lifetime = URL_LIFETIME_S if manifest.expires_at is None else int(min(URL_LIFETIME_S, manifest.expires_at - now))
+        lifetime = (
+            URL_LIFETIME_S if manifest.expires_at is None else int(min(URL_LIFETIME_S, manifest.expires_at - now))
+        )
         if lifetime < 1:
             raise InvalidRequestError(f"checkpoint {path.uri('tinker')} has expired; there is nothing to download")
         store = backend.owners.checkpoints()
-        urls = {f: downloads.signed_url(backend, str(request.base_url), store.file_key(path, f), lifetime) for f in sorted(manifest.files)}
+        urls = {
+            f: downloads.signed_url(backend, str(request.base_url), store.file_key(path, f), lifetime)
+            for f in sorted(manifest.files)
+        }
         return {"urls": urls, "expires": datetime.fromtimestamp(now + lifetime, tz=timezone.utc).isoformat()}
 
     return await run_in_threadpool(build)
 
 
 @router.post("/copy_weights")
-async def copy_weights(request: Request, owner: str = Depends(require_owner), backend: Backend = Depends(get_backend)) -> dict:
+async def copy_weights(
+    request: Request, owner: str = Depends(require_owner), backend: Backend = Depends(get_backend)
+) -> dict:
     """A copy of a readable checkpoint, of the same kind and name, in a new run of the caller that cannot be
     trained on. treadle has no projects: `destination_project_id` is recorded on the new run, nothing more.
     The store duplicates the files (verified on the way), so the copy outlives a deleted source."""
@@ -113,11 +140,19 @@ async def copy_weights(request: Request, owner: str = Depends(require_owner), ba
         source, manifest = backend.owners.readable_checkpoint(req.source_path, owner)
         store = backend.owners.checkpoints()
         run_id = f"copy-{secrets.token_hex(8)}"
-        store.put_run(run_id, {
-            "base_model": manifest.base_model, "lora_config": manifest.lora_config, "owner": owner,
-            "created_at": time.time(), "copied_from": source.uri("tinker"), "trainable": False,
-            "project_id": req.destination_project_id, "user_metadata": {"copied_from": source.uri("tinker")},
-        })
+        store.put_run(
+            run_id,
+            {
+                "base_model": manifest.base_model,
+                "lora_config": manifest.lora_config,
+                "owner": owner,
+                "created_at": time.time(),
+                "copied_from": source.uri("tinker"),
+                "trainable": False,
+                "project_id": req.destination_project_id,
+                "user_metadata": {"copied_from": source.uri("tinker")},
+            },
+        )
         dest = CheckpointPath(run_id=run_id, kind=source.kind, name=source.name)
         store.copy(source, dest, ttl_seconds=ttl)
         path = dest.uri("tinker")

@@ -45,7 +45,9 @@ def checkpoint_json(manifest: Manifest) -> dict:
 
 def _run_json(backend: Backend, run_id: str, run: dict) -> dict:
     manifests = backend.owners.checkpoints().list_checkpoints(run_id)
-    last = {kind: next((m for m in reversed(manifests) if m.kind == kind), None) for kind in ("weights", "sampler_weights")}
+    last = {
+        kind: next((m for m in reversed(manifests) if m.kind == kind), None) for kind in ("weights", "sampler_weights")
+    }
     session = backend.session_info(run_id)
     last_request = session.last_activity if session is not None else run.get("created_at")
     return {
@@ -73,11 +75,17 @@ def _owned_runs(backend: Backend, owner: str) -> list[tuple[str, dict]]:
 
 
 @router.get("/training_runs")
-async def list_training_runs(request: Request, limit: int = 20, offset: int = 0, owner: str = Depends(require_owner), backend: Backend = Depends(get_backend)) -> dict:
+async def list_training_runs(
+    request: Request,
+    limit: int = 20,
+    offset: int = 0,
+    owner: str = Depends(require_owner),
+    backend: Backend = Depends(get_backend),
+) -> dict:
 
     def build() -> dict:
         runs = _owned_runs(backend, owner)
-        page = runs[offset: offset + limit]
+        page = runs[offset : offset + limit]
         return {
             "training_runs": [_run_json(backend, run_id, run) for run_id, run in page],
             "cursor": {"offset": offset, "limit": limit, "total_count": len(runs)},
@@ -87,12 +95,16 @@ async def list_training_runs(request: Request, limit: int = 20, offset: int = 0,
 
 
 @router.get("/training_runs/{run_id}")
-async def get_training_run(run_id: str, request: Request, owner: str = Depends(require_owner), backend: Backend = Depends(get_backend)) -> dict:
+async def get_training_run(
+    run_id: str, request: Request, owner: str = Depends(require_owner), backend: Backend = Depends(get_backend)
+) -> dict:
     return await run_in_threadpool(lambda: _run_json(backend, run_id, backend.owners.run(run_id, owner)))
 
 
 @router.get("/training_runs/{run_id}/checkpoints")
-async def list_checkpoints(run_id: str, request: Request, owner: str = Depends(require_owner), backend: Backend = Depends(get_backend)) -> dict:
+async def list_checkpoints(
+    run_id: str, request: Request, owner: str = Depends(require_owner), backend: Backend = Depends(get_backend)
+) -> dict:
 
     def build() -> dict:
         backend.owners.run(run_id, owner)
@@ -102,7 +114,14 @@ async def list_checkpoints(run_id: str, request: Request, owner: str = Depends(r
 
 
 @router.delete("/training_runs/{run_id}/checkpoints/{kind}/{name}")
-async def delete_checkpoint(run_id: str, kind: str, name: str, request: Request, owner: str = Depends(require_owner), backend: Backend = Depends(get_backend)) -> None:
+async def delete_checkpoint(
+    run_id: str,
+    kind: str,
+    name: str,
+    request: Request,
+    owner: str = Depends(require_owner),
+    backend: Backend = Depends(get_backend),
+) -> None:
     """The checkpoint id is `<kind>/<name>`, sent unescaped, hence two path segments."""
     path = f"tinker://{run_id}/{kind}/{name}"
 
@@ -114,13 +133,23 @@ async def delete_checkpoint(run_id: str, kind: str, name: str, request: Request,
 
 
 @router.get("/checkpoints")
-async def list_user_checkpoints(request: Request, limit: int = 100, offset: int = 0, owner: str = Depends(require_owner), backend: Backend = Depends(get_backend)) -> dict:
+async def list_user_checkpoints(
+    request: Request,
+    limit: int = 100,
+    offset: int = 0,
+    owner: str = Depends(require_owner),
+    backend: Backend = Depends(get_backend),
+) -> dict:
 
     def build() -> dict:
-        manifests = [m for run_id, _ in _owned_runs(backend, owner) for m in backend.owners.checkpoints().list_checkpoints(run_id)]
+        manifests = [
+            m
+            for run_id, _ in _owned_runs(backend, owner)
+            for m in backend.owners.checkpoints().list_checkpoints(run_id)
+        ]
         manifests.sort(key=lambda m: m.created_at, reverse=True)
         return {
-            "checkpoints": [checkpoint_json(m) for m in manifests[offset: offset + limit]],
+            "checkpoints": [checkpoint_json(m) for m in manifests[offset : offset + limit]],
             "cursor": {"offset": offset, "limit": limit, "total_count": len(manifests)},
         }
 
@@ -128,7 +157,9 @@ async def list_user_checkpoints(request: Request, limit: int = 100, offset: int 
 
 
 @router.post("/weights_info")
-async def weights_info(request: Request, owner: str = Depends(require_owner), backend: Backend = Depends(get_backend)) -> dict:
+async def weights_info(
+    request: Request, owner: str = Depends(require_owner), backend: Backend = Depends(get_backend)
+) -> dict:
     body = await request.json()
     tinker_path = body.get("tinker_path") if isinstance(body, dict) else None
     if not isinstance(tinker_path, str):
@@ -147,13 +178,21 @@ async def weights_info(request: Request, owner: str = Depends(require_owner), ba
 
 
 @router.get("/sessions")
-async def list_sessions(request: Request, limit: int = 20, offset: int = 0, owner: str = Depends(require_owner), backend: Backend = Depends(get_backend)) -> dict:
+async def list_sessions(
+    request: Request,
+    limit: int = 20,
+    offset: int = 0,
+    owner: str = Depends(require_owner),
+    backend: Backend = Depends(get_backend),
+) -> dict:
     sessions = await run_in_threadpool(backend.store.sessions_of, owner)
-    return {"sessions": [s.session_id for s in sessions[offset: offset + limit]]}
+    return {"sessions": [s.session_id for s in sessions[offset : offset + limit]]}
 
 
 @router.get("/sessions/{session_id}")
-async def get_session(session_id: str, request: Request, owner: str = Depends(require_owner), backend: Backend = Depends(get_backend)) -> dict:
+async def get_session(
+    session_id: str, request: Request, owner: str = Depends(require_owner), backend: Backend = Depends(get_backend)
+) -> dict:
     session = await run_in_threadpool(backend.owners.client_session, session_id, owner)
     return {
         "training_run_ids": await run_in_threadpool(backend.store.members, session_id, "models"),

@@ -28,12 +28,19 @@ router = APIRouter()
 
 
 @router.post("/create_sampling_session")
-async def create_sampling_session(request: Request, owner: str = Depends(require_owner), backend: Backend = Depends(get_backend)) -> dict:
+async def create_sampling_session(
+    request: Request, owner: str = Depends(require_owner), backend: Backend = Depends(get_backend)
+) -> dict:
     req = parse_request(tt.CreateSamplingSessionRequest, await request.json())
     await run_in_threadpool(backend.owners.client_session, req.session_id, owner)
-    base_model, model_path = await run_in_threadpool(backend.owners.sampling_target, owner, req.base_model, req.model_path)
+    base_model, model_path = await run_in_threadpool(
+        backend.owners.sampling_target, owner, req.base_model, req.model_path
+    )
     sampler = Sampler(
-        sampler_id=f"{req.session_id}:sample:{req.sampling_session_seq_id}", owner=owner, base_model=base_model, model_path=model_path,
+        sampler_id=f"{req.session_id}:sample:{req.sampling_session_seq_id}",
+        owner=owner,
+        base_model=base_model,
+        model_path=model_path,
     )
     await run_in_threadpool(backend.store.put_sampler, sampler)
     await run_in_threadpool(backend.store.add_member, req.session_id, "samplers", sampler.sampler_id)
@@ -41,7 +48,9 @@ async def create_sampling_session(request: Request, owner: str = Depends(require
 
 
 @router.get("/samplers/{sampler_id}")
-async def get_sampler(sampler_id: str, request: Request, owner: str = Depends(require_owner), backend: Backend = Depends(get_backend)) -> dict:
+async def get_sampler(
+    sampler_id: str, request: Request, owner: str = Depends(require_owner), backend: Backend = Depends(get_backend)
+) -> dict:
     sampler = await run_in_threadpool(backend.owners.sampler, sampler_id, owner)
     return {
         "sampler_id": sampler.sampler_id,
@@ -51,7 +60,9 @@ async def get_sampler(sampler_id: str, request: Request, owner: str = Depends(re
 
 
 @router.post("/asample")
-async def asample(request: Request, owner: str = Depends(require_owner), backend: Backend = Depends(get_backend)) -> dict:
+async def asample(
+    request: Request, owner: str = Depends(require_owner), backend: Backend = Depends(get_backend)
+) -> dict:
     """Returns the future at once, with one `sample_sequence_id` per sample (the SDK asserts them)."""
     req = parse_request(tt.SampleRequest, await request.json())
     if req.sampling_session_id is not None:
@@ -60,7 +71,9 @@ async def asample(request: Request, owner: str = Depends(require_owner), backend
         if sampler.inflight_of is not None:
             model_path = await run_in_threadpool(backend.store.inflight_target, sampler.inflight_of) or model_path
     else:
-        base_model, model_path = await run_in_threadpool(backend.owners.sampling_target, owner, req.base_model, req.model_path)
+        base_model, model_path = await run_in_threadpool(
+            backend.owners.sampling_target, owner, req.base_model, req.model_path
+        )
     try:
         sample, target_layout = _sample_request(req, base_model, model_path)
     except TreadleError as exc:
@@ -71,7 +84,9 @@ async def asample(request: Request, owner: str = Depends(require_owner), backend
     return {"request_id": request_id, "sample_sequence_ids": [f"{request_id}:{i}" for i in range(req.num_samples)]}
 
 
-def _sample_request(req: tt.SampleRequest, base_model: str, model_path: str | None) -> tuple[SampleRequest, dict | None]:
+def _sample_request(
+    req: tt.SampleRequest, base_model: str, model_path: str | None
+) -> tuple[SampleRequest, dict | None]:
     """treadle's request, and the CSR layout of a sparse target_prompt_logprobs (its answer keeps it)."""
     prompt: list[int] = []
     for i, chunk in enumerate(req.prompt.chunks):
@@ -79,9 +94,20 @@ def _sample_request(req: tt.SampleRequest, base_model: str, model_path: str | No
             raise InvalidRequestError(f"prompt.chunks[{i}]: {type(chunk).__name__} is not supported; only encoded_text")
         prompt.extend(chunk.tokens)
     params = parse_request(SamplingParams, req.sampling_params.model_dump(), "sampling_params")
-    target, layout = (None, None) if req.target_prompt_logprobs is None else dense_target_ids(req.target_prompt_logprobs, len(prompt) - 1)
+    target, layout = (
+        (None, None)
+        if req.target_prompt_logprobs is None
+        else dense_target_ids(req.target_prompt_logprobs, len(prompt) - 1)
+    )
     return SampleRequest.build(
-        base_model=base_model, model_path=model_path, prompt=prompt, num_samples=req.num_samples, sampling_params=params,
-        include_prompt_logprobs=bool(req.prompt_logprobs), topk_prompt_logprobs=req.topk_prompt_logprobs,
-        topk_sample_logprobs=req.topk_sample_logprobs, target_prompt_logprobs=target, prompt_alt_tokens_k=req.prompt_alt_tokens_k,
+        base_model=base_model,
+        model_path=model_path,
+        prompt=prompt,
+        num_samples=req.num_samples,
+        sampling_params=params,
+        include_prompt_logprobs=bool(req.prompt_logprobs),
+        topk_prompt_logprobs=req.topk_prompt_logprobs,
+        topk_sample_logprobs=req.topk_sample_logprobs,
+        target_prompt_logprobs=target,
+        prompt_alt_tokens_k=req.prompt_alt_tokens_k,
     ), layout

@@ -19,7 +19,9 @@ async def healthz() -> dict:
 
 
 @router.post("/client/config")
-async def client_config(request: Request, owner: str = Depends(require_owner), backend: Backend = Depends(get_backend)) -> dict:
+async def client_config(
+    request: Request, owner: str = Depends(require_owner), backend: Backend = Depends(get_backend)
+) -> dict:
     """Feature flags of this server. Required: the SDK aborts if this endpoint is missing."""
     settings = backend.settings
     return {
@@ -39,14 +41,20 @@ async def client_dynamic_config(owner: str = Depends(require_owner)) -> dict:
 
 
 @router.post("/create_session")
-async def create_session(request: Request, owner: str = Depends(require_owner), backend: Backend = Depends(get_backend)) -> dict:
+async def create_session(
+    request: Request, owner: str = Depends(require_owner), backend: Backend = Depends(get_backend)
+) -> dict:
     req = parse_request(tt.CreateSessionRequest, await request.json())
-    session = await run_in_threadpool(backend.owners.new_client_session, owner, req.tags, req.user_metadata, req.display_name)
+    session = await run_in_threadpool(
+        backend.owners.new_client_session, owner, req.tags, req.user_metadata, req.display_name
+    )
     return {"session_id": session.session_id, "type": "create_session"}
 
 
 @router.post("/session_heartbeat")
-async def session_heartbeat(request: Request, owner: str = Depends(require_owner), backend: Backend = Depends(get_backend)) -> dict:
+async def session_heartbeat(
+    request: Request, owner: str = Depends(require_owner), backend: Backend = Depends(get_backend)
+) -> dict:
     req = parse_request(tt.SessionHeartbeatRequest, await request.json())
     await run_in_threadpool(backend.owners.client_session, req.session_id, owner)
     await run_in_threadpool(backend.store.touch_session, req.session_id)
@@ -54,7 +62,9 @@ async def session_heartbeat(request: Request, owner: str = Depends(require_owner
 
 
 @router.post("/sessions/{session_id}/finish")
-async def finish_session(session_id: str, request: Request, owner: str = Depends(require_owner), backend: Backend = Depends(get_backend)) -> dict:
+async def finish_session(
+    session_id: str, request: Request, owner: str = Depends(require_owner), backend: Backend = Depends(get_backend)
+) -> dict:
     """The client closed: stop its training models so their workers free the adapters. Checkpoints stay."""
     await run_in_threadpool(backend.owners.client_session, session_id, owner)
     for model_id in await run_in_threadpool(backend.store.members, session_id, "models"):
@@ -64,12 +74,23 @@ async def finish_session(session_id: str, request: Request, owner: str = Depends
 
 
 @router.get("/get_server_capabilities")
-async def get_server_capabilities(request: Request, owner: str = Depends(require_owner), backend: Backend = Depends(get_backend)) -> dict:
+async def get_server_capabilities(
+    request: Request, owner: str = Depends(require_owner), backend: Backend = Depends(get_backend)
+) -> dict:
     served = await run_in_threadpool(backend.owners.served_models)
-    return {"supported_models": [
-        {"model_name": m.name, "max_context_length": m.max_seq_len, "trainable": True, "sampleable": True,
-         "family": m.family, "sampler": m.sampler} for m in served
-    ]}
+    return {
+        "supported_models": [
+            {
+                "model_name": m.name,
+                "max_context_length": m.max_seq_len,
+                "trainable": True,
+                "sampleable": True,
+                "family": m.family,
+                "sampler": m.sampler,
+            }
+            for m in served
+        ]
+    }
 
 
 @router.post("/telemetry")

@@ -72,8 +72,12 @@ def _summary(backend: Backend, session: ClientSession) -> dict:
     runs = [run for run in backend.store.members(session.session_id, "models") if store.get_run(run) is not None]
     manifests = [m for run in runs for m in store.list_checkpoints(run)]
     return {
-        "session_id": session.session_id, "created_at": _utc(session.created_at).isoformat(), "owner": session.owner,
-        "project_id": PROJECT_ID, "status": _status(backend, session), "checkpoints_count": len(manifests),
+        "session_id": session.session_id,
+        "created_at": _utc(session.created_at).isoformat(),
+        "owner": session.owner,
+        "project_id": PROJECT_ID,
+        "status": _status(backend, session),
+        "checkpoints_count": len(manifests),
         "display_name": session.display_name,
         "user_metadata": {str(k): str(v) for k, v in (session.user_metadata or {}).items()} or None,
         "checkpoint_storage_bytes": sum(m.size_bytes for m in manifests),
@@ -81,14 +85,18 @@ def _summary(backend: Backend, session: ClientSession) -> dict:
 
 
 @router.post("/sessions/search")
-async def search_sessions(request: Request, owner: str = Depends(require_owner), backend: Backend = Depends(get_backend)) -> dict:
+async def search_sessions(
+    request: Request, owner: str = Depends(require_owner), backend: Backend = Depends(get_backend)
+) -> dict:
     """The caller's matching sessions, newest first, a page at a time (cursor: the last one's time and id)."""
     req = parse_request(tt.SessionSearchRequest, await request.json())
 
     def search() -> dict:
         # Ordered and compared in whole microseconds: the cursor carries the time as an ISO string, and a
         # float compared with its rounded copy could let the last session of a page back into the next.
-        sessions = sorted(backend.store.sessions_of(owner), key=lambda s: (_micros(_utc(s.created_at)), s.session_id), reverse=True)
+        sessions = sorted(
+            backend.store.sessions_of(owner), key=lambda s: (_micros(_utc(s.created_at)), s.session_id), reverse=True
+        )
         if req.cursor is not None:
             after = (_micros(req.cursor.last_created_at), req.cursor.last_session_id)
             sessions = [s for s in sessions if (_micros(_utc(s.created_at)), s.session_id) < after]
@@ -99,7 +107,11 @@ async def search_sessions(request: Request, owner: str = Depends(require_owner),
                     more = True
                     break
                 page.append(session)
-        cursor = {"last_created_at": _utc(page[-1].created_at).isoformat(), "last_session_id": page[-1].session_id} if more else None
+        cursor = (
+            {"last_created_at": _utc(page[-1].created_at).isoformat(), "last_session_id": page[-1].session_id}
+            if more
+            else None
+        )
         return {"sessions": [_summary(backend, s) for s in page], "next_cursor": cursor}
 
     return await run_in_threadpool(search)
@@ -108,25 +120,54 @@ async def search_sessions(request: Request, owner: str = Depends(require_owner),
 def session_trace(backend: Backend, session_id: str) -> dict:
     """The session's ops as Chrome trace events: one track per model, `queued` then the op itself."""
     meter = backend.meter()
-    events: list[dict] = [{"name": "process_name", "ph": "M", "pid": 1, "args": {"name": f"treadle session {session_id}"}}]
+    events: list[dict] = [
+        {"name": "process_name", "ph": "M", "pid": 1, "args": {"name": f"treadle session {session_id}"}}
+    ]
     for tid, model_id in enumerate(backend.store.members(session_id, "models"), start=1):
         events.append({"name": "thread_name", "ph": "M", "pid": 1, "tid": tid, "args": {"name": model_id}})
         for op in meter.session_ops(model_id):
             started = op.at - op.compute_s
-            args = {"seq": int(op.op_id) if op.op_id.isdigit() else op.op_id, "prefill_tokens": op.prefill_tokens,
-                    "sampled_tokens": op.sampled_tokens, "trained_tokens": op.trained_tokens, "finished_at": op.at}
+            args = {
+                "seq": int(op.op_id) if op.op_id.isdigit() else op.op_id,
+                "prefill_tokens": op.prefill_tokens,
+                "sampled_tokens": op.sampled_tokens,
+                "trained_tokens": op.trained_tokens,
+                "finished_at": op.at,
+            }
             entry = backend.journal_entry(model_id, int(op.op_id)) if op.op_id.isdigit() else None
             if entry is not None and entry.submitted_at <= started:
                 args["queued_at"] = entry.submitted_at
-                events.append({"name": "queued", "cat": "queue", "ph": "X", "pid": 1, "tid": tid,
-                               "ts": entry.submitted_at * 1e6, "dur": (started - entry.submitted_at) * 1e6, "args": {"op": op.op}})
-            events.append({"name": op.op, "cat": "op", "ph": "X", "pid": 1, "tid": tid,
-                           "ts": started * 1e6, "dur": op.compute_s * 1e6, "args": args})
+                events.append(
+                    {
+                        "name": "queued",
+                        "cat": "queue",
+                        "ph": "X",
+                        "pid": 1,
+                        "tid": tid,
+                        "ts": entry.submitted_at * 1e6,
+                        "dur": (started - entry.submitted_at) * 1e6,
+                        "args": {"op": op.op},
+                    }
+                )
+            events.append(
+                {
+                    "name": op.op,
+                    "cat": "op",
+                    "ph": "X",
+                    "pid": 1,
+                    "tid": tid,
+                    "ts": started * 1e6,
+                    "dur": op.compute_s * 1e6,
+                    "args": args,
+                }
+            )
     return {"traceEvents": events, "displayTimeUnit": "ms"}
 
 
 @router.get("/sessions/{session_id}/queue")
-async def session_queue(session_id: str, request: Request, owner: str = Depends(require_owner), backend: Backend = Depends(get_backend)) -> dict:
+async def session_queue(
+    session_id: str, request: Request, owner: str = Depends(require_owner), backend: Backend = Depends(get_backend)
+) -> dict:
     """Each training model of the client session: ops queued, its next op's place in its worker's line and the
     estimated wait (from the measured costs of the ops ahead of it), as the worker last decided."""
 
@@ -138,22 +179,35 @@ async def session_queue(session_id: str, request: Request, owner: str = Depends(
             if record is None or record.status != "active":
                 continue
             queued = max(0, backend.next_seq(model_id) - record.applied)
-            models.append({"model_id": model_id, "worker": record.worker, "applied": record.applied, "queued_ops": queued,
-                           "queue_position": record.queue_position if queued else None,
-                           "est_wait_s": record.queue_wait_s if queued else None, "op_cost_s": record.op_cost_s})
+            models.append(
+                {
+                    "model_id": model_id,
+                    "worker": record.worker,
+                    "applied": record.applied,
+                    "queued_ops": queued,
+                    "queue_position": record.queue_position if queued else None,
+                    "est_wait_s": record.queue_wait_s if queued else None,
+                    "op_cost_s": record.op_cost_s,
+                }
+            )
         return {"session_id": session_id, "models": models}
 
     return await run_in_threadpool(read)
 
 
 @router.get("/sessions/{session_id}/trace_export")
-async def trace_export(session_id: str, request: Request, owner: str = Depends(require_owner), backend: Backend = Depends(get_backend)) -> dict:
+async def trace_export(
+    session_id: str, request: Request, owner: str = Depends(require_owner), backend: Backend = Depends(get_backend)
+) -> dict:
     """Built at once (the SDK polls until `ready`): the trace as of this call, behind a signed link."""
 
     def export() -> dict:
         backend.owners.client_session(session_id, owner)
         key = f"traces/{session_id}.json"  # each export replaces the last: a trace only grows
         backend.owners.checkpoints().blobs.put_bytes(key, json.dumps(session_trace(backend, session_id)).encode())
-        return {"status": "ready", "url": downloads.signed_url(backend, str(request.base_url), key, TRACE_URL_LIFETIME_S)}
+        return {
+            "status": "ready",
+            "url": downloads.signed_url(backend, str(request.base_url), key, TRACE_URL_LIFETIME_S),
+        }
 
     return await run_in_threadpool(export)

@@ -24,9 +24,17 @@ def dense_target_ids(target: TinkerTensorData, rows: int) -> tuple[TensorData, d
     request's CSR layout ({"crow", "col"}) when it was sparse. The shape is checked before anything is
     allocated; ops.SampleRequest checks the ids."""
     shape = target.shape
-    if target.dtype != "int64" or shape is None or len(shape) != 2 or shape[0] != rows or not 1 <= shape[1] <= MAX_TARGET_IDS:
-        raise InvalidRequestError(f"{FIELD}: {target.dtype} of shape {shape}; must be int64 "
-                                  f"[len(prompt) - 1 = {rows}, K] with 1 <= K <= {MAX_TARGET_IDS}")
+    if (
+        target.dtype != "int64"
+        or shape is None
+        or len(shape) != 2
+        or shape[0] != rows
+        or not 1 <= shape[1] <= MAX_TARGET_IDS
+    ):
+        raise InvalidRequestError(
+            f"{FIELD}: {target.dtype} of shape {shape}; must be int64 "
+            f"[len(prompt) - 1 = {rows}, K] with 1 <= K <= {MAX_TARGET_IDS}"
+        )
     if len(target.data) > shape[0] * shape[1]:  # bounded before any per-value work
         raise InvalidRequestError(f"{FIELD}: {len(target.data)} values for shape {shape}")
     # A float, or an int past int64 (numpy would raise a bare OverflowError), is never a token id.
@@ -35,14 +43,24 @@ def dense_target_ids(target: TinkerTensorData, rows: int) -> tuple[TensorData, d
     values = np.asarray(target.data, dtype=np.int64)
     if target.sparse_crow_indices is None:
         if values.size != shape[0] * shape[1]:
-            raise InvalidRequestError(f"{FIELD}: shape {shape} holds {shape[0] * shape[1]} values but data has {values.size}")
+            raise InvalidRequestError(
+                f"{FIELD}: shape {shape} holds {shape[0] * shape[1]} values but data has {values.size}"
+            )
         return TensorData.from_numpy(values.reshape(shape)), None
     crow = np.asarray(target.sparse_crow_indices, dtype=np.int64)
     col = np.asarray(target.sparse_col_indices or [], dtype=np.int64)
-    if (crow.size != rows + 1 or crow[0] != 0 or (np.diff(crow) < 0).any() or crow[-1] != col.size
-            or values.size != col.size or ((col < 0) | (col >= shape[1])).any()):
-        raise InvalidRequestError(f"{FIELD}: not a valid sparse CSR tensor of shape {shape} "
-                                  f"({crow.size} row pointers, {col.size} column indices, {values.size} values)")
+    if (
+        crow.size != rows + 1
+        or crow[0] != 0
+        or (np.diff(crow) < 0).any()
+        or crow[-1] != col.size
+        or values.size != col.size
+        or ((col < 0) | (col >= shape[1])).any()
+    ):
+        raise InvalidRequestError(
+            f"{FIELD}: not a valid sparse CSR tensor of shape {shape} "
+            f"({crow.size} row pointers, {col.size} column indices, {values.size} values)"
+        )
     dense = np.full(shape, -1, dtype=np.int64)
     dense[_rows_of(crow), col] = values
     return TensorData.from_numpy(dense), {"crow": crow.tolist(), "col": col.tolist()}

@@ -35,7 +35,9 @@ def digest(body: bytes) -> str:
 
 def require_seq(seq_id: int | None) -> int:
     if seq_id is None or seq_id < 1:
-        raise InvalidRequestError(f"seq_id: {seq_id!r} is not a valid op sequence number; training requests need seq_id >= 1")
+        raise InvalidRequestError(
+            f"seq_id: {seq_id!r} is not a valid op sequence number; training requests need seq_id >= 1"
+        )
     return seq_id
 
 
@@ -52,16 +54,31 @@ class SeqRules:
         if seq > applied + self.max_seq_ahead:
             raise InvalidRequestError(
                 f"seq_id: {seq} is more than max_seq_ahead = {self.max_seq_ahead} past model {model_id}'s last "
-                f"applied op ({applied}); number a model's ops 1, 2, 3, ...")
+                f"applied op ({applied}); number a model's ops 1, 2, 3, ..."
+            )
 
-    def submit(self, owner: str, model_id: str, seq_id: int | None, request: OpRequest, *,
-               kind: str, body: bytes, extra: dict | None = None) -> str:
+    def submit(
+        self,
+        owner: str,
+        model_id: str,
+        seq_id: int | None,
+        request: OpRequest,
+        *,
+        kind: str,
+        body: bytes,
+        extra: dict | None = None,
+    ) -> str:
         """Publish one op at the client's seq; a retry of the same seq returns the original request id."""
         seq = require_seq(seq_id)
         self.check_window(model_id, seq)
         record = RequestRecord(
-            request_id=f"{model_id}:{seq}", kind=kind, owner=owner, future_id=f"{model_id}:{seq}",
-            model_id=model_id, digest=digest(body), extra=extra or {},
+            request_id=f"{model_id}:{seq}",
+            kind=kind,
+            owner=owner,
+            future_id=f"{model_id}:{seq}",
+            model_id=model_id,
+            digest=digest(body),
+            extra=extra or {},
         )
         if self.claimed(record):
             return record.request_id
@@ -76,14 +93,18 @@ class SeqRules:
         """A seq the gateway cannot translate: publish a noop in its place and fail its future with the reason."""
         seq = require_seq(seq_id)
         self.check_window(model_id, seq)
-        record = RequestRecord(request_id=f"{model_id}:{seq}", kind="refused", owner=owner, model_id=model_id, digest=digest(body))
+        record = RequestRecord(
+            request_id=f"{model_id}:{seq}", kind="refused", owner=owner, model_id=model_id, digest=digest(body)
+        )
         if self.claimed(record):
             return record.request_id
         self.store.set_outcome(record.request_id, error=error.to_dict())
         try:
             self.ops.submit(model_id, NoopRequest(), seq=seq)
         except BaseException:
-            self.store.forget_request(record.request_id)  # never published (a queue at its bound): the retry publishes it
+            self.store.forget_request(
+                record.request_id
+            )  # never published (a queue at its bound): the retry publishes it
             raise
         return record.request_id
 

@@ -50,28 +50,43 @@ class GatewaySettings(BaseSettings):
         description="Checkpoint store (file:///dir or s3://bucket/prefix) for the checkpoint and run listings.",
     )
     api_keys: dict[str, str] = Field(default_factory=dict, description="API key -> owner name. Keys start with `tml-`.")
-    api_keys_file: Path | None = Field(default=None, description="TOML or JSON file with a `keys` table of API key -> owner.")
+    api_keys_file: Path | None = Field(
+        default=None, description="TOML or JSON file with a `keys` table of API key -> owner."
+    )
     long_poll_seconds: float = Field(
-        default=25.0, gt=0, le=40,
+        default=25.0,
+        gt=0,
+        le=40,
         description="How long retrieve_future holds a pending request before answering try_again (the SDK times out at 45 s).",
     )
     fwdbwd_max_chunk_len: int = Field(
-        default=1024, ge=1, description="Most datums per forward_backward request the SDK sends (it splits larger batches)."
+        default=1024,
+        ge=1,
+        description="Most datums per forward_backward request the SDK sends (it splits larger batches).",
     )
-    create_timeout_seconds: float = Field(default=600.0, gt=0, description="Longest wait for a worker to create a session.")
-    sample_timeout_seconds: float = Field(default=600.0, gt=0, description="Longest wait for an OpenAI-compatible completion.")
+    create_timeout_seconds: float = Field(
+        default=600.0, gt=0, description="Longest wait for a worker to create a session."
+    )
+    sample_timeout_seconds: float = Field(
+        default=600.0, gt=0, description="Longest wait for an OpenAI-compatible completion."
+    )
     max_body_bytes: int = Field(
-        default=64 << 20, ge=1024, description="Largest request body accepted, as sent (compressed or not); larger is a 413."
+        default=64 << 20,
+        ge=1024,
+        description="Largest request body accepted, as sent (compressed or not); larger is a 413.",
     )
     max_decompressed_bytes: int = Field(
         default=256 << 20, ge=1024, description="Largest size a zstd request body may decompress to; larger is a 413."
     )
     max_seq_ahead: int = Field(
-        default=4096, ge=1,
+        default=4096,
+        ge=1,
         description="How far a training op's seq_id may run ahead of the model's last applied op; further is a 400.",
     )
     state_ttl_seconds: int = Field(
-        default=7 * 24 * 3600, ge=60, description="How long the gateway keeps its own records (requests, samplers) in Redis."
+        default=7 * 24 * 3600,
+        ge=60,
+        description="How long the gateway keeps its own records (requests, samplers) in Redis.",
     )
 
     loss_alias: list[str] = Field(
@@ -108,7 +123,9 @@ class GatewaySettings(BaseSettings):
         bad = [k for k in self.api_keys if not k.startswith(KEY_PREFIX)]
         if bad:
             shown = ", ".join(f"{k[:8]}..." for k in bad)
-            raise ValueError(f"api_keys: every key must start with {KEY_PREFIX!r} (the Tinker SDK rejects others); got {shown}")
+            raise ValueError(
+                f"api_keys: every key must start with {KEY_PREFIX!r} (the Tinker SDK rejects others); got {shown}"
+            )
         return self
 
 
@@ -118,5 +135,5 @@ def read_keys_file(path: Path) -> dict[str, str]:
     data = json.loads(text) if Path(path).suffix == ".json" else tomllib.loads(text)
     keys = data.get("keys", data)
     if not isinstance(keys, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in keys.items()):
-        raise ValueError(f"api_keys_file: {path} must hold a table `keys` of \"tml-...\" = \"owner\" strings")
+        raise ValueError(f'api_keys_file: {path} must hold a table `keys` of "tml-..." = "owner" strings')
     return keys

@@ -32,9 +32,14 @@ class Sampler(BaseModel):
     sampler_id: str
     owner: str
     base_model: str
-    model_path: str | None = Field(default=None, description="treadle:// sampler checkpoint; None samples the base model.")
-    inflight_of: str | None = Field(default=None, description="kind='inflight': the training model whose newest inflight "
-                                    "save this sampler samples, whatever model_path it was created with.")
+    model_path: str | None = Field(
+        default=None, description="treadle:// sampler checkpoint; None samples the base model."
+    )
+    inflight_of: str | None = Field(
+        default=None,
+        description="kind='inflight': the training model whose newest inflight "
+        "save this sampler samples, whatever model_path it was created with.",
+    )
 
 
 class RequestRecord(BaseModel):
@@ -69,7 +74,10 @@ class GatewayStore:
         self.redis.expire(key, self.ttl)
 
     def members(self, session_id: str, kind: str) -> list[str]:
-        return sorted(m.decode() if isinstance(m, bytes) else m for m in self.redis.smembers(names.gateway_key("session", session_id, kind)))
+        return sorted(
+            m.decode() if isinstance(m, bytes) else m
+            for m in self.redis.smembers(names.gateway_key("session", session_id, kind))
+        )
 
     def sessions_of(self, owner: str) -> list[ClientSession]:
         out = []

@@ -34,8 +34,14 @@ from treadle.gpu_worker.training.optimizer import SessionOptimizer
 from treadle.gpu_worker.sampling.extras import SampleExtras
 from treadle.gpu_worker.sampling.backend import SamplerKind, VllmOptions, make_sampler
 from treadle.gpu_worker.training.state import TrainingState, capture_rng, read_state, restore_rng, write_state
-from treadle.gpu_worker.training.validation import (PreparedDatum, check_loss, check_same_adapter, check_tokens, prepare_data,
-                                          prepare_sample)
+from treadle.gpu_worker.training.validation import (
+    PreparedDatum,
+    check_loss,
+    check_same_adapter,
+    check_tokens,
+    prepare_data,
+    prepare_sample,
+)
 from treadle.gpu_worker.sampling.vllm.sampler import VllmSampler
 from treadle.types import (
     AdamParams,
@@ -65,15 +71,25 @@ class _Session:
 class Engine:
     """One base model (loaded once) serving many sessions: one PEFT LoRA adapter + one AdamW per session."""
 
-    def __init__(self, model: str, *, device: str | None = None, dtype: str | None = None,
-                 max_tokens_per_microbatch: int = 4096, sampling_max_batch_tokens: int = 16384,
-                 sampler: SamplerKind = "hf", vllm: VllmOptions | None = None):
+    def __init__(
+        self,
+        model: str,
+        *,
+        device: str | None = None,
+        dtype: str | None = None,
+        max_tokens_per_microbatch: int = 4096,
+        sampling_max_batch_tokens: int = 16384,
+        sampler: SamplerKind = "hf",
+        vllm: VllmOptions | None = None,
+    ):
         self._host = ModelHost(model, device=device, dtype=dtype)
         self._bank = AdapterBank(self._host)
         self._sessions: dict[str, _Session] = {}
         self._samplers: dict[str, str] = {}  # sampler id -> adapter name
         self._lock = DeviceLock()
-        self._catalog = threading.Lock()  # sampler ids; not the device lock, held by every decode step (see sample_async)
+        self._catalog = (
+            threading.Lock()
+        )  # sampler ids; not the device lock, held by every decode step (see sample_async)
         self.base_model = model
         self.max_seq_len = self._host.max_seq_len
         self.vocab_size = self._host.vocab_size
@@ -81,9 +97,17 @@ class Engine:
         self.max_tokens_per_microbatch = max_tokens_per_microbatch
         # Family, LoRA targets, sampler path; a model treadle cannot serve is refused here (`model_profile`).
         self.profile = profile(self._host.model, self._host.targets, str(self._host.dtype).removeprefix("torch."))
-        self.sampler = make_sampler(sampler, self._bank, self._host, self._lock, max_batch_tokens=sampling_max_batch_tokens,
-                                    max_forward_tokens=max_tokens_per_microbatch, vllm=vllm, vllm_serves=self.profile.vllm,
-                                    path=self.profile.sampler)
+        self.sampler = make_sampler(
+            sampler,
+            self._bank,
+            self._host,
+            self._lock,
+            max_batch_tokens=sampling_max_batch_tokens,
+            max_forward_tokens=max_tokens_per_microbatch,
+            vllm=vllm,
+            vllm_serves=self.profile.vllm,
+            path=self.profile.sampler,
+        )
         self.sampler_path = "vllm" if isinstance(self.sampler, VllmSampler) else self.profile.sampler
         self._threads = CpuThreads(self._host.device)
         self._base_params = sum(p.numel() for p in self._host.model.parameters())
@@ -127,16 +151,21 @@ class Engine:
 
     # ------------------------------------------------------------ training ops
 
-    def forward(self, session_id: str, data: list[Datum], loss_fn: str, loss_fn_config: dict | None = None) -> ForwardBackwardOutput:
+    def forward(
+        self, session_id: str, data: list[Datum], loss_fn: str, loss_fn_config: dict | None = None
+    ) -> ForwardBackwardOutput:
         """Logprobs and loss without gradients (what a client-side custom loss needs)."""
         return self._checked_run(session_id, data, loss_fn, loss_fn_config, backward=False)
 
-    def forward_backward(self, session_id: str, data: list[Datum], loss_fn: str, loss_fn_config: dict | None = None) -> ForwardBackwardOutput:
+    def forward_backward(
+        self, session_id: str, data: list[Datum], loss_fn: str, loss_fn_config: dict | None = None
+    ) -> ForwardBackwardOutput:
         """Like `forward`, and adds the loss's gradients to the session's accumulated gradients."""
         return self._checked_run(session_id, data, loss_fn, loss_fn_config, backward=True)
 
-    def _checked_run(self, session_id: str, data: list[Datum], loss_fn: str, loss_fn_config: dict | None,
-                     *, backward: bool) -> ForwardBackwardOutput:
+    def _checked_run(
+        self, session_id: str, data: list[Datum], loss_fn: str, loss_fn_config: dict | None, *, backward: bool
+    ) -> ForwardBackwardOutput:
         # Everything is validated before the model runs, so a rejected request leaves no gradients.
         with self._lock:
             session = self._session(session_id)
@@ -146,7 +175,13 @@ class Engine:
                 return self._run(session, prepared, loss_fn, config, backward=backward)
 
     def _run(
-        self, session: _Session, prepared: list[PreparedDatum], loss_fn: str, config: dict[str, float], *, backward: bool
+        self,
+        session: _Session,
+        prepared: list[PreparedDatum],
+        loss_fn: str,
+        config: dict[str, float],
+        *,
+        backward: bool,
     ) -> ForwardBackwardOutput:
         spec = LOSSES[loss_fn]
         device = self._host.device
@@ -169,7 +204,9 @@ class Engine:
                 }
                 if spec.per_sequence:
                     inputs["sequence_index"] = torch.repeat_interleave(
-                        torch.arange(len(batch), device=device), torch.tensor([len(lp) for lp in logprobs], device=device))
+                        torch.arange(len(batch), device=device),
+                        torch.tensor([len(lp) for lp in logprobs], device=device),
+                    )
                 loss = spec.fn(torch.cat([lp.reshape(-1) for lp in logprobs]), inputs, config)
                 if backward:
                     loss.backward()
@@ -225,8 +262,16 @@ class Engine:
             raise SessionNotFoundError(f"sampler_id: no sampler {sampler_id!r} on base model {self.base_model}")
         return self._samplers[sampler_id]
 
-    def sample_async(self, sampler_id: str | None, prompt: ModelInput, num_samples: int, params: SamplingParams,
-                     include_prompt_logprobs: bool = False, topk_prompt_logprobs: int = 0, extras: SampleExtras = SampleExtras()) -> Future:
+    def sample_async(
+        self,
+        sampler_id: str | None,
+        prompt: ModelInput,
+        num_samples: int,
+        params: SamplingParams,
+        include_prompt_logprobs: bool = False,
+        topk_prompt_logprobs: int = 0,
+        extras: SampleExtras = SampleExtras(),
+    ) -> Future:
         """Queue a sample request on a frozen sampler (None: the base model); the future resolves to its
         `SampleResponse`. Logprobs are those of the distribution actually sampled from (see
         `treadle.gpu_worker.sampling.hf.token_choice`). A rejected request raises here, before it is queued. Queueing
@@ -234,12 +279,27 @@ class Engine:
         with self._catalog:
             adapter = self._sampler(sampler_id) if sampler_id is not None else None
             request = prepare_sample(
-                prompt, num_samples, params, topk_prompt_logprobs, max_seq_len=self.max_seq_len, vocab_size=self.vocab_size
+                prompt,
+                num_samples,
+                params,
+                topk_prompt_logprobs,
+                max_seq_len=self.max_seq_len,
+                vocab_size=self.vocab_size,
             )
             extras.check(self.vocab_size)
             stop_ids = frozenset({self._host.eos_token_id, *request.stop_token_ids})
-            return self.sampler.sample(SampleJob(adapter, request, num_samples, params, stop_ids,
-                                                    include_prompt_logprobs, topk_prompt_logprobs, extras))
+            return self.sampler.sample(
+                SampleJob(
+                    adapter,
+                    request,
+                    num_samples,
+                    params,
+                    stop_ids,
+                    include_prompt_logprobs,
+                    topk_prompt_logprobs,
+                    extras,
+                )
+            )
 
     def sample(self, *args, **kwargs) -> SampleResponse:
         """`sample_async(...)`, awaited (never call it holding the engine's lock: the sampler needs it)."""
@@ -289,7 +349,9 @@ class Engine:
                 check_same_adapter(self._sessions[session_id].lora, state.lora, source=str(directory))
             fresh = self._new_session(state.lora)
             try:
-                self._bank.copy_weights(fresh.adapter, load_peft_weights(directory, device="cpu"), source=str(directory))
+                self._bank.copy_weights(
+                    fresh.adapter, load_peft_weights(directory, device="cpu"), source=str(directory)
+                )
                 if with_optimizer:
                     fresh.optimizer.load_state_tensors(state.optimizer, source=str(directory))
                     fresh.optimizer.load_grad_tensors(state.gradients, source=str(directory))
@@ -307,4 +369,3 @@ class Engine:
         """The sampler's adapter as a PEFT directory (adapter only)."""
         with self._lock:
             self._bank.save(self._sampler(sampler_id), directory)
-

@@ -38,9 +38,13 @@ class SmokeResult:
 
 
 def cross_entropy_datum(tokens: list[int]) -> Datum:
-    return Datum(model_input=ModelInput.from_ints(tokens[:-1]),
-                 loss_fn_inputs={"target_tokens": np.asarray(tokens[1:], dtype=np.int64),
-                                 "weights": np.ones(len(tokens) - 1, dtype=np.float32)})
+    return Datum(
+        model_input=ModelInput.from_ints(tokens[:-1]),
+        loss_fn_inputs={
+            "target_tokens": np.asarray(tokens[1:], dtype=np.int64),
+            "weights": np.ones(len(tokens) - 1, dtype=np.float32),
+        },
+    )
 
 
 def forward_logprobs(engine, session_id: str, tokens: list[int]) -> np.ndarray:
@@ -65,13 +69,14 @@ def smoke(engine, *, rank: int = 32, steps: int = 2, seed: int = 0) -> SmokeResu
         engine.snapshot_sampler("check", "check-sampler")
         prompt = rng.integers(0, high, 12).tolist()
         t0 = time.monotonic()
-        response = engine.sample("check-sampler", ModelInput.from_ints(prompt), 4,
-                                 SamplingParams(max_tokens=16, seed=seed, temperature=1.0))
+        response = engine.sample(
+            "check-sampler", ModelInput.from_ints(prompt), 4, SamplingParams(max_tokens=16, seed=seed, temperature=1.0)
+        )
         sampled = sum(len(s.tokens) for s in response.sequences)
         tokens_per_s = sampled / max(time.monotonic() - t0, 1e-9)
         gap = 0.0
         for seq in response.sequences:
-            expected = forward_logprobs(engine, "check", prompt + seq.tokens)[len(prompt) - 1:]
+            expected = forward_logprobs(engine, "check", prompt + seq.tokens)[len(prompt) - 1 :]
             gap = max(gap, float(np.abs(expected - np.asarray(seq.logprobs)).max()))
         engine.drop_sampler("check-sampler")
     finally:
@@ -86,7 +91,8 @@ def render(profile, result: SmokeResult | None) -> str:
         f"family        {profile.family}",
         f"dtype         {profile.dtype}",
         f"max length    {profile.max_seq_len}",
-        f"layers        {profile.layers}: {', '.join(profile.attention)}" + (f"; {profile.experts} experts" if profile.experts else ""),
+        f"layers        {profile.layers}: {', '.join(profile.attention)}"
+        + (f"; {profile.experts} experts" if profile.experts else ""),
         f"lora attn     {', '.join(profile.lora_attention) or '-'} ({counts['attn']:,} params at rank 32)",
         f"lora mlp      {', '.join(profile.lora_mlp) or '-'} ({counts['mlp']:,} params at rank 32)",
         f"lora experts  {', '.join(profile.lora_experts) or '-'} ({counts['experts']:,} params at rank 32)",

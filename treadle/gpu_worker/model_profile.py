@@ -38,7 +38,9 @@ class ModelProfile(BaseModel):
     lora_mlp: list[str] = Field(description="train_mlp targets (linear modules).")
     lora_experts: list[str] = Field(description="train_mlp targets that are 3-D expert tensors.")
     lora_unembed: list[str] = Field(description="train_unembed targets.")
-    trainable_at_rank_32: dict[str, int] = Field(description="Adapter parameters at rank 32: attn, mlp, experts, unembed.")
+    trainable_at_rank_32: dict[str, int] = Field(
+        description="Adapter parameters at rank 32: attn, mlp, experts, unembed."
+    )
     sampler: str = Field(description="How the hf sampler batches this model.")
     vllm: str = Field(description="Whether the vllm sampler backend serves this family, and if not why.")
 
@@ -62,11 +64,19 @@ def profile(model: nn.Module, targets: LoraTargets, dtype: str) -> ModelProfile:
     else:
         vllm = "yes"
     return ModelProfile(
-        family=family, dtype=dtype, max_seq_len=int(config.max_position_embeddings), layers=len(layers),
-        attention=_attention_kinds(model, config), experts=int(_experts(config)) if targets.experts else 0,
-        lora_attention=list(targets.attention), lora_mlp=list(targets.mlp), lora_experts=list(targets.experts),
-        lora_unembed=list(targets.unembed), trainable_at_rank_32=counts,
-        sampler=SAMPLER_SPLIT if targets.experts else SAMPLER_MIXED, vllm=vllm,
+        family=family,
+        dtype=dtype,
+        max_seq_len=int(config.max_position_embeddings),
+        layers=len(layers),
+        attention=_attention_kinds(model, config),
+        experts=int(_experts(config)) if targets.experts else 0,
+        lora_attention=list(targets.attention),
+        lora_mlp=list(targets.mlp),
+        lora_experts=list(targets.experts),
+        lora_unembed=list(targets.unembed),
+        trainable_at_rank_32=counts,
+        sampler=SAMPLER_SPLIT if targets.experts else SAMPLER_MIXED,
+        vllm=vllm,
     )
 
 

@@ -17,12 +17,11 @@ import socket
 import threading
 import time
 import uuid
-from typing import Literal
 
 from celery.signals import worker_ready, worker_shutting_down
-from pydantic import BaseModel, Field
 
 from treadle.errors import InvalidRequestError
+from treadle.gpu_worker.worker_config import WorkerConfig
 from treadle.queue import names
 from treadle.queue.celery_app import make_app
 from treadle.queue.lease import LeaseManager
@@ -31,51 +30,6 @@ from treadle.queue.workers import ServedModel, WorkerAnnouncement, WorkerRegistr
 from treadle.settings import ConnectionSettings
 
 log = logging.getLogger("treadle.worker")
-
-
-class WorkerConfig(BaseModel):
-    model: list[str] = Field(description="Base models to serve: a hub id, a local dir, or NAME=DIR (served as NAME).")
-    broker_url: str | None = Field(default=None, description="Redis URL (default: TREADLE_BROKER_URL).")
-    result_url: str | None = Field(default=None, description="Result backend URL (default: the broker).")
-    storage_url: str | None = Field(default=None, description="Checkpoint store: file:///dir or s3://bucket/prefix (default: TREADLE_STORAGE_URL).")
-    hostname: str | None = Field(default=None, description="Celery node name (default: treadle-<random>@<host>).")
-    device: str | None = Field(default=None, description="cpu, cuda, cuda:1, ... (default: what Accelerate picks).")
-    dtype: str | None = Field(default=None, description="float32 or bfloat16 (default: bf16 on CUDA, fp32 on CPU).")
-    devices: int = Field(default=1, ge=1, le=64, description="Ranks of this worker's device group (data parallel, one process each: cuda:0..N-1, or N CPU processes); rank 0 consumes the queues.")
-    checkpoint_every: int = Field(default=10, ge=0, description="Checkpoint each session every N optimizer steps (0: never).")
-    checkpoint_interval_s: float = Field(default=0.0, ge=0.0, description="Also checkpoint a session when this many seconds passed since its last one (0: off).")
-    idle_unload_s: float = Field(default=1800.0, ge=0.0, description="Checkpoint and unload a session after this many idle seconds, freeing accelerator memory; it reloads on its next op (0: never).")
-    lease_ttl_s: float = Field(default=15.0, gt=0.5, description="Session lease TTL: how soon another worker adopts a dead worker's sessions.")
-    max_tokens_per_microbatch: int = Field(default=4096, ge=64, description="Token budget of one forward/backward micro-batch (also of one sampling prefill).")
-    sampling_max_batch_tokens: int = Field(
-        default=16384, ge=64,
-        description="KV-cache budget of the batched sampler, in positions (rows x padded length, each row counted at its "
-                    "full max_tokens). Memory: 2 x layers x kv_heads x head_dim x dtype bytes per position, e.g. 46 KB "
-                    "for SmolLM2-135M in fp32 (16384 ~ 0.75 GB); more lets more requests share each decode step.")
-    sampler: Literal["auto", "hf", "vllm"] = Field(
-        default="auto",
-        description="What samples: hf (batched transformers decoding in this process) or vllm (a vLLM engine per base "
-                    "model in a child process with its own venv: scripts/setup_vllm.sh). auto: vllm when CUDA and vLLM "
-                    "are both there, hf otherwise; the log says which.")
-    vllm_python: str | None = Field(default=None, description="Interpreter of vLLM's venv (default: $TREADLE_VLLM_PYTHON, else .venv-vllm/bin/python of the checkout).")
-    vllm_max_lora_rank: int = Field(default=32, ge=1, le=512, description="vLLM: largest LoRA rank a snapshot may have (vLLM sizes its kernels by it); larger ones are refused.")
-    vllm_max_loras: int = Field(default=4, ge=1, description="vLLM: adapters that can share one batch (GPU slots); more are swapped in least recently used first out.")
-    vllm_memory_share: float = Field(default=0.3, gt=0.0, lt=1.0, description="vLLM: share of the GPU's memory its engine takes (weights, KV cache); training uses the rest. On CPU see vllm_cpu_kv_cache_gib.")
-    vllm_cpu_kv_cache_gib: int = Field(default=1, ge=1, description="vLLM on CPU: KV cache size in GiB.")
-    vllm_max_logprobs: int = Field(default=64, ge=0, description="vLLM: most top-k prompt logprobs a request may ask for.")
-    session_idle_ttl_s: float = Field(default=86400.0, ge=0.0, description="Checkpoint and stop (expire) a session after this many idle seconds; its client gets SessionExpiredError naming the checkpoint to resume from (0: never).")
-    max_sessions_per_owner: int | None = Field(default=None, ge=1, description="Concurrent training sessions one owner may run (a gateway API key's owner; `sdk` for treadle SDK sessions); an over-quota create fails with QuotaExceededError (None: unlimited). Give every worker the same limits.")
-    owner_session_limits: dict[str, int] = Field(default_factory=dict, description='Per-owner overrides of max_sessions_per_owner, JSON: {"alice": 8}.')
-    owner_weights: dict[str, float] = Field(default_factory=dict, description='Per-owner weights of the fair share of a worker\'s device time, JSON: {"alice": 2} (others: 1). When several sessions have ops ready, each turn goes to the owner with the least measured device time over its weight (treadle.queue.fair). Give every worker the same weights.')
-    max_queued_ops_per_session: int = Field(default=256, ge=0, description="Ops one session may have submitted and not yet run; a submit past it fails with CapacityError (HTTP 429 with Retry-After at the gateway) and queues nothing (0: no bound). Applies to sessions created from then on.")
-    max_queued_ops_per_owner: int = Field(default=1024, ge=0, description="Ops all active sessions of one owner may have queued together; past it as above (0: no bound).")
-    max_queued_sample_rows_per_owner: int = Field(default=4096, ge=0, description="Sample rows (num_samples summed over requests) one owner may have submitted and not yet answered; past it a sample request fails with CapacityError (HTTP 429 with Retry-After) and queues nothing, unless nothing of the owner is queued (0: no bound). Published for clients to check; give every worker the same.")
-    logprob_audit_fraction: float = Field(default=0.01, ge=0.0, le=1.0, description="Share of sampled sequences (temperature 1, no top-k/top-p) whose logprobs the worker recomputes with the training forward of the same snapshot, off the decode path, exporting the gap as treadle_sampler_logprob_gap (treadle.gpu_worker.sampling.logprob_audit; 0: off).")
-    metrics_port: int = Field(default=0, ge=0, le=65535, description="Serve Prometheus metrics on this port (0: off).")
-    metrics_address: str = Field(default="127.0.0.1", description="Interface of the metrics port (0.0.0.0 inside a private network).")
-    linger_ms: float = Field(default=20.0, ge=0.0, le=10000.0, description="After running a session's ops, wait this long for the next op of any session this worker owns before going back to Celery: a loop that submits its next step right after reading a result then costs no Celery message (treadle.gpu_worker.executor.linger). A sample request or session creation arriving meanwhile ends the wait within 5 ms (0: off).")
-    task_events: bool = Field(default=False, description="Send Celery task events (received, started, succeeded, failed) so that Flower lists and times ops; off by default: they cost about a third of the worker's CPU per op.")
-    loglevel: str = Field(default="INFO", description="Log level.")
 
 
 class WorkerService:
@@ -105,30 +59,55 @@ class WorkerService:
         self.hostname = config.hostname or f"treadle-{uuid.uuid4().hex[:8]}@{socket.gethostname()}"
         self.redis = connect_redis(broker)
         self.store = CheckpointStore.from_url(storage)
-        served_as = {path: name for name, path in map(parse_model_spec, config.model)}  # the audit names a model by its path
-        logprob_audit.configure(fraction=config.logprob_audit_fraction,
-                                observe=lambda model, gap: metrics.LOGPROB_GAP.labels(served_as.get(model, model)).observe(gap))
+        served_as = {
+            path: name for name, path in map(parse_model_spec, config.model)
+        }  # the audit names a model by its path
+        logprob_audit.configure(
+            fraction=config.logprob_audit_fraction,
+            observe=lambda model, gap: metrics.LOGPROB_GAP.labels(served_as.get(model, model)).observe(gap),
+        )
         self.engines, self.served = load_engines(config)
         self.app = make_app(broker, result, task_events=config.task_events)
         self.lease = LeaseManager(self.redis, self.hostname, ttl_ms=int(config.lease_ttl_s * 1000))
         device_lock = threading.RLock()
         samplers = SamplerCache(lambda model: self.host.engine(model), self.store)
         self.host = SessionHost(
-            hostname=self.hostname, engines=self.engines, redis=self.redis, store=self.store, lease=self.lease,
-            device_lock=device_lock, remember_sampler=samplers.remember,
-            subscribe=self._subscribe, unsubscribe=self._unsubscribe,
+            hostname=self.hostname,
+            engines=self.engines,
+            redis=self.redis,
+            store=self.store,
+            lease=self.lease,
+            device_lock=device_lock,
+            remember_sampler=samplers.remember,
+            subscribe=self._subscribe,
+            unsubscribe=self._unsubscribe,
             quota=SessionQuota(self.redis, config.max_sessions_per_owner, config.owner_session_limits),
-            max_queued_ops=config.max_queued_ops_per_session, max_owner_queued_ops=config.max_queued_ops_per_owner,
+            max_queued_ops=config.max_queued_ops_per_session,
+            max_owner_queued_ops=config.max_queued_ops_per_owner,
         )
-        self.autosaver = Autosaver(self.host, checkpoint_every=config.checkpoint_every,
-                                   checkpoint_interval_s=config.checkpoint_interval_s)
+        self.autosaver = Autosaver(
+            self.host, checkpoint_every=config.checkpoint_every, checkpoint_interval_s=config.checkpoint_interval_s
+        )
         usage = UsageRecorder(self.redis)
         self.linger = Linger(self.redis, self.hostname, config.linger_ms / 1000)
-        sequencer = Sequencer(self.host, self.app, after_op=self.autosaver.after_op, reload=self.autosaver.reload, usage=usage,
-                              linger=self.linger, fair=FairShare(config.owner_weights), observe_wait=metrics.observe_queue_wait)
+        sequencer = Sequencer(
+            self.host,
+            self.app,
+            after_op=self.autosaver.after_op,
+            reload=self.autosaver.reload,
+            usage=usage,
+            linger=self.linger,
+            fair=FairShare(config.owner_weights),
+            observe_wait=metrics.observe_queue_wait,
+        )
         self.sequencer = sequencer
-        self.failover = Failover(self.host, sequencer, self.autosaver, idle_unload_s=config.idle_unload_s,
-                                 session_idle_ttl_s=config.session_idle_ttl_s)
+        self.failover = Failover(
+            self.host,
+            sequencer,
+            self.autosaver,
+            idle_unload_s=config.idle_unload_s,
+            session_idle_ttl_s=config.session_idle_ttl_s,
+        )
         register_tasks(self.app, sequencer, self.host, Sampling(samplers, device_lock), usage)
         self.registry = WorkerRegistry(self.redis)
         self._stop = threading.Event()
@@ -149,12 +128,17 @@ class WorkerService:
 
     # ------------------------------------------------------------ background threads
     def _announce(self) -> None:
-        self.registry.announce(WorkerAnnouncement(
-            hostname=self.hostname, pid=os.getpid(), models=self.served, started_at=self._started_at,
-            sessions=sorted(self.host.owned),
-            unloaded=sorted(sid for sid, o in self.host.owned.items() if o.unloaded),
-            memory=self.metrics.memory_in_use(),
-        ))
+        self.registry.announce(
+            WorkerAnnouncement(
+                hostname=self.hostname,
+                pid=os.getpid(),
+                models=self.served,
+                started_at=self._started_at,
+                sessions=sorted(self.host.owned),
+                unloaded=sorted(sid for sid, o in self.host.owned.items() if o.unloaded),
+                memory=self.metrics.memory_in_use(),
+            )
+        )
         counts = dict.fromkeys(self.engines, 0)
         for owned in list(self.host.owned.values()):
             counts[owned.record.base_model] += 1
@@ -198,21 +182,35 @@ class WorkerService:
 
     def run(self) -> None:
         if self.config.metrics_port:
-            self.metrics.start_metrics_server(self.config.metrics_port, self.config.metrics_address,
-                                         redis=self.redis, models=self.engines, owned=lambda: list(self.host.owned))
+            self.metrics.start_metrics_server(
+                self.config.metrics_port,
+                self.config.metrics_address,
+                redis=self.redis,
+                models=self.engines,
+                owned=lambda: list(self.host.owned),
+            )
         self._publish_tokenizers()
-        self.redis.hset(names.LIMITS_KEY, "max_queued_sample_rows_per_owner", self.config.max_queued_sample_rows_per_owner)
+        self.redis.hset(
+            names.LIMITS_KEY, "max_queued_sample_rows_per_owner", self.config.max_queued_sample_rows_per_owner
+        )
         self._announce()
         threading.Thread(target=self._heartbeat_loop, name="treadle-heartbeat", daemon=True).start()
         # Adopting sessions needs the consumer up (it subscribes to their queues), so wait for ready.
         caretaker = threading.Thread(target=self._caretaker_loop, name="treadle-caretaker", daemon=True)
         worker_ready.connect(lambda sender=None, **kw: caretaker.start(), weak=False)
-        worker_shutting_down.connect(lambda sender=None, **kw: self.linger.close(), weak=False)  # the op thread stops waiting
+        worker_shutting_down.connect(
+            lambda sender=None, **kw: self.linger.close(), weak=False
+        )  # the op thread stops waiting
         worker = self.app.Worker(
-            hostname=self.hostname, pool="threads", concurrency=1,
+            hostname=self.hostname,
+            pool="threads",
+            concurrency=1,
             queues=[names.model_queue(name) for name in self.engines],
-            without_gossip=True, without_mingle=True, send_events=self.config.task_events,
-            loglevel=self.config.loglevel, redirect_stdouts=False,
+            without_gossip=True,
+            without_mingle=True,
+            send_events=self.config.task_events,
+            loglevel=self.config.loglevel,
+            redirect_stdouts=False,
         )
         try:
             worker.start()
@@ -236,7 +234,6 @@ class WorkerService:
                 log.warning("could not hand over session %s", sid, exc_info=True)
 
 
-
 def load_engines(config: WorkerConfig) -> tuple[dict, list[ServedModel]]:
     """Every model of `config`, loaded (across the device group when --devices > 1) and described for the
     announcement; a model treadle cannot serve stops the worker, naming what is missing."""
@@ -250,24 +247,44 @@ def load_engines(config: WorkerConfig) -> tuple[dict, list[ServedModel]]:
 
         group = DeviceGroup(config)
         group.spawn()
-    options = VllmOptions(python=config.vllm_python, max_lora_rank=config.vllm_max_lora_rank,
-                          max_loras=config.vllm_max_loras, gpu_memory_share=config.vllm_memory_share,
-                          cpu_kv_cache_gib=config.vllm_cpu_kv_cache_gib, max_logprobs=config.vllm_max_logprobs)
+    options = VllmOptions(
+        python=config.vllm_python,
+        max_lora_rank=config.vllm_max_lora_rank,
+        max_loras=config.vllm_max_loras,
+        gpu_memory_share=config.vllm_memory_share,
+        cpu_kv_cache_gib=config.vllm_cpu_kv_cache_gib,
+        max_logprobs=config.vllm_max_logprobs,
+    )
     for spec in config.model:
         name, path = parse_model_spec(spec)
         t0 = time.monotonic()
         try:
-            engine = Engine(path, device=group.device if group else config.device, dtype=config.dtype,
-                            max_tokens_per_microbatch=config.max_tokens_per_microbatch,
-                            sampling_max_batch_tokens=config.sampling_max_batch_tokens, sampler=config.sampler,
-                            vllm=options)
+            engine = Engine(
+                path,
+                device=group.device if group else config.device,
+                dtype=config.dtype,
+                max_tokens_per_microbatch=config.max_tokens_per_microbatch,
+                sampling_max_batch_tokens=config.sampling_max_batch_tokens,
+                sampler=config.sampler,
+                vllm=options,
+            )
         except (InvalidRequestError, ValueError) as exc:  # a model treadle cannot serve: say what, and stop
             raise SystemExit(f"treadle worker: cannot serve {name} ({path}): {exc}") from exc
         engines[name] = engine
-        served.append(ServedModel(name=name, path=path, max_seq_len=engine.max_seq_len, vocab_size=engine.vocab_size,
-                                  family=engine.profile.family, dtype=engine.profile.dtype, sampler=engine.sampler_path))
+        served.append(
+            ServedModel(
+                name=name,
+                path=path,
+                max_seq_len=engine.max_seq_len,
+                vocab_size=engine.vocab_size,
+                family=engine.profile.family,
+                dtype=engine.profile.dtype,
+                sampler=engine.sampler_path,
+            )
+        )
         log.info("loaded %s from %s in %.1f s", name, path, time.monotonic() - t0)
     return (group.join(engines) if group else engines), served
+
 
 def run_worker(config: WorkerConfig) -> None:
     logging.basicConfig(level=config.loglevel, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -29,25 +29,56 @@ REGISTRY = CollectorRegistry()
 # From a 1 ms no-op to a 10-minute GRPO step.
 _OP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 
-OP_SECONDS = Histogram("treadle_op_seconds", "Seconds an op ran on the worker.", ["op", "base_model"],
-                       buckets=_OP_BUCKETS, registry=REGISTRY)
-OPS = Counter("treadle_ops", "Ops run, by outcome (ok | user_error | server_error).", ["op", "base_model", "outcome"],
-              registry=REGISTRY)
-TOKENS = Counter("treadle_tokens", "Tokens processed, by kind (prefill | sampled | trained).", ["kind", "base_model"],
-                 registry=REGISTRY)
-ACTIVE_SESSIONS = Gauge("treadle_active_sessions", "Sessions this worker owns (loaded or unloaded).", ["base_model"],
-                        registry=REGISTRY)
-LEASE_TAKEOVERS = Counter("treadle_lease_takeovers", "Sessions this worker adopted from a dead worker.", ["base_model"],
-                          registry=REGISTRY)
-QUEUE_WAIT_SECONDS = Histogram("treadle_op_queue_seconds", "Seconds an op waited from its submit to its start on the worker.",
-                               ["owner", "base_model"], buckets=_OP_BUCKETS, registry=REGISTRY)
-LOGPROB_GAP = Histogram("treadle_sampler_logprob_gap", "Mean absolute gap (nats per token) between the sampler's logprobs "
-                        "of a sampled sequence and the training forward's on the same snapshot (a sampled fraction).",
-                        ["base_model"], buckets=(1e-5, 1e-4, 1e-3, 3e-3, 0.01, 0.03, 0.1, 0.3, 1, 3), registry=REGISTRY)
-CHECKPOINT_SECONDS = Histogram("treadle_checkpoint_seconds", "Seconds to write one checkpoint (auto | state | sampler).",
-                               ["kind"], buckets=_OP_BUCKETS, registry=REGISTRY)
-CHECKPOINT_BYTES = Counter("treadle_checkpoint_bytes", "Bytes of checkpoints written (auto | state | sampler).", ["kind"],
-                           registry=REGISTRY)
+OP_SECONDS = Histogram(
+    "treadle_op_seconds",
+    "Seconds an op ran on the worker.",
+    ["op", "base_model"],
+    buckets=_OP_BUCKETS,
+    registry=REGISTRY,
+)
+OPS = Counter(
+    "treadle_ops",
+    "Ops run, by outcome (ok | user_error | server_error).",
+    ["op", "base_model", "outcome"],
+    registry=REGISTRY,
+)
+TOKENS = Counter(
+    "treadle_tokens",
+    "Tokens processed, by kind (prefill | sampled | trained).",
+    ["kind", "base_model"],
+    registry=REGISTRY,
+)
+ACTIVE_SESSIONS = Gauge(
+    "treadle_active_sessions", "Sessions this worker owns (loaded or unloaded).", ["base_model"], registry=REGISTRY
+)
+LEASE_TAKEOVERS = Counter(
+    "treadle_lease_takeovers", "Sessions this worker adopted from a dead worker.", ["base_model"], registry=REGISTRY
+)
+QUEUE_WAIT_SECONDS = Histogram(
+    "treadle_op_queue_seconds",
+    "Seconds an op waited from its submit to its start on the worker.",
+    ["owner", "base_model"],
+    buckets=_OP_BUCKETS,
+    registry=REGISTRY,
+)
+LOGPROB_GAP = Histogram(
+    "treadle_sampler_logprob_gap",
+    "Mean absolute gap (nats per token) between the sampler's logprobs "
+    "of a sampled sequence and the training forward's on the same snapshot (a sampled fraction).",
+    ["base_model"],
+    buckets=(1e-5, 1e-4, 1e-3, 3e-3, 0.01, 0.03, 0.1, 0.3, 1, 3),
+    registry=REGISTRY,
+)
+CHECKPOINT_SECONDS = Histogram(
+    "treadle_checkpoint_seconds",
+    "Seconds to write one checkpoint (auto | state | sampler).",
+    ["kind"],
+    buckets=_OP_BUCKETS,
+    registry=REGISTRY,
+)
+CHECKPOINT_BYTES = Counter(
+    "treadle_checkpoint_bytes", "Bytes of checkpoints written (auto | state | sampler).", ["kind"], registry=REGISTRY
+)
 
 
 def memory_in_use() -> dict[str, int]:
@@ -82,8 +113,9 @@ def observe_checkpoint(kind: str, seconds: float, size_bytes: int) -> None:
 
 
 def _queue_depths(redis, models: Iterable[str]) -> GaugeMetricFamily:
-    family = GaugeMetricFamily("treadle_queue_depth", "Messages waiting on a base model's control queue.",
-                               labels=["base_model"])
+    family = GaugeMetricFamily(
+        "treadle_queue_depth", "Messages waiting on a base model's control queue.", labels=["base_model"]
+    )
     for model in sorted(models):
         family.add_metric([model], queue_depth(redis, names.model_queue(model)))
     return family
@@ -97,9 +129,15 @@ def _session_queues(redis, session_ids: Iterable[str]) -> list[GaugeMetricFamily
             pipe.hmget(names.session_key(sid), "status", "owner", "base_model", "next_seq", "applied", "queue_wait_s")
         rows = pipe.execute()
     labels = ["session", "owner", "base_model"]
-    queued = GaugeMetricFamily("treadle_session_queued_ops", "Ops a session has submitted and not yet run.", labels=labels)
-    waits = GaugeMetricFamily("treadle_session_queue_wait_seconds", "Estimated seconds until a session's next queued op "
-                              "starts (0: none queued), from the measured costs of the ops ahead of it.", labels=labels)
+    queued = GaugeMetricFamily(
+        "treadle_session_queued_ops", "Ops a session has submitted and not yet run.", labels=labels
+    )
+    waits = GaugeMetricFamily(
+        "treadle_session_queue_wait_seconds",
+        "Estimated seconds until a session's next queued op "
+        "starts (0: none queued), from the measured costs of the ops ahead of it.",
+        labels=labels,
+    )
     for sid, (status, owner, model, next_seq, applied, wait_s) in zip(ids, rows):
         if status != b"active":
             continue
@@ -146,8 +184,9 @@ class DeploymentCollector:
         yield _queue_depths(redis, counts)
         yield from _session_queues(redis, active)
         yield GaugeMetricFamily("treadle_deployment_workers", "Workers with a current heartbeat.", value=len(workers))
-        sessions = GaugeMetricFamily("treadle_deployment_active_sessions", "Active sessions, by base model.",
-                                     labels=["base_model"])
+        sessions = GaugeMetricFamily(
+            "treadle_deployment_active_sessions", "Active sessions, by base model.", labels=["base_model"]
+        )
         for model, count in sorted(counts.items()):
             sessions.add_metric([model], count)
         yield sessions

@@ -18,7 +18,10 @@ CONNECT_TIMEOUT_S = 3.0
 def connect_redis(url: str) -> "redis_lib.Redis":
     """A Redis client that fails fast (seconds, not minutes) when the server is unreachable."""
     client = redis_lib.Redis.from_url(
-        url, socket_connect_timeout=CONNECT_TIMEOUT_S, socket_timeout=30, health_check_interval=30,
+        url,
+        socket_connect_timeout=CONNECT_TIMEOUT_S,
+        socket_timeout=30,
+        health_check_interval=30,
         retry_on_timeout=True,
     )
     try:
@@ -33,5 +36,10 @@ def connect_redis(url: str) -> "redis_lib.Redis":
 
 def ring(app, session_id: str, seq: int, op: str) -> None:
     """The doorbell of a journaled op: whoever owns the session runs it (and any before it)."""
-    app.send_task(task_name(op), args=[session_id, seq], queue=names.session_queue(session_id),
-                  task_id=names.future_id(session_id, seq), ignore_result=True)
+    app.send_task(
+        task_name(op),
+        args=[session_id, seq],
+        queue=names.session_queue(session_id),
+        task_id=names.future_id(session_id, seq),
+        ignore_result=True,
+    )

@@ -97,7 +97,9 @@ class FairShare:
         self._turns += 1
         units = max(1, units)
         before = self.rate.get(kind)
-        rate = self.rate[kind] = seconds / units if before is None else before + COST_SMOOTHING * (seconds / units - before)
+        rate = self.rate[kind] = (
+            seconds / units if before is None else before + COST_SMOOTHING * (seconds / units - before)
+        )
         cost = rate * units
         self._owners.charge(owner, cost / self.weight(owner), self._turns)
         self._level(owner).charge(key, cost, self._turns)

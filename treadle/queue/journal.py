@@ -141,9 +141,19 @@ class Journal:
         seq and journals nothing new. CapacityError when the session's or its owner's queue is at its bound."""
         entry = f"{request.op}\n{time.time():.6f}\n".encode() + request.encode()
         keys = [names.session_key(session_id), names.journal_key(session_id), names.submit_key(session_id, token)]
-        args = ["" if seq is None else str(seq), "1" if request.op == StopRequest.op else "", entry, JOURNAL_TTL_S, SUBMIT_TOKEN_TTL_S,
-                session_id, names.IDLE_PREFIX, names.WAKE_PREFIX, WAKE_TTL_MS, names.OWNER_PREFIX,
-                names.session_key("")]
+        args = [
+            "" if seq is None else str(seq),
+            "1" if request.op == StopRequest.op else "",
+            entry,
+            JOURNAL_TTL_S,
+            SUBMIT_TOKEN_TTL_S,
+            session_id,
+            names.IDLE_PREFIX,
+            names.WAKE_PREFIX,
+            WAKE_TTL_MS,
+            names.OWNER_PREFIX,
+            names.session_key(""),
+        ]
         answer = self._append(keys=keys, args=args)
         if int(answer[0]) == -2:
             raise self._at_capacity(session_id, *(int(v) for v in answer[1:]))
@@ -151,16 +161,22 @@ class Journal:
 
     def _at_capacity(self, session_id: str, queued: int, limit: int, which: int) -> CapacityError:
         """The error of a refused submit, with a retry hint: when the session's next op should have run."""
-        position, wait_s, cost_s, owner = self.redis.hmget(names.session_key(session_id), "queue_position", "queue_wait_s",
-                                                           "op_cost_s", "owner")
+        position, wait_s, cost_s, owner = self.redis.hmget(
+            names.session_key(session_id), "queue_position", "queue_wait_s", "op_cost_s", "owner"
+        )
         retry_after_s = max(1.0, min(60.0, float(wait_s or 0) + float(cost_s or 0)))
         if which == 1:
             what = f"max_queued_ops_per_session: session {session_id} has {queued} ops queued and the limit is {limit}"
         else:
-            what = (f"max_queued_ops_per_owner: owner {(owner or b'').decode() or SDK_OWNER!r} has {queued} ops queued "
-                    f"over its sessions and the limit is {limit}")
-        return CapacityError(f"{what}; nothing was queued: submit again in about {retry_after_s:.0f} s, when its next op "
-                             f"has run (queue position {int(position or 0)})", retry_after_s)
+            what = (
+                f"max_queued_ops_per_owner: owner {(owner or b'').decode() or SDK_OWNER!r} has {queued} ops queued "
+                f"over its sessions and the limit is {limit}"
+            )
+        return CapacityError(
+            f"{what}; nothing was queued: submit again in about {retry_after_s:.0f} s, when its next op "
+            f"has run (queue position {int(position or 0)})",
+            retry_after_s,
+        )
 
     def get(self, session_id: str, seq: int) -> JournalEntry | None:
         return self.parse(session_id, seq, self.redis.hget(names.journal_key(session_id), str(seq)))

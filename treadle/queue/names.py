@@ -137,4 +137,3 @@ def batch_run_key(name: str) -> str:
 
 def batch_run_lease_key(name: str) -> str:
     return f"{PREFIX}:brun-lease:{name}"
-

@@ -97,7 +97,9 @@ class ForwardRequest(OpRequest):
     op: ClassVar[str] = "forward"
     response: ClassVar[type[BaseModel]] = ForwardBackwardOutput
 
-    data: list[Datum] = Field(max_length=MAX_DATUMS, description="The batch; model_input is tokens[:-1], target_tokens tokens[1:].")
+    data: list[Datum] = Field(
+        max_length=MAX_DATUMS, description="The batch; model_input is tokens[:-1], target_tokens tokens[1:]."
+    )
     loss_fn: LossFnType = Field(description="Built-in loss computed on the logprobs of target_tokens.")
     loss_fn_config: dict[str, float] | None = Field(default=None, description="Loss parameters, e.g. clip thresholds.")
 
@@ -130,7 +132,9 @@ class ForwardRequest(OpRequest):
                 values = tensor.to_numpy()
                 if tensor.dtype == "float32" and not np.isfinite(values).all():
                     j = int(np.flatnonzero(~np.isfinite(values.reshape(-1)))[0])
-                    raise ValueError(f"data[{i}].loss_fn_inputs.{key}[{j}]: {values.reshape(-1)[j]} is not a finite number")
+                    raise ValueError(
+                        f"data[{i}].loss_fn_inputs.{key}[{j}]: {values.reshape(-1)[j]} is not a finite number"
+                    )
         return data
 
 
@@ -152,7 +156,9 @@ class SaveStateRequest(OpRequest):
     response: ClassVar[type[BaseModel]] = SaveWeightsResponse
 
     name: str = Field(description="Checkpoint name: treadle://<run_id>/weights/<name>.")
-    ttl_seconds: int | None = Field(default=None, ge=1, le=MAX_TTL_SECONDS, description="Delete the checkpoint after this long (None: keep).")
+    ttl_seconds: int | None = Field(
+        default=None, ge=1, le=MAX_TTL_SECONDS, description="Delete the checkpoint after this long (None: keep)."
+    )
     overwrite: bool = Field(default=False, description="Replace a checkpoint of the same name.")
     user_metadata: dict | None = Field(default=None, description="Stored with the checkpoint's manifest.")
 
@@ -162,7 +168,9 @@ class SaveWeightsForSamplerRequest(OpRequest):
     response: ClassVar[type[BaseModel]] = SaveWeightsForSamplerResponse
 
     name: str | None = Field(default=None, description="None: an ephemeral snapshot with a generated name.")
-    ttl_seconds: int | None = Field(default=None, ge=1, le=MAX_TTL_SECONDS, description="Delete after this long (ephemeral default: a day).")
+    ttl_seconds: int | None = Field(
+        default=None, ge=1, le=MAX_TTL_SECONDS, description="Delete after this long (ephemeral default: a day)."
+    )
     merge_weights: bool = Field(default=False, description="Also write a merged model (SageMaker's spelling).")
 
 
@@ -171,9 +179,14 @@ class SaveWeightsExternalRequest(OpRequest):
     response: ClassVar[type[BaseModel]] = SaveWeightsExternalResponse
 
     name: str = Field(description="Checkpoint name: treadle://<run_id>/external_weights/<name>.")
-    ttl_seconds: int | None = Field(default=None, ge=1, le=MAX_TTL_SECONDS, description="Delete the export after this long (None: keep).")
-    age_encryption_recipients: list[str] | None = Field(default=None, max_length=64, description="age or SSH public keys; "
-                                                        "each file is stored encrypted to them, as <file>.age (None: plain).")
+    ttl_seconds: int | None = Field(
+        default=None, ge=1, le=MAX_TTL_SECONDS, description="Delete the export after this long (None: keep)."
+    )
+    age_encryption_recipients: list[str] | None = Field(
+        default=None,
+        max_length=64,
+        description="age or SSH public keys; each file is stored encrypted to them, as <file>.age (None: plain).",
+    )
 
 
 class LoadStateRequest(OpRequest):
@@ -214,10 +227,26 @@ class SampleRequest(OpRequest):
     sampling_params: SamplingParams = Field(default_factory=SamplingParams, description="How to sample.")
     include_prompt_logprobs: bool = Field(default=False, description="Also return each prompt token's logprob.")
     topk_prompt_logprobs: int = Field(default=0, ge=0, le=100, description="Also return the top-k per prompt position.")
-    topk_sample_logprobs: int = Field(default=0, ge=0, le=MAX_TOPK_SAMPLE_LOGPROBS, description="Also return, per sampled token, the top-k of the distribution it was drawn from.")
-    target_prompt_logprobs: TensorData | None = Field(default=None, description="int64 [len(prompt) - 1, K] token ids (-1: none); cell [i, j] is scored at prompt position i + 1.")
-    prompt_alt_tokens_k: int = Field(default=0, ge=0, le=MAX_PROMPT_ALT_TOKENS, description="Also draw k tokens, at the request's temperature, at every prompt position after the first.")
-    owner: str | None = Field(default=None, description="Who pays (the gateway's API key owner); None: the sampled session's owner, else `sdk`.")
+    topk_sample_logprobs: int = Field(
+        default=0,
+        ge=0,
+        le=MAX_TOPK_SAMPLE_LOGPROBS,
+        description="Also return, per sampled token, the top-k of the distribution it was drawn from.",
+    )
+    target_prompt_logprobs: TensorData | None = Field(
+        default=None,
+        description="int64 [len(prompt) - 1, K] token ids (-1: none); cell [i, j] is scored at prompt position i + 1.",
+    )
+    prompt_alt_tokens_k: int = Field(
+        default=0,
+        ge=0,
+        le=MAX_PROMPT_ALT_TOKENS,
+        description="Also draw k tokens, at the request's temperature, at every prompt position after the first.",
+    )
+    owner: str | None = Field(
+        default=None,
+        description="Who pays (the gateway's API key owner); None: the sampled session's owner, else `sdk`.",
+    )
 
     @model_validator(mode="after")
     def _target_ids_fit_the_prompt(self) -> "SampleRequest":
@@ -237,7 +266,12 @@ class CreateSessionRequest(OpRequest):
     user_metadata: dict | None = Field(default=None, description="Stored with the training run.")
     from_state: str | None = Field(default=None, description="Start from this save_state checkpoint.")
     with_optimizer: bool = Field(default=False, description="With from_state: restore Adam moments too.")
-    checkpoint_every: int | None = Field(default=None, ge=0, le=MAX_CHECKPOINT_EVERY, description="Automatic checkpoint period in steps (None: the worker's).")
+    checkpoint_every: int | None = Field(
+        default=None,
+        ge=0,
+        le=MAX_CHECKPOINT_EVERY,
+        description="Automatic checkpoint period in steps (None: the worker's).",
+    )
 
 
 # ---------------------------------------------------------------- the table
@@ -245,8 +279,17 @@ class CreateSessionRequest(OpRequest):
 OPS: dict[str, type[OpRequest]] = {
     cls.op: cls
     for cls in (
-        ForwardRequest, ForwardBackwardRequest, OptimStepRequest, SaveStateRequest, SaveWeightsForSamplerRequest,
-        SaveWeightsExternalRequest, LoadStateRequest, NoopRequest, StopRequest, SampleRequest, CreateSessionRequest,
+        ForwardRequest,
+        ForwardBackwardRequest,
+        OptimStepRequest,
+        SaveStateRequest,
+        SaveWeightsForSamplerRequest,
+        SaveWeightsExternalRequest,
+        LoadStateRequest,
+        NoopRequest,
+        StopRequest,
+        SampleRequest,
+        CreateSessionRequest,
     )
 }
 

@@ -105,9 +105,15 @@ class OpsClient:
         """Ask a worker serving the model to create the session; returns its record once it exists."""
         self.require_model(request.base_model)
         fid = f"create:{request.session_id}"
-        self.app.send_task(task_name(request.op), args=[request.model_dump(mode="json")],
-                           queue=names.model_queue(request.base_model), task_id=fid)
-        self.wait(fid, timeout=timeout, what=f"creating a session on {request.base_model!r}", base_model=request.base_model)
+        self.app.send_task(
+            task_name(request.op),
+            args=[request.model_dump(mode="json")],
+            queue=names.model_queue(request.base_model),
+            task_id=fid,
+        )
+        self.wait(
+            fid, timeout=timeout, what=f"creating a session on {request.base_model!r}", base_model=request.base_model
+        )
         record = self.sessions.get(request.session_id)
         if record is None:
             raise SessionNotFoundError(f"session {request.session_id} vanished right after creation")
@@ -129,7 +135,9 @@ class OpsClient:
         with self._publish_lock:
             # One token per submit: a retry after a lost reply gets the seq the first try took (see Journal).
             token, wanted = uuid.uuid4().hex, seq
-            seq, needs_doorbell = self._retrying(lambda: self.journal.append(session_id, request, token=token, seq=wanted))
+            seq, needs_doorbell = self._retrying(
+                lambda: self.journal.append(session_id, request, token=token, seq=wanted)
+            )
             if seq < 0:  # nothing would run it: fail now, saying why (stopped, expired with its checkpoint, ...)
                 raise inactive_error(session_id, self.sessions.get(session_id))
             # Journaled first, then the doorbell: a doorbell lost with a crashed worker cannot lose the op
@@ -151,7 +159,9 @@ class OpsClient:
                 return fn()
             except (redis_lib.ConnectionError, redis_lib.TimeoutError, OSError, kombu_errors.OperationalError) as exc:
                 if time.monotonic() - since > REDIS_OUTAGE_TOLERANCE_S:
-                    raise BrokerUnavailableError(f"Redis at {self.broker_url} unreachable for over {REDIS_OUTAGE_TOLERANCE_S:.0f} s: {exc}") from None
+                    raise BrokerUnavailableError(
+                        f"Redis at {self.broker_url} unreachable for over {REDIS_OUTAGE_TOLERANCE_S:.0f} s: {exc}"
+                    ) from None
                 time.sleep(delay)
                 delay = min(delay * 2, 5.0)
 
@@ -160,19 +170,28 @@ class OpsClient:
         CapacityError when its owner's queued sample rows would pass the workers' bound (nothing is queued)."""
         fid = f"sample:{uuid.uuid4().hex}"
         owner = request.owner or SDK_OWNER
-        queued, limit = self._retrying(lambda: self._admit_rows(
-            keys=[names.owner_sample_rows_key(owner), names.LIMITS_KEY],
-            args=[fid, request.num_samples, repr(time.time()), SAMPLE_ROWS_TTL_S]))
+        queued, limit = self._retrying(
+            lambda: self._admit_rows(
+                keys=[names.owner_sample_rows_key(owner), names.LIMITS_KEY],
+                args=[fid, request.num_samples, repr(time.time()), SAMPLE_ROWS_TTL_S],
+            )
+        )
         if queued >= 0:
             raise CapacityError(
                 f"max_queued_sample_rows_per_owner: owner {owner!r} has {queued} sample rows queued and the limit is {limit}; "
                 f"this request's {request.num_samples} were not queued: submit again in a second or two, as earlier ones are answered",
-                retry_after_s=SAMPLE_RETRY_AFTER_S)
+                retry_after_s=SAMPLE_RETRY_AFTER_S,
+            )
         # Recorded before it is published, so a wait tells a pending sample from an id never submitted;
         # kept as long as its result would be.
         self._retrying(lambda: self.redis.set(names.submitted_key(fid), 1, ex=RESULT_EXPIRES_S))
-        self.app.send_task(task_name(request.op), args=[request.model_dump(mode="json")],
-                           queue=names.model_queue(request.base_model), task_id=fid, ignore_result=True)
+        self.app.send_task(
+            task_name(request.op),
+            args=[request.model_dump(mode="json")],
+            queue=names.model_queue(request.base_model),
+            task_id=fid,
+            ignore_result=True,
+        )
         return fid
 
     def tokenizer_files(self, base_model: str) -> dict[str, bytes]:
@@ -195,11 +214,17 @@ class OpsClient:
                     return
             except (redis_lib.ConnectionError, redis_lib.TimeoutError, OSError):
                 return  # an outage is the result poll's to report
-            raise InvalidRequestError(f"future {future_id}: no sample was submitted under this id (or its result has expired)")
+            raise InvalidRequestError(
+                f"future {future_id}: no sample was submitted under this id (or its result has expired)"
+            )
         if not (tail.isascii() and tail.isdigit() and session_id):
-            raise InvalidRequestError(f"future {future_id!r}: not a future id; ids are <session_id>:<seq>, sample:<id> or create:<session_id>")
+            raise InvalidRequestError(
+                f"future {future_id!r}: not a future id; ids are <session_id>:<seq>, sample:<id> or create:<session_id>"
+            )
         if int(tail) < 1:
-            raise InvalidRequestError(f"future {future_id}: seq {tail} was never submitted; a session's seqs start at 1")
+            raise InvalidRequestError(
+                f"future {future_id}: seq {tail} was never submitted; a session's seqs start at 1"
+            )
         try:
             record = self.sessions.get(session_id)
             if record is not None and record.status == "active" and int(tail) <= self.next_seq(session_id):
@@ -209,8 +234,10 @@ class OpsClient:
         except (redis_lib.ConnectionError, redis_lib.TimeoutError, OSError):
             return  # an outage is the result poll's to report
         if record is not None and record.status == "active":
-            raise InvalidRequestError(f"future {future_id}: seq {tail} was never submitted to session {session_id} "
-                                      f"(its last op is {self.next_seq(session_id)})")
+            raise InvalidRequestError(
+                f"future {future_id}: seq {tail} was never submitted to session {session_id} "
+                f"(its last op is {self.next_seq(session_id)})"
+            )
         raise inactive_error(session_id, record)
 
     def next_seq(self, session_id: str) -> int:
@@ -223,7 +250,9 @@ class OpsClient:
     def done(self, future_id: str) -> bool:
         return self.results.is_done(future_id)
 
-    def wait(self, future_id: str, timeout: float | None = None, *, what: str | None = None, base_model: str | None = None) -> dict:
+    def wait(
+        self, future_id: str, timeout: float | None = None, *, what: str | None = None, base_model: str | None = None
+    ) -> dict:
         """Block until the op's result is stored; re-raises its error. Rides out Redis outages.
 
         The wait sleeps on the result's channel (see `ResultStore.watch`) and polls when woken, and at
@@ -242,7 +271,9 @@ class OpsClient:
                 except (redis_lib.ConnectionError, redis_lib.TimeoutError, OSError) as exc:
                     outage_since = outage_since or time.monotonic()
                     if time.monotonic() - outage_since > REDIS_OUTAGE_TOLERANCE_S:
-                        raise BrokerUnavailableError(f"lost Redis at {self.result_url} for over {REDIS_OUTAGE_TOLERANCE_S:.0f} s while waiting for {future_id}: {exc}") from None
+                        raise BrokerUnavailableError(
+                            f"lost Redis at {self.result_url} for over {REDIS_OUTAGE_TOLERANCE_S:.0f} s while waiting for {future_id}: {exc}"
+                        ) from None
                     done, value, delay = False, None, 0.5
                 if done:
                     return cast(dict, value)  # a stored op result is its response as a dict

@@ -47,8 +47,14 @@ class ResultStore:
         result = self.backend.encode_result(value if error is None else error, state)
         # The meta Celery's result backend stores for a finished task with no request (its own
         # `_get_result_meta`, which is private): readers (`get_task_meta`, `AsyncResult`) need these keys.
-        meta = {"status": state, "result": result, "traceback": None, "children": [],
-                "date_done": self.backend.app.now().isoformat(), "task_id": future_id}
+        meta = {
+            "status": state,
+            "result": result,
+            "traceback": None,
+            "children": [],
+            "date_done": self.backend.app.now().isoformat(),
+            "task_id": future_id,
+        }
         key, encoded = self.backend.get_key_for_task(future_id), self.backend.encode(meta)
         pipe.set(key, encoded, ex=self.backend.expires or None)
         pipe.publish(key, encoded)

@@ -22,9 +22,17 @@ def check_target_ids(target: TensorData | None, prompt_length: int) -> None:
         return
     rows = prompt_length - 1
     shape = target.shape
-    if target.dtype != "int64" or shape is None or len(shape) != 2 or shape[0] != rows or not 1 <= shape[1] <= MAX_TARGET_IDS:
-        raise ValueError(f"target_prompt_logprobs: {target.dtype} of shape {shape}; must be int64 "
-                         f"[len(prompt) - 1 = {rows}, K] with 1 <= K <= {MAX_TARGET_IDS}")
+    if (
+        target.dtype != "int64"
+        or shape is None
+        or len(shape) != 2
+        or shape[0] != rows
+        or not 1 <= shape[1] <= MAX_TARGET_IDS
+    ):
+        raise ValueError(
+            f"target_prompt_logprobs: {target.dtype} of shape {shape}; must be int64 "
+            f"[len(prompt) - 1 = {rows}, K] with 1 <= K <= {MAX_TARGET_IDS}"
+        )
     ids = target.to_numpy()
     if (ids < -1).any():
         raise ValueError(f"target_prompt_logprobs: id {int(ids.min())}; each cell is a token id or -1 (none)")

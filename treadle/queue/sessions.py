@@ -7,7 +7,13 @@ import time
 
 from pydantic import BaseModel, Field
 
-from treadle.errors import SessionExpiredError, SessionLostError, SessionNotFoundError, SessionStoppedError, TreadleError
+from treadle.errors import (
+    SessionExpiredError,
+    SessionLostError,
+    SessionNotFoundError,
+    SessionStoppedError,
+    TreadleError,
+)
 from treadle.queue import names
 from treadle.types import LoraConfig
 
@@ -24,23 +30,45 @@ class SessionRecord(BaseModel):
     worker: str | None = Field(default=None, description="Hostname of the worker holding the lease.")
     epoch: int = Field(default=0, description="Fencing epoch: bumped on every change of owner.")
     applied: int = Field(default=0, description="Highest seq whose op has run and whose result is stored.")
-    step: int = Field(default=0, description="Optimizer steps of the session's weights after that op (a session "
-                      "created from a checkpoint starts at the checkpoint's).")
+    step: int = Field(
+        default=0,
+        description="Optimizer steps of the session's weights after that op (a session "
+        "created from a checkpoint starts at the checkpoint's).",
+    )
     checkpoint: str | None = Field(default=None, description="Path of the latest automatic checkpoint.")
     checkpoint_seq: int = Field(default=0, description="Seq that checkpoint covers.")
     checkpoint_with_optimizer: bool = Field(default=True, description="Restore Adam moments from that checkpoint.")
-    checkpoint_every: int | None = Field(default=None, description="Per-session automatic checkpoint period in steps (None: the worker's).")
-    last_recovery: str | None = Field(default=None, description="JSON timings of the last failover (load_s, replay_s, ...).")
-    status: str = Field(default="active", description="active | stopped | expired (idle past the workers' TTL; "
-                        "checkpointed) | lost (its state could not be rebuilt)")
+    checkpoint_every: int | None = Field(
+        default=None, description="Per-session automatic checkpoint period in steps (None: the worker's)."
+    )
+    last_recovery: str | None = Field(
+        default=None, description="JSON timings of the last failover (load_s, replay_s, ...)."
+    )
+    status: str = Field(
+        default="active",
+        description="active | stopped | expired (idle past the workers' TTL; "
+        "checkpointed) | lost (its state could not be rebuilt)",
+    )
     stop_seq: int = Field(default=0, description="Seq of the queued stop op (0: none): no op is accepted after it.")
     last_activity: float = Field(default_factory=time.time)
     # backpressure and the visible queue (treadle.queue.fair): set by the worker, read by submits and status
-    max_queued_ops: int = Field(default=0, description="Ops this session may have submitted and not yet applied (0: no bound).")
-    max_owner_queued_ops: int = Field(default=0, description="Ops all active sessions of its owner may have queued (0: no bound).")
-    op_cost_s: float = Field(default=0.0, description="Average seconds of device time of its recent ops, as its worker measured them.")
-    queue_position: int = Field(default=0, description="Its next op's place in its worker's line (1: next or running) when its worker last decided.")
-    queue_wait_s: float = Field(default=0.0, description="Estimated seconds until its next op starts, from the measured costs of the ops ahead of it.")
+    max_queued_ops: int = Field(
+        default=0, description="Ops this session may have submitted and not yet applied (0: no bound)."
+    )
+    max_owner_queued_ops: int = Field(
+        default=0, description="Ops all active sessions of its owner may have queued (0: no bound)."
+    )
+    op_cost_s: float = Field(
+        default=0.0, description="Average seconds of device time of its recent ops, as its worker measured them."
+    )
+    queue_position: int = Field(
+        default=0,
+        description="Its next op's place in its worker's line (1: next or running) when its worker last decided.",
+    )
+    queue_wait_s: float = Field(
+        default=0.0,
+        description="Estimated seconds until its next op starts, from the measured costs of the ops ahead of it.",
+    )
 
 
 def inactive_error(session_id: str, record: SessionRecord | None) -> TreadleError:
@@ -49,21 +77,34 @@ def inactive_error(session_id: str, record: SessionRecord | None) -> TreadleErro
     if record is None:
         return SessionNotFoundError(f"session {session_id} does not exist")
     if record.status == "lost":
-        return SessionLostError(f"session {session_id} was lost: its state could not be rebuilt after its worker died "
-                                f"({record.last_recovery or 'no checkpoint or journal'})")
+        return SessionLostError(
+            f"session {session_id} was lost: its state could not be rebuilt after its worker died "
+            f"({record.last_recovery or 'no checkpoint or journal'})"
+        )
     if record.status in ("stopped", "active"):  # active with a stop queued: stopping
-        return SessionStoppedError(f"session {session_id} was stopped (its stop is op {record.stop_seq}); "
-                                   "create a new training client")
+        return SessionStoppedError(
+            f"session {session_id} was stopped (its stop is op {record.stop_seq}); create a new training client"
+        )
     if record.status == "expired":
         idle = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(record.last_activity))
         return SessionExpiredError(
             f"session {session_id} expired: idle since {idle}, past the workers' session_idle_ttl_s, it was "
             f"checkpointed and stopped; resume from {record.checkpoint} "
-            f"(ServiceClient.create_training_client_from_state_with_optimizer({record.checkpoint!r}))")
+            f"(ServiceClient.create_training_client_from_state_with_optimizer({record.checkpoint!r}))"
+        )
     return SessionNotFoundError(f"session {session_id} does not exist or was stopped")
 
 
-_INT_FIELDS = {"epoch", "applied", "checkpoint_seq", "checkpoint_every", "stop_seq", "max_queued_ops", "max_owner_queued_ops", "queue_position"}
+_INT_FIELDS = {
+    "epoch",
+    "applied",
+    "checkpoint_seq",
+    "checkpoint_every",
+    "stop_seq",
+    "max_queued_ops",
+    "max_owner_queued_ops",
+    "queue_position",
+}
 _FLOAT_FIELDS = {"created_at", "last_activity", "op_cost_s", "queue_wait_s"}
 _JSON_FIELDS = {"lora", "user_metadata"}
 _BOOL_FIELDS = {"checkpoint_with_optimizer"}
@@ -97,7 +138,7 @@ class SessionRegistry:
     def all(self) -> list[SessionRecord]:
         out = []
         for key in self.redis.scan_iter(names.SESSION_PATTERN, count=500):
-            sid = (key.decode() if isinstance(key, bytes) else key)[len(names.session_key("")):]
+            sid = (key.decode() if isinstance(key, bytes) else key)[len(names.session_key("")) :]
             rec = self.get(sid)
             if rec is not None:
                 out.append(rec)

@@ -58,24 +58,43 @@ from treadle.recipes.sandbox import Limits, LocalSandbox, Sandbox
 class Config(RunConfig):
     """GRPO on programming problems graded in a sandbox, with an optional check_solution tool turn."""
 
-    log_dir: str = Field(default="runs/code_rl", description="Where metrics.jsonl, rollouts.jsonl, samples and the PNG go.")
-    problems_path: str | None = Field(default=None, description="JSONL/JSON of problems (offline set, DeepCoder, TACO or LiveCodeBench rows); None: the offline set.")
-    heldout_fraction: float = Field(default=0.25, gt=0.0, lt=1.0, description="Share of problems held out (by a hash of the name).")
+    log_dir: str = Field(
+        default="runs/code_rl", description="Where metrics.jsonl, rollouts.jsonl, samples and the PNG go."
+    )
+    problems_path: str | None = Field(
+        default=None,
+        description="JSONL/JSON of problems (offline set, DeepCoder, TACO or LiveCodeBench rows); None: the offline set.",
+    )
+    heldout_fraction: float = Field(
+        default=0.25, gt=0.0, lt=1.0, description="Share of problems held out (by a hash of the name)."
+    )
     eval_problems: int = Field(default=100, ge=1, description="Most held-out problems evaluated.")
     system_prompt: str | None = Field(default=None, description="System message (None: the chat template's default).")
     groups_per_batch: int = Field(default=8, ge=1, description="Problems (groups) per step.")
     group_size: int = Field(default=8, ge=2, description="Answers sampled per problem.")
-    max_turns: int = Field(default=1, ge=1, le=2, description="1: answer once; 2: check_solution on the first answer, then answer again.")
-    public_tests: int = Field(default=2, ge=1, description="Tests that check_solution runs (the first ones; grading runs all).")
+    max_turns: int = Field(
+        default=1, ge=1, le=2, description="1: answer once; 2: check_solution on the first answer, then answer again."
+    )
+    public_tests: int = Field(
+        default=2, ge=1, description="Tests that check_solution runs (the first ones; grading runs all)."
+    )
     max_tokens: int = Field(default=256, ge=1, description="Most tokens per answer (per turn).")
-    max_context: int = Field(default=2048, ge=2, description="Most tokens of a second-turn prompt plus its answer; longer episodes end after the first answer.")
+    max_context: int = Field(
+        default=2048,
+        ge=2,
+        description="Most tokens of a second-turn prompt plus its answer; longer episodes end after the first answer.",
+    )
     temperature: float = Field(default=1.0, gt=0.0, description="Sampling temperature of rollouts.")
     loss_fn: Literal["cispo", "ppo", "importance_sampling"] = Field(default="cispo", description="Policy loss.")
     normalize_std: bool = Field(default=False, description="Divide group advantages by the group's reward std.")
     no_code_reward: float = Field(default=-0.1, le=0.0, description="Reward of an answer without a code block.")
-    init_state: str | None = Field(default=None, description="Start from this save_state checkpoint's weights (e.g. after SFT).")
+    init_state: str | None = Field(
+        default=None, description="Start from this save_state checkpoint's weights (e.g. after SFT)."
+    )
     save_every: int = Field(default=5, ge=1, description="save_state every N steps (and at the end).")
-    mode: Literal["sync", "async"] = Field(default="sync", description="On-policy steps, or rollouts kept running while training.")
+    mode: Literal["sync", "async"] = Field(
+        default="sync", description="On-policy steps, or rollouts kept running while training."
+    )
     num_rollout_workers: int = Field(default=8, ge=1, description="Episodes (groups) being sampled and graded at once.")
     max_steps_off_policy: int = Field(default=1, ge=0, description="Async: staleness limit of a group, in steps.")
     stale_policy: StalePolicy = Field(default="requeue", description="Async: what happens to a staler group.")
@@ -103,8 +122,9 @@ class CodeGroup:
     policy_version: int
 
 
-def run_episodes(sampler: Any, tokenizer: Any, sandbox: Sandbox, problem: CodeProblem, cfg: Config, n: int,
-                 params: SamplingParams) -> list[Attempt]:
+def run_episodes(
+    sampler: Any, tokenizer: Any, sandbox: Sandbox, problem: CodeProblem, cfg: Config, n: int, params: SamplingParams
+) -> list[Attempt]:
     """`n` episodes of one problem: sample, (2 turns) check_solution and sample again, grade."""
     messages = prompt_messages(problem_prompt(problem, cfg.max_turns), cfg.system_prompt)
     prompt = render_generation_prompt(tokenizer, messages)
@@ -115,14 +135,22 @@ def run_episodes(sampler: Any, tokenizer: Any, sandbox: Sandbox, problem: CodePr
         pieces = [(prompt, None), (list(seq.tokens), list(seq.logprobs))]
         code = extract_code(text) if cfg.max_turns == 2 else None
         if code is not None:
-            report = check_solution_report(run_tests(sandbox, problem, code, problem.tests[: cfg.public_tests], stop_at_failure=False))
+            report = check_solution_report(
+                run_tests(sandbox, problem, code, problem.tests[: cfg.public_tests], stop_at_failure=False)
+            )
             ended = seq.stop_reason == "stop" and bool(seq.tokens) and seq.tokens[-1] == tokenizer.eos_token_id
-            after = render_continuation(tokenizer, messages, text, ended, [tool_message(tokenizer, "check_solution", report)])
+            after = render_continuation(
+                tokenizer, messages, text, ended, [tool_message(tokenizer, "check_solution", report)]
+            )
             if len(prompt) + len(seq.tokens) + len(after) + cfg.max_tokens <= cfg.max_context:
                 pieces.append((after, None))
                 episodes.append((pieces, None, text, report))
                 # A seed per episode: with the group's, episodes with equal first answers draw equal second ones.
-                own = params if params.seed is None else params.model_copy(update={"seed": (params.seed + len(episodes)) % 2**63})
+                own = (
+                    params
+                    if params.seed is None
+                    else params.model_copy(update={"seed": (params.seed + len(episodes)) % 2**63})
+                )
                 second.append(sampler.sample(ModelInput.from_ints([*prompt, *seq.tokens, *after]), 1, own))
                 continue
         episodes.append((pieces, text, None, None))  # one turn, no code to check, or no room for a second answer: final
@@ -137,20 +165,35 @@ def run_episodes(sampler: Any, tokenizer: Any, sandbox: Sandbox, problem: CodePr
     return attempts
 
 
-def sample_group(sampler: Any, version: int, index: int, problem: CodeProblem, tokenizer: Any, sandbox: Sandbox, cfg: Config) -> CodeGroup:
-    params = SamplingParams(max_tokens=cfg.max_tokens, temperature=cfg.temperature, seed=cfg.seed * 1_000_003 + index * 7919 + version)
-    return CodeGroup(index, problem, run_episodes(sampler, tokenizer, sandbox, problem, cfg, cfg.group_size, params), version)
+def sample_group(
+    sampler: Any, version: int, index: int, problem: CodeProblem, tokenizer: Any, sandbox: Sandbox, cfg: Config
+) -> CodeGroup:
+    params = SamplingParams(
+        max_tokens=cfg.max_tokens, temperature=cfg.temperature, seed=cfg.seed * 1_000_003 + index * 7919 + version
+    )
+    return CodeGroup(
+        index, problem, run_episodes(sampler, tokenizer, sandbox, problem, cfg, cfg.group_size, params), version
+    )
 
 
-def submit_group(workers: ThreadPoolExecutor, sampler: Any, version: int, index: int, train: list[CodeProblem], tokenizer: Any,
-                 sandbox: Sandbox, cfg: Config) -> tuple:
+def submit_group(
+    workers: ThreadPoolExecutor,
+    sampler: Any,
+    version: int,
+    index: int,
+    train: list[CodeProblem],
+    tokenizer: Any,
+    sandbox: Sandbox,
+    cfg: Config,
+) -> tuple:
     """Start an episode group of problem `index` on a rollout worker: (index, policy version, future of a CodeGroup)."""
     problem = problem_at(train, cfg.seed, index)
     return index, version, workers.submit(sample_group, sampler, version, index, problem, tokenizer, sandbox, cfg)
 
 
-def evaluate(sampler: Any, tokenizer: Any, sandbox: Sandbox, heldout: list[CodeProblem], cfg: Config,
-             log: RunLog, step: int) -> dict[str, float]:
+def evaluate(
+    sampler: Any, tokenizer: Any, sandbox: Sandbox, heldout: list[CodeProblem], cfg: Config, log: RunLog, step: int
+) -> dict[str, float]:
     """Greedy held-out pass rate (one episode per problem, the same number of turns as training)."""
     started = time.monotonic()
     greedy = SamplingParams(max_tokens=cfg.max_tokens, temperature=1.0, top_k=1, seed=0)
@@ -159,42 +202,79 @@ def evaluate(sampler: Any, tokenizer: Any, sandbox: Sandbox, heldout: list[CodeP
         futures = [episodes.submit(run_episodes, sampler, tokenizer, sandbox, p, cfg, 1, greedy) for p in heldout]
         attempts = [f.result()[0] for f in tqdm(futures, desc=f"eval @ step {step}", leave=False)]
     for problem, a in zip(heldout, attempts):
-        log.append("eval_samples.jsonl", step, {"problem": problem.name, "reward": a.grade.reward, "answer": a.answer,
-                                                "first_answer": a.first_answer, "tool_report": a.tool_report})
-    return {"eval/pass_rate": sum(a.grade.passed for a in attempts) / len(attempts),
-            "eval/reward_mean": sum(a.grade.reward for a in attempts) / len(attempts),
-            "eval/has_code": sum(a.grade.has_code for a in attempts) / len(attempts), "time/eval": time.monotonic() - started}
+        log.append(
+            "eval_samples.jsonl",
+            step,
+            {
+                "problem": problem.name,
+                "reward": a.grade.reward,
+                "answer": a.answer,
+                "first_answer": a.first_answer,
+                "tool_report": a.tool_report,
+            },
+        )
+    return {
+        "eval/pass_rate": sum(a.grade.passed for a in attempts) / len(attempts),
+        "eval/reward_mean": sum(a.grade.reward for a in attempts) / len(attempts),
+        "eval/has_code": sum(a.grade.has_code for a in attempts) / len(attempts),
+        "time/eval": time.monotonic() - started,
+    }
 
 
-def step_metrics(attempts: list, loss: float, tokens: int, used: int, counts: dict[str, int], stalenesses: list[int],
-                 *, sample_wait: float, train_wait: float) -> dict[str, float]:
+def step_metrics(
+    attempts: list,
+    loss: float,
+    tokens: int,
+    used: int,
+    counts: dict[str, int],
+    stalenesses: list[int],
+    *,
+    sample_wait: float,
+    train_wait: float,
+) -> dict[str, float]:
     """One step's metrics row: rewards and pass rate of the attempts trained on, and how the groups went."""
     n = len(attempts)
     return {
-        "reward/mean": sum(a.grade.reward for a in attempts) / n, "accuracy/train": sum(a.grade.passed for a in attempts) / n,
+        "reward/mean": sum(a.grade.reward for a in attempts) / n,
+        "accuracy/train": sum(a.grade.passed for a in attempts) / n,
         "format/has_code": sum(a.grade.has_code for a in attempts) / n,
         "turns/second_turn": sum(a.tool_report is not None for a in attempts) / n,
-        "loss:sum": loss, "tokens": tokens, "groups/used": used, "groups/skipped_uniform": counts["skipped"],
-        "groups/requeued": counts["requeue"], "groups/discarded": counts["discard"],
-        "async/staleness_max": max(stalenesses), "async/staleness_mean": sum(stalenesses) / len(stalenesses),
-        "time/sample_wait": sample_wait, "time/train_wait": train_wait,
+        "loss:sum": loss,
+        "tokens": tokens,
+        "groups/used": used,
+        "groups/skipped_uniform": counts["skipped"],
+        "groups/requeued": counts["requeue"],
+        "groups/discarded": counts["discard"],
+        "async/staleness_max": max(stalenesses),
+        "async/staleness_mean": sum(stalenesses) / len(stalenesses),
+        "time/sample_wait": sample_wait,
+        "time/train_wait": train_wait,
     }
+
+
+def training_and_heldout(cfg: Config) -> tuple[list, list]:
+    """The problems to train on, and the held-out ones evaluated (at most `eval_problems`)."""
+    train, heldout = split_problems(load_code_problems(cfg.problems_path), cfg.heldout_fraction)
+    return train, heldout[: cfg.eval_problems]
 
 
 def main(cfg: Config, service: ServiceClient | None = None, sandbox: Sandbox | None = None) -> RunResult:
     service = service or ServiceClient()
-    sandbox = sandbox or LocalSandbox(Limits(cpu_seconds=cfg.sandbox_cpu_seconds, wall_seconds=cfg.sandbox_wall_seconds),
-                                      pool_size=cfg.sandbox_workers)
+    sandbox = sandbox or LocalSandbox(
+        Limits(cpu_seconds=cfg.sandbox_cpu_seconds, wall_seconds=cfg.sandbox_wall_seconds),
+        pool_size=cfg.sandbox_workers,
+    )
     log = RunLog.for_config(cfg)
-    train, heldout = split_problems(load_code_problems(cfg.problems_path), cfg.heldout_fraction)
-    heldout = heldout[: cfg.eval_problems]
+    train, heldout = training_and_heldout(cfg)
 
     # ---------------------------------------------------------------- session (fresh, from init_state, or resumed)
     run = start_run(service, log, cfg, init_state=cfg.init_state)
     training, tokenizer = run.training, run.training.get_tokenizer()
     stream = ProblemStream.at(run.position)
     if cfg.max_turns == 2:
-        print(f"check_solution results are rendered as role {tool_message(tokenizer, 'check_solution', '')['role']!r} messages")
+        print(
+            f"check_solution results are rendered as role {tool_message(tokenizer, 'check_solution', '')['role']!r} messages"
+        )
     sampler, version = training.save_weights_and_get_sampling_client(), run.step - 1
     workers = ThreadPoolExecutor(max_workers=cfg.num_rollout_workers, thread_name_prefix="rollout")
     in_flight: deque = deque()  # (problem index, policy version, future of a CodeGroup), oldest first
@@ -218,10 +298,20 @@ def main(cfg: Config, service: ServiceClient | None = None, sandbox: Sandbox | N
             action = staleness_action(sampled_by, version, cfg.max_steps_off_policy, cfg.stale_policy)
             counts[action] += 1
             rewards = [a.grade.reward for a in group.attempts]
-            log.append("rollouts.jsonl", step, {
-                "problem_index": index, "problem": group.problem.name, "policy_version": sampled_by, "trained_at_version": version,
-                "staleness": staleness(sampled_by, version), "action": action, "rewards": rewards,
-                "second_turns": sum(a.tool_report is not None for a in group.attempts)})
+            log.append(
+                "rollouts.jsonl",
+                step,
+                {
+                    "problem_index": index,
+                    "problem": group.problem.name,
+                    "policy_version": sampled_by,
+                    "trained_at_version": version,
+                    "staleness": staleness(sampled_by, version),
+                    "action": action,
+                    "rewards": rewards,
+                    "second_turns": sum(a.tool_report is not None for a in group.attempts),
+                },
+            )
             if action == "requeue":  # sampled again by the current policy and read next, so it cannot go stale again
                 in_flight.appendleft(submit_group(workers, sampler, version, index, train, tokenizer, sandbox, cfg))
             if action != "use":
@@ -230,8 +320,17 @@ def main(cfg: Config, service: ServiceClient | None = None, sandbox: Sandbox | N
             stalenesses.append(staleness(sampled_by, version))
             attempts_used += group.attempts
             for a in group.attempts:
-                log.append("samples.jsonl", step, {"problem": group.problem.name, "reward": a.grade.reward, "answer": a.answer,
-                                                   "first_answer": a.first_answer, "tool_report": a.tool_report})
+                log.append(
+                    "samples.jsonl",
+                    step,
+                    {
+                        "problem": group.problem.name,
+                        "reward": a.grade.reward,
+                        "answer": a.answer,
+                        "first_answer": a.first_answer,
+                        "tool_report": a.tool_report,
+                    },
+                )
             advantages = group_advantages(rewards, cfg.normalize_std)
             if not is_informative(advantages):
                 counts["skipped"] += 1
@@ -247,17 +346,40 @@ def main(cfg: Config, service: ServiceClient | None = None, sandbox: Sandbox | N
         if optim_future is not None:
             optim_future.result()
         sampler, version = training.save_weights_and_get_sampling_client(), step
-        metrics = step_metrics(attempts_used, loss, tokens, used, counts, stalenesses,
-                               sample_wait=sample_wait, train_wait=time.monotonic() - waited)
+        metrics = step_metrics(
+            attempts_used,
+            loss,
+            tokens,
+            used,
+            counts,
+            stalenesses,
+            sample_wait=sample_wait,
+            train_wait=time.monotonic() - waited,
+        )
         # ------------------------------------------------------------ eval and checkpoint, with the loop position
-        end_step(run, log, step, metrics, cfg, partial(evaluate, sampler, tokenizer, sandbox, heldout, cfg, log),
-                 position=stream.position([g[0] for g in in_flight]), started=step_started)
+        end_step(
+            run,
+            log,
+            step,
+            metrics,
+            cfg,
+            partial(evaluate, sampler, tokenizer, sandbox, heldout, cfg, log),
+            position=stream.position([g[0] for g in in_flight]),
+            started=step_started,
+        )
         last_eval = metrics.get("eval/pass_rate", last_eval)
-        progress.set_postfix(reward=f"{metrics['reward/mean']:.2f}", **({} if last_eval is None else {"eval_pass": f"{last_eval:.2f}"}))
+        progress.set_postfix(
+            reward=f"{metrics['reward/mean']:.2f}", **({} if last_eval is None else {"eval_pass": f"{last_eval:.2f}"})
+        )
     workers.shutdown(wait=False, cancel_futures=True)
     # -------------------------------------------------------------------- curve and summary
-    return close_run(run, log, ["reward/mean", "accuracy/train", "eval/pass_rate"],
-                     f"code RL, {cfg.max_turns} turn(s) ({cfg.base_model})", "eval/pass_rate")
+    return close_run(
+        run,
+        log,
+        ["reward/mean", "accuracy/train", "eval/pass_rate"],
+        f"code RL, {cfg.max_turns} turn(s) ({cfg.base_model})",
+        "eval/pass_rate",
+    )
 
 
 if __name__ == "__main__":
@@ -265,8 +387,10 @@ if __name__ == "__main__":
     with open(result.metrics_path) as f:
         rows = [json.loads(line) for line in f]
     train, evals = [r for r in rows if r["step"] > 0], [r for r in rows if "eval/pass_rate" in r]
-    for what, key, first, last in [("train reward, first -> last step", "reward/mean", train[0], train[-1]),
-                                   ("held-out pass rate", "eval/pass_rate", evals[0], evals[-1]),
-                                   ("held-out answers with a code block", "eval/has_code", evals[0], evals[-1])]:
+    for what, key, first, last in [
+        ("train reward, first -> last step", "reward/mean", train[0], train[-1]),
+        ("held-out pass rate", "eval/pass_rate", evals[0], evals[-1]),
+        ("held-out answers with a code block", "eval/has_code", evals[0], evals[-1]),
+    ]:
         print(f"{what}: {first[key]:.3f} -> {last[key]:.3f}")
     print(f"metrics: {result.metrics_path}\ncurve:   {result.png_path}\nstate:   {result.final_state_path}")

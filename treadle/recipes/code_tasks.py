@@ -81,8 +81,10 @@ def problem_from_row(row: dict, index: int = 0) -> CodeProblem:
     statement = next((row[k] for k in _STATEMENT_FIELDS if row.get(k)), None)
     raw_tests = next((_json(row[k]) for k in _TESTS_FIELDS if row.get(k)), None)
     if statement is None or raw_tests is None:
-        raise ValueError(f"problem row {index}: needs a statement field (one of {_STATEMENT_FIELDS}) and a tests field "
-                         f"(one of {_TESTS_FIELDS}); it has fields {sorted(row)}")
+        raise ValueError(
+            f"problem row {index}: needs a statement field (one of {_STATEMENT_FIELDS}) and a tests field "
+            f"(one of {_TESTS_FIELDS}); it has fields {sorted(row)}"
+        )
     fn_name = row.get("fn_name") or (_json(row.get("metadata") or {}) or {}).get("func_name")
     if isinstance(raw_tests, dict):  # TACO: {"inputs": [...], "outputs": [...], "fn_name"?}
         fn_name = fn_name or raw_tests.get("fn_name")
@@ -94,8 +96,10 @@ def problem_from_row(row: dict, index: int = 0) -> CodeProblem:
     if fn_name:
         tests = tuple(CodeTest(_function_input(i), json.dumps(_json(o))) for i, o in pairs)
     else:
-        tests = tuple(CodeTest("\n".join(i) if isinstance(i, list) else i, "\n".join(o) if isinstance(o, list) else o)
-                      for i, o in pairs)
+        tests = tuple(
+            CodeTest("\n".join(i) if isinstance(i, list) else i, "\n".join(o) if isinstance(o, list) else o)
+            for i, o in pairs
+        )
     name = str(row.get("name") or row.get("question_id") or row.get("question_title") or f"problem-{index}")
     return CodeProblem(name, statement, tests, fn_name, row.get("starter_code") or None)
 
@@ -105,17 +109,25 @@ def load_code_problems(path: str | None = None) -> list[CodeProblem]:
     path = path or CODE_PROBLEMS
     with open(path) as f:
         text = f.read()
-    rows = json.loads(text) if text.lstrip().startswith("[") else [json.loads(line) for line in text.splitlines() if line.strip()]
+    rows = (
+        json.loads(text)
+        if text.lstrip().startswith("[")
+        else [json.loads(line) for line in text.splitlines() if line.strip()]
+    )
     return [problem_from_row(row, i) for i, row in enumerate(rows)]
 
 
-def split_problems(problems: Sequence[CodeProblem], heldout_fraction: float) -> tuple[list[CodeProblem], list[CodeProblem]]:
+def split_problems(
+    problems: Sequence[CodeProblem], heldout_fraction: float
+) -> tuple[list[CodeProblem], list[CodeProblem]]:
     """(train, held-out) by a hash of each problem's name: the same split on every run and machine."""
     heldout = [p for p in problems if hashlib.sha256(p.name.encode()).digest()[0] < 256 * heldout_fraction]
     train = [p for p in problems if p not in heldout]
     if not train or not heldout:
-        raise ValueError(f"heldout_fraction={heldout_fraction} leaves {len(train)} train and {len(heldout)} held-out "
-                         f"problems of {len(problems)}; both need at least one")
+        raise ValueError(
+            f"heldout_fraction={heldout_fraction} leaves {len(train)} train and {len(heldout)} held-out "
+            f"problems of {len(problems)}; both need at least one"
+        )
     return train, heldout
 
 
@@ -158,9 +170,11 @@ def program_for(problem: CodeProblem, code: str) -> str:
     """What the sandbox runs: the code itself, or for a function-style problem the code plus a call of it."""
     if not problem.fn_name:
         return code
-    return (f"{code}\n\nimport json as _json, sys as _sys\n_args = _json.loads(_sys.stdin.read())\n"
-            f"_fn = globals().get({problem.fn_name!r}) or getattr(Solution(), {problem.fn_name!r})\n"
-            f"print(_json.dumps(_fn(*_args)))\n")
+    return (
+        f"{code}\n\nimport json as _json, sys as _sys\n_args = _json.loads(_sys.stdin.read())\n"
+        f"_fn = globals().get({problem.fn_name!r}) or getattr(Solution(), {problem.fn_name!r})\n"
+        f"print(_json.dumps(_fn(*_args)))\n"
+    )
 
 
 def _lines(text: str) -> list[str]:
@@ -179,7 +193,9 @@ def output_matches(problem: CodeProblem, got: str, expected: str) -> bool:
     return value == wanted or [value] == wanted
 
 
-def run_tests(sandbox: Sandbox, problem: CodeProblem, code: str, tests: Sequence[CodeTest], stop_at_failure: bool = True) -> list[TestResult]:
+def run_tests(
+    sandbox: Sandbox, problem: CodeProblem, code: str, tests: Sequence[CodeTest], stop_at_failure: bool = True
+) -> list[TestResult]:
     """Run `code` on each test in turn (a fresh sandboxed process each), stopping at the first failure if asked."""
     program, results = program_for(problem, code), []
     for test in tests:
@@ -215,10 +231,19 @@ def check_solution_report(results: Sequence[TestResult]) -> str:
             lines.append(f"Test {i}: passed.")
             continue
         status = r.execution.status
-        why = {"ok": "wrong answer", "runtime_error": "error", "timeout": "time limit exceeded",
-               "memory_limit": "memory limit exceeded", "output_limit": "output too long"}.get(status, status)
-        lines += [f"Test {i}: {why}.", f"Input:\n{_shown(r.test.input) or '(none)'}", f"Expected output:\n{_shown(r.test.output)}",
-                  f"Your output:\n{_shown(r.execution.stdout) or '(nothing)'}"]
+        why = {
+            "ok": "wrong answer",
+            "runtime_error": "error",
+            "timeout": "time limit exceeded",
+            "memory_limit": "memory limit exceeded",
+            "output_limit": "output too long",
+        }.get(status, status)
+        lines += [
+            f"Test {i}: {why}.",
+            f"Input:\n{_shown(r.test.input) or '(none)'}",
+            f"Expected output:\n{_shown(r.test.output)}",
+            f"Your output:\n{_shown(r.execution.stdout) or '(nothing)'}",
+        ]
         if status != "ok" and r.execution.stderr.strip():
             lines.append(f"Error:\n{_shown(r.execution.stderr.strip().splitlines()[-1])}")
     return "\n".join(lines)

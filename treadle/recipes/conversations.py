@@ -28,7 +28,9 @@ def to_messages(row: dict) -> Conversation:
         return [{"role": _SHAREGPT_ROLES[m["from"]], "content": m["value"]} for m in row["conversations"]]
     if "data" in row:
         return [{"role": "user" if i % 2 == 0 else "assistant", "content": text} for i, text in enumerate(row["data"])]
-    raise ValueError(f"a conversation row needs a 'messages', 'data' or 'conversations' field, got fields {sorted(row)}")
+    raise ValueError(
+        f"a conversation row needs a 'messages', 'data' or 'conversations' field, got fields {sorted(row)}"
+    )
 
 
 def load_jsonl_conversations(path: str) -> list[Conversation]:

@@ -33,7 +33,9 @@ def supervised_datum(tokens: Sequence[int], mask: Sequence[float], normalize: bo
     )
 
 
-def rl_datum(prompt: Sequence[int], completion: Sequence[int], sampler_logprobs: Sequence[float], advantage: float) -> Datum:
+def rl_datum(
+    prompt: Sequence[int], completion: Sequence[int], sampler_logprobs: Sequence[float], advantage: float
+) -> Datum:
     """An importance_sampling / ppo / cispo datum for one sampled completion.
 
     Prompt positions get advantage 0 (no gradient) and logprob 0 (unused); every completion token
@@ -46,7 +48,9 @@ def rl_datum(prompt: Sequence[int], completion: Sequence[int], sampler_logprobs:
     tokens = [*prompt, *completion]
     n_prompt_targets = len(prompt) - 1
     logprobs = np.concatenate([np.zeros(n_prompt_targets, np.float32), np.asarray(sampler_logprobs, np.float32)])
-    advantages = np.concatenate([np.zeros(n_prompt_targets, np.float32), np.full(len(completion), advantage, np.float32)])
+    advantages = np.concatenate(
+        [np.zeros(n_prompt_targets, np.float32), np.full(len(completion), advantage, np.float32)]
+    )
     return Datum(
         model_input=ModelInput.from_ints(tokens[:-1]),
         loss_fn_inputs={
@@ -74,7 +78,12 @@ def multi_turn_rl_datum(pieces: Sequence[tuple[Sequence[int], Sequence[float] | 
         logprobs += list(sampled) if sampled is not None else [0.0] * len(piece)
         advantages += [advantage if sampled is not None else 0.0] * len(piece)
     if len(tokens) < 2 or pieces[0][1] is not None:
-        raise ValueError(f"a multi-turn datum starts with context the model did not write and has >= 2 tokens, got {len(tokens)}")
-    targets = {"target_tokens": np.asarray(tokens[1:], dtype=np.int64), "logprobs": np.asarray(logprobs[1:], np.float32),
-               "advantages": np.asarray(advantages[1:], np.float32)}
+        raise ValueError(
+            f"a multi-turn datum starts with context the model did not write and has >= 2 tokens, got {len(tokens)}"
+        )
+    targets = {
+        "target_tokens": np.asarray(tokens[1:], dtype=np.int64),
+        "logprobs": np.asarray(logprobs[1:], np.float32),
+        "advantages": np.asarray(advantages[1:], np.float32),
+    }
     return Datum(model_input=ModelInput.from_ints(tokens[:-1]), loss_fn_inputs=targets)

@@ -40,9 +40,13 @@ class Config(RunConfig):
 
     base_model: str = Field(default="SmolLM2-135M-Instruct", description="The student's base model.")
     teacher_path: str | None = Field(default=None, description="Checkpoint the teacher samples from (treadle://...).")
-    teacher_model: str | None = Field(default=None, description="Base model of the teacher when no teacher_path (None: base_model).")
+    teacher_model: str | None = Field(
+        default=None, description="Base model of the teacher when no teacher_path (None: base_model)."
+    )
     log_dir: str = Field(default="runs/distill", description="Where metrics.jsonl, checkpoints.jsonl and the PNG go.")
-    prompts_path: str | None = Field(default=None, description="JSONL of {prompt}; the last eval_prompts rows are held out. None: arithmetic.")
+    prompts_path: str | None = Field(
+        default=None, description="JSONL of {prompt}; the last eval_prompts rows are held out. None: arithmetic."
+    )
     max_operand: int = Field(default=9, ge=1, description="Arithmetic: operands are drawn from [0, max_operand].")
     system_prompt: str | None = Field(default=None, description="System message (None: the chat template's default).")
     prompts_per_batch: int = Field(default=8, ge=1, description="Prompts per step.")
@@ -50,10 +54,14 @@ class Config(RunConfig):
     max_tokens: int = Field(default=16, ge=1, description="Most tokens per completion.")
     temperature: float = Field(default=1.0, gt=0.0, description="Sampling temperature of the student.")
     stop: list[str] = Field(default_factory=lambda: ["\n"], description="Stop strings of samples and eval.")
-    kl_coef: float = Field(default=1.0, gt=0.0, description="Advantage of a token = -kl_coef * (log p_student - log p_teacher).")
+    kl_coef: float = Field(
+        default=1.0, gt=0.0, description="Advantage of a token = -kl_coef * (log p_student - log p_teacher)."
+    )
     # On-policy, a constant subtracted from every token's advantage leaves the expected gradient as it is and
     # cuts its variance: a student far from its teacher samples tokens that all carry about the same large KL.
-    kl_baseline: bool = Field(default=True, description="Subtract the batch's mean per-token KL from each token's (a baseline).")
+    kl_baseline: bool = Field(
+        default=True, description="Subtract the batch's mean per-token KL from each token's (a baseline)."
+    )
     eval_prompts: int = Field(default=50, ge=1, description="Held-out prompts of the KL (and accuracy) eval.")
     eval_samples: int = Field(default=2, ge=1, description="Student samples per held-out prompt in the KL eval.")
     arithmetic_eval: bool = Field(default=True, description="Arithmetic: also measure greedy held-out accuracy.")
@@ -69,7 +77,9 @@ class Scored:
     teacher: np.ndarray
 
 
-def sample_and_score(student: Any, teacher: Any, prompts: Sequence[list[int]], params: list[SamplingParams], n: int) -> list[Scored]:
+def sample_and_score(
+    student: Any, teacher: Any, prompts: Sequence[list[int]], params: list[SamplingParams], n: int
+) -> list[Scored]:
     """`n` student samples of each prompt, each scored by the teacher; every request is in flight at once."""
     samples = [student.sample(ModelInput.from_ints(p), n, sp) for p, sp in zip(prompts, params)]
     pending = []
@@ -77,14 +87,23 @@ def sample_and_score(student: Any, teacher: Any, prompts: Sequence[list[int]], p
         for seq in future.result().sequences:
             if seq.tokens:  # an empty completion has no token to score
                 pending.append((prompt, seq, teacher.compute_logprobs(ModelInput.from_ints([*prompt, *seq.tokens]))))
-    return [Scored(prompt, list(seq.tokens), np.asarray(seq.logprobs, np.float64), np.asarray(f.result()[len(prompt):], np.float64))
-            for prompt, seq, f in pending]
+    return [
+        Scored(
+            prompt,
+            list(seq.tokens),
+            np.asarray(seq.logprobs, np.float64),
+            np.asarray(f.result()[len(prompt) :], np.float64),
+        )
+        for prompt, seq, f in pending
+    ]
 
 
 def reverse_kl_datum(s: Scored, kl_coef: float, baseline: float = 0.0) -> Datum:
     """An importance_sampling datum whose completion tokens carry -kl_coef * (log p_student - log p_teacher - baseline)."""
     datum = rl_datum(s.prompt, s.tokens, s.student.tolist(), 0.0)
-    advantages = np.concatenate([np.zeros(len(s.prompt) - 1), -kl_coef * (s.student - s.teacher - baseline)]).astype(np.float32)
+    advantages = np.concatenate([np.zeros(len(s.prompt) - 1), -kl_coef * (s.student - s.teacher - baseline)]).astype(
+        np.float32
+    )
     return Datum(model_input=datum.model_input, loss_fn_inputs={**datum.loss_fn_inputs, "advantages": advantages})
 
 
@@ -99,11 +118,17 @@ def prompt_source(cfg: Config) -> tuple[Callable[[int], str], list[str], list[Pr
         with open(cfg.prompts_path) as f:
             questions = [json.loads(line)["prompt"] for line in f if line.strip()]
         if len(questions) <= cfg.eval_prompts:
-            raise ValueError(f"eval_prompts={cfg.eval_prompts} leaves no training prompt out of {len(questions)} in {cfg.prompts_path}")
+            raise ValueError(
+                f"eval_prompts={cfg.eval_prompts} leaves no training prompt out of {len(questions)} in {cfg.prompts_path}"
+            )
         train = questions[: -cfg.eval_prompts]
-        return (lambda i: train[i % len(train)]), questions[-cfg.eval_prompts:], []
+        return (lambda i: train[i % len(train)]), questions[-cfg.eval_prompts :], []
     problems = arithmetic_heldout(cfg.eval_prompts, cfg.max_operand)
-    return (lambda i: arithmetic_problem_at(cfg.seed, i, cfg.max_operand).question), [p.question for p in problems], problems
+    return (
+        (lambda i: arithmetic_problem_at(cfg.seed, i, cfg.max_operand).question),
+        [p.question for p in problems],
+        problems,
+    )
 
 
 def main(cfg: Config, service: ServiceClient | None = None) -> RunResult:
@@ -111,8 +136,11 @@ def main(cfg: Config, service: ServiceClient | None = None) -> RunResult:
     log = RunLog.for_config(cfg)
     run = start_run(service, log, cfg)  # a fresh session, or the last checkpoint's
     training, tokenizer = run.training, run.training.get_tokenizer()
-    teacher = (service.create_sampling_client(model_path=cfg.teacher_path) if cfg.teacher_path
-               else service.create_sampling_client(base_model=cfg.teacher_model or cfg.base_model))
+    teacher = (
+        service.create_sampling_client(model_path=cfg.teacher_path)
+        if cfg.teacher_path
+        else service.create_sampling_client(base_model=cfg.teacher_model or cfg.base_model)
+    )
 
     # ---------------------------------------------------------------- prompts: a stream by index, and a fixed held-out set
     question_at, heldout_questions, problems = prompt_source(cfg)
@@ -127,11 +155,25 @@ def main(cfg: Config, service: ServiceClient | None = None) -> RunResult:
         log.record_sampler(path, step)
         student = training.create_sampling_client(path)
         # The same seeds at every eval, so the estimates differ by the student, not by the draw.
-        params = [SamplingParams(max_tokens=cfg.max_tokens, temperature=1.0, stop=cfg.stop, seed=i) for i in range(len(heldout_prompts))]
-        metrics = {"eval/kl_student_teacher": mean_token_kl(sample_and_score(student, teacher, heldout_prompts, params, cfg.eval_samples))}
+        params = [
+            SamplingParams(max_tokens=cfg.max_tokens, temperature=1.0, stop=cfg.stop, seed=i)
+            for i in range(len(heldout_prompts))
+        ]
+        metrics = {
+            "eval/kl_student_teacher": mean_token_kl(
+                sample_and_score(student, teacher, heldout_prompts, params, cfg.eval_samples)
+            )
+        }
         if problems and cfg.arithmetic_eval:
-            metrics["eval/accuracy"] = evaluate_problems(student, tokenizer, problems, system_prompt=cfg.system_prompt,
-                                                         max_tokens=cfg.max_tokens, stop=cfg.stop, desc=f"eval @ step {step}").accuracy
+            metrics["eval/accuracy"] = evaluate_problems(
+                student,
+                tokenizer,
+                problems,
+                system_prompt=cfg.system_prompt,
+                max_tokens=cfg.max_tokens,
+                stop=cfg.stop,
+                desc=f"eval @ step {step}",
+            ).accuracy
         return metrics
 
     eval_before_training(run, log, evaluate)
@@ -140,24 +182,44 @@ def main(cfg: Config, service: ServiceClient | None = None) -> RunResult:
     for step in (progress := steps(run, cfg.steps, "distill")):
         started = time.monotonic()
         student = training.save_weights_and_get_sampling_client()
-        first = (step - 1) * cfg.prompts_per_batch  # the prompts of a step are a pure function of it, so --resume continues
+        first = (
+            step - 1
+        ) * cfg.prompts_per_batch  # the prompts of a step are a pure function of it, so --resume continues
         prompts = [render(question_at(i)) for i in range(first, first + cfg.prompts_per_batch)]
-        params = [SamplingParams(max_tokens=cfg.max_tokens, temperature=cfg.temperature, stop=cfg.stop,
-                                 seed=cfg.seed * 1_000_003 + first + k) for k in range(len(prompts))]
+        params = [
+            SamplingParams(
+                max_tokens=cfg.max_tokens,
+                temperature=cfg.temperature,
+                stop=cfg.stop,
+                seed=cfg.seed * 1_000_003 + first + k,
+            )
+            for k in range(len(prompts))
+        ]
         scored = sample_and_score(student, teacher, prompts, params, cfg.samples_per_prompt)
         sampled = time.monotonic()
         baseline = mean_token_kl(scored) if cfg.kl_baseline else 0.0
-        fwd_bwd = training.forward_backward([reverse_kl_datum(s, cfg.kl_coef, baseline) for s in scored], "importance_sampling")
+        fwd_bwd = training.forward_backward(
+            [reverse_kl_datum(s, cfg.kl_coef, baseline) for s in scored], "importance_sampling"
+        )
         optim = training.optim_step(adam(cfg))
         fwd_bwd.result(), optim.result()
-        metrics = {"kl/student_teacher": mean_token_kl(scored), "tokens": sum(len(s.tokens) for s in scored),
-                   "time/sample_and_score": sampled - started, "time/step": time.monotonic() - started}
+        metrics = {
+            "kl/student_teacher": mean_token_kl(scored),
+            "tokens": sum(len(s.tokens) for s in scored),
+            "time/sample_and_score": sampled - started,
+            "time/step": time.monotonic() - started,
+        }
         end_step(run, log, step, metrics, cfg, evaluate)
         progress.set_postfix(kl=f"{metrics['kl/student_teacher']:.3f}")
 
     # ---------------------------------------------------------------- curve and summary
-    return finish_run(log, run.state_path, ["kl/student_teacher", "eval/kl_student_teacher", "eval/accuracy"],
-                      f"distillation ({cfg.base_model})", "eval/kl_student_teacher")
+    return finish_run(
+        log,
+        run.state_path,
+        ["kl/student_teacher", "eval/kl_student_teacher", "eval/accuracy"],
+        f"distillation ({cfg.base_model})",
+        "eval/kl_student_teacher",
+    )
 
 
 if __name__ == "__main__":

@@ -40,10 +40,14 @@ class Config(PreferenceConfig):
     """DPO from preference pairs, the loss on the client, through the treadle SDK."""
 
     log_dir: str = Field(default="runs/dpo", description="Where metrics.jsonl, checkpoints.jsonl and the PNG go.")
-    data_path: str | None = Field(default=None, description="JSONL of {prompt, chosen, rejected}; None: arithmetic pairs.")
+    data_path: str | None = Field(
+        default=None, description="JSONL of {prompt, chosen, rejected}; None: arithmetic pairs."
+    )
     pairs: int = Field(default=256, ge=1, description="Arithmetic: training pairs to generate.")
     batch_size: int = Field(default=16, ge=1, description="Pairs per step.")
-    label_smoothing: float = Field(default=0.0, ge=0.0, lt=0.5, description="Conservative DPO: assumed share of flipped labels.")
+    label_smoothing: float = Field(
+        default=0.0, ge=0.0, lt=0.5, description="Conservative DPO: assumed share of flipped labels."
+    )
 
 
 def main(cfg: Config, service: ServiceClient | None = None) -> RunResult:
@@ -53,7 +57,11 @@ def main(cfg: Config, service: ServiceClient | None = None) -> RunResult:
     tokenizer = run.training.get_tokenizer()
 
     # ---------------------------------------------------------------- data, and reference logprobs once per completion
-    train = load_pairs(cfg.data_path) if cfg.data_path else arithmetic_pairs(cfg.pairs, cfg.seed, max_operand=cfg.max_operand)
+    train = (
+        load_pairs(cfg.data_path)
+        if cfg.data_path
+        else arithmetic_pairs(cfg.pairs, cfg.seed, max_operand=cfg.max_operand)
+    )
     reference = reference_scorer(service, cfg.base_model, cfg.reference)
     pairs = render_pairs(tokenizer, reference, train, cfg.system_prompt)
     evaluate = heldout_evaluator(run.training, tokenizer, log, reference, cfg)
@@ -72,8 +80,13 @@ def main(cfg: Config, service: ServiceClient | None = None) -> RunResult:
         progress.set_postfix(loss=f"{result.loss:.3f}", acc=f"{result.metrics['dpo/accuracy']:.2f}")
 
     # ---------------------------------------------------------------- curve and summary
-    return finish_run(log, run.state_path, ["dpo/loss", "dpo/accuracy", "eval/reward_accuracy", "eval/accuracy"],
-                      f"DPO ({cfg.base_model})", "eval/reward_accuracy")
+    return finish_run(
+        log,
+        run.state_path,
+        ["dpo/loss", "dpo/accuracy", "eval/reward_accuracy", "eval/accuracy"],
+        f"DPO ({cfg.base_model})",
+        "eval/reward_accuracy",
+    )
 
 
 if __name__ == "__main__":

@@ -41,8 +41,11 @@ def evaluate_problems(
     """Greedy (`top_k=1`) accuracy of `sampler` on `problems`."""
     params = SamplingParams(max_tokens=max_tokens, temperature=1.0, top_k=1, stop=stop, seed=0)
     futures = [
-        sampler.sample(ModelInput.from_ints(render_generation_prompt(tokenizer, prompt_messages(p.question, system_prompt))),
-                       num_samples=1, sampling_params=params)
+        sampler.sample(
+            ModelInput.from_ints(render_generation_prompt(tokenizer, prompt_messages(p.question, system_prompt))),
+            num_samples=1,
+            sampling_params=params,
+        )
         for p in problems
     ]
     responses, correct = [], 0.0

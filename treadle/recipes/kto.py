@@ -43,9 +43,13 @@ class Config(PreferenceConfig):
     """KTO from desirable / undesirable labels, the loss on the client, through the treadle SDK."""
 
     log_dir: str = Field(default="runs/kto", description="Where metrics.jsonl, checkpoints.jsonl and the PNG go.")
-    data_path: str | None = Field(default=None, description="JSONL of {prompt, completion, label}; None: arithmetic examples.")
+    data_path: str | None = Field(
+        default=None, description="JSONL of {prompt, completion, label}; None: arithmetic examples."
+    )
     examples: int = Field(default=256, ge=2, description="Arithmetic: labelled examples to generate.")
-    desirable_fraction: float = Field(default=0.5, gt=0.0, lt=1.0, description="Arithmetic: share of right (desirable) examples.")
+    desirable_fraction: float = Field(
+        default=0.5, gt=0.0, lt=1.0, description="Arithmetic: share of right (desirable) examples."
+    )
     batch_size: int = Field(default=16, ge=1, description="Examples per step.")
     desirable_weight: float = Field(default=1.0, gt=0.0, description="lambda_D: weight of desirable examples.")
     undesirable_weight: float = Field(default=1.0, gt=0.0, description="lambda_U: weight of undesirable examples.")
@@ -58,8 +62,11 @@ def main(cfg: Config, service: ServiceClient | None = None) -> RunResult:
     tokenizer = run.training.get_tokenizer()
 
     # ---------------------------------------------------------------- data, and reference logprobs once per completion
-    examples = (load_kto_examples(cfg.data_path) if cfg.data_path
-                else arithmetic_kto_examples(cfg.examples, cfg.seed, cfg.desirable_fraction, cfg.max_operand))
+    examples = (
+        load_kto_examples(cfg.data_path)
+        if cfg.data_path
+        else arithmetic_kto_examples(cfg.examples, cfg.seed, cfg.desirable_fraction, cfg.max_operand)
+    )
     reference = reference_scorer(service, cfg.base_model, cfg.reference)
     datums = [completion_datum(tokenizer, e.prompt, e.completion, cfg.system_prompt) for e in examples]
     # Each prompt's mismatched completion is another example's, fixed once (a seeded derangement), so
@@ -67,10 +74,12 @@ def main(cfg: Config, service: ServiceClient | None = None) -> RunResult:
     order = list(range(len(examples)))
     random.Random(cfg.seed).shuffle(order)
     partner = {order[k]: order[(k + 1) % len(order)] for k in range(len(order))}
-    mismatched = [completion_datum(tokenizer, e.prompt, examples[partner[i]].completion, cfg.system_prompt)
-                  for i, e in enumerate(examples)]
+    mismatched = [
+        completion_datum(tokenizer, e.prompt, examples[partner[i]].completion, cfg.system_prompt)
+        for i, e in enumerate(examples)
+    ]
     ref = reference([*datums, *mismatched])
-    ref, ref_mismatched = ref[: len(datums)], ref[len(datums):]
+    ref, ref_mismatched = ref[: len(datums)], ref[len(datums) :]
     desirable = np.array([e.label for e in examples])
     evaluate = heldout_evaluator(run.training, tokenizer, log, reference, cfg)
     eval_before_training(run, log, evaluate)
@@ -79,19 +88,34 @@ def main(cfg: Config, service: ServiceClient | None = None) -> RunResult:
     for step in (progress := steps(run, cfg.steps, "KTO")):
         started = time.monotonic()
         indices = batch_indices(step, cfg.batch_size, len(examples), cfg.seed)
-        loss_fn = kto_on_batch(ref[indices], desirable[indices], ref_mismatched[indices], cfg.beta,
-                               cfg.desirable_weight, cfg.undesirable_weight)
+        loss_fn = kto_on_batch(
+            ref[indices],
+            desirable[indices],
+            ref_mismatched[indices],
+            cfg.beta,
+            cfg.desirable_weight,
+            cfg.undesirable_weight,
+        )
         batch = [datums[i] for i in indices] + [mismatched[i] for i in indices]
         fwd_bwd, result = forward_backward_with_loss(run.training, batch, loss_fn, n_trained=len(indices))
         optim = run.training.optim_step(adam(cfg))
         fwd_bwd.result(), optim.result()
-        metrics = {**result.metrics, "desirable_share": float(desirable[indices].mean()), "time/step": time.monotonic() - started}
+        metrics = {
+            **result.metrics,
+            "desirable_share": float(desirable[indices].mean()),
+            "time/step": time.monotonic() - started,
+        }
         end_step(run, log, step, metrics, cfg, evaluate)
         progress.set_postfix(loss=f"{result.loss:.3f}", kl=f"{result.metrics['kto/kl']:.3f}")
 
     # ---------------------------------------------------------------- curve and summary
-    return finish_run(log, run.state_path, ["kto/loss", "kto/kl", "eval/reward_accuracy", "eval/accuracy"],
-                      f"KTO ({cfg.base_model})", "eval/reward_accuracy")
+    return finish_run(
+        log,
+        run.state_path,
+        ["kto/loss", "kto/kl", "eval/reward_accuracy", "eval/accuracy"],
+        f"KTO ({cfg.base_model})",
+        "eval/reward_accuracy",
+    )
 
 
 if __name__ == "__main__":

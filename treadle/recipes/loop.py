@@ -57,8 +57,13 @@ def start_run(service: Any, log: RunLog, cfg: LoopConfig, init_state: str | None
     last = log.last_checkpoint() if cfg.resume else None
     if last is None:
         log.rewind_to(-1)  # --resume before the first checkpoint: start over
-        training = (service.create_training_client_from_state(init_state) if init_state else
-                    service.create_lora_training_client(cfg.base_model, rank=cfg.lora_rank, alpha=2 * cfg.lora_rank, seed=cfg.seed))
+        training = (
+            service.create_training_client_from_state(init_state)
+            if init_state
+            else service.create_lora_training_client(
+                cfg.base_model, rank=cfg.lora_rank, alpha=2 * cfg.lora_rank, seed=cfg.seed
+            )
+        )
         return Run(training, 1)
     log.rewind_to(last.step)
     print(f"resuming from {last.state_path} after step {last.step}")
@@ -96,9 +101,17 @@ def adam(cfg: LoopConfig) -> AdamParams:
     return AdamParams(learning_rate=cfg.learning_rate, eps=1e-8)
 
 
-def end_step(run: Run, log: RunLog, step: int, metrics: dict[str, float], cfg: LoopConfig,
-             evaluate: Callable[[int], dict[str, float]], *, position: dict[str, Any] | None = None,
-             started: float | None = None) -> None:
+def end_step(
+    run: Run,
+    log: RunLog,
+    step: int,
+    metrics: dict[str, float],
+    cfg: LoopConfig,
+    evaluate: Callable[[int], dict[str, float]],
+    *,
+    position: dict[str, Any] | None = None,
+    started: float | None = None,
+) -> None:
     """End `step`: the held-out eval when due, then its metrics row, with a checkpoint when due (then the run's
     `state_path`). `position`: what the loop needs to continue from the checkpoint; `started`: the step's start
     (`time.monotonic()`), for `time/step`.

@@ -45,7 +45,9 @@ class Config(RunConfig):
     log_dir: str = Field(default="runs/math_rl", description="Where metrics.jsonl, checkpoints.jsonl and the PNG go.")
     task: Literal["arithmetic", "gsm8k"] = Field(default="arithmetic", description="Synthetic arithmetic or GSM8K.")
     max_operand: int = Field(default=9, ge=1, description="Arithmetic: operands are drawn from [0, max_operand].")
-    gsm8k_train_path: str | None = Field(default=None, description="GSM8K train JSONL (question/answer); None: HF datasets.")
+    gsm8k_train_path: str | None = Field(
+        default=None, description="GSM8K train JSONL (question/answer); None: HF datasets."
+    )
     gsm8k_eval_path: str | None = Field(default=None, description="GSM8K test JSONL; None: HF datasets.")
     system_prompt: str | None = Field(default=None, description="System message (None: the chat template's default).")
     groups_per_batch: int = Field(default=8, ge=1, description="Problems (groups) per step.")
@@ -54,13 +56,21 @@ class Config(RunConfig):
     temperature: float = Field(default=1.0, gt=0.0, description="Sampling temperature of rollouts.")
     stop: list[str] = Field(default_factory=lambda: ["\n"], description="Stop strings of rollouts and eval.")
     learning_rate: float = Field(default=3e-4, gt=0.0, description="AdamW learning rate.")
-    loss_fn: Literal["importance_sampling", "ppo", "cispo"] = Field(default="importance_sampling", description="Policy loss.")
+    loss_fn: Literal["importance_sampling", "ppo", "cispo"] = Field(
+        default="importance_sampling", description="Policy loss."
+    )
     normalize_std: bool = Field(default=False, description="Divide group advantages by the group's reward std.")
-    format_reward: float = Field(default=0.0, ge=0.0, lt=1.0, description="Reward of a wrong answer that is still an integer.")
-    kl_penalty_coef: float = Field(default=0.0, ge=0.0, description="Subtract coef * KL(policy || base) from each reward.")
+    format_reward: float = Field(
+        default=0.0, ge=0.0, lt=1.0, description="Reward of a wrong answer that is still an integer."
+    )
+    kl_penalty_coef: float = Field(
+        default=0.0, ge=0.0, description="Subtract coef * KL(policy || base) from each reward."
+    )
     eval_problems: int = Field(default=50, ge=1, description="Size of the fixed held-out set.")
     save_every: int = Field(default=5, ge=1, description="save_state every N steps (and at the end).")
-    mode: Literal["sync", "async"] = Field(default="sync", description="On-policy steps, or off-policy with rollouts in flight.")
+    mode: Literal["sync", "async"] = Field(
+        default="sync", description="On-policy steps, or off-policy with rollouts in flight."
+    )
     async_groups_in_flight: int = Field(default=16, ge=1, description="Async: groups being sampled at any time.")
     max_steps_off_policy: int = Field(default=1, ge=0, description="Async: staleness limit of a group, in steps.")
     stale_policy: StalePolicy = Field(default="requeue", description="Async: what happens to a staler group.")
@@ -110,7 +120,9 @@ class StepBatch:
 def problem_source(cfg: Config):
     """Training problem by index (random access, so a resumed run continues the stream) and the eval set."""
     if cfg.task == "arithmetic":
-        return (lambda i: arithmetic_problem_at(cfg.seed, i, cfg.max_operand)), arithmetic_heldout(cfg.eval_problems, cfg.max_operand)
+        return (lambda i: arithmetic_problem_at(cfg.seed, i, cfg.max_operand)), arithmetic_heldout(
+            cfg.eval_problems, cfg.max_operand
+        )
     train = load_gsm8k(cfg.gsm8k_train_path, "train")
     order = list(range(len(train)))
     random.Random(cfg.seed).shuffle(order)
@@ -121,13 +133,25 @@ def first_line_only(cfg: Config) -> bool:
     return cfg.task == "arithmetic"  # GSM8K answers come after a chain of thought
 
 
-def evaluate(sampler: Any, tokenizer: Any, heldout: list[Problem], cfg: Config, log: RunLog, step: int) -> dict[str, float]:
+def evaluate(
+    sampler: Any, tokenizer: Any, heldout: list[Problem], cfg: Config, log: RunLog, step: int
+) -> dict[str, float]:
     """Greedy held-out accuracy of the snapshot `sampler`; each answer goes to eval_samples.jsonl."""
     started = time.monotonic()
-    result = evaluate_problems(sampler, tokenizer, heldout, system_prompt=cfg.system_prompt, max_tokens=cfg.max_tokens,
-                               stop=cfg.stop, first_line_only=first_line_only(cfg), desc=f"eval @ step {step}")
+    result = evaluate_problems(
+        sampler,
+        tokenizer,
+        heldout,
+        system_prompt=cfg.system_prompt,
+        max_tokens=cfg.max_tokens,
+        stop=cfg.stop,
+        first_line_only=first_line_only(cfg),
+        desc=f"eval @ step {step}",
+    )
     for problem, response in zip(heldout, result.responses):
-        log.append("eval_samples.jsonl", step, {"question": problem.question, "answer": problem.answer, "response": response})
+        log.append(
+            "eval_samples.jsonl", step, {"question": problem.question, "answer": problem.answer, "response": response}
+        )
     return {"eval/accuracy": result.accuracy, "time/eval": time.monotonic() - started}
 
 
@@ -137,8 +161,12 @@ def top_up(rollouts: Rollouts, target: int, problem_at: Callable[[int], Problem]
         index = rollouts.stream.next_index()
         problem = problem_at(index)
         prompt = render_generation_prompt(tokenizer, prompt_messages(problem.question, cfg.system_prompt))
-        params = SamplingParams(max_tokens=cfg.max_tokens, temperature=cfg.temperature, stop=cfg.stop,
-                                seed=cfg.seed * 1_000_003 + index * 7919 + rollouts.version)
+        params = SamplingParams(
+            max_tokens=cfg.max_tokens,
+            temperature=cfg.temperature,
+            stop=cfg.stop,
+            seed=cfg.seed * 1_000_003 + index * 7919 + rollouts.version,
+        )
         samples = rollouts.sampler.sample(ModelInput.from_ints(prompt), cfg.group_size, params)
         rollouts.in_flight.append(InFlight(index, problem, prompt, rollouts.version, samples))
 
@@ -148,19 +176,33 @@ def grade_group(group: InFlight, tokenizer: Any, cfg: Config) -> Group:
     completions = []
     for seq in group.samples.result().sequences:
         text = tokenizer.decode(seq.tokens, skip_special_tokens=True)
-        completions.append(SampledCompletion(seq.tokens, seq.logprobs, reward(text, group.problem.answer, cfg.format_reward,
-                                                                              first_line_only(cfg)), text))
+        completions.append(
+            SampledCompletion(
+                seq.tokens,
+                seq.logprobs,
+                reward(text, group.problem.answer, cfg.format_reward, first_line_only(cfg)),
+                text,
+            )
+        )
     return Group(group.index, group.prompt, completions, group.policy_version)
 
 
 def kl_against_reference(reference: Any, group: Group) -> list[float]:
     """Each completion's sampled KL(policy || base), from the base model's logprobs of its tokens."""
     futures = [reference.compute_logprobs(ModelInput.from_ints(group.prompt + c.tokens)) for c in group.completions]
-    return [kl_sample_ref(c.logprobs, f.result()[len(group.prompt):]) for c, f in zip(group.completions, futures)]
+    return [kl_sample_ref(c.logprobs, f.result()[len(group.prompt) :]) for c, f in zip(group.completions, futures)]
 
 
-def stream_groups(training: Any, rollouts: Rollouts, reference: Any, problem_at: Callable[[int], Problem], tokenizer: Any,
-                  log: RunLog, step: int, cfg: Config) -> StepBatch:
+def stream_groups(
+    training: Any,
+    rollouts: Rollouts,
+    reference: Any,
+    problem_at: Callable[[int], Problem],
+    tokenizer: Any,
+    log: RunLog,
+    step: int,
+    cfg: Config,
+) -> StepBatch:
     """Read graded groups, oldest first, until `groups_per_batch` are used, submitting each one's forward_backward
     as soon as it is graded. A staler group than `max_steps_off_policy` is requeued or discarded; a group whose
     advantages are all zero (every reward equal) has nothing to teach and is skipped."""
@@ -173,10 +215,18 @@ def stream_groups(training: Any, rollouts: Rollouts, reference: Any, problem_at:
         batch.sample_wait += time.monotonic() - waited
         action = staleness_action(group.policy_version, rollouts.version, cfg.max_steps_off_policy, cfg.stale_policy)
         batch.counts[action] += 1
-        log.append("rollouts.jsonl", step, {
-            "problem_index": group.problem_index, "policy_version": group.policy_version, "trained_at_version": rollouts.version,
-            "staleness": staleness(group.policy_version, rollouts.version), "action": action,
-            "reward_mean": sum(c.reward for c in group.completions) / len(group.completions)})
+        log.append(
+            "rollouts.jsonl",
+            step,
+            {
+                "problem_index": group.problem_index,
+                "policy_version": group.policy_version,
+                "trained_at_version": rollouts.version,
+                "staleness": staleness(group.policy_version, rollouts.version),
+                "action": action,
+                "reward_mean": sum(c.reward for c in group.completions) / len(group.completions),
+            },
+        )
         if action == "requeue":
             rollouts.stream.pending.append(group.problem_index)
         if action != "use":
@@ -193,7 +243,9 @@ def stream_groups(training: Any, rollouts: Rollouts, reference: Any, problem_at:
         if not is_informative(advantages):
             batch.counts["skipped"] += 1
             continue
-        datums = [rl_datum(group.prompt, c.tokens, c.logprobs, a) for c, a in zip(group.completions, advantages) if c.tokens]
+        datums = [
+            rl_datum(group.prompt, c.tokens, c.logprobs, a) for c, a in zip(group.completions, advantages) if c.tokens
+        ]
         batch.tokens += sum(d.model_input.length for d in datums)
         batch.fwd_futures.append(training.forward_backward(datums, cfg.loss_fn))
         batch.datums_by_call.append(datums)
@@ -216,14 +268,21 @@ def read_results(batch: StepBatch) -> tuple[float, list[float]]:
 def step_metrics(batch: StepBatch, loss: float, diffs: list[float], train_wait: float) -> dict[str, float]:
     rewards, stalenesses, counts = batch.rewards, batch.stalenesses, batch.counts
     return {
-        "reward/mean": sum(rewards) / len(rewards), "accuracy/train": sum(r == 1.0 for r in rewards) / len(rewards),
-        "loss:sum": loss, "tokens": batch.tokens, "groups/used": counts["use"], "groups/skipped_uniform": counts["skipped"],
-        "groups/requeued": counts["requeue"], "groups/discarded": counts["discard"],
-        "async/staleness_max": max(stalenesses), "async/staleness_mean": sum(stalenesses) / len(stalenesses),
+        "reward/mean": sum(rewards) / len(rewards),
+        "accuracy/train": sum(r == 1.0 for r in rewards) / len(rewards),
+        "loss:sum": loss,
+        "tokens": batch.tokens,
+        "groups/used": counts["use"],
+        "groups/skipped_uniform": counts["skipped"],
+        "groups/requeued": counts["requeue"],
+        "groups/discarded": counts["discard"],
+        "async/staleness_max": max(stalenesses),
+        "async/staleness_mean": sum(stalenesses) / len(stalenesses),
         "optim/kl_sample_train_v1": sum(diffs) / len(diffs) if diffs else 0.0,
         "optim/kl_sample_train_v2": 0.5 * sum(d * d for d in diffs) / len(diffs) if diffs else 0.0,
         **({"kl/policy_base": sum(batch.kls) / len(batch.kls)} if batch.kls else {}),
-        "time/sample_wait": batch.sample_wait, "time/train_wait": train_wait,
+        "time/sample_wait": batch.sample_wait,
+        "time/train_wait": train_wait,
     }
 
 
@@ -260,19 +319,33 @@ def main(cfg: Config, service: ServiceClient | None = None) -> RunResult:
         metrics = step_metrics(batch, loss, diffs, train_wait=time.monotonic() - waited)
 
         # ------------------------------------------------------------ eval and checkpoint, with the stream's position
-        end_step(run, log, step, metrics, cfg, partial(evaluate, rollouts.sampler, tokenizer, heldout, cfg, log),
-                 position=rollouts.stream.position([g.index for g in rollouts.in_flight]), started=step_started)
+        end_step(
+            run,
+            log,
+            step,
+            metrics,
+            cfg,
+            partial(evaluate, rollouts.sampler, tokenizer, heldout, cfg, log),
+            position=rollouts.stream.position([g.index for g in rollouts.in_flight]),
+            started=step_started,
+        )
         if "time/eval" in metrics:
             eval_seconds.append(metrics["time/eval"])
         last_eval = metrics.get("eval/accuracy", last_eval)
-        progress.set_postfix(reward=f"{metrics['reward/mean']:.2f}", **({} if last_eval is None else {"eval_acc": f"{last_eval:.2f}"}))
+        progress.set_postfix(
+            reward=f"{metrics['reward/mean']:.2f}", **({} if last_eval is None else {"eval_acc": f"{last_eval:.2f}"})
+        )
 
     # -------------------------------------------------------------------- curve and summary
-    result = close_run(run, log, ["reward/mean", "eval/accuracy"], f"GRPO on {cfg.task} ({cfg.base_model})", "eval/accuracy")
+    result = close_run(
+        run, log, ["reward/mean", "eval/accuracy"], f"GRPO on {cfg.task} ({cfg.base_model})", "eval/accuracy"
+    )
     return RunResult(**asdict(result), eval_seconds=eval_seconds)
 
 
 if __name__ == "__main__":
     result = main(parse_config(Config, prog="python -m treadle.recipes.math_rl"))
-    print(f"held-out accuracy {result.eval_before:.3f} -> {result.eval_after:.3f}\n"
-          f"metrics: {result.metrics_path}\ncurve:   {result.png_path}\nstate:   {result.final_state_path}")
+    print(
+        f"held-out accuracy {result.eval_before:.3f} -> {result.eval_after:.3f}\n"
+        f"metrics: {result.metrics_path}\ncurve:   {result.png_path}\nstate:   {result.final_state_path}"
+    )

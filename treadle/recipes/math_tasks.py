@@ -61,7 +61,9 @@ def arithmetic_heldout(n: int, max_operand: int = 9) -> list[Problem]:
             seen.setdefault(problem.question, problem)
             if len(seen) == n:
                 return list(seen.values())
-    raise ValueError(f"only {len(seen)} distinct held-out problems exist with max_operand={max_operand}; asked for n={n}")
+    raise ValueError(
+        f"only {len(seen)} distinct held-out problems exist with max_operand={max_operand}; asked for n={n}"
+    )
 
 
 _INT = re.compile(r"-?\d[\d,]*")

@@ -23,16 +23,24 @@ def _client_module():
         import mlflow
         from mlflow import MlflowClient
     except ImportError:
-        raise RuntimeError("MLflow logging needs the mlflow package: pip install mlflow-skinny (plus SQLAlchemy and "
-                           "alembic for a sqlite:// store)") from None
+        raise RuntimeError(
+            "MLflow logging needs the mlflow package: pip install mlflow-skinny (plus SQLAlchemy and "
+            "alembic for a sqlite:// store)"
+        ) from None
     return mlflow, MlflowClient
 
 
 class MlflowRun:
     """One MLflow run in `experiment`, created at once; `close()` marks it finished."""
 
-    def __init__(self, experiment: str, run_name: str, params: dict[str, Any], tracking_uri: str | None = None,
-                 registered_model_name: str | None = None):
+    def __init__(
+        self,
+        experiment: str,
+        run_name: str,
+        params: dict[str, Any],
+        tracking_uri: str | None = None,
+        registered_model_name: str | None = None,
+    ):
         mlflow, client_cls = _client_module()
         from mlflow.entities import Param
 
@@ -55,9 +63,19 @@ class MlflowRun:
 
     def register_checkpoint(self, path: str, step: int, kind: str, metrics: dict[str, float]) -> str:
         """A new version of the registered model for the checkpoint at `path`; returns the version number."""
-        tags = {"treadle_path": path, "step": str(step), "kind": kind, **{f"metric.{k}": repr(float(v)) for k, v in metrics.items()}}
-        version = self.client.create_model_version(self.registered_model_name, source=path, run_id=self.run_id, tags=tags,
-                                                   description=f"{kind} checkpoint after step {step}: {path}")
+        tags = {
+            "treadle_path": path,
+            "step": str(step),
+            "kind": kind,
+            **{f"metric.{k}": repr(float(v)) for k, v in metrics.items()},
+        }
+        version = self.client.create_model_version(
+            self.registered_model_name,
+            source=path,
+            run_id=self.run_id,
+            tags=tags,
+            description=f"{kind} checkpoint after step {step}: {path}",
+        )
         return str(version.version)
 
     def log_artifact(self, path: str) -> None:

@@ -64,7 +64,9 @@ def staleness(group_version: int, current_version: int) -> int:
     return current_version - group_version
 
 
-def staleness_action(group_version: int, current_version: int, max_steps_off_policy: int, stale_policy: StalePolicy) -> Action:
+def staleness_action(
+    group_version: int, current_version: int, max_steps_off_policy: int, stale_policy: StalePolicy
+) -> Action:
     """What to do with a group sampled at `group_version` when the trainer is at `current_version`."""
     if staleness(group_version, current_version) <= max_steps_off_policy:
         return "use"

@@ -23,7 +23,9 @@ def plot_metrics(metrics_path: str, png_path: str, keys: Sequence[str], title: s
             # A metric measured now and then (an eval) is its points, dotted between: a solid line
             # would suggest values at steps where nothing was measured.
             sparse = len(points) < len(rows) / 2
-            ax.plot(xs, ys, marker="o" if sparse or len(points) < 30 else None, linestyle=":" if sparse else "-", label=key)
+            ax.plot(
+                xs, ys, marker="o" if sparse or len(points) < 30 else None, linestyle=":" if sparse else "-", label=key
+            )
     ax.set_xlabel("step")
     ax.set_title(title)
     ax.grid(alpha=0.3)

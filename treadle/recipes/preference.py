@@ -36,14 +36,25 @@ ReferenceScorer = Callable[[Sequence[Datum]], np.ndarray]
 class PreferenceConfig(RunConfig):
     """The fields DPO and KTO share: the reference, beta, and the held-out eval."""
 
-    base_model: str = Field(default="SmolLM2-135M-Instruct", description="Base model served by the workers (also the reference).")
+    base_model: str = Field(
+        default="SmolLM2-135M-Instruct", description="Base model served by the workers (also the reference)."
+    )
     system_prompt: str | None = Field(default=None, description="System message (None: the chat template's default).")
-    reference: ReferenceSource = Field(default="sampler", description="Reference logprobs: the base model's sampler, or a fresh adapter's batched forward.")
+    reference: ReferenceSource = Field(
+        default="sampler",
+        description="Reference logprobs: the base model's sampler, or a fresh adapter's batched forward.",
+    )
     beta: float = Field(default=0.1, gt=0.0, description="Beta: the strength of the implicit KL to the reference.")
-    heldout_path: str | None = Field(default=None, description="Held-out pairs JSONL {prompt, chosen, rejected}; None: arithmetic held-out pairs.")
-    heldout_pairs: int = Field(default=50, ge=1, description="Arithmetic: held-out pairs (and problems of the accuracy eval).")
+    heldout_path: str | None = Field(
+        default=None, description="Held-out pairs JSONL {prompt, chosen, rejected}; None: arithmetic held-out pairs."
+    )
+    heldout_pairs: int = Field(
+        default=50, ge=1, description="Arithmetic: held-out pairs (and problems of the accuracy eval)."
+    )
     max_operand: int = Field(default=9, ge=1, description="Arithmetic: operands are drawn from [0, max_operand].")
-    arithmetic_eval: bool = Field(default=True, description="Also measure greedy accuracy on the held-out arithmetic problems.")
+    arithmetic_eval: bool = Field(
+        default=True, description="Also measure greedy accuracy on the held-out arithmetic problems."
+    )
     max_tokens: int = Field(default=16, ge=1, description="Accuracy eval: most tokens per answer.")
     stop: list[str] = Field(default_factory=lambda: ["\n"], description="Accuracy eval: stop strings.")
 
@@ -78,8 +89,10 @@ def forward_reference_logprobs(service: Any, base_model: str, datums: Sequence[D
     """
     with service.create_lora_training_client(base_model, rank=1) as scorer:
         out = scorer.forward(list(datums), "cross_entropy").result()
-    return sequence_logprobs([o["logprobs"].to_numpy() for o in out.loss_fn_outputs],
-                             [d.loss_fn_inputs["weights"].to_numpy() for d in datums])
+    return sequence_logprobs(
+        [o["logprobs"].to_numpy() for o in out.loss_fn_outputs],
+        [d.loss_fn_inputs["weights"].to_numpy() for d in datums],
+    )
 
 
 def reference_scorer(service: Any, base_model: str, source: ReferenceSource) -> ReferenceScorer:
@@ -100,11 +113,13 @@ class RenderedPairs:
     ref_rejected: np.ndarray
 
 
-def render_pairs(tokenizer: Any, score: ReferenceScorer, pairs: Sequence[PreferencePair], system_prompt: str | None) -> RenderedPairs:
+def render_pairs(
+    tokenizer: Any, score: ReferenceScorer, pairs: Sequence[PreferencePair], system_prompt: str | None
+) -> RenderedPairs:
     chosen = [completion_datum(tokenizer, p.prompt, p.chosen, system_prompt) for p in pairs]
     rejected = [completion_datum(tokenizer, p.prompt, p.rejected, system_prompt) for p in pairs]
     ref = score([*chosen, *rejected])
-    return RenderedPairs(chosen, rejected, ref[: len(pairs)], ref[len(pairs):])
+    return RenderedPairs(chosen, rejected, ref[: len(pairs)], ref[len(pairs) :])
 
 
 def pair_metrics(training: Any, pairs: RenderedPairs, beta: float) -> dict[str, float]:
@@ -118,35 +133,73 @@ def pair_metrics(training: Any, pairs: RenderedPairs, beta: float) -> dict[str, 
     """
     datums = [*pairs.chosen, *pairs.rejected]
     out = training.forward(datums, "cross_entropy").result()
-    policy = sequence_logprobs([o["logprobs"].to_numpy() for o in out.loss_fn_outputs],
-                               [d.loss_fn_inputs["weights"].to_numpy() for d in datums])
+    policy = sequence_logprobs(
+        [o["logprobs"].to_numpy() for o in out.loss_fn_outputs],
+        [d.loss_fn_inputs["weights"].to_numpy() for d in datums],
+    )
     n = len(pairs.chosen)
     result = dpo_loss(policy[:n], policy[n:], pairs.ref_chosen, pairs.ref_rejected, beta)
-    return {"eval/reward_accuracy": result.metrics["dpo/accuracy"], "eval/margin": result.metrics["dpo/margin"],
-            "eval/dpo_loss": result.loss, "eval/preference_accuracy": float((policy[:n] > policy[n:]).mean())}
+    return {
+        "eval/reward_accuracy": result.metrics["dpo/accuracy"],
+        "eval/margin": result.metrics["dpo/margin"],
+        "eval/dpo_loss": result.loss,
+        "eval/preference_accuracy": float((policy[:n] > policy[n:]).mean()),
+    }
 
 
-def heldout_metrics(training: Any, tokenizer: Any, log: RunLog, step: int, heldout: RenderedPairs, beta: float,
-                    problems: Sequence[Problem], *, system_prompt: str | None, max_tokens: int, stop: list[str]) -> dict[str, float]:
+def heldout_metrics(
+    training: Any,
+    tokenizer: Any,
+    log: RunLog,
+    step: int,
+    heldout: RenderedPairs,
+    beta: float,
+    problems: Sequence[Problem],
+    *,
+    system_prompt: str | None,
+    max_tokens: int,
+    stop: list[str],
+) -> dict[str, float]:
     """`pair_metrics`, plus greedy accuracy on `problems` (if any) from a named sampler snapshot of this step."""
     metrics = pair_metrics(training, heldout, beta)
     if problems:
         path = training.save_weights_for_sampler(f"step-{step:06d}").result().path
         log.record_sampler(path, step)
-        metrics["eval/accuracy"] = evaluate_problems(training.create_sampling_client(path), tokenizer, problems,
-                                                     system_prompt=system_prompt, max_tokens=max_tokens, stop=stop,
-                                                     desc=f"eval @ step {step}").accuracy
+        metrics["eval/accuracy"] = evaluate_problems(
+            training.create_sampling_client(path),
+            tokenizer,
+            problems,
+            system_prompt=system_prompt,
+            max_tokens=max_tokens,
+            stop=stop,
+            desc=f"eval @ step {step}",
+        ).accuracy
     return metrics
 
 
-def heldout_evaluator(training: Any, tokenizer: Any, log: RunLog, reference: ReferenceScorer, cfg: PreferenceConfig) -> Callable[[int], dict[str, float]]:
+def heldout_evaluator(
+    training: Any, tokenizer: Any, log: RunLog, reference: ReferenceScorer, cfg: PreferenceConfig
+) -> Callable[[int], dict[str, float]]:
     """A preference run's held-out eval (`heldout_metrics` by step): its pairs (`cfg.heldout_path`, else arithmetic
     ones) rendered and scored by the reference once, and the arithmetic problems when `cfg.arithmetic_eval`."""
-    heldout = (load_pairs(cfg.heldout_path) if cfg.heldout_path
-               else arithmetic_pairs(cfg.heldout_pairs, cfg.seed, heldout=True, max_operand=cfg.max_operand))
+    heldout = (
+        load_pairs(cfg.heldout_path)
+        if cfg.heldout_path
+        else arithmetic_pairs(cfg.heldout_pairs, cfg.seed, heldout=True, max_operand=cfg.max_operand)
+    )
     problems = arithmetic_heldout(cfg.heldout_pairs, cfg.max_operand) if cfg.arithmetic_eval else []
-    return partial(heldout_metrics, training, tokenizer, log, heldout=render_pairs(tokenizer, reference, heldout, cfg.system_prompt),
-                   beta=cfg.beta, problems=problems, system_prompt=cfg.system_prompt, max_tokens=cfg.max_tokens, stop=cfg.stop)
+    return partial(
+        heldout_metrics,
+        training,
+        tokenizer,
+        log,
+        heldout=render_pairs(tokenizer, reference, heldout, cfg.system_prompt),
+        beta=cfg.beta,
+        problems=problems,
+        system_prompt=cfg.system_prompt,
+        max_tokens=cfg.max_tokens,
+        stop=cfg.stop,
+    )
 
 
 def eval_part(row: dict) -> dict[str, float]:
@@ -165,8 +218,10 @@ class RunResult:
     png_path: str
 
     def summary(self) -> str:
-        return (f"held-out before: {self.eval_before}\nheld-out after:  {self.eval_after}\n"
-                f"metrics: {self.metrics_path}\ncurve:   {self.png_path}\nstate:   {self.final_state_path}")
+        return (
+            f"held-out before: {self.eval_before}\nheld-out after:  {self.eval_after}\n"
+            f"metrics: {self.metrics_path}\ncurve:   {self.png_path}\nstate:   {self.final_state_path}"
+        )
 
 
 def finish_run(log: RunLog, final_state_path: str, curve: list[str], title: str, eval_key: str) -> RunResult:

@@ -83,10 +83,15 @@ def _problems(n: int, seed: int, heldout: bool, max_operand: int) -> list[Proble
 def arithmetic_pairs(n: int, seed: int = 0, heldout: bool = False, max_operand: int = 9) -> list[PreferencePair]:
     """`n` pairs: the right response chosen, a wrong one rejected (labels checked by the grader)."""
     rng = random.Random(f"pairs:{seed}:{heldout}")
-    return [PreferencePair(p.question, right_response(p), wrong_response(p, rng)) for p in _problems(n, seed, heldout, max_operand)]
+    return [
+        PreferencePair(p.question, right_response(p), wrong_response(p, rng))
+        for p in _problems(n, seed, heldout, max_operand)
+    ]
 
 
-def arithmetic_kto_examples(n: int, seed: int = 0, desirable_fraction: float = 0.5, max_operand: int = 9) -> list[KTOExample]:
+def arithmetic_kto_examples(
+    n: int, seed: int = 0, desirable_fraction: float = 0.5, max_operand: int = 9
+) -> list[KTOExample]:
     """`n` unpaired examples, each one response to its own problem, labelled by the grader."""
     rng = random.Random(f"kto:{seed}")
     examples = []
@@ -97,8 +102,10 @@ def arithmetic_kto_examples(n: int, seed: int = 0, desirable_fraction: float = 0
 
 
 def arithmetic_sft_conversations(n: int, seed: int = 0, max_operand: int = 9) -> list[dict]:
-    return [{"messages": [{"role": "user", "content": p.question}, {"role": "assistant", "content": right_response(p)}]}
-            for p in _problems(n, seed, False, max_operand)]
+    return [
+        {"messages": [{"role": "user", "content": p.question}, {"role": "assistant", "content": right_response(p)}]}
+        for p in _problems(n, seed, False, max_operand)
+    ]
 
 
 def write_jsonl(path: str, rows: list) -> str:
@@ -132,8 +139,10 @@ class Config(BaseModel):
 
 if __name__ == "__main__":
     cfg = parse_config(Config, prog="python -m treadle.recipes.preference_data")
-    for name, rows in (("dpo_train.jsonl", arithmetic_pairs(cfg.pairs, cfg.seed)),
-                       ("dpo_heldout.jsonl", arithmetic_pairs(cfg.heldout_pairs, cfg.seed, heldout=True)),
-                       ("kto_train.jsonl", arithmetic_kto_examples(cfg.pairs, cfg.seed)),
-                       ("sft_train.jsonl", arithmetic_sft_conversations(cfg.pairs, cfg.seed))):
+    for name, rows in (
+        ("dpo_train.jsonl", arithmetic_pairs(cfg.pairs, cfg.seed)),
+        ("dpo_heldout.jsonl", arithmetic_pairs(cfg.heldout_pairs, cfg.seed, heldout=True)),
+        ("kto_train.jsonl", arithmetic_kto_examples(cfg.pairs, cfg.seed)),
+        ("sft_train.jsonl", arithmetic_sft_conversations(cfg.pairs, cfg.seed)),
+    ):
         print(write_jsonl(os.path.join(cfg.out_dir, name), rows))

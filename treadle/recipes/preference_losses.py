@@ -44,8 +44,14 @@ class PreferenceLoss:
     metrics: dict[str, float]
 
 
-def dpo_loss(chosen: np.ndarray, rejected: np.ndarray, ref_chosen: np.ndarray, ref_rejected: np.ndarray,
-             beta: float, label_smoothing: float = 0.0) -> PreferenceLoss:
+def dpo_loss(
+    chosen: np.ndarray,
+    rejected: np.ndarray,
+    ref_chosen: np.ndarray,
+    ref_rejected: np.ndarray,
+    beta: float,
+    label_smoothing: float = 0.0,
+) -> PreferenceLoss:
     """DPO (Rafailov et al. 2023) with conservative label smoothing (cDPO), averaged over pairs.
 
     Implicit rewards r = beta * (log pi - log pi_ref); margin h = r_chosen - r_rejected;
@@ -59,14 +65,23 @@ def dpo_loss(chosen: np.ndarray, rejected: np.ndarray, ref_chosen: np.ndarray, r
     grad = np.concatenate([beta * dloss_dmargin, -beta * dloss_dmargin])
     # Mean log pi - log pi_ref over the batch's completions: the KL to the reference on the data's completions.
     logratio = np.concatenate([chosen - ref_chosen, rejected - ref_rejected])
-    return PreferenceLoss(float(losses.mean()), grad, {
-        "dpo/loss": float(losses.mean()), "dpo/accuracy": float((margin > 0).mean()), "dpo/margin": float(margin.mean()),
-        "dpo/chosen_reward": float(chosen_reward.mean()), "dpo/rejected_reward": float(rejected_reward.mean()),
-        "dpo/kl_ref": float(logratio.mean()),
-    })
+    return PreferenceLoss(
+        float(losses.mean()),
+        grad,
+        {
+            "dpo/loss": float(losses.mean()),
+            "dpo/accuracy": float((margin > 0).mean()),
+            "dpo/margin": float(margin.mean()),
+            "dpo/chosen_reward": float(chosen_reward.mean()),
+            "dpo/rejected_reward": float(rejected_reward.mean()),
+            "dpo/kl_ref": float(logratio.mean()),
+        },
+    )
 
 
-def dpo_on_pairs(ref_chosen: np.ndarray, ref_rejected: np.ndarray, beta: float, label_smoothing: float = 0.0) -> "SequenceLoss":
+def dpo_on_pairs(
+    ref_chosen: np.ndarray, ref_rejected: np.ndarray, beta: float, label_smoothing: float = 0.0
+) -> "SequenceLoss":
     """The DPO loss of a batch of sequences laid out [chosen..., rejected...], for `forward_backward_with_loss`."""
     n = len(ref_chosen)
     return lambda policy: dpo_loss(policy[:n], policy[n:], ref_chosen, ref_rejected, beta, label_smoothing)
@@ -85,8 +100,15 @@ def kto_kl_estimate(kl_policy: np.ndarray, kl_ref: np.ndarray) -> float:
     return float(np.mean(kl_policy - kl_ref))
 
 
-def kto_loss(policy: np.ndarray, ref: np.ndarray, desirable: np.ndarray, z0: float, beta: float,
-             desirable_weight: float = 1.0, undesirable_weight: float = 1.0) -> PreferenceLoss:
+def kto_loss(
+    policy: np.ndarray,
+    ref: np.ndarray,
+    desirable: np.ndarray,
+    z0: float,
+    beta: float,
+    desirable_weight: float = 1.0,
+    undesirable_weight: float = 1.0,
+) -> PreferenceLoss:
     """KTO (Ethayarajh et al. 2024), averaged over examples.
 
     With r = log pi - log pi_ref: a desirable example costs w_D * (1 - sigmoid(beta (r - z0))), an
@@ -113,8 +135,9 @@ def kto_loss(policy: np.ndarray, ref: np.ndarray, desirable: np.ndarray, z0: flo
 SequenceLoss = Callable[[np.ndarray], PreferenceLoss]
 
 
-def forward_backward_with_loss(training: Any, datums: Sequence[Any], loss_fn: SequenceLoss,
-                               n_trained: int | None = None) -> tuple[Any, PreferenceLoss]:
+def forward_backward_with_loss(
+    training: Any, datums: Sequence[Any], loss_fn: SequenceLoss, n_trained: int | None = None
+) -> tuple[Any, PreferenceLoss]:
     """Run a sequence-level loss on the client and accumulate its exact gradient on the worker.
 
     `datums` are cross_entropy datums whose `weights` mark the completion tokens. `loss_fn` gets the
@@ -128,23 +151,40 @@ def forward_backward_with_loss(training: Any, datums: Sequence[Any], loss_fn: Se
     result = loss_fn(sequence_logprobs(token_logprobs, weights))
     trained = datums[: len(datums) if n_trained is None else n_trained]
     backward = [
-        type(d)(model_input=d.model_input, loss_fn_inputs={
-            "target_tokens": d.loss_fn_inputs["target_tokens"],
-            "weights": (-g * (w != 0)).astype(np.float32),
-        })
+        type(d)(
+            model_input=d.model_input,
+            loss_fn_inputs={
+                "target_tokens": d.loss_fn_inputs["target_tokens"],
+                "weights": (-g * (w != 0)).astype(np.float32),
+            },
+        )
         for d, w, g in zip(trained, weights, result.grad)
     ]
     return training.forward_backward(backward, "cross_entropy"), result
 
 
-def kto_on_batch(ref: np.ndarray, desirable: np.ndarray, ref_mismatched: np.ndarray, beta: float,
-                 desirable_weight: float = 1.0, undesirable_weight: float = 1.0) -> SequenceLoss:
+def kto_on_batch(
+    ref: np.ndarray,
+    desirable: np.ndarray,
+    ref_mismatched: np.ndarray,
+    beta: float,
+    desirable_weight: float = 1.0,
+    undesirable_weight: float = 1.0,
+) -> SequenceLoss:
     """The KTO loss of a batch laid out [examples..., mismatched pairs...]; z0 comes from the mismatched ones."""
     n = len(ref)
 
     def loss(policy: np.ndarray) -> PreferenceLoss:
-        out = kto_loss(policy[:n], ref, desirable, kto_reference_point(policy[n:], ref_mismatched), beta,
-                       desirable_weight, undesirable_weight)
+        out = kto_loss(
+            policy[:n],
+            ref,
+            desirable,
+            kto_reference_point(policy[n:], ref_mismatched),
+            beta,
+            desirable_weight,
+            undesirable_weight,
+        )
         out.metrics["kto/kl_estimate"] = kto_kl_estimate(policy[n:], ref_mismatched)
         return out
+
     return loss

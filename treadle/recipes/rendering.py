@@ -42,9 +42,9 @@ def _extension(before: str, after: str, what: str) -> str:
     if not after.startswith(before):
         raise ValueError(
             f"chat template is not incremental at {what}: rendering one more message rewrote earlier text "
-            f"(expected a continuation of {before[-60:]!r}, got {after[:len(before)][-60:]!r})"
+            f"(expected a continuation of {before[-60:]!r}, got {after[: len(before)][-60:]!r})"
         )
-    return after[len(before):]
+    return after[len(before) :]
 
 
 def render_generation_prompt(tokenizer: Any, messages: Sequence[Message]) -> list[int]:
@@ -52,7 +52,9 @@ def render_generation_prompt(tokenizer: Any, messages: Sequence[Message]) -> lis
     return _encode(tokenizer, _text(tokenizer, messages, add_generation_prompt=True))
 
 
-def render_conversation(tokenizer: Any, messages: Sequence[Message], train_on: str = "all_assistant") -> RenderedConversation:
+def render_conversation(
+    tokenizer: Any, messages: Sequence[Message], train_on: str = "all_assistant"
+) -> RenderedConversation:
     """Tokens of a full conversation with a loss mask on assistant content and its end-of-turn token.
 
     `train_on="last_assistant"` masks every assistant turn but the last one.
@@ -67,7 +69,9 @@ def render_conversation(tokenizer: Any, messages: Sequence[Message], train_on: s
     done = ""
     for i, message in enumerate(messages):
         if message["role"] == "assistant":
-            header = _extension(done, _text(tokenizer, messages[:i], add_generation_prompt=True), f"message {i} (header)")
+            header = _extension(
+                done, _text(tokenizer, messages[:i], add_generation_prompt=True), f"message {i} (header)"
+            )
             ids = _encode(tokenizer, header)
             tokens += ids
             mask += [0.0] * len(ids)
@@ -75,7 +79,7 @@ def render_conversation(tokenizer: Any, messages: Sequence[Message], train_on: s
         full = _text(tokenizer, messages[: i + 1], add_generation_prompt=False)
         piece = _extension(done, full, f"message {i}")
         # Whitespace after the end-of-turn token separates turns; the model never generates it.
-        body, separator = piece.rstrip(), piece[len(piece.rstrip()):]
+        body, separator = piece.rstrip(), piece[len(piece.rstrip()) :]
         trained = message["role"] == "assistant" and (train_on == "all_assistant" or i == last_assistant)
         for text, weight in ((body, 1.0 if trained else 0.0), (separator, 0.0)):
             ids = _encode(tokenizer, text)
@@ -88,7 +92,11 @@ def render_conversation(tokenizer: Any, messages: Sequence[Message], train_on: s
 def tool_message(tokenizer: Any, name: str, content: str) -> Message:
     """A tool result as the chat template renders it: role `tool` if the template shows that role's
     content, else (a template without tool support) a user message that says which tool answered."""
-    probe = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}, {"role": "tool", "name": name, "content": "\x1fprobe"}]
+    probe = [
+        {"role": "user", "content": "q"},
+        {"role": "assistant", "content": "a"},
+        {"role": "tool", "name": name, "content": "\x1fprobe"},
+    ]
     try:
         supported = "\x1fprobe" in _text(tokenizer, probe, add_generation_prompt=True)
     except Exception:  # jinja raises its own TemplateError (e.g. "roles must alternate") for unknown roles
@@ -98,8 +106,13 @@ def tool_message(tokenizer: Any, name: str, content: str) -> Message:
     return {"role": "user", "content": f"[{name} result]\n{content}"}
 
 
-def render_continuation(tokenizer: Any, messages: Sequence[Message], reply: str, reply_tokens_end_turn: bool,
-                        new_messages: Sequence[Message]) -> list[int]:
+def render_continuation(
+    tokenizer: Any,
+    messages: Sequence[Message],
+    reply: str,
+    reply_tokens_end_turn: bool,
+    new_messages: Sequence[Message],
+) -> list[int]:
     """Tokens that follow a sampled assistant `reply` to make the next generation prompt.
 
     They are the rest of the reply's turn (its end-of-turn marker, unless the sampled tokens already
@@ -108,11 +121,15 @@ def render_continuation(tokenizer: Any, messages: Sequence[Message], reply: str,
     exactly what the model saw and wrote, and training on it trains on the tokens of inference.
     """
     before = _text(tokenizer, messages, add_generation_prompt=True) + reply
-    after = _text(tokenizer, [*messages, {"role": "assistant", "content": reply}, *new_messages], add_generation_prompt=True)
+    after = _text(
+        tokenizer, [*messages, {"role": "assistant", "content": reply}, *new_messages], add_generation_prompt=True
+    )
     rest = _extension(before, after, "the message after the sampled reply")
     if reply_tokens_end_turn:
         end = tokenizer.eos_token
         if not rest.startswith(end):
-            raise ValueError(f"the template does not close an assistant turn with the end token {end!r}: it continues with {rest[:40]!r}")
-        rest = rest[len(end):]
+            raise ValueError(
+                f"the template does not close an assistant turn with the end token {end!r}: it continues with {rest[:40]!r}"
+            )
+        rest = rest[len(end) :]
     return _encode(tokenizer, rest)

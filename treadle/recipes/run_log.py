@@ -70,16 +70,30 @@ class RunConfig(BaseModel):
     eval_every: int = Field(default=5, ge=0, description="Held-out eval every N steps (0: only before and after).")
     save_every: int = Field(default=10, ge=1, description="save_state every N steps (and at the end).")
     resume: bool = Field(default=False, description="Continue from the last checkpoint in log_dir's checkpoints.jsonl.")
-    mlflow_experiment: str | None = Field(default=None, description="Also log to this MLflow experiment (needs mlflow).")
-    mlflow_tracking_uri: str | None = Field(default=None, description="MLflow store, e.g. sqlite:///mlflow.db (None: MLFLOW_TRACKING_URI or ./mlruns).")
-    registered_model_name: str | None = Field(default=None, description="Register every saved checkpoint as a version of this MLflow model.")
+    mlflow_experiment: str | None = Field(
+        default=None, description="Also log to this MLflow experiment (needs mlflow)."
+    )
+    mlflow_tracking_uri: str | None = Field(
+        default=None, description="MLflow store, e.g. sqlite:///mlflow.db (None: MLFLOW_TRACKING_URI or ./mlruns)."
+    )
+    registered_model_name: str | None = Field(
+        default=None, description="Register every saved checkpoint as a version of this MLflow model."
+    )
 
 
 class RunLog:
     """Append-only logs of one run in `log_dir`, mirrored to MLflow when `mlflow_experiment` is set."""
 
-    def __init__(self, log_dir: str, config: BaseModel, resume: bool = False, mlflow_experiment: str | None = None,
-                 *, mlflow_tracking_uri: str | None = None, registered_model_name: str | None = None):
+    def __init__(
+        self,
+        log_dir: str,
+        config: BaseModel,
+        resume: bool = False,
+        mlflow_experiment: str | None = None,
+        *,
+        mlflow_tracking_uri: str | None = None,
+        registered_model_name: str | None = None,
+    ):
         self.log_dir = os.path.abspath(log_dir)
         os.makedirs(self.log_dir, exist_ok=True)
         self.metrics_path = os.path.join(self.log_dir, METRICS_FILE)
@@ -90,20 +104,35 @@ class RunLog:
         with open(os.path.join(self.log_dir, CONFIG_FILE), "w") as f:
             f.write(config.model_dump_json(indent=2))
         if registered_model_name and not mlflow_experiment:
-            raise ValueError(f"registered_model_name={registered_model_name!r} needs mlflow_experiment (the run its versions belong to)")
+            raise ValueError(
+                f"registered_model_name={registered_model_name!r} needs mlflow_experiment (the run its versions belong to)"
+            )
         self._mlflow: MlflowRun | None = None
         if mlflow_experiment:
-            self._mlflow = MlflowRun(mlflow_experiment, os.path.basename(self.log_dir), config.model_dump(),
-                                     mlflow_tracking_uri, registered_model_name)
+            self._mlflow = MlflowRun(
+                mlflow_experiment,
+                os.path.basename(self.log_dir),
+                config.model_dump(),
+                mlflow_tracking_uri,
+                registered_model_name,
+            )
         # Checkpoints wait here until their step's metrics are logged, so their registry tags carry them.
         self._unregistered: list[tuple[str, int, str]] = []
-        self._logged: tuple[int, dict[str, float]] | None = None  # the last metrics row: a checkpoint of its step is tagged with it
+        self._logged: tuple[int, dict[str, float]] | None = (
+            None  # the last metrics row: a checkpoint of its step is tagged with it
+        )
 
     @classmethod
     def for_config(cls, cfg: Any) -> "RunLog":
         """The log of a recipe whose config has `log_dir` and the RunConfig fields."""
-        return cls(cfg.log_dir, cfg, cfg.resume, cfg.mlflow_experiment, mlflow_tracking_uri=cfg.mlflow_tracking_uri,
-                   registered_model_name=cfg.registered_model_name)
+        return cls(
+            cfg.log_dir,
+            cfg,
+            cfg.resume,
+            cfg.mlflow_experiment,
+            mlflow_tracking_uri=cfg.mlflow_tracking_uri,
+            registered_model_name=cfg.registered_model_name,
+        )
 
     # ------------------------------------------------------------ metrics
     def log_metrics(self, step: int, metrics: dict[str, float]) -> None:
@@ -121,7 +150,9 @@ class RunLog:
         append_jsonl(os.path.join(self.log_dir, filename), {"step": step, **row})
 
     # ------------------------------------------------------------ checkpoints
-    def record_checkpoint(self, name: str, step: int, state_path: str, extra: dict[str, Any] | None = None) -> CheckpointRecord:
+    def record_checkpoint(
+        self, name: str, step: int, state_path: str, extra: dict[str, Any] | None = None
+    ) -> CheckpointRecord:
         record = CheckpointRecord(name=name, step=step, state_path=state_path, time=time.time(), extra=extra or {})
         append_jsonl(self.checkpoints_path, record.__dict__)
         self.record_sampler(state_path, step, kind="state")
@@ -165,6 +196,8 @@ class RunLog:
         """Finish the MLflow run: pending registrations, then the PNG curves and JSONL logs as artifacts."""
         if self._mlflow is not None:
             self._register(float("inf"), {})
-            for path in sorted(glob.glob(os.path.join(self.log_dir, "*.png")) + glob.glob(os.path.join(self.log_dir, "*.jsonl"))):
+            for path in sorted(
+                glob.glob(os.path.join(self.log_dir, "*.png")) + glob.glob(os.path.join(self.log_dir, "*.jsonl"))
+            ):
                 self._mlflow.log_artifact(path)
             self._mlflow.close()

@@ -68,9 +68,12 @@ REQUIRED = ("seccomp",)
 # Runs inside the new namespaces as root, in the host-side run directory: assemble the run's root in
 # $1 (a fresh tmpfs) and cap its IPC namespace. Arguments: root, work MiB, uid, interpreter, then the
 # directories to bind read-only.
-_SETUP = r"""
+_SETUP = (
+    r"""
 root=$1 work_mb=$2 uid=$3; shift 4
-""" + "".join(f'echo "{value}" > /proc/sys/kernel/{name}\n' for name, value in IPC_SYSCTLS.items()) + r"""
+"""
+    + "".join(f'echo "{value}" > /proc/sys/kernel/{name}\n' for name, value in IPC_SYSCTLS.items())
+    + r"""
 mount -t tmpfs -o size=1m,mode=755 sandbox-root "$root"
 for dir in "$@"; do
   mkdir -p "$root$dir"
@@ -91,6 +94,7 @@ done
 cp main.py "$root/work/main.py"
 mount -o remount,ro "$root"
 """
+)
 # pid 1 of the namespace: join the run's cgroups (before anything else, so everything is counted), set
 # up (a failure gets its own exit status), then the program as a child, so that its end ends the
 # namespace. Arguments: the setup script, the cgroup.procs files, the seccomp loader and filter, then
@@ -109,10 +113,16 @@ class Limits(BaseModel):
     """Resource limits of one run."""
 
     cpu_seconds: int = Field(default=2, ge=1, le=600, description="CPU time (RLIMIT_CPU), then SIGKILL.")
-    wall_seconds: float = Field(default=5.0, gt=0.0, le=600.0, description="Wall time, then the process group is killed.")
+    wall_seconds: float = Field(
+        default=5.0, gt=0.0, le=600.0, description="Wall time, then the process group is killed."
+    )
     memory_mb: int = Field(default=512, ge=64, le=65536, description="Address space per process (RLIMIT_AS).")
-    max_processes: int = Field(default=4, ge=1, le=4096, description="Processes and threads of the run's uid (RLIMIT_NPROC).")
-    max_output_bytes: int = Field(default=1 << 20, ge=1024, le=1 << 30, description="Largest stdout, stderr or written file (RLIMIT_FSIZE).")
+    max_processes: int = Field(
+        default=4, ge=1, le=4096, description="Processes and threads of the run's uid (RLIMIT_NPROC)."
+    )
+    max_output_bytes: int = Field(
+        default=1 << 20, ge=1024, le=1 << 30, description="Largest stdout, stderr or written file (RLIMIT_FSIZE)."
+    )
     work_mb: int = Field(default=16, ge=1, le=4096, description="Size of the tmpfs /work and /tmp.")
 
     @property
@@ -147,9 +157,16 @@ def run_all(sandbox: Sandbox, jobs: Sequence[tuple[str, str]], parallelism: int 
 def _prlimit(limits: Limits) -> list[str]:
     """The rlimits every process of the run inherits, set by `prlimit` (no preexec_fn: runs start from many threads)."""
     cpu = limits.cpu_seconds
-    return ["prlimit", f"--cpu={cpu}:{cpu + 1}",  # soft: SIGXCPU, hard: SIGKILL
-            f"--as={limits.memory_mb << 20}", f"--nproc={limits.max_processes}", f"--fsize={limits.max_output_bytes}", "--core=0",
-            f"--nofile={OPEN_FILES}", "--msgqueue=0"]
+    return [
+        "prlimit",
+        f"--cpu={cpu}:{cpu + 1}",  # soft: SIGXCPU, hard: SIGKILL
+        f"--as={limits.memory_mb << 20}",
+        f"--nproc={limits.max_processes}",
+        f"--fsize={limits.max_output_bytes}",
+        "--core=0",
+        f"--nofile={OPEN_FILES}",
+        "--msgqueue=0",
+    ]
 
 
 def _read(path: str, limit: int) -> str:
@@ -160,13 +177,21 @@ def _read(path: str, limit: int) -> str:
 class LocalSandbox:
     """The `Sandbox` of this machine: namespaces, a private root, rlimits, seccomp, a cgroup where there is one, a uid per slot."""
 
-    def __init__(self, limits: Limits | None = None, pool_size: int = 4, python: str | None = None,
-                 allow_missing: Collection[str] = (), memory_budget_mb: int | None = None):
+    def __init__(
+        self,
+        limits: Limits | None = None,
+        pool_size: int = 4,
+        python: str | None = None,
+        allow_missing: Collection[str] = (),
+        memory_budget_mb: int | None = None,
+    ):
         """`allow_missing` names protections the caller accepts to run without ("seccomp"); `memory_budget_mb` is what
         `pool_size` runs may hold together (default: half the host's memory)."""
         if os.geteuid() != 0:
-            raise PermissionError("LocalSandbox needs root (it creates namespaces and runs programs under their own uids); "
-                                  "run as root (e.g. in a container) or implement the Sandbox protocol over another sandbox")
+            raise PermissionError(
+                "LocalSandbox needs root (it creates namespaces and runs programs under their own uids); "
+                "run as root (e.g. in a container) or implement the Sandbox protocol over another sandbox"
+            )
         missing = [tool for tool in ("unshare", "setpriv", "prlimit") if shutil.which(tool) is None]
         if missing:
             raise RuntimeError(f"LocalSandbox needs util-linux's {', '.join(missing)} on PATH")
@@ -184,7 +209,8 @@ class LocalSandbox:
                 f"pool_size x run memory = {pool_size} x {self.limits.run_memory_mb} MiB = {pool_size * self.limits.run_memory_mb} MiB "
                 f"exceeds the sandbox's memory budget of {budget} MiB (this host has {host_mb} MiB); a run holds up to "
                 f"memory_mb x max_processes + 2 x work_mb + {IPC_MB} = {self.limits.memory_mb} x {self.limits.max_processes} + "
-                f"2 x {self.limits.work_mb} + {IPC_MB} MiB: lower one of them or pool_size, or pass memory_budget_mb")
+                f"2 x {self.limits.work_mb} + {IPC_MB} MiB: lower one of them or pool_size, or pass memory_budget_mb"
+            )
         # The interpreter outside any virtualenv (the program runs with -I -S: the standard library only).
         self.python = python or os.path.realpath(getattr(sys, "_base_executable", sys.executable))
         prefix = os.path.realpath(sys.base_prefix) if python is None else os.path.dirname(os.path.dirname(self.python))
@@ -203,30 +229,51 @@ class LocalSandbox:
         found: dict[str, str] = {}
         try:
             self._filter = sandbox_host.seccomp_filter()
-            found["seccomp"] = f"filter of {len(self._filter) // 8} BPF instructions refusing {', '.join(sandbox_host.DENIED_CALLS)}, " \
-                               f"clone({'|'.join(hex(f) for f in sandbox_host.CLONE_NAMESPACE_FLAGS)}), clone3 (ENOSYS)"
-        except (ImportError, OSError, RuntimeError) as e:  # pyseccomp raises RuntimeError where libseccomp.so.2 is missing
+            found["seccomp"] = (
+                f"filter of {len(self._filter) // 8} BPF instructions refusing {', '.join(sandbox_host.DENIED_CALLS)}, "
+                f"clone({'|'.join(hex(f) for f in sandbox_host.CLONE_NAMESPACE_FLAGS)}), clone3 (ENOSYS)"
+            )
+        except (
+            ImportError,
+            OSError,
+            RuntimeError,
+        ) as e:  # pyseccomp raises RuntimeError where libseccomp.so.2 is missing
             self._filter = b""
             found["seccomp"] = f"missing: {type(e).__name__}: {e}"
         self._cgroup_parents, cgroup_found = sandbox_host.find_cgroup_parents()
-        found["cgroup"] = (f"{cgroup_found}: memory.max {self.limits.run_memory_mb} MiB and pids.max {self._max_tasks} per run"
-                           if self._cgroup_parents else f"missing: {cgroup_found}")
+        found["cgroup"] = (
+            f"{cgroup_found}: memory.max {self.limits.run_memory_mb} MiB and pids.max {self._max_tasks} per run"
+            if self._cgroup_parents
+            else f"missing: {cgroup_found}"
+        )
         probe = self._run(sandbox_host.SECCOMP_PROBE, "", self.uids[0])
         if probe.status != "ok":
-            raise RuntimeError(f"LocalSandbox cannot run programs on this host ({probe.status}, exit {probe.exit_code}): "
-                               f"{probe.stderr.strip()[-2000:]}")
+            raise RuntimeError(
+                f"LocalSandbox cannot run programs on this host ({probe.status}, exit {probe.exit_code}): "
+                f"{probe.stderr.strip()[-2000:]}"
+            )
         if self._filter and probe.stdout != sandbox_host.SECCOMP_PROBE_REFUSED:
-            raise RuntimeError(f"LocalSandbox loaded its seccomp filter but memfd_create was not refused: {probe.stdout!r}")
-        found["namespaces"] = "net, pid, mount, ipc, uts, cgroup (util-linux unshare), chroot to a read-only root, /proc with hidepid"
-        found["rlimits"] = (f"address space {self.limits.memory_mb} MiB x {self.limits.max_processes} processes, "
-                            f"{OPEN_FILES} open files, no POSIX message queues; IPC namespace caps {IPC_SYSCTLS}; "
-                            f"run total {self.limits.run_memory_mb} MiB")
+            raise RuntimeError(
+                f"LocalSandbox loaded its seccomp filter but memfd_create was not refused: {probe.stdout!r}"
+            )
+        found["namespaces"] = (
+            "net, pid, mount, ipc, uts, cgroup (util-linux unshare), chroot to a read-only root, /proc with hidepid"
+        )
+        found["rlimits"] = (
+            f"address space {self.limits.memory_mb} MiB x {self.limits.max_processes} processes, "
+            f"{OPEN_FILES} open files, no POSIX message queues; IPC namespace caps {IPC_SYSCTLS}; "
+            f"run total {self.limits.run_memory_mb} MiB"
+        )
         found["uids"] = f"{self.uids[0]}..{self.uids[-1]}"
-        log.info("treadle sandbox protections on this host: %s", "; ".join(f"{name}: {what}" for name, what in found.items()))
+        log.info(
+            "treadle sandbox protections on this host: %s", "; ".join(f"{name}: {what}" for name, what in found.items())
+        )
         refused = [name for name in REQUIRED if found[name].startswith("missing") and name not in allow_missing]
         if refused:
-            raise RuntimeError(f"LocalSandbox needs {', '.join(refused)}, missing on this host "
-                               f"({'; '.join(found[name] for name in refused)}); pass allow_missing={tuple(refused)!r} to run without")
+            raise RuntimeError(
+                f"LocalSandbox needs {', '.join(refused)}, missing on this host "
+                f"({'; '.join(found[name] for name in refused)}); pass allow_missing={tuple(refused)!r} to run without"
+            )
         return found
 
     @property
@@ -242,24 +289,62 @@ class LocalSandbox:
 
     def _run(self, program: str, stdin: str, uid: int) -> Execution:
         limits = self.limits
-        run_dir = tempfile.mkdtemp(prefix="treadle-sandbox-")  # mode 700: only its root mount point is ever visible inside
+        run_dir = tempfile.mkdtemp(
+            prefix="treadle-sandbox-"
+        )  # mode 700: only its root mount point is ever visible inside
         cgroup = None
         try:
             if self._cgroup_parents:
-                cgroup = sandbox_host.RunCgroup(self._cgroup_parents, f"treadle-sandbox-{uid}", limits.run_memory_mb << 20, self._max_tasks)
+                cgroup = sandbox_host.RunCgroup(
+                    self._cgroup_parents, f"treadle-sandbox-{uid}", limits.run_memory_mb << 20, self._max_tasks
+                )
             os.mkdir(os.path.join(run_dir, "root"))
             with open(os.path.join(run_dir, "main.py"), "w") as f:
                 f.write(program)
             with open(os.path.join(run_dir, "stdin"), "w") as f:
                 f.write(stdin)
             paths = {name: os.path.join(run_dir, name) for name in ("stdin", "stdout", "stderr")}
-            args = [*_prlimit(limits), "unshare", "--net", "--pid", "--mount", "--ipc", "--uts", "--fork", "--kill-child", "--propagation", "private",
-                    "sh", "-c", _RUN, "sandbox", _SETUP, " ".join(cgroup.procs_files if cgroup else []), _LOADER, self._filter.hex(),
-                    os.path.join(run_dir, "root"), str(limits.work_mb), str(uid), self.python, *self._binds]
+            args = [
+                *_prlimit(limits),
+                "unshare",
+                "--net",
+                "--pid",
+                "--mount",
+                "--ipc",
+                "--uts",
+                "--fork",
+                "--kill-child",
+                "--propagation",
+                "private",
+                "sh",
+                "-c",
+                _RUN,
+                "sandbox",
+                _SETUP,
+                " ".join(cgroup.procs_files if cgroup else []),
+                _LOADER,
+                self._filter.hex(),
+                os.path.join(run_dir, "root"),
+                str(limits.work_mb),
+                str(uid),
+                self.python,
+                *self._binds,
+            ]
             started = time.monotonic()
-            with open(paths["stdin"], "rb") as stdin_f, open(paths["stdout"], "wb") as out_f, open(paths["stderr"], "wb") as err_f:
-                proc = subprocess.Popen(args, cwd=run_dir, stdin=stdin_f, stdout=out_f, stderr=err_f, start_new_session=True,
-                                        env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8", "HOME": "/work"})
+            with (
+                open(paths["stdin"], "rb") as stdin_f,
+                open(paths["stdout"], "wb") as out_f,
+                open(paths["stderr"], "wb") as err_f,
+            ):
+                proc = subprocess.Popen(
+                    args,
+                    cwd=run_dir,
+                    stdin=stdin_f,
+                    stdout=out_f,
+                    stderr=err_f,
+                    start_new_session=True,
+                    env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8", "HOME": "/work"},
+                )
                 timed_out = False
                 try:
                     proc.wait(timeout=limits.wall_seconds)
@@ -272,7 +357,9 @@ class LocalSandbox:
             stderr = _read(paths["stderr"], limits.max_output_bytes)
             too_big = max(os.path.getsize(paths["stdout"]), os.path.getsize(paths["stderr"])) >= limits.max_output_bytes
             oom = cgroup is not None and cgroup.oom_killed()
-            return Execution(self._status(proc.returncode, timed_out, too_big, oom, stderr), proc.returncode, stdout, stderr, wall)
+            return Execution(
+                self._status(proc.returncode, timed_out, too_big, oom, stderr), proc.returncode, stdout, stderr, wall
+            )
         finally:
             shutil.rmtree(run_dir, ignore_errors=True)
             if cgroup:

@@ -46,7 +46,9 @@ DENIED_CALLS = {
     "process_vm_writev": "writing another process's memory",
     "syslog": "the host kernel's log",
 }
-CLONE_NAMESPACE_FLAGS = (0x10000000,)  # CLONE_NEWUSER: the other CLONE_NEW* flags need CAP_SYS_ADMIN, which only a user namespace would give
+CLONE_NAMESPACE_FLAGS = (
+    0x10000000,
+)  # CLONE_NEWUSER: the other CLONE_NEW* flags need CAP_SYS_ADMIN, which only a user namespace would give
 CLONE3 = "clone3"
 
 
@@ -107,6 +109,7 @@ def host_memory_mb() -> int:
 
 # ---- cgroups ----------------------------------------------------------------------------------------
 
+
 def _read(path: str) -> str:
     with open(path) as f:
         return f.read()
@@ -126,7 +129,9 @@ def _writable_parent(candidates: list[str], controllers: set[str]) -> str | None
     return None
 
 
-def find_cgroup_parents(mountinfo: str = "/proc/self/mountinfo", own_cgroups: str = "/proc/self/cgroup") -> tuple[dict[str, str], str]:
+def find_cgroup_parents(
+    mountinfo: str = "/proc/self/mountinfo", own_cgroups: str = "/proc/self/cgroup"
+) -> tuple[dict[str, str], str]:
     """Where the runs' cgroups go, by controller ({'memory': dir, 'pids': dir}), and a sentence on what was found.
 
     cgroup v2 first: the process's own cgroup if it already hands memory and pids to its children (the
@@ -176,9 +181,14 @@ class RunCgroup:
         self.dirs = sorted({os.path.join(parent, name) for parent in parents.values()})
         self.memory_dir = os.path.join(parents["memory"], name)
         v2 = parents["memory"] == parents["pids"]
-        limits = {self.memory_dir: ({"memory.max": memory_bytes, "memory.swap.max": 0} if v2 else
-                                    # memsw (memory + swap) must be set after, and may not be below, the memory limit
-                                    {"memory.limit_in_bytes": memory_bytes, "memory.memsw.limit_in_bytes": memory_bytes})}
+        limits = {
+            self.memory_dir: (
+                {"memory.max": memory_bytes, "memory.swap.max": 0}
+                if v2
+                # memsw (memory + swap) must be set after, and may not be below, the memory limit
+                else {"memory.limit_in_bytes": memory_bytes, "memory.memsw.limit_in_bytes": memory_bytes}
+            )
+        }
         pids_dir = os.path.join(parents["pids"], name)
         limits.setdefault(pids_dir, {})["pids.max"] = max_tasks
         for path, files in limits.items():

@@ -35,15 +35,26 @@ class Config(RunConfig):
     """Chat SFT with an assistant-only loss mask, pipelined through the treadle SDK."""
 
     log_dir: str = Field(default="runs/sft", description="Where metrics.jsonl, checkpoints.jsonl and the PNG go.")
-    data_path: str = Field(default=EXAMPLE_CONVERSATIONS, description="Conversations file: JSONL, JSON or parquet (Tulu 3 / UltraChat layouts; unless hf_dataset).")
-    hf_dataset: str | None = Field(default=None, description="HF dataset instead, e.g. allenai/tulu-3-sft-mixture (online).")
+    data_path: str = Field(
+        default=EXAMPLE_CONVERSATIONS,
+        description="Conversations file: JSONL, JSON or parquet (Tulu 3 / UltraChat layouts; unless hf_dataset).",
+    )
+    hf_dataset: str | None = Field(
+        default=None, description="HF dataset instead, e.g. allenai/tulu-3-sft-mixture (online)."
+    )
     hf_split: str = Field(default="train", description="Split of hf_dataset (UltraChat: train_sft).")
     hf_limit: int | None = Field(default=2000, description="Use the first N conversations of hf_dataset (None: all).")
     eval_size: int = Field(default=8, ge=1, description="Conversations held out for the eval loss.")
     batch_size: int = Field(default=8, ge=1, description="Conversations per step.")
     max_length: int = Field(default=512, ge=2, description="Truncate rendered conversations to this many tokens.")
-    pack_tokens: int | None = Field(default=None, ge=2, description="Pack training conversations into sequences of up to N tokens (None: one per datum).")
-    train_on: Literal["all_assistant", "last_assistant"] = Field(default="all_assistant", description="Which assistant turns to train on.")
+    pack_tokens: int | None = Field(
+        default=None,
+        ge=2,
+        description="Pack training conversations into sequences of up to N tokens (None: one per datum).",
+    )
+    train_on: Literal["all_assistant", "last_assistant"] = Field(
+        default="all_assistant", description="Which assistant turns to train on."
+    )
     learning_rate: float = Field(default=2e-4, gt=0.0, description="AdamW learning rate.")
     submit_ahead: int = Field(default=1, ge=0, description="Steps enqueued before the oldest result is read.")
 
@@ -89,7 +100,9 @@ def main(cfg: Config, service: ServiceClient | None = None) -> RunResult:
         full = render_conversation(tokenizer, messages, cfg.train_on)
         rendered.append(RenderedConversation(full.tokens[: cfg.max_length], full.mask[: cfg.max_length]))
     # Held-out conversations stay one per datum, so the eval loss does not depend on packing.
-    train_rendered = pack_conversations(rendered[cfg.eval_size:], cfg.pack_tokens) if cfg.pack_tokens else rendered[cfg.eval_size:]
+    train_rendered = (
+        pack_conversations(rendered[cfg.eval_size :], cfg.pack_tokens) if cfg.pack_tokens else rendered[cfg.eval_size :]
+    )
     eval_datums = [supervised_datum(r.tokens, r.mask) for r in rendered[: cfg.eval_size]]
     train_datums = [supervised_datum(r.tokens, r.mask) for r in train_rendered]
     eval_weight = sum(sum(d.loss_fn_inputs["weights"].data) for d in eval_datums)
@@ -98,7 +111,9 @@ def main(cfg: Config, service: ServiceClient | None = None) -> RunResult:
         """Mean loss per trained token of the held-out split."""
         return future.result().metrics["loss:sum"] / eval_weight
 
-    eval_before_training(run, log, lambda step: {"eval/loss": eval_loss(training.forward(eval_datums, "cross_entropy"))})
+    eval_before_training(
+        run, log, lambda step: {"eval/loss": eval_loss(training.forward(eval_datums, "cross_entropy"))}
+    )
 
     # ---------------------------------------------------------------- pipelined loop
     def submit(step: int) -> Submitted:
@@ -107,9 +122,15 @@ def main(cfg: Config, service: ServiceClient | None = None) -> RunResult:
         optim = training.optim_step(adam(cfg))
         evaluate = is_due(step, cfg.eval_every, cfg.steps)
         save = is_due(step, cfg.save_every, cfg.steps)
-        return Submitted(step, time.monotonic(), sum(sum(d.loss_fn_inputs["weights"].data) for d in batch), fwd_bwd, optim,
-                         training.forward(eval_datums, "cross_entropy") if evaluate else None,
-                         training.save_state(f"step-{step:06d}") if save else None)
+        return Submitted(
+            step,
+            time.monotonic(),
+            sum(sum(d.loss_fn_inputs["weights"].data) for d in batch),
+            fwd_bwd,
+            optim,
+            training.forward(eval_datums, "cross_entropy") if evaluate else None,
+            training.save_state(f"step-{step:06d}") if save else None,
+        )
 
     def finish(s: Submitted) -> None:
         """Read a step's results and log its row (and its checkpoint's record)."""
@@ -135,7 +156,9 @@ def main(cfg: Config, service: ServiceClient | None = None) -> RunResult:
         finish(in_flight.popleft())
 
     # ---------------------------------------------------------------- curve and summary
-    png_path = plot_metrics(log.metrics_path, f"{log.log_dir}/curve.png", ["train/loss", "eval/loss"], title=f"SFT ({cfg.base_model})")
+    png_path = plot_metrics(
+        log.metrics_path, f"{log.log_dir}/curve.png", ["train/loss", "eval/loss"], title=f"SFT ({cfg.base_model})"
+    )
     log.close()
     evals = [row["eval/loss"] for row in log.metrics() if "eval/loss" in row]
     return RunResult(evals[0], evals[-1], run.state_path, log.metrics_path, png_path)
@@ -143,5 +166,7 @@ def main(cfg: Config, service: ServiceClient | None = None) -> RunResult:
 
 if __name__ == "__main__":
     result = main(parse_config(Config, prog="python -m treadle.recipes.sft"))
-    print(f"held-out loss {result.eval_loss_before:.3f} -> {result.eval_loss_after:.3f}\n"
-          f"metrics: {result.metrics_path}\ncurve:   {result.png_path}\nstate:   {result.final_state_path}")
+    print(
+        f"held-out loss {result.eval_loss_before:.3f} -> {result.eval_loss_after:.3f}\n"
+        f"metrics: {result.metrics_path}\ncurve:   {result.png_path}\nstate:   {result.final_state_path}"
+    )

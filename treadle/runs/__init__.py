@@ -9,4 +9,13 @@ and adopts runs whose runner died. `cli.py` holds the `treadle runs ...` sub-com
 from treadle.runs.records import RunNotFoundError, RunRecord, RunSpec, RunStatus, RunStore, TERMINAL_STATES
 from treadle.runs.runner import Runner, RunnerConfig
 
-__all__ = ["RunNotFoundError", "RunRecord", "RunSpec", "RunStatus", "RunStore", "Runner", "RunnerConfig", "TERMINAL_STATES"]
+__all__ = [
+    "RunNotFoundError",
+    "RunRecord",
+    "RunSpec",
+    "RunStatus",
+    "RunStore",
+    "Runner",
+    "RunnerConfig",
+    "TERMINAL_STATES",
+]

@@ -75,14 +75,21 @@ class _RunsCommand(BaseModel):
 
 
 class RunsSubmitConfig(_RunsCommand):
-    name: str | None = Field(default=None, description=_SPEC["name"].description + " (None: the program's name + a random suffix)")
+    name: str | None = Field(
+        default=None, description=_SPEC["name"].description + " (None: the program's name + a random suffix)"
+    )
     # No bounds here: RunSpec checks them, and its message names the option and the limit.
     max_restarts: int | None = Field(default=None, description=_SPEC["max_restarts"].description + " (None: 5)")
     backoff_s: float | None = Field(default=None, description=_SPEC["backoff_s"].description + " (None: 5)")
     backoff_max_s: float | None = Field(default=None, description=_SPEC["backoff_max_s"].description + " (None: 300)")
-    resume_args: str | None = Field(default=None, description="Arguments appended on restart, one shell-quoted string; '' for "
-                                    "none (None: --resume for `-m treadle.recipes.*`, none otherwise).")
-    log_dir: str | None = Field(default=None, description=_SPEC["log_dir"].description + " (None: the command's --log_dir)")
+    resume_args: str | None = Field(
+        default=None,
+        description="Arguments appended on restart, one shell-quoted string; '' for "
+        "none (None: --resume for `-m treadle.recipes.*`, none otherwise).",
+    )
+    log_dir: str | None = Field(
+        default=None, description=_SPEC["log_dir"].description + " (None: the command's --log_dir)"
+    )
     cwd: str | None = Field(default=None, description="Working directory of the command (None: the current one).")
 
 
@@ -97,7 +104,9 @@ class RunsStatusConfig(_RunsCommand):
 class RunsLogsConfig(_RunsCommand):
     follow: bool = Field(default=False, description="Keep printing new output until the run finishes.")
     poll_s: float = Field(default=0.5, gt=0.0, description="--follow: seconds between looks.")
-    timeout_s: float = Field(default=86_400.0, ge=0.0, description="--follow: give up after this long (default: a day).")
+    timeout_s: float = Field(
+        default=86_400.0, ge=0.0, description="--follow: give up after this long (default: a day)."
+    )
 
 
 class RunsStopConfig(_RunsCommand):
@@ -133,15 +142,23 @@ def cmd_submit(ns, cfg: RunsSubmitConfig, store: RunStore) -> None:
         sys.exit("nothing to run: treadle runs submit [options] -- COMMAND [ARGS ...]")
     cwd = os.path.abspath(cfg.cwd or os.getcwd())
     log_dir = cfg.log_dir or option_value(argv, "--log_dir")
-    fields = {"name": cfg.name or _default_name(argv), "command": argv, "cwd": cwd, "env": dict(os.environ),
-              "resume_args": default_resume_args(argv) if cfg.resume_args is None else shlex.split(cfg.resume_args),
-              "log_dir": os.path.join(cwd, log_dir) if log_dir else None}
-    fields.update({k: getattr(cfg, k) for k in ("max_restarts", "backoff_s", "backoff_max_s") if getattr(cfg, k) is not None})
+    fields = {
+        "name": cfg.name or _default_name(argv),
+        "command": argv,
+        "cwd": cwd,
+        "env": dict(os.environ),
+        "resume_args": default_resume_args(argv) if cfg.resume_args is None else shlex.split(cfg.resume_args),
+        "log_dir": os.path.join(cwd, log_dir) if log_dir else None,
+    }
+    fields.update(
+        {k: getattr(cfg, k) for k in ("max_restarts", "backoff_s", "backoff_max_s") if getattr(cfg, k) is not None}
+    )
     try:
         spec = RunSpec.model_validate(fields)
     except ValidationError as exc:
-        sys.exit("treadle runs submit: " + "; ".join(
-            f"--{e['loc'][0]} {e.get('input')!r}: {e['msg']}" for e in exc.errors()))
+        sys.exit(
+            "treadle runs submit: " + "; ".join(f"--{e['loc'][0]} {e.get('input')!r}: {e['msg']}" for e in exc.errors())
+        )
     store.submit(spec)
     print(spec.name)
     if not live_runners(store.redis):
@@ -152,8 +169,10 @@ def _summary(record: RunRecord) -> str:
     s = record.status
     step = (s.last_metrics or {}).get("step", "-")
     exit_code = "-" if s.last_exit_code is None else s.last_exit_code
-    return (f"{record.name:<28} {s.state:<10} {s.restarts:>3}/{record.spec.max_restarts:<3} {exit_code!s:>5} "
-            f"{step!s:>6}  {s.runner or '-':<20} {shlex.join(record.spec.command)[:60]}")
+    return (
+        f"{record.name:<28} {s.state:<10} {s.restarts:>3}/{record.spec.max_restarts:<3} {exit_code!s:>5} "
+        f"{step!s:>6}  {s.runner or '-':<20} {shlex.join(record.spec.command)[:60]}"
+    )
 
 
 def cmd_list(ns, cfg: RunsListConfig, store: RunStore) -> None:
@@ -173,13 +192,17 @@ def cmd_status(ns, cfg: RunsStatusConfig, store: RunStore) -> None:
         print(record.model_dump_json(indent=2))
         return
     s, spec = record.status, record.spec
-    print(f"name:        {record.name}\nstate:       {s.state}  ({s.message or 'no message'})\n"
-          f"command:     {shlex.join(spec.command)}\ncwd:         {spec.cwd}\n"
-          f"resume args: {shlex.join(spec.resume_args) or '(none: restarts unchanged)'}\n"
-          f"restarts:    {s.restarts} of {spec.max_restarts}   adoptions: {s.adoptions}   attempts: {s.attempt}\n"
-          f"last exit:   {s.last_exit_code}\nrunner:      {s.runner or '-'}  pid {s.pid or '-'} on {s.host or '-'}")
+    print(
+        f"name:        {record.name}\nstate:       {s.state}  ({s.message or 'no message'})\n"
+        f"command:     {shlex.join(spec.command)}\ncwd:         {spec.cwd}\n"
+        f"resume args: {shlex.join(spec.resume_args) or '(none: restarts unchanged)'}\n"
+        f"restarts:    {s.restarts} of {spec.max_restarts}   adoptions: {s.adoptions}   attempts: {s.attempt}\n"
+        f"last exit:   {s.last_exit_code}\nrunner:      {s.runner or '-'}  pid {s.pid or '-'} on {s.host or '-'}"
+    )
     print(f"metrics:     {json.dumps(s.last_metrics) if s.last_metrics else '-'}")
-    print("checkpoints: " + ("\n             ".join(f"step {c['step']}: {c['state_path']}" for c in s.checkpoints) or "-"))
+    print(
+        "checkpoints: " + ("\n             ".join(f"step {c['step']}: {c['state_path']}" for c in s.checkpoints) or "-")
+    )
     if s.last_lines:
         print("last lines:\n  " + "\n  ".join(s.last_lines))
 
@@ -202,8 +225,14 @@ def cmd_logs(ns, cfg: RunsLogsConfig, store: RunStore) -> None:
             return
         time.sleep(cfg.poll_s)
         record = store.get(ns.name)
-    finished = follow(open_blob_store(record.status.log_url), ns.name, lambda: not store.get(ns.name).finished,
-                      _write_stdout, cfg.poll_s, max(0.0, deadline - time.monotonic()))
+    finished = follow(
+        open_blob_store(record.status.log_url),
+        ns.name,
+        lambda: not store.get(ns.name).finished,
+        _write_stdout,
+        cfg.poll_s,
+        max(0.0, deadline - time.monotonic()),
+    )
     if not finished:
         sys.exit(f"run {ns.name} still live after --timeout_s {cfg.timeout_s}")
 
@@ -231,16 +260,30 @@ def add_runs_parser(parser: argparse.ArgumentParser) -> None:
         p.set_defaults(runs_func=func)
         return p
 
-    p = command("submit", RunsSubmitConfig, cmd_submit, help="Record a batch run; a runner starts, restarts and resumes it.",
-                usage="treadle runs submit [options] -- COMMAND [ARGS ...]")
+    p = command(
+        "submit",
+        RunsSubmitConfig,
+        cmd_submit,
+        help="Record a batch run; a runner starts, restarts and resumes it.",
+        usage="treadle runs submit [options] -- COMMAND [ARGS ...]",
+    )
     p.add_argument("argv", nargs=argparse.REMAINDER, help="The command, after `--`.")
     command("list", RunsListConfig, cmd_list, help="Every batch run: state, restarts, last exit code, last step.")
-    p = command("status", RunsStatusConfig, cmd_status,
-                help="One run: state, restarts, exit code, last metrics line, checkpoints, last lines.")
+    p = command(
+        "status",
+        RunsStatusConfig,
+        cmd_status,
+        help="One run: state, restarts, exit code, last metrics line, checkpoints, last lines.",
+    )
     p.add_argument("name")
     p = command("logs", RunsLogsConfig, cmd_logs, help="A run's output, all attempts in order.")
     p.add_argument("name")
-    p = command("stop", RunsStopConfig, cmd_stop, help="Stop a run (SIGTERM to its process group, SIGKILL after the runner's grace).")
+    p = command(
+        "stop",
+        RunsStopConfig,
+        cmd_stop,
+        help="Stop a run (SIGTERM to its process group, SIGKILL after the runner's grace).",
+    )
     p.add_argument("name")
     parser.set_defaults(func=cmd_runs)
 

@@ -82,8 +82,14 @@ def read_segments(store: BlobStore, name: str, after: str = "") -> list[tuple[st
     return [(key, store.get_bytes(key)) for key in store.list(log_prefix(name)) if key > after]
 
 
-def follow(store: BlobStore, name: str, is_live: Callable[[], bool], write: Callable[[bytes], None],
-           poll_s: float = 0.5, timeout_s: float = 86_400.0) -> bool:
+def follow(
+    store: BlobStore,
+    name: str,
+    is_live: Callable[[], bool],
+    write: Callable[[bytes], None],
+    poll_s: float = 0.5,
+    timeout_s: float = 86_400.0,
+) -> bool:
     """Write the run's log so far, then new segments as they appear, until the run has finished (and
     its last segments are written) or `timeout_s` passes. Returns True when the run finished."""
     deadline = time.monotonic() + timeout_s

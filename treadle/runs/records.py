@@ -51,10 +51,16 @@ class RunSpec(BaseModel):
     cwd: str = Field(description="Working directory the command starts in.")
     env: dict[str, str] = Field(default_factory=dict, description="The whole environment of the command.")
     resume_args: list[str] = Field(default_factory=list, description="Appended to argv on every start after the first.")
-    max_restarts: int = Field(default=5, ge=0, le=1000, description="Restarts after a non-zero exit before the run fails.")
-    backoff_s: float = Field(default=5.0, ge=0.0, le=3600.0, description="Wait before restart n: backoff_s * 2**(n-1) ...")
+    max_restarts: int = Field(
+        default=5, ge=0, le=1000, description="Restarts after a non-zero exit before the run fails."
+    )
+    backoff_s: float = Field(
+        default=5.0, ge=0.0, le=3600.0, description="Wait before restart n: backoff_s * 2**(n-1) ..."
+    )
     backoff_max_s: float = Field(default=300.0, ge=0.0, le=86400.0, description="... but never more than this.")
-    log_dir: str | None = Field(default=None, description="Directory of the run's metrics.jsonl / checkpoints.jsonl, if any.")
+    log_dir: str | None = Field(
+        default=None, description="Directory of the run's metrics.jsonl / checkpoints.jsonl, if any."
+    )
     created_at: float = Field(default_factory=time.time, description="Submit time (Unix seconds).")
 
     def backoff(self, restart: int) -> float:
@@ -67,14 +73,20 @@ class RunStatus(BaseModel):
 
     state: RunState = "queued"
     restarts: int = Field(default=0, description="Restarts after a failed exit so far (adoptions do not count).")
-    adoptions: int = Field(default=0, description="Times a runner took the run over from a runner that died or stopped.")
+    adoptions: int = Field(
+        default=0, description="Times a runner took the run over from a runner that died or stopped."
+    )
     attempt: int = Field(default=0, description="Starts of the command so far; its log segments are numbered by it.")
-    last_exit_code: int | None = Field(default=None, description="Exit code of the last attempt (-N: killed by signal N).")
+    last_exit_code: int | None = Field(
+        default=None, description="Exit code of the last attempt (-N: killed by signal N)."
+    )
     epoch: int = Field(default=0, description="Fencing epoch: bumped by every claim of the run's lease.")
     runner: str | None = Field(default=None, description="The runner that supervises (or last supervised) the run.")
     host: str | None = None
     pid: int | None = Field(default=None, description="pid (and process-group id) of the running attempt.")
-    pid_start: str | None = Field(default=None, description="Start time of that pid per /proc, to tell it from a reused pid.")
+    pid_start: str | None = Field(
+        default=None, description="Start time of that pid per /proc, to tell it from a reused pid."
+    )
     started_at: float | None = None
     finished_at: float | None = None
     next_start_at: float | None = Field(default=None, description="When a restarting run starts again (Unix seconds).")
@@ -82,7 +94,9 @@ class RunStatus(BaseModel):
     message: str = ""
     last_lines: list[str] = Field(default_factory=list, description="The last lines of output of the last attempt.")
     last_metrics: dict[str, Any] | None = Field(default=None, description="The last line of the run's metrics.jsonl.")
-    checkpoints: list[dict[str, Any]] = Field(default_factory=list, description="Last entries of its checkpoints.jsonl.")
+    checkpoints: list[dict[str, Any]] = Field(
+        default_factory=list, description="Last entries of its checkpoints.jsonl."
+    )
     log_url: str | None = Field(default=None, description="Blob store that holds the run's log segments.")
 
 
@@ -136,7 +150,9 @@ class RunStore:
         validate_name(spec.name, "name")
         if not self.redis.hsetnx(run_key(spec.name), "spec", spec.model_dump_json()):
             existing = self.get(spec.name)
-            raise RunExistsError(f"a run named {spec.name!r} exists already (state {existing.status.state}); pick another --name")
+            raise RunExistsError(
+                f"a run named {spec.name!r} exists already (state {existing.status.state}); pick another --name"
+            )
         status = RunStatus()
         pipe = self.redis.pipeline()
         pipe.hset(run_key(spec.name), mapping={"name": spec.name, **self._encode(status.model_dump())})
@@ -216,6 +232,13 @@ class RunStore:
         self.redis.hset(run_key(name), "stop_requested", "true")
         epoch = self.claim(name, holder)
         if epoch is not None:
-            self.update(name, self.token(holder, epoch), release=True, state="stopped", finished_at=time.time(),
-                        pid=None, message=f"stopped by {holder} before a runner started it again")
+            self.update(
+                name,
+                self.token(holder, epoch),
+                release=True,
+                state="stopped",
+                finished_at=time.time(),
+                pid=None,
+                message=f"stopped by {holder} before a runner started it again",
+            )
         return self.get(name)

@@ -46,14 +46,29 @@ RUNNER_PREFIX = names.RUNNER_PREFIX
 class RunnerConfig(BaseModel):
     """A runner process: supervises batch runs submitted with `treadle runs submit`."""
 
-    broker_url: str | None = Field(default=None, description="Redis URL of the stack (default: TREADLE_BROKER_URL, then `treadle up`).")
-    log_url: str | None = Field(default=None, description="Blob store of run logs, file:///dir or s3://bucket/prefix (default: the checkpoint store).")
-    runner_id: str | None = Field(default=None, description="Name of this runner in run records (default: <host>-<pid>).")
+    broker_url: str | None = Field(
+        default=None, description="Redis URL of the stack (default: TREADLE_BROKER_URL, then `treadle up`)."
+    )
+    log_url: str | None = Field(
+        default=None,
+        description="Blob store of run logs, file:///dir or s3://bucket/prefix (default: the checkpoint store).",
+    )
+    runner_id: str | None = Field(
+        default=None, description="Name of this runner in run records (default: <host>-<pid>)."
+    )
     max_runs: int = Field(default=8, ge=1, le=1000, description="Runs this runner supervises at once.")
-    poll_s: float = Field(default=0.5, gt=0.0, le=60.0, description="Seconds between looks at the commands and the records.")
-    lease_ttl_s: float = Field(default=15.0, ge=1.0, le=3600.0, description="A run whose runner died is adopted this long after.")
-    log_flush_s: float = Field(default=2.0, gt=0.0, le=600.0, description="Output is written to the log store at least this often.")
-    stop_grace_s: float = Field(default=10.0, ge=0.0, le=600.0, description="SIGTERM to SIGKILL, when a command is stopped.")
+    poll_s: float = Field(
+        default=0.5, gt=0.0, le=60.0, description="Seconds between looks at the commands and the records."
+    )
+    lease_ttl_s: float = Field(
+        default=15.0, ge=1.0, le=3600.0, description="A run whose runner died is adopted this long after."
+    )
+    log_flush_s: float = Field(
+        default=2.0, gt=0.0, le=600.0, description="Output is written to the log store at least this often."
+    )
+    stop_grace_s: float = Field(
+        default=10.0, ge=0.0, le=600.0, description="SIGTERM to SIGKILL, when a command is stopped."
+    )
 
 
 @dataclass
@@ -101,8 +116,11 @@ class Runner:
 
     def _announce(self) -> None:
         """A key with the lease's TTL: `treadle runs submit` warns when no runner is alive."""
-        self.store.redis.set(RUNNER_PREFIX + self.id, json.dumps({"host": self.host, "pid": os.getpid()}),
-                             px=int(self.cfg.lease_ttl_s * 1000))
+        self.store.redis.set(
+            RUNNER_PREFIX + self.id,
+            json.dumps({"host": self.host, "pid": os.getpid()}),
+            px=int(self.cfg.lease_ttl_s * 1000),
+        )
 
     def shutdown(self) -> None:
         self._stopping.set()
@@ -150,8 +168,11 @@ class Runner:
             fields = {"runner": self.id, "log_url": self.blobs.url}
             if record.status.state in ("running", "restarting"):
                 self._kill_leftovers(record)
-                fields.update(adoptions=record.status.adoptions + 1, pid=None,
-                              message=f"adopted by runner {self.id} from {record.status.runner}")
+                fields.update(
+                    adoptions=record.status.adoptions + 1,
+                    pid=None,
+                    message=f"adopted by runner {self.id} from {record.status.runner}",
+                )
                 log.info("runner %s: adopting run %s from %s", self.id, name, record.status.runner)
             if self.store.update(name, sup.token, **fields):
                 with self._lock:
@@ -196,19 +217,40 @@ class Runner:
         env = {**spec.env, "TREADLE_RUN_NAME": spec.name, "TREADLE_RUN_ATTEMPT": str(attempt)}
         header = f"[treadle runner {self.id}] attempt {attempt}: {shlex.join(argv)}\n"
         try:
-            proc = subprocess.Popen(argv, cwd=spec.cwd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                    stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=die_with_runner)
+            proc = subprocess.Popen(
+                argv,
+                cwd=spec.cwd,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                preexec_fn=die_with_runner,
+            )
         except OSError as exc:
             # A command that cannot start (missing program or directory) fails like one that exits 127.
             self.blobs.put_bytes(segment_key(spec.name, attempt, 0), f"{header}cannot start: {exc}\n".encode())
             self.store.update(spec.name, sup.token, attempt=attempt, started_at=time.time())
             self._after_exit(sup, self.store.get(spec.name), 127, [f"cannot start: {exc}"])
             return
-        sup.proc, sup.capture, sup.flushed_at = proc, LogCapture(self.blobs, spec.name, attempt, proc.stdout, header), 0.0
+        sup.proc, sup.capture, sup.flushed_at = (
+            proc,
+            LogCapture(self.blobs, spec.name, attempt, proc.stdout, header),
+            0.0,
+        )
         log.info("runner %s: run %s attempt %d started (pid %d)", self.id, spec.name, attempt, proc.pid)
-        if not self.store.update(spec.name, sup.token, state="running", attempt=attempt, pid=proc.pid,
-                                 pid_start=process_start_time(proc.pid), host=self.host, runner=self.id,
-                                 started_at=time.time(), next_start_at=None):
+        if not self.store.update(
+            spec.name,
+            sup.token,
+            state="running",
+            attempt=attempt,
+            pid=proc.pid,
+            pid_start=process_start_time(proc.pid),
+            host=self.host,
+            runner=self.id,
+            started_at=time.time(),
+            next_start_at=None,
+        ):
             sup.lost = True
 
     def _end_attempt(self, sup: Supervised, grace: float) -> int | None:
@@ -233,15 +275,36 @@ class Runner:
             self._finish(sup, record, "succeeded", last_exit_code=0, last_lines=lines, message="exit code 0")
         elif restarts < spec.max_restarts:
             delay = spec.backoff(restarts + 1)
-            log.info("runner %s: run %s exited with %d; restart %d of %d in %.1f s",
-                     self.id, spec.name, code, restarts + 1, spec.max_restarts, delay)
-            if not self.store.update(spec.name, sup.token, state="restarting", restarts=restarts + 1, last_exit_code=code,
-                                     last_lines=lines, pid=None, next_start_at=time.time() + delay,
-                                     message=f"exit code {code}; restart {restarts + 1} of {spec.max_restarts} in {delay:.1f} s"):
+            log.info(
+                "runner %s: run %s exited with %d; restart %d of %d in %.1f s",
+                self.id,
+                spec.name,
+                code,
+                restarts + 1,
+                spec.max_restarts,
+                delay,
+            )
+            if not self.store.update(
+                spec.name,
+                sup.token,
+                state="restarting",
+                restarts=restarts + 1,
+                last_exit_code=code,
+                last_lines=lines,
+                pid=None,
+                next_start_at=time.time() + delay,
+                message=f"exit code {code}; restart {restarts + 1} of {spec.max_restarts} in {delay:.1f} s",
+            ):
                 sup.lost = True
         else:
-            self._finish(sup, record, "failed", last_exit_code=code, last_lines=lines,
-                         message=f"exit code {code} after {restarts} restarts (max_restarts={spec.max_restarts})")
+            self._finish(
+                sup,
+                record,
+                "failed",
+                last_exit_code=code,
+                last_lines=lines,
+                message=f"exit code {code} after {restarts} restarts (max_restarts={spec.max_restarts})",
+            )
 
     def _finish(self, sup: Supervised, record: RunRecord, state: str, **fields) -> None:
         sup.files_seen = ()
@@ -260,18 +323,25 @@ class Runner:
         if seen == sup.files_seen:
             return
         sup.files_seen = seen
-        self.store.update(sup.name, sup.token, last_metrics=last_json_line(metrics), checkpoints=read_checkpoints(checkpoints))
+        self.store.update(
+            sup.name, sup.token, last_metrics=last_json_line(metrics), checkpoints=read_checkpoints(checkpoints)
+        )
 
     def _shut_down_runs(self) -> None:
         """Stop every command and release its run, left running/restarting for the next runner to adopt."""
         for sup in list(self.runs.values()):
             self._end_attempt(sup, grace=self.cfg.stop_grace_s)
-            self.store.update(sup.name, sup.token, release=True, pid=None,
-                              message=f"runner {self.id} shut down; the next runner resumes it")
+            self.store.update(
+                sup.name,
+                sup.token,
+                release=True,
+                pid=None,
+                message=f"runner {self.id} shut down; the next runner resumes it",
+            )
             log.info("runner %s: released run %s", self.id, sup.name)
         with self._lock:
             self.runs.clear()
 
 
 def live_runners(redis) -> list[str]:
-    return sorted(k.decode()[len(RUNNER_PREFIX):] for k in redis.scan_iter(RUNNER_PREFIX + "*", count=500))
+    return sorted(k.decode()[len(RUNNER_PREFIX) :] for k in redis.scan_iter(RUNNER_PREFIX + "*", count=500))

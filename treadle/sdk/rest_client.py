@@ -21,8 +21,12 @@ MERGED_DIR = "merged"  # where save_weights_for_sampler(merge_weights=True) puts
 
 def _checkpoint(m: Manifest) -> Checkpoint:
     return Checkpoint(
-        checkpoint_id=f"{m.kind}/{m.name}", checkpoint_type="training" if m.kind == "weights" else "sampler",
-        time=m.created_at, treadle_path=m.path.uri(), size_bytes=m.size_bytes, expires_at=m.expires_at,
+        checkpoint_id=f"{m.kind}/{m.name}",
+        checkpoint_type="training" if m.kind == "weights" else "sampler",
+        time=m.created_at,
+        treadle_path=m.path.uri(),
+        size_bytes=m.size_bytes,
+        expires_at=m.expires_at,
     )
 
 
@@ -34,7 +38,7 @@ class RestClient:
 
     def list_training_runs(self, limit: int = 20, offset: int = 0) -> list[TrainingRun]:
         runs = []
-        for run_id in self.store.list_runs()[offset:offset + limit]:
+        for run_id in self.store.list_runs()[offset : offset + limit]:
             run = self.get_training_run(run_id)
             if run is not None:
                 runs.append(run)
@@ -55,9 +59,14 @@ class RestClient:
     def get_weights_info(self, path: str) -> WeightsInfo:
         m = self.manifest(path)
         lora = m.lora_config or {}
-        return WeightsInfo(base_model=m.base_model, is_lora=True, lora_rank=lora.get("rank"),
-                           train_unembed=lora.get("train_unembed"), train_mlp=lora.get("train_mlp"),
-                           train_attn=lora.get("train_attn"))
+        return WeightsInfo(
+            base_model=m.base_model,
+            is_lora=True,
+            lora_rank=lora.get("rank"),
+            train_unembed=lora.get("train_unembed"),
+            train_mlp=lora.get("train_mlp"),
+            train_attn=lora.get("train_attn"),
+        )
 
     def delete_checkpoint(self, path: str) -> None:
         self.store.delete(CheckpointPath.parse(path))
@@ -86,7 +95,7 @@ class RestClient:
             stored = [name for name in manifest.files if name.startswith(MERGED_DIR + "/")]
             if stored:
                 for name in stored:
-                    target = os.path.join(directory, name[len(MERGED_DIR) + 1:])
+                    target = os.path.join(directory, name[len(MERGED_DIR) + 1 :])
                     os.makedirs(os.path.dirname(target), exist_ok=True)
                     shutil.move(os.path.join(tmp, name), target)
                 return directory

@@ -14,22 +14,44 @@ class SamplingClient:
         self._base_model = base_model
         self.model_path = model_path
 
-    def sample(self, prompt: ModelInput, num_samples: int = 1, sampling_params: SamplingParams | None = None,
-               include_prompt_logprobs: bool = False, topk_prompt_logprobs: int = 0) -> APIFuture[SampleResponse]:
+    def sample(
+        self,
+        prompt: ModelInput,
+        num_samples: int = 1,
+        sampling_params: SamplingParams | None = None,
+        include_prompt_logprobs: bool = False,
+        topk_prompt_logprobs: int = 0,
+    ) -> APIFuture[SampleResponse]:
         """Sequences with per-token logprobs of the distribution actually sampled from, and a stop reason."""
         req = SampleRequest.build(
-            base_model=self._base_model, model_path=self.model_path, prompt=prompt.to_ints(), num_samples=num_samples,
+            base_model=self._base_model,
+            model_path=self.model_path,
+            prompt=prompt.to_ints(),
+            num_samples=num_samples,
             sampling_params=sampling_params or SamplingParams(),
-            include_prompt_logprobs=include_prompt_logprobs, topk_prompt_logprobs=topk_prompt_logprobs,
+            include_prompt_logprobs=include_prompt_logprobs,
+            topk_prompt_logprobs=topk_prompt_logprobs,
         )
-        return APIFuture(self._ops, self._ops.submit_sample(req), SampleResponse.model_validate, base_model=self._base_model)
+        return APIFuture(
+            self._ops, self._ops.submit_sample(req), SampleResponse.model_validate, base_model=self._base_model
+        )
 
     def compute_logprobs(self, prompt: ModelInput) -> APIFuture[list[float | None]]:
         """Logprob of each prompt token given the ones before it; entry 0 is None."""
-        req = SampleRequest.build(base_model=self._base_model, model_path=self.model_path, prompt=prompt.to_ints(),
-                                  num_samples=1, sampling_params=SamplingParams(max_tokens=1), include_prompt_logprobs=True)
-        return APIFuture(self._ops, self._ops.submit_sample(req), lambda v: SampleResponse.model_validate(v).prompt_logprobs or [],
-                         base_model=self._base_model)
+        req = SampleRequest.build(
+            base_model=self._base_model,
+            model_path=self.model_path,
+            prompt=prompt.to_ints(),
+            num_samples=1,
+            sampling_params=SamplingParams(max_tokens=1),
+            include_prompt_logprobs=True,
+        )
+        return APIFuture(
+            self._ops,
+            self._ops.submit_sample(req),
+            lambda v: SampleResponse.model_validate(v).prompt_logprobs or [],
+            base_model=self._base_model,
+        )
 
     def get_tokenizer(self):
         from treadle.sdk.tokenizer import load_tokenizer
@@ -45,10 +67,17 @@ class SamplingClient:
     # ------------------------------------------------------------ async twins
     # As tinker's: each resolves to the response (a sample need not be ordered behind anything, but it
     # shares the one submitting thread; see `treadle.sdk.background`).
-    async def sample_async(self, prompt: ModelInput, num_samples: int = 1, sampling_params: SamplingParams | None = None,
-                           include_prompt_logprobs: bool = False, topk_prompt_logprobs: int = 0) -> SampleResponse:
-        future = await submit_in_order(self.sample, prompt, num_samples, sampling_params, include_prompt_logprobs,
-                                       topk_prompt_logprobs)
+    async def sample_async(
+        self,
+        prompt: ModelInput,
+        num_samples: int = 1,
+        sampling_params: SamplingParams | None = None,
+        include_prompt_logprobs: bool = False,
+        topk_prompt_logprobs: int = 0,
+    ) -> SampleResponse:
+        future = await submit_in_order(
+            self.sample, prompt, num_samples, sampling_params, include_prompt_logprobs, topk_prompt_logprobs
+        )
         return await future
 
     async def compute_logprobs_async(self, prompt: ModelInput) -> list[float | None]:

@@ -26,11 +26,20 @@ if TYPE_CHECKING:  # imported where it is made: the checkpoint store's clients l
 
 
 class ServiceClient:
-    def __init__(self, broker_url: str | None = None, result_url: str | None = None,
-                 storage_url: str | None = None, user_metadata: dict | None = None):
-        settings = ConnectionSettings(**{k: v for k, v in
-                                         {"broker_url": broker_url, "result_url": result_url, "storage_url": storage_url}.items()
-                                         if v is not None})
+    def __init__(
+        self,
+        broker_url: str | None = None,
+        result_url: str | None = None,
+        storage_url: str | None = None,
+        user_metadata: dict | None = None,
+    ):
+        settings = ConnectionSettings(
+            **{
+                k: v
+                for k, v in {"broker_url": broker_url, "result_url": result_url, "storage_url": storage_url}.items()
+                if v is not None
+            }
+        )
         if not settings.is_configured():
             from treadle.local_stack import find_running_stack
 
@@ -40,51 +49,85 @@ class ServiceClient:
                     "no treadle stack configured: set TREADLE_BROKER_URL (and TREADLE_STORAGE_URL), "
                     "or start the embedded one with `treadle up --model <NAME_OR_DIR>`"
                 )
-            settings = ConnectionSettings(broker_url=found.broker_url, storage_url=settings.storage_url or found.storage_url)
+            settings = ConnectionSettings(
+                broker_url=found.broker_url, storage_url=settings.storage_url or found.storage_url
+            )
         self.settings = settings
         self.user_metadata = user_metadata
-        self.ops = OpsClient(cast(str, settings.broker_url), settings.result_backend, settings.storage_url)  # configured above
+        self.ops = OpsClient(
+            cast(str, settings.broker_url), settings.result_backend, settings.storage_url
+        )  # configured above
 
     # ------------------------------------------------------------ models
     def get_server_capabilities(self) -> ServerCapabilities:
-        return ServerCapabilities(supported_models=[
-            SupportedModel(model_name=m.name, max_context_length=m.max_seq_len) for m in self.ops.served_models()
-        ])
+        return ServerCapabilities(
+            supported_models=[
+                SupportedModel(model_name=m.name, max_context_length=m.max_seq_len) for m in self.ops.served_models()
+            ]
+        )
 
     def list_base_models(self) -> list[str]:
         return [m.name for m in self.ops.served_models()]
 
     # ------------------------------------------------------------ training clients
-    def create_lora_training_client(self, base_model: str, rank: int = 32, alpha: float = 32, seed: int | None = None,
-                                    train_mlp: bool = True, train_attn: bool = True, train_unembed: bool = True,
-                                    user_metadata: dict | None = None, checkpoint_every: int | None = None) -> TrainingClient:
+    def create_lora_training_client(
+        self,
+        base_model: str,
+        rank: int = 32,
+        alpha: float = 32,
+        seed: int | None = None,
+        train_mlp: bool = True,
+        train_attn: bool = True,
+        train_unembed: bool = True,
+        user_metadata: dict | None = None,
+        checkpoint_every: int | None = None,
+    ) -> TrainingClient:
         """A new session with a fresh LoRA adapter; blocks until a worker has created it.
 
         `checkpoint_every` overrides the worker's automatic checkpoint period (optimizer steps) for
         this session; automatic checkpoints bound how much a crash has to replay.
         """
-        lora = LoraConfig(rank=rank, alpha=alpha, seed=seed, train_mlp=train_mlp, train_attn=train_attn, train_unembed=train_unembed)
-        return self._create(base_model=base_model, lora=lora, user_metadata=user_metadata or self.user_metadata,
-                            checkpoint_every=checkpoint_every)
+        lora = LoraConfig(
+            rank=rank, alpha=alpha, seed=seed, train_mlp=train_mlp, train_attn=train_attn, train_unembed=train_unembed
+        )
+        return self._create(
+            base_model=base_model,
+            lora=lora,
+            user_metadata=user_metadata or self.user_metadata,
+            checkpoint_every=checkpoint_every,
+        )
 
     def create_training_client_from_state(self, path: str, user_metadata: dict | None = None) -> TrainingClient:
         """A new session from a save_state checkpoint: its weights, with a fresh optimizer."""
         return self._from_state(path, with_optimizer=False, user_metadata=user_metadata)
 
-    def create_training_client_from_state_with_optimizer(self, path: str, user_metadata: dict | None = None) -> TrainingClient:
+    def create_training_client_from_state_with_optimizer(
+        self, path: str, user_metadata: dict | None = None
+    ) -> TrainingClient:
         """A new session from a save_state checkpoint: weights and Adam moments, exactly."""
         return self._from_state(path, with_optimizer=True, user_metadata=user_metadata)
 
     def _from_state(self, path: str, *, with_optimizer: bool, user_metadata: dict | None) -> TrainingClient:
         manifest = self.create_rest_client().manifest(path)
         lora = LoraConfig.model_validate(manifest.lora_config) if manifest.lora_config else LoraConfig()
-        return self._create(base_model=manifest.base_model, lora=lora, from_state=path, with_optimizer=with_optimizer,
-                            user_metadata=user_metadata or self.user_metadata)
+        return self._create(
+            base_model=manifest.base_model,
+            lora=lora,
+            from_state=path,
+            with_optimizer=with_optimizer,
+            user_metadata=user_metadata or self.user_metadata,
+        )
 
     def _create(self, **fields) -> TrainingClient:
-        record: SessionRecord = self.ops.create_session(CreateSessionRequest.build(session_id=self.ops.new_session_id(), **fields))
-        return TrainingClient(self.ops, TrainingSession(session_id=record.session_id, run_id=record.run_id,
-                                                        base_model=record.base_model, lora=record.lora))
+        record: SessionRecord = self.ops.create_session(
+            CreateSessionRequest.build(session_id=self.ops.new_session_id(), **fields)
+        )
+        return TrainingClient(
+            self.ops,
+            TrainingSession(
+                session_id=record.session_id, run_id=record.run_id, base_model=record.base_model, lora=record.lora
+            ),
+        )
 
     # ------------------------------------------------------------ sampling and REST
     def create_sampling_client(self, model_path: str | None = None, base_model: str | None = None) -> SamplingClient:
@@ -108,19 +151,39 @@ class ServiceClient:
     # ------------------------------------------------------------ async twins
     # Creating a session waits for a worker to load it, and the capabilities are a Redis read: each runs
     # on a thread of its own (see `treadle.sdk.background`), so the event loop goes on meanwhile.
-    async def create_lora_training_client_async(self, base_model: str, rank: int = 32, alpha: float = 32,
-                                                seed: int | None = None, train_mlp: bool = True, train_attn: bool = True,
-                                                train_unembed: bool = True, user_metadata: dict | None = None,
-                                                checkpoint_every: int | None = None) -> TrainingClient:
-        return await wait_off_loop(self.create_lora_training_client, base_model, rank=rank, alpha=alpha, seed=seed,
-                                   train_mlp=train_mlp, train_attn=train_attn, train_unembed=train_unembed,
-                                   user_metadata=user_metadata, checkpoint_every=checkpoint_every)
+    async def create_lora_training_client_async(
+        self,
+        base_model: str,
+        rank: int = 32,
+        alpha: float = 32,
+        seed: int | None = None,
+        train_mlp: bool = True,
+        train_attn: bool = True,
+        train_unembed: bool = True,
+        user_metadata: dict | None = None,
+        checkpoint_every: int | None = None,
+    ) -> TrainingClient:
+        return await wait_off_loop(
+            self.create_lora_training_client,
+            base_model,
+            rank=rank,
+            alpha=alpha,
+            seed=seed,
+            train_mlp=train_mlp,
+            train_attn=train_attn,
+            train_unembed=train_unembed,
+            user_metadata=user_metadata,
+            checkpoint_every=checkpoint_every,
+        )
 
-    async def create_training_client_from_state_async(self, path: str, user_metadata: dict | None = None) -> TrainingClient:
+    async def create_training_client_from_state_async(
+        self, path: str, user_metadata: dict | None = None
+    ) -> TrainingClient:
         return await wait_off_loop(self.create_training_client_from_state, path, user_metadata)
 
-    async def create_training_client_from_state_with_optimizer_async(self, path: str,
-                                                                     user_metadata: dict | None = None) -> TrainingClient:
+    async def create_training_client_from_state_with_optimizer_async(
+        self, path: str, user_metadata: dict | None = None
+    ) -> TrainingClient:
         return await wait_off_loop(self.create_training_client_from_state_with_optimizer, path, user_metadata)
 
     async def get_server_capabilities_async(self) -> ServerCapabilities:

@@ -43,12 +43,12 @@ from treadle.types import (
 LossFn = Callable[[list[Datum], list[Any]], tuple[Any, dict[str, float]]]
 
 
-
 def _sampler_path(saved: SaveWeightsForSamplerResponse) -> str:
     """The snapshot's path: treadle's worker names every snapshot by a path, ephemeral ones included."""
     if saved.path is None:
         raise ServerError("save_weights_for_sampler answered without a path")
     return saved.path
+
 
 @dataclass(frozen=True)
 class TrainingSession:
@@ -86,13 +86,19 @@ class TrainingClient:
         return APIFuture(self._ops, fid, decode or request.response.model_validate, base_model=self.base_model)
 
     # ------------------------------------------------------------ training ops
-    def forward(self, data: Sequence[Datum], loss_fn: str = "cross_entropy", loss_fn_config: dict | None = None) -> APIFuture[ForwardBackwardOutput]:
+    def forward(
+        self, data: Sequence[Datum], loss_fn: str = "cross_entropy", loss_fn_config: dict | None = None
+    ) -> APIFuture[ForwardBackwardOutput]:
         """Per-token logprobs and the loss, without gradients."""
         return self._submit(ForwardRequest.build(data=_datums(data), loss_fn=loss_fn, loss_fn_config=loss_fn_config))
 
-    def forward_backward(self, data: Sequence[Datum], loss_fn: str, loss_fn_config: dict | None = None) -> APIFuture[ForwardBackwardOutput]:
+    def forward_backward(
+        self, data: Sequence[Datum], loss_fn: str, loss_fn_config: dict | None = None
+    ) -> APIFuture[ForwardBackwardOutput]:
         """Adds this batch's gradients to the session's accumulated gradients (summed over tokens)."""
-        return self._submit(ForwardBackwardRequest.build(data=_datums(data), loss_fn=loss_fn, loss_fn_config=loss_fn_config))
+        return self._submit(
+            ForwardBackwardRequest.build(data=_datums(data), loss_fn=loss_fn, loss_fn_config=loss_fn_config)
+        )
 
     def forward_backward_custom(self, data: Sequence[Datum], loss_fn: LossFn) -> APIFuture[ForwardBackwardOutput]:
         """A loss computed here, on the client, from the worker's logprobs (needs torch locally).
@@ -110,10 +116,13 @@ class TrainingClient:
         return self._submit(OptimStepRequest.build(adam_params=adam_params or AdamParams()))
 
     # ------------------------------------------------------------ weights and state
-    def save_state(self, name: str, ttl_seconds: int | None = None, overwrite: bool = False,
-                   user_metadata: dict | None = None) -> APIFuture[SaveWeightsResponse]:
+    def save_state(
+        self, name: str, ttl_seconds: int | None = None, overwrite: bool = False, user_metadata: dict | None = None
+    ) -> APIFuture[SaveWeightsResponse]:
         """Adapter + optimizer state, as treadle://<run_id>/weights/<name>."""
-        return self._submit(SaveStateRequest.build(name=name, ttl_seconds=ttl_seconds, overwrite=overwrite, user_metadata=user_metadata))
+        return self._submit(
+            SaveStateRequest.build(name=name, ttl_seconds=ttl_seconds, overwrite=overwrite, user_metadata=user_metadata)
+        )
 
     def load_state(self, path: str) -> APIFuture[LoadWeightsResponse]:
         """Loads the weights of a save_state checkpoint and resets the optimizer."""
@@ -123,13 +132,16 @@ class TrainingClient:
         """Loads weights and Adam moments exactly (or fails loudly)."""
         return self._submit(LoadStateRequest.build(path=path, with_optimizer=True))
 
-    def save_weights_for_sampler(self, name: str | None = None, ttl_seconds: int | None = None,
-                                 merge_weights: bool = False) -> APIFuture[SaveWeightsForSamplerResponse]:
+    def save_weights_for_sampler(
+        self, name: str | None = None, ttl_seconds: int | None = None, merge_weights: bool = False
+    ) -> APIFuture[SaveWeightsForSamplerResponse]:
         """A frozen snapshot of the adapter now, as treadle://<run_id>/sampler_weights/<name>.
 
         `merge_weights=True` (SageMaker's spelling) also stores a merged model under `merged/`.
         """
-        return self._submit(SaveWeightsForSamplerRequest.build(name=name, ttl_seconds=ttl_seconds, merge_weights=merge_weights))
+        return self._submit(
+            SaveWeightsForSamplerRequest.build(name=name, ttl_seconds=ttl_seconds, merge_weights=merge_weights)
+        )
 
     def save_weights_and_get_sampling_client(self, name: str | None = None) -> SamplingClient:
         """Snapshot the adapter (ephemeral unless named) and return a SamplingClient bound to it."""
@@ -143,7 +155,9 @@ class TrainingClient:
         return GetInfoResponse(
             model_id=self.session_id,
             model_data=ModelData(arch=None, model_name=self.base_model, tokenizer_id=self.base_model),
-            is_lora=True, lora_rank=self.session.lora.rank, model_name=self.base_model,
+            is_lora=True,
+            lora_rank=self.session.lora.rank,
+            model_name=self.base_model,
         )
 
     def get_tokenizer(self):
@@ -176,27 +190,34 @@ class TrainingClient:
     # ------------------------------------------------------------ async twins
     # Each submits on the SDK's one submitting thread (see `treadle.sdk.background`), so ops reach the
     # session in the order their twins were started, and returns the op's future, as tinker's twins do.
-    async def forward_async(self, data: Sequence[Datum], loss_fn: str = "cross_entropy",
-                            loss_fn_config: dict | None = None) -> APIFuture[ForwardBackwardOutput]:
+    async def forward_async(
+        self, data: Sequence[Datum], loss_fn: str = "cross_entropy", loss_fn_config: dict | None = None
+    ) -> APIFuture[ForwardBackwardOutput]:
         return await submit_in_order(self.forward, data, loss_fn, loss_fn_config)
 
-    async def forward_backward_async(self, data: Sequence[Datum], loss_fn: str,
-                                     loss_fn_config: dict | None = None) -> APIFuture[ForwardBackwardOutput]:
+    async def forward_backward_async(
+        self, data: Sequence[Datum], loss_fn: str, loss_fn_config: dict | None = None
+    ) -> APIFuture[ForwardBackwardOutput]:
         return await submit_in_order(self.forward_backward, data, loss_fn, loss_fn_config)
 
-    async def forward_backward_custom_async(self, data: Sequence[Datum], loss_fn: LossFn) -> APIFuture[ForwardBackwardOutput]:
+    async def forward_backward_custom_async(
+        self, data: Sequence[Datum], loss_fn: LossFn
+    ) -> APIFuture[ForwardBackwardOutput]:
         """As `forward_backward_custom`, awaiting the forward instead of blocking on it. Ops started while it
         awaits run between its forward and its backward: await it before starting the next op."""
         data = _datums(data)
         forward = await (await self.forward_async(data, "cross_entropy"))
         weighted, decode = _custom_backward(data, forward, loss_fn)
-        return await submit_in_order(self._submit, ForwardBackwardRequest.build(data=weighted, loss_fn="cross_entropy"), decode)
+        return await submit_in_order(
+            self._submit, ForwardBackwardRequest.build(data=weighted, loss_fn="cross_entropy"), decode
+        )
 
     async def optim_step_async(self, adam_params: AdamParams | None = None) -> APIFuture[OptimStepResponse]:
         return await submit_in_order(self.optim_step, adam_params)
 
-    async def save_state_async(self, name: str, ttl_seconds: int | None = None, overwrite: bool = False,
-                               user_metadata: dict | None = None) -> APIFuture[SaveWeightsResponse]:
+    async def save_state_async(
+        self, name: str, ttl_seconds: int | None = None, overwrite: bool = False, user_metadata: dict | None = None
+    ) -> APIFuture[SaveWeightsResponse]:
         return await submit_in_order(self.save_state, name, ttl_seconds, overwrite, user_metadata)
 
     async def load_state_async(self, path: str) -> APIFuture[LoadWeightsResponse]:
@@ -205,8 +226,9 @@ class TrainingClient:
     async def load_state_with_optimizer_async(self, path: str) -> APIFuture[LoadWeightsResponse]:
         return await submit_in_order(self.load_state_with_optimizer, path)
 
-    async def save_weights_for_sampler_async(self, name: str | None = None, ttl_seconds: int | None = None,
-                                             merge_weights: bool = False) -> APIFuture[SaveWeightsForSamplerResponse]:
+    async def save_weights_for_sampler_async(
+        self, name: str | None = None, ttl_seconds: int | None = None, merge_weights: bool = False
+    ) -> APIFuture[SaveWeightsForSamplerResponse]:
         return await submit_in_order(self.save_weights_for_sampler, name, ttl_seconds, merge_weights)
 
     async def save_weights_and_get_sampling_client_async(self, name: str | None = None) -> SamplingClient:
@@ -217,8 +239,9 @@ class TrainingClient:
         return await wait_off_loop(self.get_usage)
 
 
-def _custom_backward(data: list[Datum], forward: ForwardBackwardOutput,
-                     loss_fn: LossFn) -> tuple[list[Datum], Callable[[dict], ForwardBackwardOutput]]:
+def _custom_backward(
+    data: list[Datum], forward: ForwardBackwardOutput, loss_fn: LossFn
+) -> tuple[list[Datum], Callable[[dict], ForwardBackwardOutput]]:
     """The cross_entropy datums whose gradient is `loss_fn`'s at the forward's logprobs, and a decoder that
     adds the loss's own metrics to the backward's."""
     import torch
@@ -229,10 +252,15 @@ def _custom_backward(data: list[Datum], forward: ForwardBackwardOutput,
     weighted = []
     for datum, lp in zip(data, logprobs):
         grad = lp.grad if lp.grad is not None else torch.zeros_like(lp)
-        weighted.append(Datum(model_input=datum.model_input, loss_fn_inputs={
-            "target_tokens": datum.loss_fn_inputs["target_tokens"],
-            "weights": TensorData.from_numpy((-grad).detach().numpy()),
-        }))
+        weighted.append(
+            Datum(
+                model_input=datum.model_input,
+                loss_fn_inputs={
+                    "target_tokens": datum.loss_fn_inputs["target_tokens"],
+                    "weights": TensorData.from_numpy((-grad).detach().numpy()),
+                },
+            )
+        )
     user_metrics = {k if ":" in k else f"{k}:mean": float(v) for k, v in (metrics or {}).items()}
     user_metrics["loss:sum"] = float(loss.detach())
 
@@ -245,4 +273,3 @@ def _custom_backward(data: list[Datum], forward: ForwardBackwardOutput,
 
 def _datums(data: Sequence[Datum]) -> list[Datum]:
     return [d if isinstance(d, Datum) else Datum.model_validate(d) for d in data]
-

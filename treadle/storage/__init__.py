@@ -8,6 +8,16 @@ from treadle.storage.paths import CheckpointKind, CheckpointPath, validate_name,
 from treadle.storage.s3_store import S3Settings, S3Store
 
 __all__ = [
-    "BlobStore", "CheckpointKind", "CheckpointPath", "CheckpointStore", "FileEntry", "LocalDirStore", "Manifest",
-    "S3Settings", "S3Store", "open_blob_store", "validate_name", "validate_run_id",
+    "BlobStore",
+    "CheckpointKind",
+    "CheckpointPath",
+    "CheckpointStore",
+    "FileEntry",
+    "LocalDirStore",
+    "Manifest",
+    "S3Settings",
+    "S3Store",
+    "open_blob_store",
+    "validate_name",
+    "validate_run_id",
 ]

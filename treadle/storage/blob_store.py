@@ -58,6 +58,4 @@ def open_blob_store(url: str, s3: S3Settings | None = None) -> BlobStore:
         bucket, _, prefix = rest.partition("/")
         if bucket:
             return S3Store(bucket, prefix, s3)
-    raise InvalidRequestError(
-        f"checkpoint store url {url!r} must be file:///<directory> or s3://<bucket>[/<prefix>]"
-    )
+    raise InvalidRequestError(f"checkpoint store url {url!r} must be file:///<directory> or s3://<bucket>[/<prefix>]")

@@ -89,7 +89,9 @@ class CheckpointStore:
             raise InvalidRequestError(f"ttl_seconds must be a positive number of seconds or None, got {ttl_seconds}")
         if self.exists(path):
             if not overwrite:
-                raise CheckpointExistsError(f"checkpoint {path} already exists in {self.url}; pass overwrite=True to replace it")
+                raise CheckpointExistsError(
+                    f"checkpoint {path} already exists in {self.url}; pass overwrite=True to replace it"
+                )
             # Remove the manifest first: while the files are replaced, the checkpoint does not exist.
             self.blobs.delete(self._manifest_key(path))
 
@@ -105,10 +107,19 @@ class CheckpointStore:
             entries: dict[str, FileEntry] = {name: future.result() for name, future in hashes.items()}
 
         manifest = Manifest(
-            run_id=path.run_id, kind=path.kind, name=path.name, base_model=base_model, lora_config=lora_config,
-            step=step, applied_seq=applied_seq, created_at=created_at, ttl_seconds=ttl_seconds,
+            run_id=path.run_id,
+            kind=path.kind,
+            name=path.name,
+            base_model=base_model,
+            lora_config=lora_config,
+            step=step,
+            applied_seq=applied_seq,
+            created_at=created_at,
+            ttl_seconds=ttl_seconds,
             expires_at=None if ttl_seconds is None else created_at + ttl_seconds,
-            user_metadata=user_metadata or {}, extra=extra or {}, files=entries,
+            user_metadata=user_metadata or {},
+            extra=extra or {},
+            files=entries,
         )
         self.blobs.put_bytes(self._manifest_key(path), manifest.model_dump_json(indent=2).encode())
         # Files of an older version of this checkpoint, or of a save that crashed, are not in the manifest.
@@ -154,8 +165,10 @@ class CheckpointStore:
                 raise IntegrityError(f"manifest of checkpoint {path} lists file {name!r}, outside its directory")
         os.makedirs(local_dir, exist_ok=True)
         with ThreadPoolExecutor(self.parallel_files) as pool:
-            checks = [pool.submit(self._fetch_verified, path, name, entry, os.path.join(local_dir, name))
-                      for name, entry in manifest.files.items()]
+            checks = [
+                pool.submit(self._fetch_verified, path, name, entry, os.path.join(local_dir, name))
+                for name, entry in manifest.files.items()
+            ]
             for check in checks:
                 check.result()
         return manifest
@@ -231,18 +244,29 @@ class CheckpointStore:
         if ttl_seconds is not None and ttl_seconds <= 0:
             raise InvalidRequestError(f"ttl_seconds must be a positive number of seconds or None, got {ttl_seconds}")
         now = time.time() if now is None else now
-        return self._rewrite_manifest(path, ttl_seconds=ttl_seconds, expires_at=None if ttl_seconds is None else now + ttl_seconds)
+        return self._rewrite_manifest(
+            path, ttl_seconds=ttl_seconds, expires_at=None if ttl_seconds is None else now + ttl_seconds
+        )
 
     def set_public(self, path: CheckpointPath | str, public: bool) -> Manifest:
         return self._rewrite_manifest(path, public=public)
 
-    def copy(self, source: CheckpointPath | str, dest: CheckpointPath | str, *, ttl_seconds: int | None = None) -> Manifest:
+    def copy(
+        self, source: CheckpointPath | str, dest: CheckpointPath | str, *, ttl_seconds: int | None = None
+    ) -> Manifest:
         """A new checkpoint with the source's files (verified on the way) and metadata; never public."""
         with tempfile.TemporaryDirectory(prefix="treadle-copy-") as tmp:
             manifest = self.load(source, tmp)
-            return self.save(tmp, dest, base_model=manifest.base_model, lora_config=manifest.lora_config,
-                             step=manifest.step, ttl_seconds=ttl_seconds, user_metadata=manifest.user_metadata,
-                             extra={**manifest.extra, "copied_from": _as_path(source).uri()})
+            return self.save(
+                tmp,
+                dest,
+                base_model=manifest.base_model,
+                lora_config=manifest.lora_config,
+                step=manifest.step,
+                ttl_seconds=ttl_seconds,
+                user_metadata=manifest.user_metadata,
+                extra={**manifest.extra, "copied_from": _as_path(source).uri()},
+            )
 
     # -- runs ----------------------------------------------------------------------------------------
     def put_run(self, run_id: str, info: dict) -> None:

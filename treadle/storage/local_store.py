@@ -109,7 +109,9 @@ class LocalDirStore:
         base = self.root.joinpath(*prefix.strip("/").split("/")) if prefix.strip("/") else self.root
         if not base.is_dir():
             return []
-        return sorted(p.name for p in base.iterdir() if p.is_dir() and not (base == self.root and p.name == INCOMING_DIR))
+        return sorted(
+            p.name for p in base.iterdir() if p.is_dir() and not (base == self.root and p.name == INCOMING_DIR)
+        )
 
     def delete(self, key: str) -> None:
         path = self._path(key)

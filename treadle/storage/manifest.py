@@ -31,7 +31,9 @@ class Manifest(BaseModel):
 
     format_version: int = Field(1, description="Manifest layout version.")
     run_id: str = Field(description="The run the checkpoint belongs to.")
-    kind: CheckpointKind = Field(description="'weights' (training state), 'sampler_weights' or 'external_weights' (adapter only).")
+    kind: CheckpointKind = Field(
+        description="'weights' (training state), 'sampler_weights' or 'external_weights' (adapter only)."
+    )
     name: str = Field(description="The checkpoint's name.")
     base_model: str = Field(description="Base model the adapter was trained on (HF id or path).")
     lora_config: dict | None = Field(None, description="LoRA config of the adapter (rank, alpha, targets...).")

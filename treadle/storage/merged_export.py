@@ -21,7 +21,10 @@ def export_merged(base_model: str, adapter_dir: str, out_dir: str) -> None:
     """Write base + adapter merged, with the base model's tokenizer, to `out_dir`."""
     config = AutoConfig.from_pretrained(base_model)
     stored_dtype = config.dtype
-    untie = bool(getattr(config, "tie_word_embeddings", False)) and "lm_head" in PeftConfig.from_pretrained(adapter_dir).target_modules
+    untie = (
+        bool(getattr(config, "tie_word_embeddings", False))
+        and "lm_head" in PeftConfig.from_pretrained(adapter_dir).target_modules
+    )
     model = AutoModelForCausalLM.from_pretrained(base_model, dtype=torch.float32)
     if untie:
         model.config.tie_word_embeddings = False

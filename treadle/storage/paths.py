@@ -60,8 +60,10 @@ class CheckpointPath(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     run_id: str = Field(description="The training run (session) the checkpoint belongs to.")
-    kind: CheckpointKind = Field(description="'weights': full training state; 'sampler_weights': adapter only; "
-                                 "'external_weights': an adapter exported for download (files maybe age-encrypted).")
+    kind: CheckpointKind = Field(
+        description="'weights': full training state; 'sampler_weights': adapter only; "
+        "'external_weights': an adapter exported for download (files maybe age-encrypted)."
+    )
     name: str = Field(description="The checkpoint's name within the run and kind.")
 
     @field_validator("run_id", mode="before")
@@ -88,9 +90,7 @@ class CheckpointPath(BaseModel):
             raise InvalidCheckpointNameError(f"path must be a string, got {type(path).__name__} {path!r}")
         scheme, sep, rest = path.partition("://")
         if not sep or scheme not in SCHEMES:
-            raise InvalidCheckpointNameError(
-                f"path {path!r} must start with one of {[s + '://' for s in SCHEMES]}"
-            )
+            raise InvalidCheckpointNameError(f"path {path!r} must start with one of {[s + '://' for s in SCHEMES]}")
         parts = rest.split("/")
         if len(parts) != 3:
             raise InvalidCheckpointNameError(

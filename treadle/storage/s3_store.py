@@ -35,10 +35,16 @@ class S3Settings(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    endpoint_url: str | None = Field(None, description="S3 endpoint, e.g. http://127.0.0.1:9000; None: AWS_ENDPOINT_URL or AWS.")
+    endpoint_url: str | None = Field(
+        None, description="S3 endpoint, e.g. http://127.0.0.1:9000; None: AWS_ENDPOINT_URL or AWS."
+    )
     access_key_id: str | None = Field(None, description="Access key; None: AWS_ACCESS_KEY_ID or the config files.")
-    secret_access_key: str | None = Field(None, description="Secret key; None: AWS_SECRET_ACCESS_KEY or the config files.")
-    region_name: str | None = Field(None, description="Signing region; None: AWS_REGION / AWS_DEFAULT_REGION, else us-east-1.")
+    secret_access_key: str | None = Field(
+        None, description="Secret key; None: AWS_SECRET_ACCESS_KEY or the config files."
+    )
+    region_name: str | None = Field(
+        None, description="Signing region; None: AWS_REGION / AWS_DEFAULT_REGION, else us-east-1."
+    )
     multipart_threshold_mb: int = Field(8, description="Files at least this large move as multipart transfers.")
     multipart_chunk_mb: int = Field(8, description="Part size of multipart transfers.")
     max_concurrency: int = Field(8, description="Parts in flight at once per file.")
@@ -47,7 +53,9 @@ class S3Settings(BaseModel):
     max_attempts: int = Field(4, description="Attempts per transfer request (boto3 'standard' retry mode).")
     check_timeout_s: float = Field(3.0, description="Connect and read timeout of the start-up check (no retries).")
     create_bucket: bool = Field(True, description="Create the bucket at check() if it is missing.")
-    enable_versioning: bool = Field(True, description="Turn bucket versioning on at check() where the server supports it.")
+    enable_versioning: bool = Field(
+        True, description="Turn bucket versioning on at check() where the server supports it."
+    )
 
 
 class S3Store:
@@ -63,8 +71,9 @@ class S3Store:
             region_name=self.settings.region_name,
         )
         self.region = self.settings.region_name or session.region_name or "us-east-1"
-        self.client = self._make_client(session, self.settings.connect_timeout_s, self.settings.read_timeout_s,
-                                        self.settings.max_attempts)
+        self.client = self._make_client(
+            session, self.settings.connect_timeout_s, self.settings.read_timeout_s, self.settings.max_attempts
+        )
         self._probe = self._make_client(session, self.settings.check_timeout_s, self.settings.check_timeout_s, 1)
         self.endpoint = self.client.meta.endpoint_url
         self.transfer = TransferConfig(
@@ -123,8 +132,9 @@ class S3Store:
             self._enable_versioning()
 
     def _create_bucket(self) -> None:
-        kwargs = {} if self.region == "us-east-1" else {
-            "CreateBucketConfiguration": {"LocationConstraint": self.region}}
+        kwargs = (
+            {} if self.region == "us-east-1" else {"CreateBucketConfiguration": {"LocationConstraint": self.region}}
+        )
         try:
             self._probe.create_bucket(Bucket=self.bucket, **kwargs)
         except self._probe.exceptions.BucketAlreadyOwnedByYou:
@@ -170,7 +180,8 @@ class S3Store:
     def _pages(self, prefix: str, **kwargs):
         with self._errors("list", prefix):
             yield from self.client.get_paginator("list_objects_v2").paginate(
-                Bucket=self.bucket, Prefix=self._key(prefix), **kwargs)
+                Bucket=self.bucket, Prefix=self._key(prefix), **kwargs
+            )
 
     def list(self, prefix: str) -> list[str]:
         cut = len(self.prefix)
@@ -187,8 +198,9 @@ class S3Store:
     def presigned_get(self, key: str, expires_s: int) -> str:
         """A SigV4 presigned GET URL of `key`, valid for `expires_s` seconds (no credentials needed to use it)."""
         with self._errors("presign", key):
-            return self.client.generate_presigned_url("get_object", Params={"Bucket": self.bucket, "Key": self._key(key)},
-                                                      ExpiresIn=int(expires_s))
+            return self.client.generate_presigned_url(
+                "get_object", Params={"Bucket": self.bucket, "Key": self._key(key)}, ExpiresIn=int(expires_s)
+            )
 
     def delete(self, key: str) -> None:
         with self._errors("delete", key):
@@ -197,7 +209,7 @@ class S3Store:
     def delete_prefix(self, prefix: str) -> int:
         keys = self.list(prefix)
         for start in range(0, len(keys), _DELETE_BATCH):
-            batch = keys[start:start + _DELETE_BATCH]
+            batch = keys[start : start + _DELETE_BATCH]
             with self._errors("delete", prefix):
                 response = self.client.delete_objects(
                     Bucket=self.bucket,

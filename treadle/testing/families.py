@@ -29,8 +29,9 @@ _COMMON: dict[str, Any] = dict(
 )
 
 # YaRN as gpt-oss and DeepSeek-V3 ship it, scaled to the tiny context (512 = 8 x 64 positions).
-_YARN = dict(rope_type="yarn", factor=8.0, original_max_position_embeddings=64, beta_fast=32.0, beta_slow=1.0,
-             rope_theta=10000.0)
+_YARN = dict(
+    rope_type="yarn", factor=8.0, original_max_position_embeddings=64, beta_fast=32.0, beta_slow=1.0, rope_theta=10000.0
+)
 
 _ALTERNATING = dict(layer_types=["sliding_attention", "full_attention"], sliding_window=SLIDING_WINDOW)
 
@@ -75,8 +76,9 @@ def _granite(**kw):
     from transformers import GraniteConfig
 
     # Granite scales embeddings, residuals, attention and logits by constants: non-defaults show them.
-    return GraniteConfig(**kw, embedding_multiplier=4.0, residual_multiplier=0.5, attention_multiplier=0.1,
-                         logits_scaling=2.0)
+    return GraniteConfig(
+        **kw, embedding_multiplier=4.0, residual_multiplier=0.5, attention_multiplier=0.1, logits_scaling=2.0
+    )
 
 
 def _phi3(**kw):
@@ -94,16 +96,18 @@ def _gemma3(**kw):
 def _qwen3_moe(**kw):
     from transformers import Qwen3MoeConfig
 
-    return Qwen3MoeConfig(**kw, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1,
-                          norm_topk_prob=True)
+    return Qwen3MoeConfig(
+        **kw, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1, norm_topk_prob=True
+    )
 
 
 def _gpt_oss(**kw):
     from transformers import GptOssConfig
 
     kw = {**kw, "intermediate_size": 32}  # per expert
-    return GptOssConfig(**kw, num_local_experts=4, num_experts_per_tok=2, attention_bias=True, rope_parameters=_YARN,
-                        **_ALTERNATING)
+    return GptOssConfig(
+        **kw, num_local_experts=4, num_experts_per_tok=2, attention_bias=True, rope_parameters=_YARN, **_ALTERNATING
+    )
 
 
 def _deepseek_v3(**kw):
@@ -113,27 +117,47 @@ def _deepseek_v3(**kw):
     kw.pop("head_dim")
     # Layer 0 dense, layer 1 a MoE block with one shared expert; queries and keys/values through
     # low-rank latents (q_a/q_b, kv_a_with_mqa/kv_b), rotary and plain head parts of 8 each.
-    return DeepseekV3Config(**kw, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=32,
-                            first_k_dense_replace=1, n_group=1, topk_group=1, q_lora_rank=24, kv_lora_rank=16,
-                            qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, rope_interleave=True,
-                            rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    return DeepseekV3Config(
+        **kw,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        moe_intermediate_size=32,
+        first_k_dense_replace=1,
+        n_group=1,
+        topk_group=1,
+        q_lora_rank=24,
+        kv_lora_rank=16,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=8,
+        v_head_dim=16,
+        rope_interleave=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    )
 
 
 def _qwen3_5(**kw):
     from transformers import Qwen3_5TextConfig
 
     # One gated-delta-net (linear attention) layer, then one full-attention layer.
-    return Qwen3_5TextConfig(**kw, layer_types=["linear_attention", "full_attention"], linear_num_key_heads=2,
-                             linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
-                             linear_conv_kernel_dim=4)
+    return Qwen3_5TextConfig(
+        **kw,
+        layer_types=["linear_attention", "full_attention"],
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        linear_conv_kernel_dim=4,
+    )
 
 
 def _falcon_h1(**kw):
     from transformers import FalconH1Config
 
     # Every layer runs a Mamba-2 mixer and attention side by side (a hybrid cache layer holds both).
-    return FalconH1Config(**kw, mamba_d_ssm=64, mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8, mamba_n_groups=1,
-                          mamba_chunk_size=16)
+    return FalconH1Config(
+        **kw, mamba_d_ssm=64, mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8, mamba_n_groups=1, mamba_chunk_size=16
+    )
 
 
 def _nemotron_h(**kw):
@@ -141,8 +165,15 @@ def _nemotron_h(**kw):
 
     # A Mamba-2 layer, an attention layer, an MLP layer (the pattern string: M = Mamba, * = attention, - = MLP).
     kw = {**kw, "num_hidden_layers": 3}
-    return NemotronHConfig(**kw, hybrid_override_pattern="M*-", mamba_num_heads=4, mamba_head_dim=16, ssm_state_size=8,
-                           n_groups=1, chunk_size=16)
+    return NemotronHConfig(
+        **kw,
+        hybrid_override_pattern="M*-",
+        mamba_num_heads=4,
+        mamba_head_dim=16,
+        ssm_state_size=8,
+        n_groups=1,
+        chunk_size=16,
+    )
 
 
 FAMILIES: dict[str, Callable[..., Any]] = {
@@ -168,5 +199,10 @@ def family_config(family: str, *, vocab_size: int, max_position_embeddings: int,
     """The tiny config of `family` (a key of FAMILIES)."""
     if family not in FAMILIES:
         raise ValueError(f"family: unknown {family!r}; expected one of {', '.join(FAMILIES)}")
-    return FAMILIES[family](**_COMMON, vocab_size=vocab_size, max_position_embeddings=max_position_embeddings,
-                            eos_token_id=eos_token_id, pad_token_id=pad_token_id)
+    return FAMILIES[family](
+        **_COMMON,
+        vocab_size=vocab_size,
+        max_position_embeddings=max_position_embeddings,
+        eos_token_id=eos_token_id,
+        pad_token_id=pad_token_id,
+    )

@@ -123,8 +123,12 @@ class SeaweedServer:
             aws_access_key_id=self.access_key,
             aws_secret_access_key=self.secret_key,
             region_name=self.region,
-            config=Config(signature_version="s3v4", s3={"addressing_style": "path"},
-                          retries={"max_attempts": 2, "mode": "standard"}, connect_timeout=2),
+            config=Config(
+                signature_version="s3v4",
+                s3={"addressing_style": "path"},
+                retries={"max_attempts": 2, "mode": "standard"},
+                connect_timeout=2,
+            ),
         )
 
     # -- life cycle --------------------------------------------------------------------------------
@@ -144,20 +148,28 @@ class SeaweedServer:
     def _launch(self) -> None:
         ports = free_ports(2 * len(_COMPONENTS_WITH_PORTS))
         self.ports = dict(zip(_COMPONENTS_WITH_PORTS, ports))
-        grpc = dict(zip(_COMPONENTS_WITH_PORTS, ports[len(_COMPONENTS_WITH_PORTS):]))
+        grpc = dict(zip(_COMPONENTS_WITH_PORTS, ports[len(_COMPONENTS_WITH_PORTS) :]))
         self.grpc_ports = grpc
         data, logs = self.workdir / "data", self.workdir / "logs"
         shutil.rmtree(data, ignore_errors=True)  # a failed earlier attempt must not leave state behind
         data.mkdir()
         logs.mkdir(exist_ok=True)
         self.command = [
-            find_weed(), f"-logdir={logs}", "mini",
-            f"-dir={data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
+            find_weed(),
+            f"-logdir={logs}",
+            "mini",
+            f"-dir={data}",
+            "-ip=127.0.0.1",
+            "-ip.bind=127.0.0.1",
             *(f"-{name}.port={self.ports[name]}" for name in _COMPONENTS_WITH_PORTS),
             *(f"-{name}.port.grpc={grpc[name]}" for name in _COMPONENTS_WITH_PORTS),
-            "-s3.port.iceberg=0", "-s3.port.lance=0", "-webdav=false", "-admin.ui=false",
+            "-s3.port.iceberg=0",
+            "-s3.port.lance=0",
+            "-webdav=false",
+            "-admin.ui=false",
             "-master.telemetry=false",
-            f"-s3.localSocket={self.workdir / 's3.sock'}", f"-filer.localSocket={self.workdir / 'filer.sock'}",
+            f"-s3.localSocket={self.workdir / 's3.sock'}",
+            f"-filer.localSocket={self.workdir / 'filer.sock'}",
         ]
         # With these two variables set, mini creates one identity and enforces SigV4; without them it
         # accepts any credentials. They go to the server process only, never to this process.
@@ -166,8 +178,13 @@ class SeaweedServer:
         log = open(self.workdir / "weed.log", "ab")
         try:
             self.process = subprocess.Popen(
-                self.command, cwd=self.workdir, env=env, stdout=log, stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL, start_new_session=True,
+                self.command,
+                cwd=self.workdir,
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
             )
         finally:
             log.close()
@@ -189,8 +206,9 @@ class SeaweedServer:
                 except Exception as exc:  # the S3 port opens before the filer behind it is ready
                     last = repr(exc)
             time.sleep(0.2)
-        raise RuntimeError(f"weed mini not ready after {self.settings.start_timeout_s} s ({last}); "
-                           f"log tail:\n{self.log_tail()}")
+        raise RuntimeError(
+            f"weed mini not ready after {self.settings.start_timeout_s} s ({last}); log tail:\n{self.log_tail()}"
+        )
 
     def _answers_http(self) -> bool:
         try:

@@ -79,8 +79,13 @@ def build_tokenizer(seed: int = 0):
 
 
 def _config(arch: str, tokenizer, tie_word_embeddings: bool, head_dim: int | None, initializer_range: float | None):
-    config = family_config(arch, vocab_size=VOCAB_SIZE, max_position_embeddings=MAX_POSITION_EMBEDDINGS,
-                           eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    config = family_config(
+        arch,
+        vocab_size=VOCAB_SIZE,
+        max_position_embeddings=MAX_POSITION_EMBEDDINGS,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
     if tie_word_embeddings:
         config.tie_word_embeddings = True
     if head_dim:
@@ -90,8 +95,15 @@ def _config(arch: str, tokenizer, tie_word_embeddings: bool, head_dim: int | Non
     return config
 
 
-def build_tiny_model(directory: str | Path, arch: str = "llama", seed: int = 0, *, tie_word_embeddings: bool = False,
-                     head_dim: int | None = None, initializer_range: float | None = None) -> str:
+def build_tiny_model(
+    directory: str | Path,
+    arch: str = "llama",
+    seed: int = 0,
+    *,
+    tie_word_embeddings: bool = False,
+    head_dim: int | None = None,
+    initializer_range: float | None = None,
+) -> str:
     """Write a tiny random-init causal LM and its tokenizer to `directory`; returns the path as a str.
 
     `tie_word_embeddings=True` shares lm_head with the input embeddings, as many small real models do.
@@ -110,9 +122,7 @@ def build_tiny_model(directory: str | Path, arch: str = "llama", seed: int = 0, 
     config = _config(arch, tokenizer, tie_word_embeddings, head_dim, initializer_range)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.generation_config = GenerationConfig(
-        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
-    )
+    model.generation_config = GenerationConfig(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     return str(directory)
@@ -124,10 +134,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--arch", choices=list(FAMILIES), default="llama", help="Model family.")
     parser.add_argument("--seed", type=int, default=0, help="Seed of the weights and the tokenizer corpus.")
     parser.add_argument("--tie-word-embeddings", action="store_true", help="Share lm_head with the input embeddings.")
-    parser.add_argument("--head-dim", type=int, default=None, help="Attention head size (default 16; vLLM's CPU kernels need >= 32).")
+    parser.add_argument(
+        "--head-dim", type=int, default=None, help="Attention head size (default 16; vLLM's CPU kernels need >= 32)."
+    )
     args = parser.parse_args(argv)
-    print(build_tiny_model(args.directory, arch=args.arch, seed=args.seed, tie_word_embeddings=args.tie_word_embeddings,
-                           head_dim=args.head_dim))
+    print(
+        build_tiny_model(
+            args.directory,
+            arch=args.arch,
+            seed=args.seed,
+            tie_word_embeddings=args.tie_word_embeddings,
+            head_dim=args.head_dim,
+        )
+    )
 
 
 if __name__ == "__main__":

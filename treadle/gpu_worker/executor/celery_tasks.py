@@ -32,7 +32,9 @@ from treadle.queue.results import ResultStore
 log = logging.getLogger("treadle.worker")
 
 
-def register_tasks(app: Celery, sequencer: Sequencer, host: SessionHost, sampling: Sampling, usage: UsageRecorder) -> None:
+def register_tasks(
+    app: Celery, sequencer: Sequencer, host: SessionHost, sampling: Sampling, usage: UsageRecorder
+) -> None:
     results = ResultStore(app)
     control: dict[type[OpRequest], Callable[[OpRequest], BaseModel | Future]] = {
         CreateSessionRequest: host.create,
@@ -43,7 +45,8 @@ def register_tasks(app: Celery, sequencer: Sequencer, host: SessionHost, samplin
             app.task(name=task_name(cls.op), ignore_result=True, acks_late=True)(sequencer.on_doorbell)
         elif cls in control:
             app.task(name=task_name(cls.op), bind=True, ignore_result=True, acks_late=True)(
-                _control_task(cls, control[cls], results, lambda *a: _finished(host, usage, *a)))
+                _control_task(cls, control[cls], results, lambda *a: _finished(host, usage, *a))
+            )
 
 
 def _finished(host: SessionHost, usage: UsageRecorder, future_id: str, request: OpRequest, *rest) -> None:
@@ -53,9 +56,14 @@ def _finished(host: SessionHost, usage: UsageRecorder, future_id: str, request: 
         host.registry.redis.hdel(names.owner_sample_rows_key(request.owner or SDK_OWNER), future_id)
 
 
-def _control_task(cls: type[OpRequest], run: Callable[[OpRequest], BaseModel | Future], results: ResultStore,
-                  finished: Callable[[str, OpRequest, BaseModel | None, float, str], None]):
+def _control_task(
+    cls: type[OpRequest],
+    run: Callable[[OpRequest], BaseModel | Future],
+    results: ResultStore,
+    finished: Callable[[str, OpRequest, BaseModel | None, float, str], None],
+):
     """`finished(future_id, request, response, seconds, outcome)` meters the op before its result is stored."""
+
     def store(future_id: str, request: OpRequest, started: float, answer: Callable[[], BaseModel]) -> None:
         response, error = None, None
         try:
@@ -66,7 +74,13 @@ def _control_task(cls: type[OpRequest], run: Callable[[OpRequest], BaseModel | F
         except Exception as exc:  # a bug or a broken model must still answer the client
             log.exception("%s failed", cls.op)
             error = ServerError(f"{cls.op} failed: {type(exc).__name__}: {exc}")
-        finished(future_id, request, response, time.monotonic() - started, "ok" if error is None else f"{error.category}_error")
+        finished(
+            future_id,
+            request,
+            response,
+            time.monotonic() - started,
+            "ok" if error is None else f"{error.category}_error",
+        )
         if error is None:
             results.store_ok(future_id, payload)
         else:

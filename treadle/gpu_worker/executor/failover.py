@@ -25,9 +25,17 @@ from treadle.queue import names
 
 log = logging.getLogger("treadle.worker")
 
+
 class Failover:
-    def __init__(self, host: SessionHost, sequencer: Sequencer, autosaver: Autosaver, *, idle_unload_s: float,
-                 session_idle_ttl_s: float = 0.0):
+    def __init__(
+        self,
+        host: SessionHost,
+        sequencer: Sequencer,
+        autosaver: Autosaver,
+        *,
+        idle_unload_s: float,
+        session_idle_ttl_s: float = 0.0,
+    ):
         self.host = host
         self.sequencer = sequencer
         self.autosaver = autosaver
@@ -38,8 +46,13 @@ class Failover:
         """Adopt every orphaned session this worker can serve, then expire and unload idle ones."""
         host = self.host
         for record in host.registry.all():
-            if (record.status == "active" and record.worker and record.base_model in host.engines
-                    and record.session_id not in host.owned and not host.lease.is_held(record.session_id)):
+            if (
+                record.status == "active"
+                and record.worker
+                and record.base_model in host.engines
+                and record.session_id not in host.owned
+                and not host.lease.is_held(record.session_id)
+            ):
                 self.take_over(record.session_id)
         self.sequencer.nudge_stalled()
         if self.session_idle_ttl_s:
@@ -77,11 +90,19 @@ class Failover:
                 host.lease.release(session_id, epoch)
                 raise
             timings["total_s"] = time.monotonic() - t0
-            host.registry.update(session_id, worker=host.hostname, last_recovery=json.dumps(
-                {**timings, "at": time.time(), "replayed_to": record.applied}))
+            host.registry.update(
+                session_id,
+                worker=host.hostname,
+                last_recovery=json.dumps({**timings, "at": time.time(), "replayed_to": record.applied}),
+            )
             metrics.LEASE_TAKEOVERS.labels(record.base_model).inc()
-            log.info("took over session %s (epoch %d, applied %d) in %.2f s",
-                     session_id, epoch, record.applied, timings["total_s"])
+            log.info(
+                "took over session %s (epoch %d, applied %d) in %.2f s",
+                session_id,
+                epoch,
+                record.applied,
+                timings["total_s"],
+            )
         host.subscribe(names.session_queue(session_id))
         with host.device_lock:
             # Ops whose doorbell died with the old owner are in the journal: run them now.

@@ -68,7 +68,11 @@ class Sampling:
         with self.device_lock:  # the sampler cache: look-ups, loads and evictions one at a time
             engine, sampler_id = self.cache.engine_and_sampler(req.base_model, req.model_path)
             return engine.sample_async(
-                sampler_id, ModelInput.from_ints(req.prompt), req.num_samples, req.sampling_params,
-                include_prompt_logprobs=req.include_prompt_logprobs, topk_prompt_logprobs=req.topk_prompt_logprobs,
+                sampler_id,
+                ModelInput.from_ints(req.prompt),
+                req.num_samples,
+                req.sampling_params,
+                include_prompt_logprobs=req.include_prompt_logprobs,
+                topk_prompt_logprobs=req.topk_prompt_logprobs,
                 extras=SampleExtras(req.topk_sample_logprobs, target, req.prompt_alt_tokens_k),
             )

@@ -54,9 +54,18 @@ log = logging.getLogger("treadle.worker")
 
 
 class Sequencer:
-    def __init__(self, host: SessionHost, app: Celery, *, after_op: Callable[[OwnedSession, str], bool],
-                 reload: Callable[[OwnedSession], None], usage: UsageRecorder, linger: Linger,
-                 fair: FairShare | None = None, observe_wait: Callable[[str, str, float], None] | None = None):
+    def __init__(
+        self,
+        host: SessionHost,
+        app: Celery,
+        *,
+        after_op: Callable[[OwnedSession, str], bool],
+        reload: Callable[[OwnedSession], None],
+        usage: UsageRecorder,
+        linger: Linger,
+        fair: FairShare | None = None,
+        observe_wait: Callable[[str, str, float], None] | None = None,
+    ):
         self.host = host
         self.linger = linger
         self.fair = fair or FairShare()
@@ -145,7 +154,9 @@ class Sequencer:
         entry and lease, read with its record, or None after a checkpoint; the other sessions with an op ready;
         whether a control message waits), or None when it had no op or lost its lease."""
         session_id = owned.session_id
-        entry, lease = prefetched or self.host.journal.get_with(session_id, owned.applied + 1, names.lease_key(session_id))
+        entry, lease = prefetched or self.host.journal.get_with(
+            session_id, owned.applied + 1, names.lease_key(session_id)
+        )
         if entry is None:
             return None
         past_doorbell = int(entry.seq > owned.max_seen)
@@ -158,7 +169,11 @@ class Sequencer:
         if owned.unloaded:
             self._reload(owned)
         if self._observe_wait is not None:
-            self._observe_wait(turns.owner_of(self.host, session_id), owned.record.base_model, max(0.0, time.time() - entry.submitted_at))
+            self._observe_wait(
+                turns.owner_of(self.host, session_id),
+                owned.record.base_model,
+                max(0.0, time.time() - entry.submitted_at),
+            )
         following, others, control_waiting = self._run(owned, entry, handoff)
         if entry.op == StopRequest.op:
             self.host.finish(session_id)
@@ -189,14 +204,24 @@ class Sequencer:
         seconds = time.monotonic() - started
         if request is not None:
             usage = self.usage.observe(
-                session_id=entry.session_id, op_id=str(entry.seq), request=request, response=response,
-                owner=owned.record.owner, base_model=owned.record.base_model, seconds=seconds,
-                outcome="ok" if error is None else f"{error.category}_error")
+                session_id=entry.session_id,
+                op_id=str(entry.seq),
+                request=request,
+                response=response,
+                owner=owned.record.owner,
+                base_model=owned.record.base_model,
+                seconds=seconds,
+                outcome="ok" if error is None else f"{error.category}_error",
+            )
         tokens = 0 if usage is None else usage.prefill_tokens + usage.trained_tokens + usage.sampled_tokens
-        self.fair.charge(entry.session_id, turns.owner_of(self.host, entry.session_id), seconds, kind=entry.op, units=tokens)
+        self.fair.charge(
+            entry.session_id, turns.owner_of(self.host, entry.session_id), seconds, kind=entry.op, units=tokens
+        )
         glance = turns.Glance(
             sessions=[(sid, o.applied + 1) for sid, o in list(self.host.owned.items()) if sid != entry.session_id],
-            queues=[names.model_queue(m) for m in self.host.engines], line=turns.line(self.host, self.fair, [entry.session_id, *self._waiting]))
+            queues=[names.model_queue(m) for m in self.host.engines],
+            line=turns.line(self.host, self.fair, [entry.session_id, *self._waiting]),
+        )
         following = _through_outages(lambda: self._record(entry, usage, payload, error, step, handoff, glance))
         return (None if self._after_op(owned, entry.op) else following), glance.ready, glance.control_waiting
 
@@ -204,8 +229,16 @@ class Sequencer:
         engine, session_id = self.host.engine(owned.record.base_model), owned.record.session_id
         return engine.step(session_id) if engine.has_session(session_id) else None
 
-    def _record(self, entry: JournalEntry, usage: OpUsage | None, payload: dict | None, error: TreadleError | None,
-                step: int | None, handoff: bool = False, glance: turns.Glance | None = None) -> tuple[JournalEntry | None, bytes | None]:
+    def _record(
+        self,
+        entry: JournalEntry,
+        usage: OpUsage | None,
+        payload: dict | None,
+        error: TreadleError | None,
+        step: int | None,
+        handoff: bool = False,
+        glance: turns.Glance | None = None,
+    ) -> tuple[JournalEntry | None, bytes | None]:
         """Meter the op, store its result, mark its seq applied: in this order (a seq is never marked applied
         without its result, see treadle.gpu_worker.executor.usage for the meter), and in one MULTI/EXEC when results
         live in the broker's Redis. Safe to repeat: the meter counts an op once, the rest are plain sets.
@@ -228,8 +261,14 @@ class Sequencer:
                     self.results.store_error(entry.future_id, error)
             stepped = {} if step is None else {"step": step}
             cost = self.fair.cost.get(session_id)
-            self.host.registry.update(session_id, client=pipe, applied=entry.seq, last_activity=time.time(),
-                                      **stepped, **({} if cost is None else {"op_cost_s": round(cost, 6)}))
+            self.host.registry.update(
+                session_id,
+                client=pipe,
+                applied=entry.seq,
+                last_activity=time.time(),
+                **stepped,
+                **({} if cost is None else {"op_cost_s": round(cost, 6)}),
+            )
             if handoff:
                 self.linger.mark(pipe)
             if glance is not None:
@@ -256,7 +295,9 @@ class Sequencer:
             finally:
                 self.host.device_lock.release()
             if entry is not None:
-                log.warning("session %s: op %d was journaled with no doorbell coming; ringing it", session_id, entry.seq)
+                log.warning(
+                    "session %s: op %d was journaled with no doorbell coming; ringing it", session_id, entry.seq
+                )
                 ring(self.app, session_id, entry.seq, entry.op)
 
     def _ring_on(self, session_id: str, seq: int | None) -> None:

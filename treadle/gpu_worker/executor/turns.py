@@ -68,7 +68,7 @@ class Glance:
 
     def read(self, answers: list) -> None:
         """`answers`: the pipeline's answers up to the ones `queue` added, which end them."""
-        counts = answers[len(answers) - len(self.queues):]
-        found = answers[len(answers) - len(self.queues) - len(self.sessions):len(answers) - len(self.queues)]
+        counts = answers[len(answers) - len(self.queues) :]
+        found = answers[len(answers) - len(self.queues) - len(self.sessions) : len(answers) - len(self.queues)]
         self.ready = [sid for (sid, _), there in zip(self.sessions, found) if there]
         self.control_waiting = any(counts)

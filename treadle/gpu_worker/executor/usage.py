@@ -45,31 +45,75 @@ class UsageRecorder:
     def __init__(self, redis):
         self.meter = Meter(redis)
 
-    def op_finished(self, *, session_id: str, op_id: str, request: OpRequest, response: BaseModel | None,
-                    owner: str | None, base_model: str, seconds: float, outcome: str) -> None:
+    def op_finished(
+        self,
+        *,
+        session_id: str,
+        op_id: str,
+        request: OpRequest,
+        response: BaseModel | None,
+        owner: str | None,
+        base_model: str,
+        seconds: float,
+        outcome: str,
+    ) -> None:
         """Meter a successful op and observe every op. `outcome`: ok | user_error | server_error."""
-        usage = self.observe(session_id=session_id, op_id=op_id, request=request, response=response, owner=owner,
-                             base_model=base_model, seconds=seconds, outcome=outcome)
+        usage = self.observe(
+            session_id=session_id,
+            op_id=op_id,
+            request=request,
+            response=response,
+            owner=owner,
+            base_model=base_model,
+            seconds=seconds,
+            outcome=outcome,
+        )
         if usage is not None:
             self.record(usage)
 
-    def observe(self, *, session_id: str, op_id: str, request: OpRequest, response: BaseModel | None,
-                owner: str | None, base_model: str, seconds: float, outcome: str) -> OpUsage | None:
+    def observe(
+        self,
+        *,
+        session_id: str,
+        op_id: str,
+        request: OpRequest,
+        response: BaseModel | None,
+        owner: str | None,
+        base_model: str,
+        seconds: float,
+        outcome: str,
+    ) -> OpUsage | None:
         """The worker's metrics of one op; returns the usage to meter (None for a failed op, which is not billed)."""
-        usage = OpUsage(session_id=session_id, op_id=op_id, op=request.op, owner=owner or SDK_OWNER,
-                        base_model=base_model, compute_s=seconds,
-                        **(token_counts(request, response) if outcome == "ok" else {}))
+        usage = OpUsage(
+            session_id=session_id,
+            op_id=op_id,
+            op=request.op,
+            owner=owner or SDK_OWNER,
+            base_model=base_model,
+            compute_s=seconds,
+            **(token_counts(request, response) if outcome == "ok" else {}),
+        )
         metrics.observe_op(request.op, base_model, seconds, outcome, usage if outcome == "ok" else None)
         return usage if outcome == "ok" else None
 
     def record(self, usage: OpUsage, client=None) -> None:
         """Meter it durably, once per (session, op id); `client`: a pipeline to queue the record on."""
         if not self.meter.record(usage, client=client):
-            log.info("usage of %s op %s was recorded before (a replay or redelivery): not counted again",
-                     usage.session_id, usage.op_id)
+            log.info(
+                "usage of %s op %s was recorded before (a replay or redelivery): not counted again",
+                usage.session_id,
+                usage.op_id,
+            )
 
-    def control_op_finished(self, sessions: SessionRegistry, future_id: str, request: OpRequest,
-                            response: BaseModel | None, seconds: float, outcome: str) -> None:
+    def control_op_finished(
+        self,
+        sessions: SessionRegistry,
+        future_id: str,
+        request: OpRequest,
+        response: BaseModel | None,
+        seconds: float,
+        outcome: str,
+    ) -> None:
         """The same for an op of a base model's control queue (create_session, sample)."""
         if isinstance(request, CreateSessionRequest):
             session_id, owner = request.session_id, request.owner
@@ -79,5 +123,13 @@ class UsageRecorder:
             owner = request.owner or (record.owner if record is not None else None)
         else:
             session_id, owner = f"base:{request.base_model}", getattr(request, "owner", None)
-        self.op_finished(session_id=session_id, op_id=future_id, request=request, response=response, owner=owner,
-                         base_model=request.base_model, seconds=seconds, outcome=outcome)
+        self.op_finished(
+            session_id=session_id,
+            op_id=future_id,
+            request=request,
+            response=response,
+            owner=owner,
+            base_model=request.base_model,
+            seconds=seconds,
+            outcome=outcome,
+        )

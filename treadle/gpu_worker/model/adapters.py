@@ -31,6 +31,7 @@ from treadle.gpu_worker.model.lora_targets import LoraTargets, check_requested
 from treadle.gpu_worker.model.host import ModelHost
 from treadle.types import LoraConfig
 
+
 def peft_lora_config(lora: LoraConfig, base_model: str, targets: LoraTargets) -> peft.LoraConfig:
     """The PEFT config of a session's adapter: train_attn/train_mlp/train_unembed resolved to `targets`,
     the parts of this model they name (`lora_targets`); 3-D expert weights through `target_parameters`."""
@@ -112,10 +113,14 @@ class AdapterBank:
         params = self.parameters(name)
         missing, unexpected = sorted(set(params) - set(tensors)), sorted(set(tensors) - set(params))
         if missing or unexpected:
-            raise InvalidRequestError(f"{source}: adapter tensors do not match (missing {missing[:3]}, unexpected {unexpected[:3]})")
+            raise InvalidRequestError(
+                f"{source}: adapter tensors do not match (missing {missing[:3]}, unexpected {unexpected[:3]})"
+            )
         for key, param in params.items():
             if tuple(tensors[key].shape) != tuple(param.shape):
-                raise InvalidRequestError(f"{source}: {key} has shape {tuple(tensors[key].shape)}, expected {tuple(param.shape)}")
+                raise InvalidRequestError(
+                    f"{source}: {key} has shape {tuple(tensors[key].shape)}, expected {tuple(param.shape)}"
+                )
         with torch.no_grad():
             for key, param in params.items():
                 param.copy_(tensors[key].to(device=param.device, dtype=param.dtype))
@@ -142,7 +147,9 @@ class AdapterBank:
         directory.mkdir(parents=True, exist_ok=True)
         # lm_head is a LoRA target, not a trained embedding: never write the base weight.
         tensors = get_peft_model_state_dict(self.peft_model, adapter_name=name, save_embedding_layers=False)
-        save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(directory / "adapter_model.safetensors"))
+        save_file(
+            {k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(directory / "adapter_model.safetensors")
+        )
         config = copy.deepcopy(self.config(name))
         config.inference_mode = True
         config.base_model_name_or_path = self.host.name

@@ -63,7 +63,8 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     candidates = [m for _, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m) == count]
     if not candidates:
         raise InvalidRequestError(
-            f"model: no stack of {count} decoder layers found in {type(model).__name__}; treadle cannot place LoRA adapters on it")
+            f"model: no stack of {count} decoder layers found in {type(model).__name__}; treadle cannot place LoRA adapters on it"
+        )
     return candidates[0]
 
 
@@ -77,17 +78,23 @@ def find_targets(model: nn.Module) -> LoraTargets:
         for child_name, child in layer.named_children():
             linears = [name for name, m in child.named_modules() if isinstance(m, nn.Linear) and name]
             # Expert stacks: 3-D weights of a model's own modules (a convolution's kernel is 3-D too).
-            tensors = [name for name, p in child.named_parameters() if p.dim() == 3
-                       and not isinstance(_owner(child, name), nn.modules.conv._ConvNd)]
+            tensors = [
+                name
+                for name, p in child.named_parameters()
+                if p.dim() == 3 and not isinstance(_owner(child, name), nn.modules.conv._ConvNd)
+            ]
             if not linears and not tensors:
                 continue  # norms, rotary embeddings
             kind = _kind(child_name, child)
             if kind is None:
                 raise InvalidRequestError(
                     f"model: decoder layer part {child_name!r} ({type(child).__name__}) has weights but is neither "
-                    "attention nor a feed-forward block; treadle does not know how to adapt it")
+                    "attention nor a feed-forward block; treadle does not know how to adapt it"
+                )
             for name in linears:
-                if _is_router(f"{child_name}.{name}", child.get_submodule(name)) or _fused_in_kernel(child_name, child, name):
+                if _is_router(f"{child_name}.{name}", child.get_submodule(name)) or _fused_in_kernel(
+                    child_name, child, name
+                ):
                     continue
                 (attention if kind == "attention" else mlp)[f"{child_name}.{name}"] = None
             for name in tensors:
@@ -97,7 +104,9 @@ def find_targets(model: nn.Module) -> LoraTargets:
                     raise InvalidRequestError(f"model: a 3-D weight {child_name}.{name} outside a feed-forward block")
                 experts[f"{child_name}.{name}"] = None
     unembed = ("lm_head",) if isinstance(getattr(model, "lm_head", None), nn.Linear) else ()
-    return LoraTargets(attention=tuple(attention), mlp=tuple(mlp), experts=tuple(experts), unembed=unembed, layers=len(layers))
+    return LoraTargets(
+        attention=tuple(attention), mlp=tuple(mlp), experts=tuple(experts), unembed=unembed, layers=len(layers)
+    )
 
 
 def _owner(module: nn.Module, parameter_name: str) -> nn.Module:
@@ -130,4 +139,5 @@ def check_requested(targets: LoraTargets, *, attn: bool, mlp: bool, unembed: boo
     """Refuse a LoRA config that would train nothing on this model (e.g. train_unembed alone on a tied head)."""
     if not targets.modules(attn=attn, mlp=mlp, unembed=unembed) and not targets.parameters(mlp=mlp):
         raise InvalidRequestError(
-            f"lora: train_attn={attn}, train_mlp={mlp}, train_unembed={unembed} selects no weights of {model_name}")
+            f"lora: train_attn={attn}, train_mlp={mlp}, train_unembed={unembed} selects no weights of {model_name}"
+        )

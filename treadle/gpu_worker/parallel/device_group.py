@@ -83,15 +83,22 @@ def rank_device(device: str | None, rank: int) -> str:
     if device in (None, "cuda") and torch.cuda.is_available():
         return f"cuda:{rank}"
     if device is not None and device.startswith("cuda"):
-        raise ValueError(f"device: {device!r} names one GPU; a worker with --devices N uses cuda:0..N-1 (pass cuda or nothing)")
+        raise ValueError(
+            f"device: {device!r} names one GPU; a worker with --devices N uses cuda:0..N-1 (pass cuda or nothing)"
+        )
     return device or "cpu"
 
 
 def join_process_group(spec: dict, rank: int) -> None:
     if spec["backend"] == "nccl":
         torch.cuda.set_device(rank)
-    dist.init_process_group(spec["backend"], init_method=spec["init_method"], rank=rank,
-                            world_size=spec["world_size"], timeout=timedelta(seconds=CALL_TIMEOUT_S))
+    dist.init_process_group(
+        spec["backend"],
+        init_method=spec["init_method"],
+        rank=rank,
+        world_size=spec["world_size"],
+        timeout=timedelta(seconds=CALL_TIMEOUT_S),
+    )
 
 
 def _die_with_parent() -> None:
@@ -108,10 +115,14 @@ class DeviceGroup:
         self.size = config.devices
         self.device = rank_device(config.device, 0)
         self.spec = {
-            "model": list(config.model), "device": config.device, "dtype": config.dtype,
-            "max_tokens_per_microbatch": config.max_tokens_per_microbatch, "loglevel": config.loglevel,
+            "model": list(config.model),
+            "device": config.device,
+            "dtype": config.dtype,
+            "max_tokens_per_microbatch": config.max_tokens_per_microbatch,
+            "loglevel": config.loglevel,
             "backend": "nccl" if self.device.startswith("cuda") else "gloo",
-            "init_method": f"tcp://127.0.0.1:{free_port()}", "world_size": self.size,
+            "init_method": f"tcp://127.0.0.1:{free_port()}",
+            "world_size": self.size,
         }
         self.procs: list[subprocess.Popen] = []
         self.socks: list[socket.socket] = []
@@ -124,8 +135,12 @@ class DeviceGroup:
             spec = {**self.spec, "rank": rank, "fd": theirs.fileno()}
             # Its own session: a Ctrl-C or SIGTERM meant for the worker reaches rank 0 alone, which
             # hands its sessions over before the followers go (they follow it out).
-            proc = subprocess.Popen([sys.executable, "-m", "treadle.gpu_worker.parallel.device_group", json.dumps(spec)],
-                                    pass_fds=[theirs.fileno()], start_new_session=True, preexec_fn=_die_with_parent)
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "treadle.gpu_worker.parallel.device_group", json.dumps(spec)],
+                pass_fds=[theirs.fileno()],
+                start_new_session=True,
+                preexec_fn=_die_with_parent,
+            )
             theirs.close()
             mine.settimeout(CALL_TIMEOUT_S)
             self.procs.append(proc)
@@ -197,8 +212,12 @@ def follower_main(spec: dict) -> None:
     engines = {}
     for model_spec in spec["model"]:
         name, path = parse_model_spec(model_spec)
-        engines[name] = Engine(path, device=rank_device(spec["device"], rank), dtype=spec["dtype"],
-                               max_tokens_per_microbatch=spec["max_tokens_per_microbatch"])
+        engines[name] = Engine(
+            path,
+            device=rank_device(spec["device"], rank),
+            dtype=spec["dtype"],
+            max_tokens_per_microbatch=spec["max_tokens_per_microbatch"],
+        )
     join_process_group(spec, rank)
     log.info("rank %d of %d ready", rank, spec["world_size"])
     while True:

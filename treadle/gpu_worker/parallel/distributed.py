@@ -26,7 +26,13 @@ import torch
 import torch.distributed as dist
 
 from treadle.gpu_worker.training.validation import check_loss, prepare_data
-from treadle.queue.ops import CreateSessionRequest, ForwardBackwardRequest, ForwardRequest, LoadStateRequest, OptimStepRequest
+from treadle.queue.ops import (
+    CreateSessionRequest,
+    ForwardBackwardRequest,
+    ForwardRequest,
+    LoadStateRequest,
+    OptimStepRequest,
+)
 from treadle.types import WIRE, AdamParams, Datum, ForwardBackwardOutput, LoraConfig, OptimStepResponse
 
 _RUNS = {cls.op: cls for cls in (ForwardRequest, ForwardBackwardRequest)}
@@ -48,7 +54,9 @@ def split_by_tokens(lengths: list[int], ranks: int) -> list[list[int]]:
 def run_shard(engine, session_id: str, request: ForwardRequest) -> ForwardBackwardOutput | None:
     """This rank's share of a data-parallel forward(_backward); gradients summed over all ranks after."""
     if not request.stateful:
-        return engine.forward(session_id, request.data, request.loss_fn, request.loss_fn_config) if request.data else None
+        return (
+            engine.forward(session_id, request.data, request.loss_fn, request.loss_fn_config) if request.data else None
+        )
     params = engine.trainable_parameters(session_id)
     # The call's gradients are computed apart from the pending ones, so that only they are summed.
     pending = {name: p.grad for name, p in params.items()}
@@ -61,7 +69,7 @@ def run_shard(engine, session_id: str, request: ForwardRequest) -> ForwardBackwa
     dist.all_reduce(flat, op=dist.ReduceOp.SUM)
     offset = 0
     for name, p in params.items():
-        grad = flat[offset:offset + p.numel()].view_as(p)
+        grad = flat[offset : offset + p.numel()].view_as(p)
         offset += p.numel()
         p.grad = grad.clone() if pending[name] is None else pending[name] + grad
     return out
@@ -130,27 +138,52 @@ class GroupEngine:
 
     # ------------------------------------------------------------ training
 
-    def forward(self, session_id: str, data: list[Datum], loss_fn: str, loss_fn_config: dict | None = None) -> ForwardBackwardOutput:
+    def forward(
+        self, session_id: str, data: list[Datum], loss_fn: str, loss_fn_config: dict | None = None
+    ) -> ForwardBackwardOutput:
         return self._data_parallel(ForwardRequest, session_id, data, loss_fn, loss_fn_config)
 
-    def forward_backward(self, session_id: str, data: list[Datum], loss_fn: str, loss_fn_config: dict | None = None) -> ForwardBackwardOutput:
+    def forward_backward(
+        self, session_id: str, data: list[Datum], loss_fn: str, loss_fn_config: dict | None = None
+    ) -> ForwardBackwardOutput:
         return self._data_parallel(ForwardBackwardRequest, session_id, data, loss_fn, loss_fn_config)
 
-    def _data_parallel(self, request_cls: type[ForwardRequest], session_id: str, data: list[Datum], loss_fn: str,
-                       loss_fn_config: dict | None) -> ForwardBackwardOutput:
+    def _data_parallel(
+        self,
+        request_cls: type[ForwardRequest],
+        session_id: str,
+        data: list[Datum],
+        loss_fn: str,
+        loss_fn_config: dict | None,
+    ) -> ForwardBackwardOutput:
         with self._lock:
             # The whole batch is checked here, before any rank runs: a refused request changes no replica.
             self._local.step(session_id)  # raises for an unknown session
             check_loss(loss_fn, loss_fn_config)
-            prepared = prepare_data(data, loss_fn, max_seq_len=self._local.max_seq_len, vocab_size=self._local.vocab_size)
-            shards = [request_cls(data=[data[i] for i in shard], loss_fn=loss_fn, loss_fn_config=loss_fn_config)
-                      for shard in split_by_tokens([d.length for d in prepared], self.ranks)]
+            prepared = prepare_data(
+                data, loss_fn, max_seq_len=self._local.max_seq_len, vocab_size=self._local.vocab_size
+            )
+            shards = [
+                request_cls(data=[data[i] for i in shard], loss_fn=loss_fn, loss_fn_config=loss_fn_config)
+                for shard in split_by_tokens([d.length for d in prepared], self.ranks)
+            ]
             try:
-                self._group.send([{"call": request_cls.op, "model": self._model, "session_id": session_id,
-                                   "request": shard.encode().decode()} for shard in shards[1:]])
+                self._group.send(
+                    [
+                        {
+                            "call": request_cls.op,
+                            "model": self._model,
+                            "session_id": session_id,
+                            "request": shard.encode().decode(),
+                        }
+                        for shard in shards[1:]
+                    ]
+                )
                 outputs = [run_shard(self._local, session_id, shards[0])]
-                outputs += [ForwardBackwardOutput.model_validate(r["output"]) if r["output"] else None
-                            for r in self._group.receive()]
+                outputs += [
+                    ForwardBackwardOutput.model_validate(r["output"]) if r["output"] else None
+                    for r in self._group.receive()
+                ]
             except Exception as exc:  # a rank failed mid-call: the replicas can no longer be trusted
                 self._group.fail(f"{request_cls.op} on session {session_id}: {exc!r}")
             done = [out for out in outputs if out is not None]

@@ -58,14 +58,27 @@ def resolve_kind(kind: SamplerKind, options: VllmOptions, host: ModelHost, vllm_
     return "vllm" if serves and torch.cuda.is_available() and vllm_python(options) else "hf"
 
 
-def make_sampler(kind: SamplerKind, bank: AdapterBank, host: ModelHost, device_lock: DeviceLock, *,
-                 max_batch_tokens: int, max_forward_tokens: int, vllm: VllmOptions | None = None,
-                 vllm_serves: str = "yes", path: str = "hf") -> SamplerBackend:
+def make_sampler(
+    kind: SamplerKind,
+    bank: AdapterBank,
+    host: ModelHost,
+    device_lock: DeviceLock,
+    *,
+    max_batch_tokens: int,
+    max_forward_tokens: int,
+    vllm: VllmOptions | None = None,
+    vllm_serves: str = "yes",
+    path: str = "hf",
+) -> SamplerBackend:
     """The sampler of one engine; `vllm_serves` ("yes" or why not) and `path` (how hf batches this model)
     come from the model's profile."""
     options = vllm or VllmOptions()
     chosen = resolve_kind(kind, options, host, vllm_serves)
-    log.info("sampler for %s: %s%s", host.name, "vllm" if chosen == "vllm" else path, " (auto)" if kind == "auto" else "")
+    log.info(
+        "sampler for %s: %s%s", host.name, "vllm" if chosen == "vllm" else path, " (auto)" if kind == "auto" else ""
+    )
     if chosen == "vllm":
         return VllmSampler(bank, host, options)
-    return SampleScheduler(bank, host, device_lock, max_batch_tokens=max_batch_tokens, max_forward_tokens=max_forward_tokens)
+    return SampleScheduler(
+        bank, host, device_lock, max_batch_tokens=max_batch_tokens, max_forward_tokens=max_forward_tokens
+    )

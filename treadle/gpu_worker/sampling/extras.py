@@ -45,18 +45,24 @@ class SampleExtras:
 
     def refuse(self, backend: str) -> None:
         """For a backend that serves none of them: an error naming the first one asked for."""
-        asked = {"topk_sample_logprobs": self.topk_sample_logprobs, "target_prompt_logprobs": self.target_ids is not None,
-                 "prompt_alt_tokens_k": self.prompt_alt_tokens_k}
+        asked = {
+            "topk_sample_logprobs": self.topk_sample_logprobs,
+            "target_prompt_logprobs": self.target_ids is not None,
+            "prompt_alt_tokens_k": self.prompt_alt_tokens_k,
+        }
         for name, value in asked.items():
             if value:
-                raise InvalidRequestError(f"{name}: not served by {backend}; leave it at its default or "
-                                          "run the worker with --sampler hf")
+                raise InvalidRequestError(
+                    f"{name}: not served by {backend}; leave it at its default or run the worker with --sampler hf"
+                )
 
     def check(self, vocab_size: int) -> None:
         if self.target_ids is not None and (bad := np.flatnonzero(self.target_ids.reshape(-1) >= vocab_size)).size:
             i, j = divmod(int(bad[0]), self.target_ids.shape[1])
-            raise InvalidRequestError(f"target_prompt_logprobs[{i}][{j}]: token id {int(self.target_ids[i, j])} "
-                                      f"outside vocabulary (size {vocab_size})")
+            raise InvalidRequestError(
+                f"target_prompt_logprobs[{i}][{j}]: token id {int(self.target_ids[i, j])} "
+                f"outside vocabulary (size {vocab_size})"
+            )
 
 
 def score_prompt(logits: torch.Tensor, extras: SampleExtras, temperature: float, seed: int) -> dict:
@@ -66,7 +72,9 @@ def score_prompt(logits: torch.Tensor, extras: SampleExtras, temperature: float,
     all_lp = torch.log_softmax(logits[:-1].float(), dim=-1)  # row i: the distribution over prompt token i + 1
     fields: dict = {}
     if extras.target_ids is not None:
-        ids = torch.tensor(extras.target_ids, dtype=torch.long, device=all_lp.device)  # a copy: wire arrays are read-only
+        ids = torch.tensor(
+            extras.target_ids, dtype=torch.long, device=all_lp.device
+        )  # a copy: wire arrays are read-only
         scored = all_lp.gather(1, ids.clamp(min=0)).masked_fill(ids < 0, 0.0)
         fields["target_prompt_logprobs"] = TensorData.from_numpy(scored.cpu().numpy())
     if k := extras.prompt_alt_tokens_k:
@@ -79,7 +87,8 @@ def score_prompt(logits: torch.Tensor, extras: SampleExtras, temperature: float,
             drawn = torch.multinomial(probs, k, replacement=True, generator=generator)
         fields["prompt_alt_tokens"] = PromptAltTokens(
             tokens=TensorData.from_numpy(drawn.cpu().numpy().astype(np.int64)),
-            logprobs=TensorData.from_numpy(all_lp.gather(1, drawn).cpu().numpy()))
+            logprobs=TensorData.from_numpy(all_lp.gather(1, drawn).cpu().numpy()),
+        )
     return fields
 
 
@@ -90,5 +99,7 @@ def top_of_rows(logprobs: torch.Tensor, ks: list[int]) -> list[list[tuple[int, f
     if not widest:
         return [None] * len(ks)
     values, ids = logprobs.topk(widest, dim=-1)
-    return [[(t, v) for t, v in zip(i[:k], lp[:k]) if v > float("-inf")] if k else None
-            for k, i, lp in zip(ks, ids.tolist(), values.tolist())]
+    return [
+        [(t, v) for t, v in zip(i[:k], lp[:k]) if v > float("-inf")] if k else None
+        for k, i, lp in zip(ks, ids.tolist(), values.tolist())
+    ]

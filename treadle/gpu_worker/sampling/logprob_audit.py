@@ -71,7 +71,12 @@ class LogprobAudit:
     def consider(self, job) -> None:
         """Pick this answered request's sequences for an audit, each with probability `fraction`."""
         params = job.params
-        if self.settings.fraction <= 0 or params.temperature != 1.0 or params.top_k not in (-1, 0) or params.top_p < 1.0:
+        if (
+            self.settings.fraction <= 0
+            or params.temperature != 1.0
+            or params.top_k not in (-1, 0)
+            or params.top_p < 1.0
+        ):
             return
         for sequence in job.sequences:
             if sequence is None or not sequence.tokens or sequence.logprobs is None:
@@ -79,12 +84,20 @@ class LogprobAudit:
             if self._rng.random() >= self.settings.fraction:
                 continue
             try:
-                self._pending.put_nowait(_Case(job.adapter, np.asarray(job.request.prompt, dtype=np.int64),
-                                               np.asarray(sequence.tokens, dtype=np.int64), np.asarray(sequence.logprobs, dtype=np.float64)))
+                self._pending.put_nowait(
+                    _Case(
+                        job.adapter,
+                        np.asarray(job.request.prompt, dtype=np.int64),
+                        np.asarray(sequence.tokens, dtype=np.int64),
+                        np.asarray(sequence.logprobs, dtype=np.float64),
+                    )
+                )
             except queue.Full:
                 return
             if self._thread is None:
-                self._thread = threading.Thread(target=self._loop, name=f"treadle-logprob-audit-{self.host.name}", daemon=True)
+                self._thread = threading.Thread(
+                    target=self._loop, name=f"treadle-logprob-audit-{self.host.name}", daemon=True
+                )
                 self._thread.start()
 
     def _loop(self) -> None:
@@ -103,6 +116,8 @@ class LogprobAudit:
         tokens = np.concatenate([case.prompt, case.tokens])
         targets = np.concatenate([tokens[1:], [self.host.pad_token_id]])
         with self.device_lock, torch.no_grad(), self.bank.using(case.adapter, trainable=False) as model:
-            [row] = target_logprobs(model, [tokens], [targets], device=self.host.device, pad_token_id=self.host.pad_token_id)
-        trained = row[len(case.prompt) - 1: len(tokens) - 1].double().cpu().numpy()
+            [row] = target_logprobs(
+                model, [tokens], [targets], device=self.host.device, pad_token_id=self.host.pad_token_id
+            )
+        trained = row[len(case.prompt) - 1 : len(tokens) - 1].double().cpu().numpy()
         return float(np.abs(trained - case.logprobs).mean())

@@ -45,7 +45,10 @@ class Autosaver:
         step = self.host.engine(owned.record.base_model).step(owned.session_id)
         if every and step % every == 0:
             return True
-        return bool(self.checkpoint_interval_s) and time.monotonic() - owned.last_checkpoint_at >= self.checkpoint_interval_s
+        return (
+            bool(self.checkpoint_interval_s)
+            and time.monotonic() - owned.last_checkpoint_at >= self.checkpoint_interval_s
+        )
 
     def checkpoint(self, owned: OwnedSession, *, background: bool = False) -> str | None:
         """Save the session's full state, point the registry at it, and trim the journal it covers."""
@@ -66,14 +69,27 @@ class Autosaver:
                 if not host.lease.holds(sid, owned.epoch):
                     return None
                 started = time.monotonic()
-                manifest = host.store.save(tmp, path, base_model=owned.record.base_model, lora_config=owned.record.lora.model_dump(),
-                                           step=step, applied_seq=applied, overwrite=True, ttl_seconds=AUTO_CHECKPOINT_TTL_S,
-                                           extra={"automatic": True, "base_model_path": engine.base_model})
+                manifest = host.store.save(
+                    tmp,
+                    path,
+                    base_model=owned.record.base_model,
+                    lora_config=owned.record.lora.model_dump(),
+                    step=step,
+                    applied_seq=applied,
+                    overwrite=True,
+                    ttl_seconds=AUTO_CHECKPOINT_TTL_S,
+                    extra={"automatic": True, "base_model_path": engine.base_model},
+                )
                 metrics.observe_checkpoint("auto", time.monotonic() - started, manifest.size_bytes)
                 previous = host.registry.get(sid)
                 host.registry.update(sid, checkpoint=path.uri(), checkpoint_seq=applied, checkpoint_with_optimizer=True)
                 host.journal.trim(sid, applied)
-                if previous and previous.checkpoint and "/weights/auto-" in previous.checkpoint and previous.checkpoint != path.uri():
+                if (
+                    previous
+                    and previous.checkpoint
+                    and "/weights/auto-" in previous.checkpoint
+                    and previous.checkpoint != path.uri()
+                ):
                     try:
                         host.store.delete(CheckpointPath.parse(previous.checkpoint))
                     except TreadleError:

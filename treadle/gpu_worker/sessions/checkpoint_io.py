@@ -14,7 +14,9 @@ def load_checkpoint(engine, store: CheckpointStore, session_id: str, path: str, 
     """Create (or replace) the session on `engine` from a save_state checkpoint; returns its manifest."""
     cpath = CheckpointPath.parse(path)
     if cpath.kind != "weights":
-        raise InvalidRequestError(f"path: {path} is a sampler checkpoint; load_state needs a .../weights/<name> path (save_state's)")
+        raise InvalidRequestError(
+            f"path: {path} is a sampler checkpoint; load_state needs a .../weights/<name> path (save_state's)"
+        )
     with tempfile.TemporaryDirectory(prefix="treadle-load-") as tmp:
         manifest = store.load(cpath, tmp)
         engine.load_state(session_id, tmp, with_optimizer=with_optimizer)

@@ -27,7 +27,9 @@ def parse_recipients(recipients: list[str]) -> list:
         try:
             parsed.append(kind.Recipient.from_str(text))
         except pyrage.RecipientError as exc:
-            raise InvalidRequestError(f"age_encryption_recipients[{i}]: {text[:40]!r} is not an age or SSH public key ({exc})") from None
+            raise InvalidRequestError(
+                f"age_encryption_recipients[{i}]: {text[:40]!r} is not an age or SSH public key ({exc})"
+            ) from None
     return parsed
 
 

@@ -50,10 +50,22 @@ class OwnedSession:
 
 
 class SessionHost:
-    def __init__(self, *, hostname: str, engines: dict, redis, store: CheckpointStore, lease: LeaseManager,
-                 device_lock: threading.RLock, remember_sampler: Callable[[str, str], None],
-                 subscribe: Callable[[str], None], unsubscribe: Callable[[str], None], quota: SessionQuota | None = None,
-                 max_queued_ops: int = 0, max_owner_queued_ops: int = 0):
+    def __init__(
+        self,
+        *,
+        hostname: str,
+        engines: dict,
+        redis,
+        store: CheckpointStore,
+        lease: LeaseManager,
+        device_lock: threading.RLock,
+        remember_sampler: Callable[[str, str], None],
+        subscribe: Callable[[str], None],
+        unsubscribe: Callable[[str], None],
+        quota: SessionQuota | None = None,
+        max_queued_ops: int = 0,
+        max_owner_queued_ops: int = 0,
+    ):
         self.hostname = hostname
         self.quota = quota  # concurrent sessions per owner, checked on the worker so no client can skip it
         # Backpressure (treadle.queue.journal): written into each new session's record, where submits read them.
@@ -74,12 +86,20 @@ class SessionHost:
         try:
             return self.engines[base_model]
         except KeyError:
-            raise UnknownModelError(f"base_model: {base_model!r} is not served by worker {self.hostname}; "
-                                    f"it serves {', '.join(self.engines)}") from None
+            raise UnknownModelError(
+                f"base_model: {base_model!r} is not served by worker {self.hostname}; "
+                f"it serves {', '.join(self.engines)}"
+            ) from None
 
     def context(self, owned: OwnedSession, seq: int) -> OpContext:
-        return OpContext(engine=self.engine(owned.record.base_model), session=owned.record, seq=seq, store=self.store,
-                         fence=lambda: self.fence(owned), remember_sampler=self._remember_sampler)
+        return OpContext(
+            engine=self.engine(owned.record.base_model),
+            session=owned.record,
+            seq=seq,
+            store=self.store,
+            fence=lambda: self.fence(owned),
+            remember_sampler=self._remember_sampler,
+        )
 
     def fence(self, owned: OwnedSession) -> None:
         if owned.epoch >= 0 and not self.lease.holds(owned.session_id, owned.epoch):
@@ -91,17 +111,31 @@ class SessionHost:
         if self.quota is not None:  # before anything exists, so a refused create leaves nothing behind
             self.quota.admit(req.owner or SDK_OWNER, req.session_id)
         # A fixed seed makes the adapter's initialisation replayable after a crash.
-        lora = req.lora if req.lora.seed is not None else req.lora.model_copy(update={"seed": int.from_bytes(os.urandom(4), "little")})
+        lora = (
+            req.lora
+            if req.lora.seed is not None
+            else req.lora.model_copy(update={"seed": int.from_bytes(os.urandom(4), "little")})
+        )
         record = SessionRecord(
-            session_id=req.session_id, run_id=req.session_id, base_model=req.base_model, lora=lora, owner=req.owner,
-            user_metadata=req.user_metadata, checkpoint=req.from_state, checkpoint_seq=0,
-            checkpoint_with_optimizer=req.with_optimizer, checkpoint_every=req.checkpoint_every,
-            max_queued_ops=self.max_queued_ops, max_owner_queued_ops=self.max_owner_queued_ops,
+            session_id=req.session_id,
+            run_id=req.session_id,
+            base_model=req.base_model,
+            lora=lora,
+            owner=req.owner,
+            user_metadata=req.user_metadata,
+            checkpoint=req.from_state,
+            checkpoint_seq=0,
+            checkpoint_with_optimizer=req.with_optimizer,
+            checkpoint_every=req.checkpoint_every,
+            max_queued_ops=self.max_queued_ops,
+            max_owner_queued_ops=self.max_owner_queued_ops,
         )
         if not self.registry.create(record):
             existing = self.registry.get(req.session_id)
             if existing is not None and req.session_id in self.owned:
-                return CreateSessionResponse(session_id=existing.session_id, run_id=existing.run_id)  # a redelivered create
+                return CreateSessionResponse(
+                    session_id=existing.session_id, run_id=existing.run_id
+                )  # a redelivered create
             raise ServerError(f"session_id: {req.session_id!r} already exists")
         epoch = self.lease.acquire(req.session_id)
         if epoch is None:
@@ -126,11 +160,18 @@ class SessionHost:
             self.owned[req.session_id] = OwnedSession(record=record, epoch=epoch, applied=0)
         if self.max_owner_queued_ops:  # its queued ops count against its owner's bound; a stopped one leaves the set
             self.registry.redis.sadd(names.owner_sessions_key(req.owner or SDK_OWNER), req.session_id)
-        self.store.put_run(record.run_id, {
-            "training_run_id": record.run_id, "base_model": record.base_model, "lora_rank": record.lora.rank,
-            "lora_config": record.lora.model_dump(), "created_at": record.created_at,
-            "owner": record.owner, "user_metadata": record.user_metadata,
-        })
+        self.store.put_run(
+            record.run_id,
+            {
+                "training_run_id": record.run_id,
+                "base_model": record.base_model,
+                "lora_rank": record.lora.rank,
+                "lora_config": record.lora.model_dump(),
+                "created_at": record.created_at,
+                "owner": record.owner,
+                "user_metadata": record.user_metadata,
+            },
+        )
         self.subscribe(names.session_queue(req.session_id))
         log.info("session %s created on %s (epoch %d)", req.session_id, req.base_model, epoch)
         return CreateSessionResponse(session_id=record.session_id, run_id=record.run_id)
@@ -158,7 +199,11 @@ class SessionHost:
                 except TreadleError:
                     pass  # it failed the first time too, and left no state behind
             replaying.applied = seq
-        return {"load_s": t1 - t0, "replay_s": time.monotonic() - t1, "replayed_ops": record.applied - record.checkpoint_seq}
+        return {
+            "load_s": t1 - t0,
+            "replay_s": time.monotonic() - t1,
+            "replayed_ops": record.applied - record.checkpoint_seq,
+        }
 
     # ------------------------------------------------------------ release
     def release(self, session_id: str, *, drop_lease: bool) -> None:

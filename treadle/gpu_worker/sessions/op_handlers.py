@@ -103,10 +103,18 @@ def save_state(req: SaveStateRequest, ctx: OpContext) -> SaveWeightsResponse:
         ctx.engine.save_state(ctx.session_id, tmp, include_optimizer=True)
         ctx.fence()
         started = time.monotonic()
-        manifest = ctx.store.save(tmp, path, base_model=ctx.session.base_model, lora_config=ctx.session.lora.model_dump(),
-                                  step=ctx.engine.step(ctx.session_id), applied_seq=ctx.seq, ttl_seconds=req.ttl_seconds,
-                                  user_metadata=req.user_metadata, overwrite=req.overwrite,
-                                  extra={"base_model_path": ctx.engine.base_model})
+        manifest = ctx.store.save(
+            tmp,
+            path,
+            base_model=ctx.session.base_model,
+            lora_config=ctx.session.lora.model_dump(),
+            step=ctx.engine.step(ctx.session_id),
+            applied_seq=ctx.seq,
+            ttl_seconds=req.ttl_seconds,
+            user_metadata=req.user_metadata,
+            overwrite=req.overwrite,
+            extra={"base_model_path": ctx.engine.base_model},
+        )
         metrics.observe_checkpoint("state", time.monotonic() - started, manifest.size_bytes)
     return SaveWeightsResponse(path=path.uri())
 
@@ -128,9 +136,17 @@ def save_weights_for_sampler(req: SaveWeightsForSamplerRequest, ctx: OpContext) 
             export_merged(ctx.engine.base_model, tmp, f"{tmp}/merged")
         ctx.fence()
         started = time.monotonic()
-        manifest = ctx.store.save(tmp, path, base_model=ctx.session.base_model, lora_config=ctx.session.lora.model_dump(),
-                                  step=ctx.engine.step(ctx.session_id), applied_seq=ctx.seq, ttl_seconds=ttl, overwrite=True,
-                                  extra={"base_model_path": ctx.engine.base_model})
+        manifest = ctx.store.save(
+            tmp,
+            path,
+            base_model=ctx.session.base_model,
+            lora_config=ctx.session.lora.model_dump(),
+            step=ctx.engine.step(ctx.session_id),
+            applied_seq=ctx.seq,
+            ttl_seconds=ttl,
+            overwrite=True,
+            extra={"base_model_path": ctx.engine.base_model},
+        )
         metrics.observe_checkpoint("sampler", time.monotonic() - started, manifest.size_bytes)
     return SaveWeightsForSamplerResponse(path=sampler_id)
 
@@ -142,9 +158,17 @@ def save_weights_external(req: SaveWeightsExternalRequest, ctx: OpContext) -> Sa
         ctx.engine.save_state(ctx.session_id, f"{tmp}/state", include_optimizer=False)
         export_adapter(f"{tmp}/state", f"{tmp}/out", req.age_encryption_recipients)
         ctx.fence()
-        manifest = ctx.store.save(f"{tmp}/out", path, base_model=ctx.session.base_model, lora_config=ctx.session.lora.model_dump(),
-                                  step=ctx.engine.step(ctx.session_id), applied_seq=ctx.seq, ttl_seconds=req.ttl_seconds,
-                                  overwrite=True, extra={"encrypted": bool(req.age_encryption_recipients)})
+        manifest = ctx.store.save(
+            f"{tmp}/out",
+            path,
+            base_model=ctx.session.base_model,
+            lora_config=ctx.session.lora.model_dump(),
+            step=ctx.engine.step(ctx.session_id),
+            applied_seq=ctx.seq,
+            ttl_seconds=req.ttl_seconds,
+            overwrite=True,
+            extra={"encrypted": bool(req.age_encryption_recipients)},
+        )
     return SaveWeightsExternalResponse(path=path.uri(), size_bytes=manifest.size_bytes)
 
 

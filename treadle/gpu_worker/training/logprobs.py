@@ -52,10 +52,14 @@ def target_logprobs(
     attention_mask = torch.zeros((len(tokens), width), dtype=torch.long)
     for row, (seq, tgt) in enumerate(zip(tokens, targets)):
         input_ids[row, : len(seq)] = torch.from_numpy(seq)
-        target_ids[row, : len(tgt), : (tgt.shape[1] if tgt.ndim == 2 else 1)] = torch.from_numpy(tgt.reshape(len(tgt), -1))
+        target_ids[row, : len(tgt), : (tgt.shape[1] if tgt.ndim == 2 else 1)] = torch.from_numpy(
+            tgt.reshape(len(tgt), -1)
+        )
         attention_mask[row, : len(seq)] = 1
     input_ids, target_ids, attention_mask = input_ids.to(device), target_ids.to(device), attention_mask.to(device)
     logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
     logprobs = torch.log_softmax(logits.float(), dim=-1).gather(-1, target_ids)
-    return [logprobs[row, : len(seq), : tgt.shape[1]] if tgt.ndim == 2 else logprobs[row, : len(seq), 0]
-            for row, (seq, tgt) in enumerate(zip(tokens, targets))]
+    return [
+        logprobs[row, : len(seq), : tgt.shape[1]] if tgt.ndim == 2 else logprobs[row, : len(seq), 0]
+        for row, (seq, tgt) in enumerate(zip(tokens, targets))
+    ]

@@ -74,7 +74,9 @@ class SessionOptimizer:
         for index, (name, param) in enumerate(self.params.items()):
             for key in ("exp_avg", "exp_avg_sq"):
                 if tuple(tensors[f"{name}.{key}"].shape) != tuple(param.shape):
-                    raise InvalidRequestError(f"{source}: {name}.{key} has shape {tuple(tensors[f'{name}.{key}'].shape)}, expected {tuple(param.shape)}")
+                    raise InvalidRequestError(
+                        f"{source}: {name}.{key} has shape {tuple(tensors[f'{name}.{key}'].shape)}, expected {tuple(param.shape)}"
+                    )
             state_dict["state"][index] = {key: tensors[f"{name}.{key}"].clone() for key in _MOMENT_KEYS}
         self.adamw.load_state_dict(state_dict)
 

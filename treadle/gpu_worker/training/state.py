@@ -82,7 +82,9 @@ def read_state(directory: str | Path, *, with_optimizer: bool) -> TrainingState:
         raise CheckpointNotFoundError(f"{directory}: no {ENGINE_STATE}; not a treadle training state")
     meta = json.loads(meta_path.read_text())
     if meta.get("format") != FORMAT_VERSION:
-        raise InvalidRequestError(f"{meta_path}: format {meta.get('format')!r}, this worker reads format {FORMAT_VERSION}")
+        raise InvalidRequestError(
+            f"{meta_path}: format {meta.get('format')!r}, this worker reads format {FORMAT_VERSION}"
+        )
     optimizer = None
     if with_optimizer:
         if not meta["has_optimizer"] or not (directory / OPTIMIZER).is_file():

@@ -57,7 +57,9 @@ def check_tokens(field: str, tokens: list[int] | np.ndarray, *, max_seq_len: int
     bad = np.flatnonzero((array < 0) | (array >= vocab_size))
     if bad.size:
         i = int(bad[0])
-        raise InvalidRequestError(f"{field}.tokens[{i}]: token id {int(array[i])} outside vocabulary (size {vocab_size})")
+        raise InvalidRequestError(
+            f"{field}.tokens[{i}]: token id {int(array[i])} outside vocabulary (size {vocab_size})"
+        )
     return array
 
 
@@ -68,7 +70,9 @@ def prepare_data(data: list[Datum], loss_fn: str, *, max_seq_len: int, vocab_siz
     needed = ("target_tokens", *LOSSES[loss_fn].inputs)
     prepared = []
     for i, datum in enumerate(data):
-        tokens = check_tokens(f"data[{i}].model_input", datum.model_input.to_ints(), max_seq_len=max_seq_len, vocab_size=vocab_size)
+        tokens = check_tokens(
+            f"data[{i}].model_input", datum.model_input.to_ints(), max_seq_len=max_seq_len, vocab_size=vocab_size
+        )
         given = datum.loss_fn_inputs
         for key in given:
             if key not in needed:
@@ -82,7 +86,11 @@ def prepare_data(data: list[Datum], loss_fn: str, *, max_seq_len: int, vocab_siz
                 raise InvalidRequestError(f"{field}: missing; {loss_fn} needs {', '.join(needed)}")
             tensor = given[key]
             values = tensor.to_numpy()
-            values = values.reshape(_input_shape(field, [values.size] if tensor.shape is None else tensor.shape, key, loss_fn, length=tokens.size))
+            values = values.reshape(
+                _input_shape(
+                    field, [values.size] if tensor.shape is None else tensor.shape, key, loss_fn, length=tokens.size
+                )
+            )
             if not np.all(np.isfinite(values)):
                 raise InvalidRequestError(f"{field}: contains NaN/inf")
             if key == "target_tokens":
@@ -93,7 +101,9 @@ def prepare_data(data: list[Datum], loss_fn: str, *, max_seq_len: int, vocab_siz
                 if bad.size:
                     j = bad[0]
                     where = "".join(f"[{int(x)}]" for x in j)
-                    raise InvalidRequestError(f"{field}{where}: token id {int(values[tuple(j)])} outside vocabulary (size {vocab_size})")
+                    raise InvalidRequestError(
+                        f"{field}{where}: token id {int(values[tuple(j)])} outside vocabulary (size {vocab_size})"
+                    )
             else:
                 values = values.astype(np.float32)
             inputs[key] = values
@@ -144,7 +154,9 @@ def prepare_sample(
     """Validate a sample request: the prompt plus max_tokens must fit the context; stop ids must exist."""
     tokens = check_tokens("prompt", prompt.to_ints(), max_seq_len=max_seq_len, vocab_size=vocab_size)
     if tokens.size >= max_seq_len:
-        raise InvalidRequestError(f"prompt: length {tokens.size} leaves no room to sample within max sequence length {max_seq_len}")
+        raise InvalidRequestError(
+            f"prompt: length {tokens.size} leaves no room to sample within max sequence length {max_seq_len}"
+        )
     if num_samples < 1:
         raise InvalidRequestError(f"num_samples: {num_samples}; must be >= 1")
     if not 0 <= topk_prompt_logprobs <= vocab_size:
@@ -158,7 +170,9 @@ def prepare_sample(
         )
     for j, token in enumerate(params.stop_token_ids):
         if not 0 <= token < vocab_size:
-            raise InvalidRequestError(f"sampling_params.stop[{j}]: token id {token} outside vocabulary (size {vocab_size})")
+            raise InvalidRequestError(
+                f"sampling_params.stop[{j}]: token id {token} outside vocabulary (size {vocab_size})"
+            )
     if any(s == "" for s in params.stop_strings):
         raise InvalidRequestError("sampling_params.stop: empty stop string")
     return PreparedSample(tokens, max_tokens, list(params.stop_token_ids), params.stop_strings)
@@ -170,5 +184,7 @@ def check_same_adapter(session: LoraConfig, checkpoint: LoraConfig, *, source: s
     ours, theirs = session.model_dump(include=set(shape)), checkpoint.model_dump(include=set(shape))
     if ours != theirs:
         diff = ", ".join(f"{k} {ours[k]} vs {theirs[k]}" for k in shape if ours[k] != theirs[k])
-        raise InvalidRequestError(f"path: {source} holds a LoRA adapter of another shape than this session's "
-                                  f"(session vs checkpoint: {diff}); create a training client from it instead")
+        raise InvalidRequestError(
+            f"path: {source} holds a LoRA adapter of another shape than this session's "
+            f"(session vs checkpoint: {diff}); create a training client from it instead"
+        )

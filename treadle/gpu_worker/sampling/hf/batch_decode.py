@@ -110,8 +110,10 @@ def _split_forward(bank: AdapterBank, adapters: list[str | None], inputs: dict) 
             part["cache"] = cache_rows.slice_rows(cache, begin, end, config)
         outputs.append(forward_rows(bank, adapters[begin:end], **part))
     caches = [out.cache for out in outputs]
-    return SimpleNamespace(logits=torch.cat([out.logits for out in outputs]),
-                           cache=cache_rows.concat_rows(caches) if all(c is not None for c in caches) else None)
+    return SimpleNamespace(
+        logits=torch.cat([out.logits for out in outputs]),
+        cache=cache_rows.concat_rows(caches) if all(c is not None for c in caches) else None,
+    )
 
 
 def prompt_logprobs_from_logits(
@@ -169,22 +171,28 @@ class DecodeBatch:
                 job.generator = torch.Generator(device=device)
                 job.generator.manual_seed(job.params.seed if job.params.seed is not None else secrets.randbits(63))
             job.sequences = [None] * job.num_samples
-            ids[i, width - lengths[i]:] = torch.from_numpy(np.ascontiguousarray(job.request.prompt))
-            mask[i, width - lengths[i]:] = 1
+            ids[i, width - lengths[i] :] = torch.from_numpy(np.ascontiguousarray(job.request.prompt))
+            mask[i, width - lengths[i] :] = 1
         ids, mask = ids.to(device), mask.to(device)
         wants_prompt = [job.include_prompt_logprobs or job.topk_prompt_logprobs > 0 for job in jobs]
         wants_logits = [w or job.extras.from_prompt for w, job in zip(wants_prompt, jobs)]
         out = forward_rows(
-            self.bank, [job.adapter for job in jobs], input_ids=ids, attention_mask=mask,
-            position_ids=(mask.cumsum(dim=1) - 1).clamp(min=0), use_cache=True, logits_to_keep=0 if any(wants_logits) else 1,
+            self.bank,
+            [job.adapter for job in jobs],
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=(mask.cumsum(dim=1) - 1).clamp(min=0),
+            use_cache=True,
+            logits_to_keep=0 if any(wants_logits) else 1,
             cache=cache_rows.new_cache(self.host.model.config),
         )
         for i, job in enumerate(jobs):
-            job.prompt_extras = score_prompt(out.logits[i, width - lengths[i]:], job.extras, job.params.temperature,
-                                             job.generator.initial_seed())
+            job.prompt_extras = score_prompt(
+                out.logits[i, width - lengths[i] :], job.extras, job.params.temperature, job.generator.initial_seed()
+            )
             if wants_prompt[i]:
                 job.prompt_logprobs, job.topk = prompt_logprobs_from_logits(
-                    out.logits[i, width - lengths[i]:], ids[i, width - lengths[i]:], job.topk_prompt_logprobs
+                    out.logits[i, width - lengths[i] :], ids[i, width - lengths[i] :], job.topk_prompt_logprobs
                 )
         # The num_samples rows of a job all start from its one prefilled row.
         rows = [_Row(job, k) for job in jobs for k in range(job.num_samples)]
@@ -198,11 +206,17 @@ class DecodeBatch:
 
     def step(self) -> list[SampleJob]:
         """One decode step for every row; returns the jobs that completed in it."""
-        mask = torch.cat([self._mask, torch.ones((len(self.rows), 1), dtype=torch.long, device=self._mask.device)], dim=1)
+        mask = torch.cat(
+            [self._mask, torch.ones((len(self.rows), 1), dtype=torch.long, device=self._mask.device)], dim=1
+        )
         out = forward_rows(
-            self.bank, [row.job.adapter for row in self.rows],
-            input_ids=self._last.unsqueeze(1), attention_mask=mask, position_ids=self._positions.unsqueeze(1),
-            cache=self._cache, use_cache=True,
+            self.bank,
+            [row.job.adapter for row in self.rows],
+            input_ids=self._last.unsqueeze(1),
+            attention_mask=mask,
+            position_ids=self._positions.unsqueeze(1),
+            cache=self._cache,
+            use_cache=True,
         )
         self._cache, self._mask, self._positions = out.cache, mask, self._positions + 1
         tokens = self._choose(out.logits[:, -1], self.rows)
@@ -234,7 +248,9 @@ class DecodeBatch:
             groups.setdefault(id(row.job), (row.job.generator, []))[1].append(i)
         tokens = draw(logprobs, list(groups.values()))
         chosen = logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1).tolist()
-        for row, lp, top in zip(rows, chosen, top_of_rows(logprobs, [row.job.extras.topk_sample_logprobs for row in rows])):
+        for row, lp, top in zip(
+            rows, chosen, top_of_rows(logprobs, [row.job.extras.topk_sample_logprobs for row in rows])
+        ):
             row.logprobs.append(lp)
             if top is not None:
                 row.topk.append(top)
@@ -247,14 +263,21 @@ class DecodeBatch:
             row.tokens.append(token)
             job = row.job
             reason = finished(
-                row.tokens, stop_ids=job.stop_ids, stop_strings=job.request.stop_strings,
-                max_tokens=job.request.max_tokens, tokenizer=self.host.tokenizer,
+                row.tokens,
+                stop_ids=job.stop_ids,
+                stop_strings=job.request.stop_strings,
+                max_tokens=job.request.max_tokens,
+                tokenizer=self.host.tokenizer,
             )
             if reason is None:
                 going.append(i)
             else:
-                job.sequences[row.index] = SampledSequence(tokens=row.tokens, logprobs=row.logprobs, stop_reason=reason,
-                                                           topk_logprobs=row.topk if job.extras.topk_sample_logprobs else None)
+                job.sequences[row.index] = SampledSequence(
+                    tokens=row.tokens,
+                    logprobs=row.logprobs,
+                    stop_reason=reason,
+                    topk_logprobs=row.topk if job.extras.topk_sample_logprobs else None,
+                )
         return going
 
     def _join(self, rows: list[_Row], cache, mask: torch.Tensor, source: torch.Tensor, last: torch.Tensor) -> None:

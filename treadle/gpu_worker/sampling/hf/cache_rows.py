@@ -136,8 +136,12 @@ def concat_rows(parts: list[DynamicCache]) -> DynamicCache:
 
 
 def _copy_state_flags(own, other) -> None:
-    for attribute in ("is_conv_states_initialized", "is_recurrent_states_initialized", "has_previous_state",
-                      "conv_kernel_size"):
+    for attribute in (
+        "is_conv_states_initialized",
+        "is_recurrent_states_initialized",
+        "has_previous_state",
+        "conv_kernel_size",
+    ):
         setattr(own, attribute, dict(getattr(other, attribute)))
     own.device, own.dtype = other.device, other.dtype
     own.conv_states, own.recurrent_states = dict(other.conv_states), dict(other.recurrent_states)

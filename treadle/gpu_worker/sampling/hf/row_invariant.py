@@ -61,9 +61,20 @@ def row_runs(mask: torch.Tensor) -> list[tuple[int, int, int]]:
     return runs
 
 
-def _rows_attention(module, query, key, value, attention_mask, scaling: float, dropout: float = 0.0,
-                    row_runs: list[tuple[int, int, int]] | None = None, sliding_window: int | None = None,
-                    s_aux: torch.Tensor | None = None, softcap: float | None = None, **kwargs):
+def _rows_attention(
+    module,
+    query,
+    key,
+    value,
+    attention_mask,
+    scaling: float,
+    dropout: float = 0.0,
+    row_runs: list[tuple[int, int, int]] | None = None,
+    sliding_window: int | None = None,
+    s_aux: torch.Tensor | None = None,
+    softcap: float | None = None,
+    **kwargs,
+):
     """HF attention interface: query (B, H, Lq, D), key (B, Hkv, Lk, D), value (B, Hkv, Lk, Dv) -> (B, Lq, H, Dv), None.
 
     Every attention variant the model families use is applied here, as the model's own attention does:
@@ -97,7 +108,9 @@ def _rows_attention(module, query, key, value, attention_mask, scaling: float, d
             scores = scores.masked_fill(~visible, float("-inf"))
         if s_aux is not None:  # the sink: one more logit per head, in the softmax, not in the output
             sink = s_aux.reshape(1, -1, 1, 1).expand(*scores.shape[:3], 1).to(scores.dtype)
-            weights = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1, dtype=torch.float32)[..., :-1].to(q.dtype)
+            weights = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1, dtype=torch.float32)[..., :-1].to(
+                q.dtype
+            )
         else:
             weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
         out[begin:end, :, first_query:] = torch.matmul(weights, v)

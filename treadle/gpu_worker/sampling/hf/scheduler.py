@@ -35,7 +35,12 @@ import torch
 
 from treadle.errors import ServerError, TreadleError
 from treadle.gpu_worker.model.adapters import AdapterBank
-from treadle.gpu_worker.sampling.hf.batch_decode import DecodeBatch, SampleJob, forward_rows, prompt_logprobs_from_logits
+from treadle.gpu_worker.sampling.hf.batch_decode import (
+    DecodeBatch,
+    SampleJob,
+    forward_rows,
+    prompt_logprobs_from_logits,
+)
 from treadle.gpu_worker.model.device_lock import DeviceLock
 from treadle.queue.fair import FairShare
 from treadle.gpu_worker.sampling.logprob_audit import LogprobAudit
@@ -60,8 +65,15 @@ class LogprobJob:
 class SampleScheduler:
     """A queue of sample and logprob requests on one base model, served by one decode-loop thread."""
 
-    def __init__(self, bank: AdapterBank, host: ModelHost, device_lock: DeviceLock, *,
-                 max_batch_tokens: int = 16384, max_forward_tokens: int = 4096):
+    def __init__(
+        self,
+        bank: AdapterBank,
+        host: ModelHost,
+        device_lock: DeviceLock,
+        *,
+        max_batch_tokens: int = 16384,
+        max_forward_tokens: int = 4096,
+    ):
         self.bank = bank
         self.host = host
         self.device_lock = device_lock
@@ -192,8 +204,10 @@ class SampleScheduler:
                 candidate = [*taken, job]
                 longest_prompt = max(len(j.request.prompt) for j in candidate)
                 if self._batch or taken:
-                    if (self._projected(candidate) > self.max_batch_tokens
-                            or len(candidate) * longest_prompt > self.max_forward_tokens):
+                    if (
+                        self._projected(candidate) > self.max_batch_tokens
+                        or len(candidate) * longest_prompt > self.max_forward_tokens
+                    ):
                         break  # the request whose turn it is waits for room, and the others behind it
                 del self._samples[index]
                 positions = job.num_samples * (len(job.request.prompt) + job.request.max_tokens)
@@ -270,11 +284,17 @@ def batch_prompt_logprobs(bank: AdapterBank, host: ModelHost, jobs: list[Logprob
     ids = torch.full((len(jobs), width), host.pad_token_id, dtype=torch.long)
     mask = torch.zeros((len(jobs), width), dtype=torch.long)
     for row, job in enumerate(jobs):
-        ids[row, width - len(job.tokens):] = torch.from_numpy(job.tokens)
-        mask[row, width - len(job.tokens):] = 1
+        ids[row, width - len(job.tokens) :] = torch.from_numpy(job.tokens)
+        mask[row, width - len(job.tokens) :] = 1
     ids, mask = ids.to(host.device), mask.to(host.device)
-    logits = forward_rows(bank, [j.adapter for j in jobs], input_ids=ids, attention_mask=mask,
-                          position_ids=(mask.cumsum(dim=1) - 1).clamp(min=0), use_cache=False).logits
+    logits = forward_rows(
+        bank,
+        [j.adapter for j in jobs],
+        input_ids=ids,
+        attention_mask=mask,
+        position_ids=(mask.cumsum(dim=1) - 1).clamp(min=0),
+        use_cache=False,
+    ).logits
     results = []
     for row, job in enumerate(jobs):
         if len(job.tokens) < 2:

@@ -58,23 +58,43 @@ STARTUP_TIMEOUT_S = 900.0
 class VllmOptions(BaseModel):
     """How the worker runs its vLLM engines (one per base model)."""
 
-    python: str | None = Field(default=None, description="Interpreter of vLLM's venv (default: $TREADLE_VLLM_PYTHON, else .venv-vllm/bin/python of the checkout).")
-    max_lora_rank: int = Field(default=32, ge=1, le=512, description="Largest LoRA rank a snapshot may have (rounded up to vLLM's 1, 8, 16, 32, 64, ...); larger ones are refused.")
+    python: str | None = Field(
+        default=None,
+        description="Interpreter of vLLM's venv (default: $TREADLE_VLLM_PYTHON, else .venv-vllm/bin/python of the checkout).",
+    )
+    max_lora_rank: int = Field(
+        default=32,
+        ge=1,
+        le=512,
+        description="Largest LoRA rank a snapshot may have (rounded up to vLLM's 1, 8, 16, 32, 64, ...); larger ones are refused.",
+    )
     max_loras: int = Field(default=4, ge=1, description="Adapters that can share one vLLM batch (GPU slots).")
-    max_cpu_loras: int = Field(default=16, ge=1, description="Adapters kept loaded in vLLM, least recently used out first.")
+    max_cpu_loras: int = Field(
+        default=16, ge=1, description="Adapters kept loaded in vLLM, least recently used out first."
+    )
     max_logprobs: int = Field(default=64, ge=0, description="Most top-k prompt logprobs one request may ask for.")
-    gpu_memory_share: float = Field(default=0.3, gt=0.0, lt=1.0, description="Share of the GPU's memory vLLM takes (weights, KV cache, activations); the trainer needs the rest.")
+    gpu_memory_share: float = Field(
+        default=0.3,
+        gt=0.0,
+        lt=1.0,
+        description="Share of the GPU's memory vLLM takes (weights, KV cache, activations); the trainer needs the rest.",
+    )
     cpu_kv_cache_gib: int = Field(default=1, ge=1, description="On CPU, the KV cache vLLM allocates, in GiB.")
 
 
 def vllm_python(options: VllmOptions) -> str | None:
     """The interpreter to run the engine with, or None if no vLLM installation is found."""
-    candidates = [options.python, os.environ.get("TREADLE_VLLM_PYTHON"),
-                  str(Path(__file__).resolve().parents[4] / ".venv-vllm" / "bin" / "python")]
+    candidates = [
+        options.python,
+        os.environ.get("TREADLE_VLLM_PYTHON"),
+        str(Path(__file__).resolve().parents[4] / ".venv-vllm" / "bin" / "python"),
+    ]
     for path in candidates:
         if path and Path(path).is_file():
-            found = subprocess.run([path, "-c", "import importlib.util,sys; sys.exit(importlib.util.find_spec('vllm') is None)"],
-                                   capture_output=True)
+            found = subprocess.run(
+                [path, "-c", "import importlib.util,sys; sys.exit(importlib.util.find_spec('vllm') is None)"],
+                capture_output=True,
+            )
             if found.returncode == 0:
                 return path
     return None
@@ -98,8 +118,11 @@ class VllmSampler:
         self._lock = threading.Lock()
         self._closed = False
         self._conn, child = socket.socketpair()
-        self._proc = subprocess.Popen([python, str(SERVER), json.dumps(self._engine_args()), str(child.fileno())],
-                                      pass_fds=[child.fileno()], env=self._env())
+        self._proc = subprocess.Popen(
+            [python, str(SERVER), json.dumps(self._engine_args()), str(child.fileno())],
+            pass_fds=[child.fileno()],
+            env=self._env(),
+        )
         child.close()
         self._lines = self._conn.makefile("rb")
         self._conn.settimeout(STARTUP_TIMEOUT_S)
@@ -113,13 +136,21 @@ class VllmSampler:
 
     def _engine_args(self) -> dict:
         return dict(
-            model=self.host.name, dtype=str(self.host.dtype).removeprefix("torch."), seed=0,
-            max_model_len=self.host.max_seq_len, enable_lora=True, max_lora_rank=self.max_lora_rank,
-            max_loras=self.options.max_loras, max_cpu_loras=max(self.options.max_cpu_loras, self.options.max_loras),
-            max_logprobs=self.options.max_logprobs, logprobs_mode="processed_logprobs", generation_config="vllm",
+            model=self.host.name,
+            dtype=str(self.host.dtype).removeprefix("torch."),
+            seed=0,
+            max_model_len=self.host.max_seq_len,
+            enable_lora=True,
+            max_lora_rank=self.max_lora_rank,
+            max_loras=self.options.max_loras,
+            max_cpu_loras=max(self.options.max_cpu_loras, self.options.max_loras),
+            max_logprobs=self.options.max_logprobs,
+            logprobs_mode="processed_logprobs",
+            generation_config="vllm",
             gpu_memory_utilization=self.options.gpu_memory_share,
             # Prompt logprobs cannot come from cached prefixes; on CPU, eager mode skips torch.compile at start.
-            enable_prefix_caching=False, enforce_eager=self.host.device.type != "cuda",
+            enable_prefix_caching=False,
+            enforce_eager=self.host.device.type != "cuda",
             # On CPU a seeded request whose prompt is prefilled in chunks fails the step: vLLM 0.32 rewinds
             # its generator with get_offset, which CPU generators lack. So there, whole prompts only.
             **({} if self.host.device.type == "cuda" else {"enable_chunked_prefill": False}),
@@ -127,8 +158,14 @@ class VllmSampler:
 
     def _env(self) -> dict:
         # No usage statistics: vLLM would otherwise report to its makers' server from a worker.
-        env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE=str(self.options.cpu_kv_cache_gib),
-                   VLLM_LOGGING_LEVEL=os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"), VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1")
+        env = dict(
+            os.environ,
+            VLLM_ENABLE_V1_MULTIPROCESSING="0",
+            VLLM_CPU_KVCACHE_SPACE=str(self.options.cpu_kv_cache_gib),
+            VLLM_LOGGING_LEVEL=os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
+            VLLM_NO_USAGE_STATS="1",
+            DO_NOT_TRACK="1",
+        )
         env.pop("PYTHONPATH", None)  # the child runs in its own venv, not on the worker's path
         env["CUDA_VISIBLE_DEVICES"] = str(self.host.device.index or 0) if self.host.device.type == "cuda" else ""
         return env
@@ -145,16 +182,30 @@ class VllmSampler:
         if job.include_prompt_logprobs or job.topk_prompt_logprobs > 0:
             prompt_part = self.compute_logprobs(job.adapter, job.request.prompt, job.topk_prompt_logprobs)
         request = {
-            "n": job.num_samples, "max_tokens": job.request.max_tokens, "temperature": params.temperature,
-            "top_k": params.top_k, "top_p": params.top_p, "seed": params.seed,
-            "stop": job.request.stop_strings, "stop_token_ids": sorted(job.stop_ids), "ignore_eos": True, "logprobs": 0,
+            "n": job.num_samples,
+            "max_tokens": job.request.max_tokens,
+            "temperature": params.temperature,
+            "top_k": params.top_k,
+            "top_p": params.top_p,
+            "seed": params.seed,
+            "stop": job.request.stop_strings,
+            "stop_token_ids": sorted(job.stop_ids),
+            "ignore_eos": True,
+            "logprobs": 0,
         }
         greedy = params.temperature == 0
 
         def convert(answer: dict) -> SampleResponse:
-            return SampleResponse(sequences=[
-                SampledSequence(tokens=s["tokens"], logprobs=[0.0] * len(s["tokens"]) if greedy else s["logprobs"],
-                                stop_reason=_stop_reason(s["finish_reason"])) for s in answer["sequences"]])
+            return SampleResponse(
+                sequences=[
+                    SampledSequence(
+                        tokens=s["tokens"],
+                        logprobs=[0.0] * len(s["tokens"]) if greedy else s["logprobs"],
+                        stop_reason=_stop_reason(s["finish_reason"]),
+                    )
+                    for s in answer["sequences"]
+                ]
+            )
 
         samples = self._submit(job.adapter, job.request.prompt.tolist(), request, convert)
         if prompt_part is None:
@@ -167,8 +218,14 @@ class VllmSampler:
                 combined.set_exception(error)
                 return
             prompt, top = prompt_part.result()
-            combined.set_result(samples.result().model_copy(update={
-                "prompt_logprobs": prompt if job.include_prompt_logprobs else None, "topk_prompt_logprobs": top}))
+            combined.set_result(
+                samples.result().model_copy(
+                    update={
+                        "prompt_logprobs": prompt if job.include_prompt_logprobs else None,
+                        "topk_prompt_logprobs": top,
+                    }
+                )
+            )
 
         samples.add_done_callback(lambda _: prompt_part.add_done_callback(finish))
         return combined
@@ -178,11 +235,14 @@ class VllmSampler:
         self._check_topk(topk)
         prompt = np.asarray(tokens, dtype=np.int64).tolist()
         if len(prompt) >= self.host.max_seq_len:
-            raise InvalidRequestError(f"prompt: length {len(prompt)}; the vLLM sampler scores at most "
-                                      f"{self.host.max_seq_len - 1} tokens (it needs room to sample one)")
+            raise InvalidRequestError(
+                f"prompt: length {len(prompt)}; the vLLM sampler scores at most "
+                f"{self.host.max_seq_len - 1} tokens (it needs room to sample one)"
+            )
         request = {"n": 1, "max_tokens": 1, "temperature": 1.0, "logprobs": 0, "prompt_logprobs": topk}
-        return self._submit(adapter, prompt, request,
-                            lambda answer: _prompt_logprobs(prompt, answer["prompt_logprobs"], topk))
+        return self._submit(
+            adapter, prompt, request, lambda answer: _prompt_logprobs(prompt, answer["prompt_logprobs"], topk)
+        )
 
     def when_unused(self, adapter: str | None, callback: Callable[[], None]) -> None:
         """Run `callback` once no request in flight uses `adapter`; vLLM forgets the adapter too."""
@@ -208,8 +268,10 @@ class VllmSampler:
 
     def _check_topk(self, topk: int) -> None:
         if topk > self.options.max_logprobs:
-            raise InvalidRequestError(f"topk_prompt_logprobs: {topk} exceeds the vLLM sampler's limit "
-                                      f"{self.options.max_logprobs} (worker option --vllm_max_logprobs)")
+            raise InvalidRequestError(
+                f"topk_prompt_logprobs: {topk} exceeds the vLLM sampler's limit "
+                f"{self.options.max_logprobs} (worker option --vllm_max_logprobs)"
+            )
 
     def _lora(self, adapter: str | None) -> dict | None:
         """The adapter's LoRARequest fields, its PEFT directory written on first use (the caller holds
@@ -219,8 +281,10 @@ class VllmSampler:
         if adapter not in self._loras:
             rank = self.bank.config(adapter).r
             if rank > self.max_lora_rank:
-                raise InvalidRequestError(f"lora rank: {rank} exceeds the vLLM sampler's max_lora_rank {self.max_lora_rank} "
-                                          "(worker option --vllm_max_lora_rank)")
+                raise InvalidRequestError(
+                    f"lora rank: {rank} exceeds the vLLM sampler's max_lora_rank {self.max_lora_rank} "
+                    "(worker option --vllm_max_lora_rank)"
+                )
             path = self._dir / adapter
             self.bank.save(adapter, path)
             self._loras[adapter] = {"name": adapter, "id": next(self._ids), "path": str(path)}
@@ -263,7 +327,9 @@ class VllmSampler:
             self._closed = True
             waiting, self._futures = [f for f, _, _ in self._futures.values() if f is not None], {}
         for future in waiting:
-            future.set_exception(ServerError(f"sampler of {self.host.name}: the vLLM engine process exited (code {code})"))
+            future.set_exception(
+                ServerError(f"sampler of {self.host.name}: the vLLM engine process exited (code {code})")
+            )
 
     def _retire(self, adapter: str, callback: Callable[[], None]) -> None:
         callback()
@@ -274,7 +340,9 @@ class VllmSampler:
             if not self._closed:
                 mid = next(self._ids)
                 self._futures[mid] = (None, None, None)
-                self._conn.sendall((json.dumps({"id": mid, "op": "remove_lora", "lora_id": lora["id"]}) + "\n").encode())
+                self._conn.sendall(
+                    (json.dumps({"id": mid, "op": "remove_lora", "lora_id": lora["id"]}) + "\n").encode()
+                )
         shutil.rmtree(lora["path"], ignore_errors=True)
 
 

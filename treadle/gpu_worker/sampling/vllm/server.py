@@ -37,6 +37,7 @@ from collections import deque
 def main() -> None:
     config, fd = json.loads(sys.argv[1]), int(sys.argv[2])
     conn = socket.socket(fileno=fd)
+
     def send(message: dict) -> None:  # only the main thread sends
         conn.sendall((json.dumps(message) + "\n").encode())
 
@@ -153,8 +154,10 @@ def _answer(mid: int, out) -> dict:
     ]
     prompt = None
     if out.prompt_logprobs is not None:
-        prompt = [None if step is None else [[t, lp.logprob, lp.rank] for t, lp in step.items()]
-                  for step in out.prompt_logprobs]
+        prompt = [
+            None if step is None else [[t, lp.logprob, lp.rank] for t, lp in step.items()]
+            for step in out.prompt_logprobs
+        ]
     return {"id": mid, "sequences": sequences, "prompt_logprobs": prompt}
 
 

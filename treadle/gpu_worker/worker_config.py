@@ -1,0 +1,138 @@
+"""The worker's options (`treadle worker --help` is generated from this model): models, devices, the sampler,
+checkpointing, leases, the hand-off, fair shares and queue bounds, metrics."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, Field
+
+
+class WorkerConfig(BaseModel):
+    model: list[str] = Field(description="Base models to serve: a hub id, a local dir, or NAME=DIR (served as NAME).")
+    broker_url: str | None = Field(default=None, description="Redis URL (default: TREADLE_BROKER_URL).")
+    result_url: str | None = Field(default=None, description="Result backend URL (default: the broker).")
+    storage_url: str | None = Field(
+        default=None, description="Checkpoint store: file:///dir or s3://bucket/prefix (default: TREADLE_STORAGE_URL)."
+    )
+    hostname: str | None = Field(default=None, description="Celery node name (default: treadle-<random>@<host>).")
+    device: str | None = Field(default=None, description="cpu, cuda, cuda:1, ... (default: what Accelerate picks).")
+    dtype: str | None = Field(default=None, description="float32 or bfloat16 (default: bf16 on CUDA, fp32 on CPU).")
+    devices: int = Field(
+        default=1,
+        ge=1,
+        le=64,
+        description="Ranks of this worker's device group (data parallel, one process each: cuda:0..N-1, or N CPU processes); rank 0 consumes the queues.",
+    )
+    checkpoint_every: int = Field(
+        default=10, ge=0, description="Checkpoint each session every N optimizer steps (0: never)."
+    )
+    checkpoint_interval_s: float = Field(
+        default=0.0,
+        ge=0.0,
+        description="Also checkpoint a session when this many seconds passed since its last one (0: off).",
+    )
+    idle_unload_s: float = Field(
+        default=1800.0,
+        ge=0.0,
+        description="Checkpoint and unload a session after this many idle seconds, freeing accelerator memory; it reloads on its next op (0: never).",
+    )
+    lease_ttl_s: float = Field(
+        default=15.0, gt=0.5, description="Session lease TTL: how soon another worker adopts a dead worker's sessions."
+    )
+    max_tokens_per_microbatch: int = Field(
+        default=4096,
+        ge=64,
+        description="Token budget of one forward/backward micro-batch (also of one sampling prefill).",
+    )
+    sampling_max_batch_tokens: int = Field(
+        default=16384,
+        ge=64,
+        description="KV-cache budget of the batched sampler, in positions (rows x padded length, each row counted at its "
+        "full max_tokens). Memory: 2 x layers x kv_heads x head_dim x dtype bytes per position, e.g. 46 KB "
+        "for SmolLM2-135M in fp32 (16384 ~ 0.75 GB); more lets more requests share each decode step.",
+    )
+    sampler: Literal["auto", "hf", "vllm"] = Field(
+        default="auto",
+        description="What samples: hf (batched transformers decoding in this process) or vllm (a vLLM engine per base "
+        "model in a child process with its own venv: scripts/setup_vllm.sh). auto: vllm when CUDA and vLLM "
+        "are both there, hf otherwise; the log says which.",
+    )
+    vllm_python: str | None = Field(
+        default=None,
+        description="Interpreter of vLLM's venv (default: $TREADLE_VLLM_PYTHON, else .venv-vllm/bin/python of the checkout).",
+    )
+    vllm_max_lora_rank: int = Field(
+        default=32,
+        ge=1,
+        le=512,
+        description="vLLM: largest LoRA rank a snapshot may have (vLLM sizes its kernels by it); larger ones are refused.",
+    )
+    vllm_max_loras: int = Field(
+        default=4,
+        ge=1,
+        description="vLLM: adapters that can share one batch (GPU slots); more are swapped in least recently used first out.",
+    )
+    vllm_memory_share: float = Field(
+        default=0.3,
+        gt=0.0,
+        lt=1.0,
+        description="vLLM: share of the GPU's memory its engine takes (weights, KV cache); training uses the rest. On CPU see vllm_cpu_kv_cache_gib.",
+    )
+    vllm_cpu_kv_cache_gib: int = Field(default=1, ge=1, description="vLLM on CPU: KV cache size in GiB.")
+    vllm_max_logprobs: int = Field(
+        default=64, ge=0, description="vLLM: most top-k prompt logprobs a request may ask for."
+    )
+    session_idle_ttl_s: float = Field(
+        default=86400.0,
+        ge=0.0,
+        description="Checkpoint and stop (expire) a session after this many idle seconds; its client gets SessionExpiredError naming the checkpoint to resume from (0: never).",
+    )
+    max_sessions_per_owner: int | None = Field(
+        default=None,
+        ge=1,
+        description="Concurrent training sessions one owner may run (a gateway API key's owner; `sdk` for treadle SDK sessions); an over-quota create fails with QuotaExceededError (None: unlimited). Give every worker the same limits.",
+    )
+    owner_session_limits: dict[str, int] = Field(
+        default_factory=dict, description='Per-owner overrides of max_sessions_per_owner, JSON: {"alice": 8}.'
+    )
+    owner_weights: dict[str, float] = Field(
+        default_factory=dict,
+        description='Per-owner weights of the fair share of a worker\'s device time, JSON: {"alice": 2} (others: 1). When several sessions have ops ready, each turn goes to the owner with the least measured device time over its weight (treadle.queue.fair). Give every worker the same weights.',
+    )
+    max_queued_ops_per_session: int = Field(
+        default=256,
+        ge=0,
+        description="Ops one session may have submitted and not yet run; a submit past it fails with CapacityError (HTTP 429 with Retry-After at the gateway) and queues nothing (0: no bound). Applies to sessions created from then on.",
+    )
+    max_queued_ops_per_owner: int = Field(
+        default=1024,
+        ge=0,
+        description="Ops all active sessions of one owner may have queued together; past it as above (0: no bound).",
+    )
+    max_queued_sample_rows_per_owner: int = Field(
+        default=4096,
+        ge=0,
+        description="Sample rows (num_samples summed over requests) one owner may have submitted and not yet answered; past it a sample request fails with CapacityError (HTTP 429 with Retry-After) and queues nothing, unless nothing of the owner is queued (0: no bound). Published for clients to check; give every worker the same.",
+    )
+    logprob_audit_fraction: float = Field(
+        default=0.01,
+        ge=0.0,
+        le=1.0,
+        description="Share of sampled sequences (temperature 1, no top-k/top-p) whose logprobs the worker recomputes with the training forward of the same snapshot, off the decode path, exporting the gap as treadle_sampler_logprob_gap (treadle.gpu_worker.sampling.logprob_audit; 0: off).",
+    )
+    metrics_port: int = Field(default=0, ge=0, le=65535, description="Serve Prometheus metrics on this port (0: off).")
+    metrics_address: str = Field(
+        default="127.0.0.1", description="Interface of the metrics port (0.0.0.0 inside a private network)."
+    )
+    linger_ms: float = Field(
+        default=20.0,
+        ge=0.0,
+        le=10000.0,
+        description="After running a session's ops, wait this long for the next op of any session this worker owns before going back to Celery: a loop that submits its next step right after reading a result then costs no Celery message (treadle.gpu_worker.executor.linger). A sample request or session creation arriving meanwhile ends the wait within 5 ms (0: off).",
+    )
+    task_events: bool = Field(
+        default=False,
+        description="Send Celery task events (received, started, succeeded, failed) so that Flower lists and times ops; off by default: they cost about a third of the worker's CPU per op.",
+    )
+    loglevel: str = Field(default="INFO", description="Log level.")
