@@ -8,7 +8,10 @@ work queued), on one local stack (Redis + one worker) on the tiny random model, 
 
 - B's step and small-sample latency (p50 / p95), alone and beside A;
 - B's p95 step beside A in units of A's heavy op (its median compute time on the worker);
-- A's throughput (heavy ops per second of wall time) alone and beside B, and their ratio.
+- A's throughput (heavy ops per second of wall time) alone and beside B, and their ratio;
+- the device time of one B step, and the share of the device B would hold were its steps beside A as quick as
+  1.5x alone: B's loop runs the whole time A's burst does, so A keeps at most the rest. B's latency and A's
+  throughput trade against each other; fair turns give B its ops right after the one running, no sooner.
 
     .venv/bin/python benchmarks/fairness.py [--heavy 200] [--json]
 """
@@ -102,6 +105,11 @@ def run(heavy: int, alone_steps: int) -> dict:
                 o.compute_s * 1000 for o in Meter(sc.ops.redis).session_ops(a.session_id) if o.op == "forward_backward"
             ][-heavy:]
 
+            b_ops = Meter(sc.ops.redis).session_ops(b.session_id)
+            b_device_ms = sum(
+                statistics.median(o.compute_s * 1000 for o in b_ops if o.op == op)
+                for op in ("forward_backward", "optim_step")
+            )
             stop, together = threading.Event(), {}
             loop = threading.Thread(target=lambda: together.update(b=light_loop(b, b_sampler, stop, 1_000_000)))
             loop.start()
@@ -123,6 +131,10 @@ def run(heavy: int, alone_steps: int) -> dict:
             "p95": pct(sample_beside, 0.95),
             "n": len(sample_beside),
         },
+        "b_step_device_ms": b_device_ms,
+        # B at 1.5x its alone p50, one step after another, would hold the device this much of the time; A could
+        # keep at most the rest of its throughput (see the module docstring)
+        "b_device_share_at_1_5x_alone": b_device_ms / (1.5 * pct(step_alone, 0.5)),
         "b_step_p95_beside_a_in_heavy_ops": pct(step_beside, 0.95) / heavy_op,
         "b_step_p50_beside_over_alone": pct(step_beside, 0.5) / pct(step_alone, 0.5),
         "a_heavy_ops_per_s_alone": heavy / a_alone_s,
@@ -151,6 +163,10 @@ def main() -> None:
     print(
         f"B's p95 step beside A: {figures['b_step_p95_beside_a_in_heavy_ops']:.2f} of A's heavy ops; "
         f"B's p50 step beside A / alone: {figures['b_step_p50_beside_over_alone']:.2f}x"
+    )
+    print(
+        f"B's step holds the device {figures['b_step_device_ms']:.1f} ms: at 1.5x its alone p50, step after step, "
+        f"{figures['b_device_share_at_1_5x_alone']:.0%} of the device, which A would lose"
     )
     print(
         f"A's throughput: alone {figures['a_heavy_ops_per_s_alone']:.2f} ops/s, beside B "

@@ -23,7 +23,7 @@ from treadle.metering import Meter
 from treadle.queue import names
 from treadle.queue.ops import NoopRequest
 from treadle.status import collect_status, render
-from treadle.types import AdamParams, LoraConfig, ModelInput
+from treadle.types import AdamParams, LoraConfig, ModelInput, SamplingParams
 from tests.test_sessions import sft_batch
 
 SESSION_BOUND, OWNER_BOUND, ROW_BOUND = 48, 64, 8
@@ -152,6 +152,33 @@ def test_a_light_loop_waits_for_at_most_two_heavy_ops_of_a_tenant_that_pipelines
         for submitted, (optim_start, _) in zip(steps, b_optims)
     ]
     assert max(waited) <= 2, waited
+    a.stop()
+    b.stop()
+
+
+def test_a_small_sample_beside_a_heavy_training_backlog_gets_a_fair_share_of_the_device(fair_stack):
+    """Tenant A pipelines heavy forward_backwards; tenant B samples 16 tokens beside them (17 forwards: a prefill
+    and 16 decode steps). The device goes to the forward serving the tenant with less device time
+    (treadle.gpu_worker.model.device_lock), so B's forwards run several in a row between two of A's ops, as many as
+    fit in the time one of A's ops took. With turns taken one for one, each of B's forwards waited for one of A's
+    ops: 16 or more of them in B's sample."""
+    sc, _, _ = fair_stack
+    a, b = _session(sc, seed=0), _session(sc, seed=1)
+    b_sampler = b.save_weights_and_get_sampling_client("small")
+    prompt = ModelInput.from_ints([5, 6, 7, 8, 9, 10, 11, 12])
+    b_sampler.sample(prompt, 1, SamplingParams(max_tokens=16, seed=0)).result(timeout=120)  # warm
+    heavy = [a.forward_backward(sft_batch(i, n=8, length=96), "cross_entropy") for i in range(30)]
+    heavy[1].result(timeout=300)  # A's backlog is running
+    submitted = time.time()
+    answer = b_sampler.sample(prompt, 1, SamplingParams(max_tokens=16, seed=1)).result(timeout=300)
+    answered = time.time()
+    assert len(answer.sequences[0].tokens) == 16
+    for future in heavy:
+        future.result(timeout=300)
+    a_ops = _spans(sc, a.session_id)
+    assert a_ops[-1][1] > answered, "B's sample ran beside A's backlog, not after it"
+    waited = sum(1 for start, end in a_ops if start >= submitted and end <= answered)
+    assert waited <= 5, f"B's 16-token sample waited for {waited} of A's ops"
     a.stop()
     b.stop()
 

@@ -271,11 +271,13 @@ class Engine:
         include_prompt_logprobs: bool = False,
         topk_prompt_logprobs: int = 0,
         extras: SampleExtras = SampleExtras(),
+        tenant: str = "",
     ) -> Future:
         """Queue a sample request on a frozen sampler (None: the base model); the future resolves to its
         `SampleResponse`. Logprobs are those of the distribution actually sampled from (see
         `treadle.gpu_worker.sampling.hf.token_choice`). A rejected request raises here, before it is queued. Queueing
-        never waits for the device: a burst would enter the batch one decode step apart."""
+        never waits for the device: a burst would enter the batch one decode step apart. `tenant`: whom its
+        device time counts for (the session the snapshot came from; treadle.gpu_worker.model.device_lock)."""
         with self._catalog:
             adapter = self._sampler(sampler_id) if sampler_id is not None else None
             request = prepare_sample(
@@ -298,6 +300,7 @@ class Engine:
                     include_prompt_logprobs,
                     topk_prompt_logprobs,
                     extras,
+                    tenant,
                 )
             )
 

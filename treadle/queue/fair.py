@@ -27,8 +27,9 @@ COST_SMOOTHING = 0.2
 
 
 @dataclass
-class _Level:
-    """Tags of one level (owners, or the sessions of one owner) and its clock."""
+class ServiceTags:
+    """Start-time fair tags of one level (owners, the sessions of one owner, the tenants of a device lock) and its
+    clock: a key's tag is the service it has had, and one that was idle rejoins at the clock."""
 
     clock: float = 0.0
     tags: dict[Hashable, float] = field(default_factory=dict)
@@ -45,14 +46,22 @@ class _Level:
         self.tags[key] = self.tag(key) + cost
         self.served[key] = turn
 
+    def advance(self, key: Hashable) -> None:
+        """`key`'s turn has come: the clock moves to its tag, and keys behind the clock (which would rejoin at it
+        anyway) are dropped, so a level that sees many keys come and go stays small."""
+        self.clock = self.tag(key)
+        for stale in [k for k, t in self.tags.items() if t < self.clock]:
+            del self.tags[stale]
+            self.served.pop(stale, None)
+
 
 class FairShare:
     """`order(ready)` says who goes next; `charge(key, owner, seconds)` records a turn's measured cost."""
 
     def __init__(self, weights: dict[str, float] | None = None):
         self.weights = dict(weights or {})
-        self._owners = _Level()
-        self._sessions: dict[str, _Level] = {}
+        self._owners = ServiceTags()
+        self._sessions: dict[str, ServiceTags] = {}
         self._turns = 0
         self.rate: dict[str, float] = {}  # seconds per unit of work, by kind (exponential averages)
         self.cost: dict[Hashable, float] = {}  # each key's average turn cost (seconds), for wait estimates
@@ -115,5 +124,5 @@ class FairShare:
         for key in [k for k in self.cost if k not in keep]:
             del self.cost[key]
 
-    def _level(self, owner: str) -> _Level:
-        return self._sessions.setdefault(owner, _Level())
+    def _level(self, owner: str) -> ServiceTags:
+        return self._sessions.setdefault(owner, ServiceTags())

@@ -57,6 +57,14 @@ class SamplerCache:
         return engine, sampler_id
 
 
+def tenant_of(req: SampleRequest) -> str:
+    """Whom a sample request's device time counts for: the session its snapshot came from, as that session's own
+    training ops count for it; the base model's samples per paying owner."""
+    if req.model_path is None:
+        return f"base:{req.owner or ''}"
+    return CheckpointPath.parse(req.model_path).run_id
+
+
 class Sampling:
     def __init__(self, cache: SamplerCache, device_lock: threading.RLock):
         self.cache = cache
@@ -75,4 +83,5 @@ class Sampling:
                 include_prompt_logprobs=req.include_prompt_logprobs,
                 topk_prompt_logprobs=req.topk_prompt_logprobs,
                 extras=SampleExtras(req.topk_sample_logprobs, target, req.prompt_alt_tokens_k),
+                tenant=tenant_of(req),
             )

@@ -37,6 +37,7 @@ from kombu import exceptions as kombu_errors
 
 from treadle.errors import ServerError, TreadleError
 from treadle.gpu_worker.executor import turns
+from treadle.gpu_worker.model.device_lock import serving
 from treadle.queue.fair import FairShare
 from treadle.gpu_worker.sessions.hosting import OwnedSession, SessionHost
 from treadle.gpu_worker.executor.linger import Linger
@@ -188,7 +189,8 @@ class Sequencer:
         try:
             handler = handler_for(entry.op)
             request: OpRequest = entry.request()
-            response = handler(request, self.host.context(owned, entry.seq))
+            with serving(entry.session_id):  # the device's turns count this op's time for its session
+                response = handler(request, self.host.context(owned, entry.seq))
             payload = encode_result(entry.op, response)
         except TreadleError as exc:
             error = exc

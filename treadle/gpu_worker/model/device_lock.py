@@ -1,38 +1,90 @@
-"""The lock that training ops and sampling steps take turns on: reentrant, granted in arrival order.
+"""The lock that training ops and sampling forwards take turns on: reentrant, granted fairly between tenants.
 
-A plain `threading.RLock` lets the thread that just released it take it straight back, so a sampling
-loop that releases between decode steps could keep a training op waiting for a whole batch. Here a
-waiter that queued first is served first: a training op that arrives while a decode step runs gets
-the device right after that step, and the sampler's next step queues behind it.
+Two threads want an engine's device: the op thread (one training op at a time, in the sessions' fair
+turns, treadle.gpu_worker.executor.turns) and the sampler's decode loop (one forward at a time: a prefill,
+a decode step, a logprob batch). A plain lock, or a first-come one, alternates them one for one, so a
+tenant's 8-token sample waited for another tenant's heavy training op before each of its decode steps,
+eight of them per sample.
+
+So each hold says whom it serves (its tenants: a training op's session; a decode step's sessions, each
+weighted by its rows), the lock measures how long it was held and charges those seconds to them, and
+when it is released it goes to the waiter serving the tenant with the least device time so far (start-
+time fair tags, treadle.queue.fair; a tenant that was idle rejoins at the clock). A decode step that
+carries one row of a light tenant goes before the heavy tenant's next op; a decode step of the heavy
+tenant's own rows waits its turn like its ops. Ties, and waiters that name no tenant, go in arrival order.
+
+A tenant is a session id (a sample's: the session its snapshot came from), without owners' weights: the
+weighted shares between owners are the op turns' (treadle.queue.fair); here only which of two ready
+forwards runs first is decided. The op thread names its tenant for the engine calls of one op with
+`serving` (the engine's methods take the lock without knowing whom they serve).
 """
 
 from __future__ import annotations
 
 import threading
-from collections import deque
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Iterator, Mapping
+
+from treadle.queue.fair import ServiceTags
+
+_serving = threading.local()
+
+
+@contextmanager
+def serving(tenant: str) -> Iterator[None]:
+    """Within the block, this thread's holds of any `DeviceLock` that name no tenants serve `tenant`."""
+    previous = getattr(_serving, "tenant", None)
+    _serving.tenant = tenant
+    try:
+        yield
+    finally:
+        _serving.tenant = previous
+
+
+@dataclass
+class _Waiter:
+    arrival: int
+    tenants: Mapping[str, float]
 
 
 class DeviceLock:
-    """Reentrant FIFO lock (a `with` block; the same thread may nest it)."""
+    """Reentrant lock (a `with` block, or `hold(tenants)`; the same thread may nest it), granted fairly."""
 
     def __init__(self) -> None:
         self._cond = threading.Condition(threading.Lock())
         self._owner: int | None = None
         self._depth = 0
-        self._waiting: deque[object] = deque()
+        self._arrivals = 0
+        self._waiting: list[_Waiter] = []
+        self._holding: Mapping[str, float] = {}
+        self._held_since = 0.0
+        self._turns = 0
+        self.tags = ServiceTags()  # device seconds per tenant
 
-    def acquire(self) -> None:
+    def acquire(self, tenants: Mapping[str, float] | None = None) -> None:
+        """Wait for the device. `tenants`: whom the hold serves, with their shares of it (rows); None: this thread's
+        `serving` tenant, if any."""
         me = threading.get_ident()
         with self._cond:
             if self._owner == me:
                 self._depth += 1
                 return
-            ticket = object()
-            self._waiting.append(ticket)
-            # No timeout: the holder is a single model call (one op or one decode step) that always returns.
-            self._cond.wait_for(lambda: self._owner is None and self._waiting[0] is ticket)
-            self._waiting.popleft()
+            if tenants is None:
+                tenant = getattr(_serving, "tenant", None)
+                tenants = {} if tenant is None else {tenant: 1.0}
+            self._arrivals += 1
+            waiter = _Waiter(self._arrivals, tenants)
+            self._waiting.append(waiter)
+            # No timeout: the holder is a single model call (one op or one forward) that always returns.
+            self._cond.wait_for(lambda: self._owner is None and self._next() is waiter)
+            self._waiting.remove(waiter)
+            best = min(waiter.tenants, key=self.tags.tag, default=None)
+            if best is not None:
+                self.tags.advance(best)
             self._owner, self._depth = me, 1
+            self._holding, self._held_since = waiter.tenants, time.monotonic()
 
     def release(self) -> None:
         with self._cond:
@@ -40,8 +92,17 @@ class DeviceLock:
                 raise RuntimeError("DeviceLock released by a thread that does not hold it")
             self._depth -= 1
             if self._depth == 0:
+                self._charge(time.monotonic() - self._held_since)
                 self._owner = None
                 self._cond.notify_all()
+
+    @contextmanager
+    def hold(self, tenants: Mapping[str, float]) -> Iterator["DeviceLock"]:
+        self.acquire(tenants)
+        try:
+            yield self
+        finally:
+            self.release()
 
     def __enter__(self) -> "DeviceLock":
         self.acquire()
@@ -49,3 +110,19 @@ class DeviceLock:
 
     def __exit__(self, *exc) -> None:
         self.release()
+
+    def _next(self) -> _Waiter:
+        """The waiter whose turn it is: the one serving the least-served tenant (one naming none counts as at the
+        clock), the earliest to arrive among equals."""
+        return min(self._waiting, key=lambda w: (self._priority(w), w.arrival))
+
+    def _priority(self, waiter: _Waiter) -> float:
+        return min((self.tags.tag(t) for t in waiter.tenants), default=self.tags.clock)
+
+    def _charge(self, seconds: float) -> None:
+        total = sum(self._holding.values())
+        if total <= 0:
+            return
+        self._turns += 1
+        for tenant, share in self._holding.items():
+            self.tags.charge(tenant, seconds * share / total, self._turns)

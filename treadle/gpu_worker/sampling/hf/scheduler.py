@@ -155,17 +155,33 @@ class SampleScheduler:
         # requests, or a decode step. What a turn takes from the queue is decided once it holds the
         # device, so everything that arrived while the device was busy goes into that turn.
         while self._wait_for_work():
-            with self.device_lock:
-                if logprob_jobs := self._take_logprobs():
-                    self._answer_logprobs(logprob_jobs)
-            with self.device_lock:
-                if admitted := self._take_admissible():
-                    self._admit(admitted)
+            if self._logprobs:
+                with self.device_lock.hold(self._tenants(logprobs=True)):
+                    if logprob_jobs := self._take_logprobs():
+                        self._answer_logprobs(logprob_jobs)
+            if self._samples:
+                with self.device_lock.hold(self._tenants(waiting=True)):
+                    if admitted := self._take_admissible():
+                        self._admit(admitted)
             if self._batch:
-                with self.device_lock:
+                with self.device_lock.hold(self._tenants()):
                     self._step()
             if self._retiring:
                 self._retire_unused()
+
+    def _tenants(self, *, waiting: bool = False, logprobs: bool = False) -> dict[str, float]:
+        """Whom the next forward serves, by rows (treadle.gpu_worker.model.device_lock): the running batch's
+        requests, the waiting sample requests (a prefill), or the waiting logprob requests."""
+        tenants: dict[str, float] = {}
+        with self._cond:
+            if logprobs:
+                jobs = [(str(j.adapter), 1) for j in self._logprobs]
+            else:
+                pairs = self._samples if waiting else self._running.values()
+                jobs = [(j.tenant or str(j.adapter), j.num_samples) for j, _ in pairs]
+        for tenant, rows in jobs:
+            tenants[tenant] = tenants.get(tenant, 0.0) + rows
+        return tenants
 
     def _wait_for_work(self) -> bool:
         """False once closed (everything unanswered has failed by then)."""
