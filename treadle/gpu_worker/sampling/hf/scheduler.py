@@ -49,6 +49,9 @@ from treadle.gpu_worker.model.host import ModelHost
 
 log = logging.getLogger("treadle.sampler")
 
+# The share of the batch's KV budget that a snapshot with rows in the batch leaves to the others (_take_admissible).
+ROOM_FOR_OTHERS = 0.25
+
 PromptLogprobs = tuple[list[float | None], list[list[tuple[int, float]] | None] | None]
 
 
@@ -209,9 +212,14 @@ class SampleScheduler:
         Each turn goes to the snapshot (adapter; None: the base model) with the fewest token positions admitted so
         far (treadle.queue.fair: rows x (prompt + max_tokens), a snapshot that was idle rejoining at the
         clock), and takes its oldest request whole: a small request does not queue behind another tenant's
-        backlog of big ones, and each snapshot's requests keep their order."""
+        backlog of big ones, and each snapshot's requests keep their order.
+
+        A snapshot that already has rows in the batch fills it only up to `1 - ROOM_FOR_OTHERS` of
+        `max_batch_tokens`: the rest is room for the first request of another snapshot, which then joins at the next
+        step instead of waiting for the long rows already there to end."""
         taken: list[SampleJob] = []
         with self._cond:
+            present = {job.adapter for job, _ in self._running.values()}
             self._fair.forget(self._needed())
             while self._samples and not self._closed:
                 adapter = self._fair.pick(dict.fromkeys({job.adapter for job, _ in self._samples}, ""))
@@ -219,16 +227,17 @@ class SampleScheduler:
                 job, future = self._samples[index]
                 candidate = [*taken, job]
                 longest_prompt = max(len(j.request.prompt) for j in candidate)
+                limit = self.max_batch_tokens
+                if adapter in present:
+                    limit = int(limit * (1 - ROOM_FOR_OTHERS))
                 if self._batch or taken:
-                    if (
-                        self._projected(candidate) > self.max_batch_tokens
-                        or len(candidate) * longest_prompt > self.max_forward_tokens
-                    ):
+                    if self._projected(candidate) > limit or len(candidate) * longest_prompt > self.max_forward_tokens:
                         break  # the request whose turn it is waits for room, and the others behind it
                 del self._samples[index]
                 positions = job.num_samples * (len(job.request.prompt) + job.request.max_tokens)
                 self._fair.charge(adapter, "", positions, kind="positions", units=positions)
                 self._running[id(job)] = (job, future)
+                present.add(adapter)
                 taken.append(job)
         return taken
 
