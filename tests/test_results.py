@@ -11,12 +11,12 @@ from treadle.errors import InvalidRequestError
 from treadle.gpu_worker.executor.linger import Linger
 from treadle.gpu_worker.executor.sequencer import Sequencer
 from treadle.gpu_worker.executor.usage import UsageRecorder
+from treadle.gpu_worker.sessions.hosting import SessionStores
 from treadle.metering import Meter, OpUsage, Usage
 from treadle.queue.celery_app import make_app
 from treadle.queue import names
 from treadle.queue.journal import JournalEntry
 from treadle.queue.results import ResultStore
-from treadle.queue.sessions import SessionRegistry
 
 
 def test_a_pipelined_store_reads_back_like_celerys_own(redis_client, redis_url):
@@ -65,10 +65,10 @@ def test_an_ops_usage_result_and_applied_seq_are_all_written(redis_client, redis
     result_url = redis_url if results_db == "same" else redis_url[:-1] + "1"
     app = make_app(redis_url, result_url)
     app.backend.client.flushdb()
-    registry = SessionRegistry(redis_client)
     sequencer = Sequencer(
-        SimpleNamespace(registry=registry),
+        SimpleNamespace(op_lock=threading.RLock()),
         app,
+        stores=SessionStores.on(redis_client, lease=None),
         after_op=None,
         reload=None,
         usage=UsageRecorder(redis_client),

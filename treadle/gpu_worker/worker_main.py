@@ -39,7 +39,7 @@ class WorkerService:
         from treadle.gpu_worker.executor.failover import Failover
         from treadle.gpu_worker.sampling import logprob_audit
         from treadle.queue.fair import FairShare
-        from treadle.gpu_worker.sessions.hosting import SessionHost
+        from treadle.gpu_worker.sessions.hosting import SessionHost, SessionLimits, SessionStores
         from treadle.gpu_worker.executor.linger import Linger
         from treadle.gpu_worker.executor.sample_requests import SamplerCache, Sampling
         from treadle.gpu_worker.executor.sequencer import Sequencer
@@ -69,21 +69,21 @@ class WorkerService:
         self.engines, self.served = load_engines(config)
         self.app = make_app(broker, result, task_events=config.task_events)
         self.lease = LeaseManager(self.redis, self.hostname, ttl_ms=int(config.lease_ttl_s * 1000))
-        device_lock = threading.RLock()
         samplers = SamplerCache(lambda model: self.host.engine(model), self.store)
+        stores = SessionStores.on(self.redis, self.lease)
         self.host = SessionHost(
             hostname=self.hostname,
             engines=self.engines,
-            redis=self.redis,
+            stores=stores,
             store=self.store,
-            lease=self.lease,
-            device_lock=device_lock,
+            limits=SessionLimits(
+                quota=SessionQuota(self.redis, config.max_sessions_per_owner, config.owner_session_limits),
+                max_queued_ops=config.max_queued_ops_per_session,
+                max_owner_queued_ops=config.max_queued_ops_per_owner,
+            ),
             remember_sampler=samplers.remember,
             subscribe=self._subscribe,
             unsubscribe=self._unsubscribe,
-            quota=SessionQuota(self.redis, config.max_sessions_per_owner, config.owner_session_limits),
-            max_queued_ops=config.max_queued_ops_per_session,
-            max_owner_queued_ops=config.max_queued_ops_per_owner,
         )
         self.autosaver = Autosaver(
             self.host, checkpoint_every=config.checkpoint_every, checkpoint_interval_s=config.checkpoint_interval_s
@@ -93,6 +93,7 @@ class WorkerService:
         sequencer = Sequencer(
             self.host,
             self.app,
+            stores=stores,
             after_op=self.autosaver.after_op,
             reload=self.autosaver.reload,
             usage=usage,
@@ -108,7 +109,7 @@ class WorkerService:
             idle_unload_s=config.idle_unload_s,
             session_idle_ttl_s=config.session_idle_ttl_s,
         )
-        register_tasks(self.app, sequencer, self.host, Sampling(samplers, device_lock), usage)
+        register_tasks(self.app, sequencer, self.host, Sampling(samplers, self.host.op_lock), usage)
         self.registry = WorkerRegistry(self.redis)
         self._stop = threading.Event()
         self._started_at = time.time()
@@ -225,7 +226,7 @@ class WorkerService:
         """On a clean shutdown, checkpoint owned sessions and free their leases for another worker."""
         for sid, owned in list(self.host.owned.items()):
             try:
-                with self.host.device_lock:
+                with self.host.op_lock:
                     if not owned.unloaded:
                         self.autosaver.checkpoint(owned)
                     self.lease.release(sid, owned.epoch)

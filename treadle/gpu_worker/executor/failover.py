@@ -70,7 +70,7 @@ class Failover:
         if epoch is None:
             return False
         t0 = time.monotonic()
-        with host.device_lock:
+        with host.op_lock:
             record = host.registry.get(session_id)
             # Owned before the rebuild, so the heartbeat renews the lease while a long replay runs
             # (a replay longer than the lease TTL would otherwise lose the session it is rebuilding).
@@ -104,7 +104,7 @@ class Failover:
                 timings["total_s"],
             )
         host.subscribe(names.session_queue(session_id))
-        with host.device_lock:
+        with host.op_lock:
             # Ops whose doorbell died with the old owner are in the journal: run them now.
             owned = host.owned[session_id]
             owned.max_seen = max([owned.applied, *host.journal.seqs(session_id)])

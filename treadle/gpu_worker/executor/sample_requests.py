@@ -66,14 +66,14 @@ def tenant_of(req: SampleRequest) -> str:
 
 
 class Sampling:
-    def __init__(self, cache: SamplerCache, device_lock: threading.RLock):
+    def __init__(self, cache: SamplerCache, op_lock: threading.RLock):
         self.cache = cache
-        self.device_lock = device_lock
+        self.op_lock = op_lock
 
     def sample(self, req: SampleRequest) -> Future:
         """The request queued on its engine's scheduler; the future resolves to its `SampleResponse`."""
         target = None if req.target_prompt_logprobs is None else req.target_prompt_logprobs.to_numpy()
-        with self.device_lock:  # the sampler cache: look-ups, loads and evictions one at a time
+        with self.op_lock:  # the sampler cache: look-ups, loads and evictions one at a time
             engine, sampler_id = self.cache.engine_and_sampler(req.base_model, req.model_path)
             return engine.sample_async(
                 sampler_id,

@@ -39,7 +39,7 @@ from treadle.errors import ServerError, TreadleError
 from treadle.gpu_worker.executor import turns
 from treadle.gpu_worker.model.device_lock import serving
 from treadle.queue.fair import FairShare
-from treadle.gpu_worker.sessions.hosting import OwnedSession, SessionHost
+from treadle.gpu_worker.sessions.hosting import OwnedSession, SessionHost, SessionStores
 from treadle.gpu_worker.executor.linger import Linger
 from treadle.gpu_worker.sessions.op_handlers import handler_for
 from treadle.gpu_worker.executor.usage import UsageRecorder
@@ -57,9 +57,10 @@ log = logging.getLogger("treadle.worker")
 class Sequencer:
     def __init__(
         self,
-        host: SessionHost,
+        sessions: SessionHost,
         app: Celery,
         *,
+        stores: SessionStores,
         after_op: Callable[[OwnedSession, str], bool],
         reload: Callable[[OwnedSession], None],
         usage: UsageRecorder,
@@ -67,7 +68,14 @@ class Sequencer:
         fair: FairShare | None = None,
         observe_wait: Callable[[str, str, float], None] | None = None,
     ):
-        self.host = host
+        self.sessions = sessions  # the owned sessions and their life (release, finish)
+        self.redis, self.registry, self.journal, self.lease = (
+            stores.redis,
+            stores.registry,
+            stores.journal,
+            stores.lease,
+        )
+        self.op_lock = sessions.op_lock
         self.linger = linger
         self.fair = fair or FairShare()
         self._observe_wait = observe_wait  # (owner, base_model, seconds from submit to start): the queue-wait histogram
@@ -88,7 +96,7 @@ class Sequencer:
         try:
             while handed is not None:
                 self._serve(*handed)
-                handed = self.linger.next([names.model_queue(m) for m in self.host.engines], self._next_ops())
+                handed = self.linger.next([names.model_queue(m) for m in self.sessions.engines], self._next_ops())
         except BaseException:
             with contextlib.suppress(Exception):  # ringing needs Redis too, which may be what failed
                 if (left := self.linger.abandon()) is not None:
@@ -96,8 +104,8 @@ class Sequencer:
             raise
 
     def _serve(self, session_id: str, seq: int) -> None:
-        with self.host.device_lock:
-            owned = self.host.owned.get(session_id)
+        with self.op_lock:
+            owned = self.sessions.owned.get(session_id)
             if owned is None:
                 self._not_ours(session_id, seq)
                 return
@@ -107,7 +115,7 @@ class Sequencer:
     def _next_ops(self) -> list[tuple[str, int]]:
         """(session_id, next seq) of every owned session, starting at a turning point: a session that keeps
         submitting does not keep the others waiting."""
-        pending = [(sid, owned.applied + 1) for sid, owned in list(self.host.owned.items())]
+        pending = [(sid, owned.applied + 1) for sid, owned in list(self.sessions.owned.items())]
         self._rotation += 1
         cut = self._rotation % len(pending) if pending else 0
         return pending[cut:] + pending[:cut]
@@ -116,7 +124,7 @@ class Sequencer:
         """Run every op of the session that is next in line, in seq order, each in its turn with the other owned
         sessions' (see the module docstring). `handoff`: the caller waits for hand-offs afterwards (a Celery task
         does; a failover does not)."""
-        with self.host.device_lock:
+        with self.op_lock:
             self._turns(session_id, handoff=handoff)
 
     def _turns(self, first: str, *, handoff: bool = True) -> None:
@@ -125,13 +133,13 @@ class Sequencer:
         device lock (the caller's)."""
         # session -> its next entry and lease, read with the previous op's record; None: read it at its turn
         ready: dict[str, tuple[JournalEntry | None, bytes | None] | None] = {first: None}
-        if len(self.host.owned) > 1:
-            ready.update(dict.fromkeys(turns.ready_elsewhere(self.host, exclude=first)))
-        self.fair.forget(set(self.host.owned))
+        if len(self.sessions.owned) > 1:
+            ready.update(dict.fromkeys(turns.ready_elsewhere(self.sessions.owned, self.redis, exclude=first)))
+        self.fair.forget(set(self.sessions.owned))
         self._waiting, past_doorbells = ready, 0
         while ready:
-            session_id = self.fair.pick({sid: turns.owner_of(self.host, sid) for sid in ready})
-            if (owned := self.host.owned.get(session_id)) is None:  # released meanwhile (a stop, a lost lease)
+            session_id = self.fair.pick({sid: turns.owner_of(self.sessions.owned, sid) for sid in ready})
+            if (owned := self.sessions.owned.get(session_id)) is None:  # released meanwhile (a stop, a lost lease)
                 del ready[session_id]
                 continue
             if past_doorbells >= READ_AHEAD_OPS:  # back to Celery for a moment: its turn comes back by the doorbell
@@ -155,29 +163,27 @@ class Sequencer:
         entry and lease, read with its record, or None after a checkpoint; the other sessions with an op ready;
         whether a control message waits), or None when it had no op or lost its lease."""
         session_id = owned.session_id
-        entry, lease = prefetched or self.host.journal.get_with(
-            session_id, owned.applied + 1, names.lease_key(session_id)
-        )
+        entry, lease = prefetched or self.journal.get_with(session_id, owned.applied + 1, names.lease_key(session_id))
         if entry is None:
             return None
         past_doorbell = int(entry.seq > owned.max_seen)
         owned.max_seen = max(owned.max_seen, entry.seq)
-        if not self.host.lease.is_ours(lease, owned.epoch):
+        if not self.lease.is_ours(lease, owned.epoch):
             log.warning("lost the lease of session %s; handing it over", session_id)
-            self.host.release(session_id, drop_lease=False)
+            self.sessions.release(session_id, drop_lease=False)
             self._not_ours(session_id, entry.seq)
             return None
         if owned.unloaded:
             self._reload(owned)
         if self._observe_wait is not None:
             self._observe_wait(
-                turns.owner_of(self.host, session_id),
+                turns.owner_of(self.sessions.owned, session_id),
                 owned.record.base_model,
                 max(0.0, time.time() - entry.submitted_at),
             )
         following, others, control_waiting = self._run(owned, entry, handoff)
         if entry.op == StopRequest.op:
-            self.host.finish(session_id)
+            self.sessions.finish(session_id)
             following = (None, None)
         return past_doorbell, following, others, control_waiting
 
@@ -190,7 +196,7 @@ class Sequencer:
             handler = handler_for(entry.op)
             request: OpRequest = entry.request()
             with serving(entry.session_id):  # the device's turns count this op's time for its session
-                response = handler(request, self.host.context(owned, entry.seq))
+                response = handler(request, self.sessions.context(owned, entry.seq))
             payload = encode_result(entry.op, response)
         except TreadleError as exc:
             error = exc
@@ -217,18 +223,22 @@ class Sequencer:
             )
         tokens = 0 if usage is None else usage.prefill_tokens + usage.trained_tokens + usage.sampled_tokens
         self.fair.charge(
-            entry.session_id, turns.owner_of(self.host, entry.session_id), seconds, kind=entry.op, units=tokens
+            entry.session_id,
+            turns.owner_of(self.sessions.owned, entry.session_id),
+            seconds,
+            kind=entry.op,
+            units=tokens,
         )
         glance = turns.Glance(
-            sessions=[(sid, o.applied + 1) for sid, o in list(self.host.owned.items()) if sid != entry.session_id],
-            queues=[names.model_queue(m) for m in self.host.engines],
-            line=turns.line(self.host, self.fair, [entry.session_id, *self._waiting]),
+            sessions=[(sid, o.applied + 1) for sid, o in list(self.sessions.owned.items()) if sid != entry.session_id],
+            queues=[names.model_queue(m) for m in self.sessions.engines],
+            line=turns.line(self.sessions.owned, self.fair, [entry.session_id, *self._waiting]),
         )
         following = _through_outages(lambda: self._record(entry, usage, payload, error, step, handoff, glance))
         return (None if self._after_op(owned, entry.op) else following), glance.ready, glance.control_waiting
 
     def _step(self, owned: OwnedSession) -> int | None:
-        engine, session_id = self.host.engine(owned.record.base_model), owned.record.session_id
+        engine, session_id = self.sessions.engine(owned.record.base_model), owned.record.session_id
         return engine.step(session_id) if engine.has_session(session_id) else None
 
     def _record(
@@ -250,7 +260,7 @@ class Sequencer:
         (treadle.gpu_worker.executor.linger): the next op, submitted once this result is read, is handed over. With a
         `glance` it also writes each waiting session's place in line and reads what the turns need next."""
         session_id, following = entry.session_id, entry.seq + 1
-        with self.host.registry.redis.pipeline(transaction=True) as pipe:
+        with self.redis.pipeline(transaction=True) as pipe:
             if usage is not None:
                 self.usage.record(usage, client=pipe)
             if self._one_write:
@@ -263,7 +273,7 @@ class Sequencer:
                     self.results.store_error(entry.future_id, error)
             stepped = {} if step is None else {"step": step}
             cost = self.fair.cost.get(session_id)
-            self.host.registry.update(
+            self.registry.update(
                 session_id,
                 client=pipe,
                 applied=entry.seq,
@@ -274,7 +284,7 @@ class Sequencer:
             if handoff:
                 self.linger.mark(pipe)
             if glance is not None:
-                glance.queue(pipe, self.host.registry)
+                glance.queue(pipe, self.registry)
             Journal.read_with(pipe, session_id, following, names.lease_key(session_id))
             *answers, raw, lease = pipe.execute()
         if glance is not None:
@@ -285,17 +295,17 @@ class Sequencer:
         """Ring the next op of every owned session that has one journaled but is not running it, and was
         found so on the previous call too (a doorbell normally arrives within milliseconds). A backstop:
         every path that leaves an op behind rings it; this makes a path that fails to a delay, not a stall."""
-        for session_id, owned in list(self.host.owned.items()):
-            if self.host.registry.next_seq(session_id) <= owned.applied:
+        for session_id, owned in list(self.sessions.owned.items()):
+            if self.registry.next_seq(session_id) <= owned.applied:
                 owned.stalled_at = None
                 continue
-            if not self.host.device_lock.acquire(blocking=False):
+            if not self.op_lock.acquire(blocking=False):
                 continue  # an op is running (or a recovery): not stalled
             try:
                 stalled, owned.stalled_at = owned.stalled_at == owned.applied, owned.applied
-                entry = self.host.journal.get(session_id, owned.applied + 1) if stalled else None
+                entry = self.journal.get(session_id, owned.applied + 1) if stalled else None
             finally:
-                self.host.device_lock.release()
+                self.op_lock.release()
             if entry is not None:
                 log.warning(
                     "session %s: op %d was journaled with no doorbell coming; ringing it", session_id, entry.seq
@@ -306,17 +316,17 @@ class Sequencer:
         """Ring the doorbell of a journaled op (None: the owned session's next): it goes through Celery to whoever
         owns the session."""
         if seq is None:
-            owned = self.host.owned.get(session_id)
+            owned = self.sessions.owned.get(session_id)
             if owned is None:
                 return
             seq = owned.applied + 1
-        entry = self.host.journal.get(session_id, seq)
+        entry = self.journal.get(session_id, seq)
         if entry is not None:
             ring(self.app, session_id, seq, entry.op)
 
     def _not_ours(self, session_id: str, seq: int) -> None:
         """A doorbell for a session this worker does not own: answer if the session is gone, else pass it on."""
-        record = self.host.registry.get(session_id)
+        record = self.registry.get(session_id)
         fid = names.future_id(session_id, seq)
         if record is None or record.status != "active":
             if not self.results.is_done(fid):

@@ -15,30 +15,35 @@ round trip.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Mapping
+
+from redis import Redis
+
+from treadle.gpu_worker.sessions.hosting import OwnedSession
 
 from treadle.queue.fair import FairShare
 from treadle.metering import SDK_OWNER
 from treadle.queue import names
 
 
-def owner_of(host, session_id: str) -> str:
-    owned = host.owned.get(session_id)
-    return (owned.record.owner if owned is not None else None) or SDK_OWNER
+def owner_of(owned: Mapping[str, OwnedSession], session_id: str) -> str:
+    session = owned.get(session_id)
+    return (session.record.owner if session is not None else None) or SDK_OWNER
 
 
-def ready_elsewhere(host, exclude: str) -> list[str]:
+def ready_elsewhere(owned: Mapping[str, OwnedSession], redis: Redis, exclude: str) -> list[str]:
     """Owned sessions other than `exclude` whose next op is journaled (one round trip)."""
-    others = [(sid, owned.applied + 1) for sid, owned in list(host.owned.items()) if sid != exclude]
-    with host.registry.redis.pipeline(transaction=False) as pipe:
+    others = [(sid, session.applied + 1) for sid, session in list(owned.items()) if sid != exclude]
+    with redis.pipeline(transaction=False) as pipe:
         for sid, seq in others:
             pipe.hexists(names.journal_key(sid), str(seq))
         found = pipe.execute()
     return [sid for (sid, _), there in zip(others, found) if there]
 
 
-def line(host, fair: FairShare, sessions: list[str]) -> dict[str, tuple[int, float]]:
+def line(owned: Mapping[str, OwnedSession], fair: FairShare, sessions: list[str]) -> dict[str, tuple[int, float]]:
     """Each of `sessions` (the running one and those waiting) by its place in line: (position, estimated wait s)."""
-    owners = {sid: owner_of(host, sid) for sid in sessions if sid in host.owned}
+    owners = {sid: owner_of(owned, sid) for sid in sessions if sid in owned}
     view, wait = {}, 0.0
     for position, sid in enumerate(fair.order(owners), start=1):
         view[sid] = (position, wait)

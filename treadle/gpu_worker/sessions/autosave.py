@@ -110,7 +110,7 @@ class Autosaver:
             record = self.host.registry.get(sid)
             if owned.unloaded or record is None or now - record.last_activity < idle_seconds:
                 continue
-            with self.host.device_lock:
+            with self.host.op_lock:
                 if self.host.journal.has(sid, owned.applied + 1):
                     continue  # work is waiting
                 if self.checkpoint(owned) is None:

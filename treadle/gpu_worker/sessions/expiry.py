@@ -31,7 +31,7 @@ def expire_idle(host: SessionHost, autosaver: Autosaver, results: ResultStore, t
         record = host.registry.get(sid)
         if record is None or now - record.last_activity < ttl_s:
             continue
-        with host.device_lock:
+        with host.op_lock:
             if host.journal.has(sid, owned.applied + 1):
                 continue  # work is waiting: not idle
             path = record.checkpoint if owned.unloaded else autosaver.checkpoint(owned)

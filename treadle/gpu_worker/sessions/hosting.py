@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from concurrent.futures import Future
 from typing import Callable
 
+from redis import Redis
+
 from treadle.errors import ServerError, SessionLostError, TreadleError, UnknownModelError
 from treadle.gpu_worker.sessions.checkpoint_io import load_checkpoint
 from treadle.gpu_worker.sessions.op_handlers import OpContext, handler_for
@@ -49,34 +51,55 @@ class OwnedSession:
         return self.record.session_id
 
 
+@dataclass(frozen=True)
+class SessionStores:
+    """Where owned sessions' state lives in Redis: the connection, the session records, the op journals and the
+    leases. The sequencer, failover, autosave and expiry are given these, not a path through the host."""
+
+    redis: Redis
+    registry: SessionRegistry
+    journal: Journal
+    lease: LeaseManager
+
+    @classmethod
+    def on(cls, redis: Redis, lease: LeaseManager) -> "SessionStores":
+        return cls(redis=redis, registry=SessionRegistry(redis), journal=Journal(redis), lease=lease)
+
+
+@dataclass(frozen=True)
+class SessionLimits:
+    """What a worker allows its sessions' owners: concurrent sessions (`quota`, checked on the worker so that no
+    client can skip it) and queued ops per session and per owner (backpressure, treadle.queue.journal: written into
+    each new session's record, where submits read them; 0: no bound)."""
+
+    quota: SessionQuota | None = None
+    max_queued_ops: int = 0
+    max_owner_queued_ops: int = 0
+
+
 class SessionHost:
+    """The sessions this worker owns (`owned`), and their life: create, rebuild (adoption, reload), release."""
+
     def __init__(
         self,
         *,
         hostname: str,
         engines: dict,
-        redis,
+        stores: SessionStores,
         store: CheckpointStore,
-        lease: LeaseManager,
-        device_lock: threading.RLock,
+        limits: SessionLimits = SessionLimits(),
         remember_sampler: Callable[[str, str], None],
         subscribe: Callable[[str], None],
         unsubscribe: Callable[[str], None],
-        quota: SessionQuota | None = None,
-        max_queued_ops: int = 0,
-        max_owner_queued_ops: int = 0,
     ):
         self.hostname = hostname
-        self.quota = quota  # concurrent sessions per owner, checked on the worker so no client can skip it
-        # Backpressure (treadle.queue.journal): written into each new session's record, where submits read them.
-        self.max_queued_ops = max_queued_ops
-        self.max_owner_queued_ops = max_owner_queued_ops
+        self.limits = limits
         self.engines = engines
         self.store = store
-        self.lease = lease
-        self.device_lock = device_lock  # one op at a time on an engine: the op loop, recovery, unloading
-        self.journal = Journal(redis)
-        self.registry = SessionRegistry(redis)
+        self.stores = stores
+        self.lease, self.journal, self.registry = stores.lease, stores.journal, stores.registry
+        # One op at a time on this worker's engines: the op loop, recovery, unloading, expiry, the sampler cache.
+        self.op_lock = threading.RLock()
         self.owned: dict[str, OwnedSession] = {}
         self._remember_sampler = remember_sampler
         self.subscribe = subscribe
@@ -108,8 +131,9 @@ class SessionHost:
     # ------------------------------------------------------------ create
     def create(self, req: CreateSessionRequest) -> CreateSessionResponse:
         engine = self.engine(req.base_model)
-        if self.quota is not None:  # before anything exists, so a refused create leaves nothing behind
-            self.quota.admit(req.owner or SDK_OWNER, req.session_id)
+        quota = self.limits.quota
+        if quota is not None:  # before anything exists, so a refused create leaves nothing behind
+            quota.admit(req.owner or SDK_OWNER, req.session_id)
         # A fixed seed makes the adapter's initialisation replayable after a crash.
         lora = (
             req.lora
@@ -127,8 +151,8 @@ class SessionHost:
             checkpoint_seq=0,
             checkpoint_with_optimizer=req.with_optimizer,
             checkpoint_every=req.checkpoint_every,
-            max_queued_ops=self.max_queued_ops,
-            max_owner_queued_ops=self.max_owner_queued_ops,
+            max_queued_ops=self.limits.max_queued_ops,
+            max_owner_queued_ops=self.limits.max_owner_queued_ops,
         )
         if not self.registry.create(record):
             existing = self.registry.get(req.session_id)
@@ -140,7 +164,7 @@ class SessionHost:
         epoch = self.lease.acquire(req.session_id)
         if epoch is None:
             raise ServerError(f"session {req.session_id}: could not take its lease")
-        with self.device_lock:
+        with self.op_lock:
             try:
                 if req.from_state:
                     manifest = load_checkpoint(engine, self.store, req.session_id, req.from_state, req.with_optimizer)
@@ -154,12 +178,14 @@ class SessionHost:
                 # A record left behind would look like an orphan that every caretaker adopts (and fails to load).
                 self.registry.delete(req.session_id)
                 self.lease.release(req.session_id, epoch)
-                if self.quota is not None:
-                    self.quota.release(req.owner or SDK_OWNER, req.session_id)
+                if quota is not None:
+                    quota.release(req.owner or SDK_OWNER, req.session_id)
                 raise
             self.owned[req.session_id] = OwnedSession(record=record, epoch=epoch, applied=0)
-        if self.max_owner_queued_ops:  # its queued ops count against its owner's bound; a stopped one leaves the set
-            self.registry.redis.sadd(names.owner_sessions_key(req.owner or SDK_OWNER), req.session_id)
+        if (
+            self.limits.max_owner_queued_ops
+        ):  # its queued ops count against its owner's bound; a stopped one leaves the set
+            self.stores.redis.sadd(names.owner_sessions_key(req.owner or SDK_OWNER), req.session_id)
         self.store.put_run(
             record.run_id,
             {
@@ -224,4 +250,4 @@ class SessionHost:
         self.release(session_id, drop_lease=True)
         # Nothing will replay a stopped session: free its journal, keep its record a week.
         self.journal.drop(session_id)
-        self.registry.redis.expire(names.session_key(session_id), 7 * 24 * 3600)
+        self.stores.redis.expire(names.session_key(session_id), 7 * 24 * 3600)
