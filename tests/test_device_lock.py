@@ -91,3 +91,26 @@ def test_a_tenant_that_was_idle_rejoins_at_the_clock_with_no_credit_banked():
     # "other" is granted: the clock moves to its tag, so a newcomer counts as having had that much.
     assert _granted_order(lock, [("busy", {"busy": 1}), ("other", {"other": 1})]) == ["other", "busy"]
     assert lock.tags.tag("newcomer") >= 4.0
+
+
+def test_a_holder_keeps_the_device_between_forwards_while_it_serves_the_least_served_tenant():
+    lock = DeviceLock()
+    lock.tags.charge("heavy", 1.0, turn=1)
+    kept = []
+
+    def heavy_op() -> None:
+        with serving("heavy"), lock:
+            pass
+
+    with lock.hold({"heavy": 16, "light": 1}):
+        waiter = threading.Thread(target=heavy_op)
+        waiter.start()
+        deadline = time.monotonic() + WAIT_S
+        while not lock._waiting:
+            assert time.monotonic() < deadline, "the heavy op never queued"
+            time.sleep(0.001)
+        kept.append(lock.keep({"heavy": 16, "light": 1}))  # the light tenant's rows are still in the batch
+        kept.append(lock.keep({"heavy": 16}))  # they ended: equals take turns, the waiting op goes next
+    waiter.join(WAIT_S)
+    assert kept == [True, False]
+    assert not waiter.is_alive()

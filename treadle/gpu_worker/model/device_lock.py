@@ -96,6 +96,27 @@ class DeviceLock:
                 self._owner = None
                 self._cond.notify_all()
 
+    def keep(self, tenants: Mapping[str, float]) -> bool:
+        """Between two forwards of the thread holding the lock (not nested): True when it may go on holding it, now
+        serving `tenants`, because no waiter serves a tenant with less device time than they have; False when it
+        should release (a waiter is owed more, or as much: equals take turns). A thread that released and took the
+        lock again would lose it to whoever was already waiting, owed or not; this is how the sampler keeps the
+        device for a light tenant's decode steps while the heavy tenant's next op waits."""
+        with self._cond:
+            if self._owner != threading.get_ident() or self._depth != 1:
+                raise RuntimeError("DeviceLock.keep needs the lock held once by this thread")
+            now = time.monotonic()
+            self._charge(now - self._held_since)
+            self._held_since = now
+            ours = min((self.tags.tag(t) for t in tenants), default=self.tags.clock)
+            if self._waiting and self._priority(self._next()) <= ours:
+                self._holding = {}  # charged up to now; the release that follows charges nobody
+                return False
+            if tenants:
+                self.tags.advance(min(tenants, key=self.tags.tag))
+            self._holding = tenants
+            return True
+
     @contextmanager
     def hold(self, tenants: Mapping[str, float]) -> Iterator["DeviceLock"]:
         self.acquire(tenants)

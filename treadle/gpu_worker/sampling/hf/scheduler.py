@@ -157,33 +157,37 @@ class SampleScheduler:
         # Each device turn is one forward: a compute_logprobs batch, a prefill of newly admitted
         # requests, or a decode step. What a turn takes from the queue is decided once it holds the
         # device, so everything that arrived while the device was busy goes into that turn.
+        # The device is kept from one round to the next while no waiter (a training op) serves a tenant with less
+        # device time than the batch's (treadle.gpu_worker.model.device_lock): a light tenant's rows run their
+        # decode steps one after another beside a heavy tenant's backlog of ops, which take turns with the heavy
+        # tenant's own rows.
         while self._wait_for_work():
-            if self._logprobs:
-                with self.device_lock.hold(self._tenants(logprobs=True)):
-                    if logprob_jobs := self._take_logprobs():
-                        self._answer_logprobs(logprob_jobs)
-            if self._samples:
-                with self.device_lock.hold(self._tenants(waiting=True)):
-                    if admitted := self._take_admissible():
-                        self._admit(admitted)
-            if self._batch:
-                with self.device_lock.hold(self._tenants()):
-                    self._step()
+            with self.device_lock.hold(self._tenants()) as device:
+                while self._round() and device.keep(self._tenants()):
+                    pass
             if self._retiring:
                 self._retire_unused()
 
-    def _tenants(self, *, waiting: bool = False, logprobs: bool = False) -> dict[str, float]:
-        """Whom the next forward serves, by rows (treadle.gpu_worker.model.device_lock): the running batch's
-        requests, the waiting sample requests (a prefill), or the waiting logprob requests."""
+    def _round(self) -> bool:
+        """One round on the device (a logprob batch, a prefill of admitted requests, a decode step: whichever have
+        work); whether another round has work now."""
+        if logprob_jobs := self._take_logprobs():
+            self._answer_logprobs(logprob_jobs)
+        if admitted := self._take_admissible():
+            self._admit(admitted)
+        if self._batch:
+            self._step()
+        with self._cond:
+            return not self._closed and not self._retiring and bool(self._samples or self._logprobs or self._batch)
+
+    def _tenants(self) -> dict[str, float]:
+        """Whom the next round serves, by rows: the running batch's requests and the waiting ones."""
         tenants: dict[str, float] = {}
         with self._cond:
-            if logprobs:
-                jobs = [(str(j.adapter), 1) for j in self._logprobs]
-            else:
-                pairs = self._samples if waiting else self._running.values()
-                jobs = [(j.tenant or str(j.adapter), j.num_samples) for j, _ in pairs]
-        for tenant, rows in jobs:
-            tenants[tenant] = tenants.get(tenant, 0.0) + rows
+            rows = [(j.tenant or str(j.adapter), j.num_samples) for j, _ in [*self._samples, *self._running.values()]]
+            rows += [(str(j.adapter), 1) for j in self._logprobs]
+        for tenant, count in rows:
+            tenants[tenant] = tenants.get(tenant, 0.0) + count
         return tenants
 
     def _wait_for_work(self) -> bool:
