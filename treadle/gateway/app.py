@@ -34,10 +34,10 @@ from treadle.gateway import (
     openai_api,
     routes_billing,
     routes_checkpoints,
+    routes_lifecycle,
     routes_rest,
     routes_sampling,
-    routes_session,
-    routes_sessions,
+    routes_session_reports,
     routes_training,
 )
 from treadle.gateway.auth import KeyRing
@@ -86,13 +86,13 @@ def create_app(
     app = FastAPI(title="treadle gateway", lifespan=lifespan)
     app.state.keyring = KeyRing(settings.api_keys)
     for module in (
-        routes_session,
+        routes_lifecycle,
         routes_training,
         routes_sampling,
         routes_rest,
         routes_billing,
         routes_checkpoints,
-        routes_sessions,
+        routes_session_reports,
         downloads,
         futures,
     ):

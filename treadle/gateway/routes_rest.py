@@ -2,7 +2,8 @@
 
 A Tinker training run is a treadle run (id = the model id); its checkpoints are the store's manifests,
 served with `tinker://` paths. Changes to checkpoints (TTL, publishing, copies, download URLs) are in
-`routes_checkpoints.py`; usage in `routes_billing.py`; session search and traces in `routes_sessions.py`.
+`routes_checkpoints.py`; usage in `routes_billing.py`; session search, queues and traces in
+`routes_session_reports.py`; creating, heartbeating and finishing sessions in `routes_lifecycle.py`.
 Endpoints treadle has no counterpart for (projects, audit log, identity) are left undefined, so the SDK
 gets a plain 404.
 """

@@ -13,7 +13,7 @@ import numpy as np
 from tinker.types._pydantic_types.tensor_data import TensorData as TinkerTensorData
 
 from treadle.errors import InvalidRequestError
-from treadle.queue.sample_options import MAX_TARGET_IDS
+from treadle.queue.sample_options import target_shape_error
 from treadle.types import TensorData
 
 FIELD = "target_prompt_logprobs"
@@ -23,18 +23,9 @@ def dense_target_ids(target: TinkerTensorData, rows: int) -> tuple[TensorData, d
     """The ids as a dense int64 [rows, K] tensor (-1 where a sparse request lists nothing), and the
     request's CSR layout ({"crow", "col"}) when it was sparse. The shape is checked before anything is
     allocated; ops.SampleRequest checks the ids."""
+    if (problem := target_shape_error(target.dtype, target.shape, rows)) is not None:
+        raise InvalidRequestError(problem)
     shape = target.shape
-    if (
-        target.dtype != "int64"
-        or shape is None
-        or len(shape) != 2
-        or shape[0] != rows
-        or not 1 <= shape[1] <= MAX_TARGET_IDS
-    ):
-        raise InvalidRequestError(
-            f"{FIELD}: {target.dtype} of shape {shape}; must be int64 "
-            f"[len(prompt) - 1 = {rows}, K] with 1 <= K <= {MAX_TARGET_IDS}"
-        )
     if len(target.data) > shape[0] * shape[1]:  # bounded before any per-value work
         raise InvalidRequestError(f"{FIELD}: {len(target.data)} values for shape {shape}")
     # A float, or an int past int64 (numpy would raise a bare OverflowError), is never a token id.

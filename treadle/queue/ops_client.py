@@ -13,7 +13,6 @@ import uuid
 from typing import cast
 
 import redis as redis_lib
-from kombu import exceptions as kombu_errors
 
 from treadle.errors import (
     BrokerUnavailableError,
@@ -29,6 +28,7 @@ from treadle.queue import names
 from treadle.queue.celery_app import RESULT_EXPIRES_S, make_app
 from treadle.queue.connections import connect_redis, ring
 from treadle.queue.journal import Journal
+from treadle.queue.outages import REDIS_ERRORS, REDIS_OUTAGE_TOLERANCE_S, through_outages
 from treadle.queue.ops import CreateSessionRequest, OpRequest, SampleRequest, task_name
 from treadle.queue.results import ResultStore
 from treadle.queue.sessions import SessionRecord, SessionRegistry, inactive_error
@@ -36,8 +36,6 @@ from treadle.queue.workers import ServedModel, WorkerRegistry
 
 # How long a pending op tolerates having no live worker for its model (a restart under a supervisor).
 NO_WORKER_GRACE_S = float(os.environ.get("TREADLE_NO_WORKER_GRACE_S", "120"))
-# How long result polling rides out a Redis outage (restart, failover) before giving up.
-REDIS_OUTAGE_TOLERANCE_S = 120.0
 
 
 # KEYS: the owner's queued sample rows (hash future id -> "rows deadline"), the workers' limits. ARGV: the future
@@ -152,18 +150,13 @@ class OpsClient:
         ring(self.app, session_id, seq, op)
 
     def _retrying(self, fn):
-        """Run a Redis call, riding out an outage (restart, failover) with bounded backoff."""
-        delay, since = 0.1, time.monotonic()
-        while True:
-            try:
-                return fn()
-            except (redis_lib.ConnectionError, redis_lib.TimeoutError, OSError, kombu_errors.OperationalError) as exc:
-                if time.monotonic() - since > REDIS_OUTAGE_TOLERANCE_S:
-                    raise BrokerUnavailableError(
-                        f"Redis at {self.broker_url} unreachable for over {REDIS_OUTAGE_TOLERANCE_S:.0f} s: {exc}"
-                    ) from None
-                time.sleep(delay)
-                delay = min(delay * 2, 5.0)
+        """Run a Redis call, riding out an outage (restart, failover) as treadle.queue.outages does."""
+        try:
+            return through_outages(fn, what=f"publishing to {self.broker_url}")
+        except REDIS_ERRORS as exc:
+            raise BrokerUnavailableError(
+                f"Redis at {self.broker_url} unreachable for over {REDIS_OUTAGE_TOLERANCE_S:.0f} s: {exc}"
+            ) from None
 
     def submit_sample(self, request: SampleRequest) -> str:
         """Publish a sample request to its base model's control queue; the message is its only copy.

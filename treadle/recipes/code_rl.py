@@ -48,14 +48,23 @@ from treadle.recipes.code_tasks import (
 )
 from treadle.recipes.datums import multi_turn_rl_datum
 from treadle.recipes.evaluation import prompt_messages
-from treadle.recipes.loop import RunResult, adam, close_run, end_step, eval_before_training, start_run, steps
-from treadle.recipes.off_policy import ProblemStream, StalePolicy, staleness, staleness_action
+from treadle.recipes.loop import (
+    GroupRLConfig,
+    RunResult,
+    adam,
+    close_run,
+    end_step,
+    eval_before_training,
+    start_run,
+    steps,
+)
+from treadle.recipes.off_policy import ProblemStream, staleness, staleness_action
 from treadle.recipes.rendering import render_continuation, render_generation_prompt, tool_message
-from treadle.recipes.run_log import RunConfig, RunLog
+from treadle.recipes.run_log import RunLog
 from treadle.recipes.sandbox import Limits, LocalSandbox, Sandbox
 
 
-class Config(RunConfig):
+class Config(GroupRLConfig):
     """GRPO on programming problems graded in a sandbox, with an optional check_solution tool turn."""
 
     log_dir: str = Field(
@@ -69,9 +78,6 @@ class Config(RunConfig):
         default=0.25, gt=0.0, lt=1.0, description="Share of problems held out (by a hash of the name)."
     )
     eval_problems: int = Field(default=100, ge=1, description="Most held-out problems evaluated.")
-    system_prompt: str | None = Field(default=None, description="System message (None: the chat template's default).")
-    groups_per_batch: int = Field(default=8, ge=1, description="Problems (groups) per step.")
-    group_size: int = Field(default=8, ge=2, description="Answers sampled per problem.")
     max_turns: int = Field(
         default=1, ge=1, le=2, description="1: answer once; 2: check_solution on the first answer, then answer again."
     )
@@ -84,20 +90,12 @@ class Config(RunConfig):
         ge=2,
         description="Most tokens of a second-turn prompt plus its answer; longer episodes end after the first answer.",
     )
-    temperature: float = Field(default=1.0, gt=0.0, description="Sampling temperature of rollouts.")
     loss_fn: Literal["cispo", "ppo", "importance_sampling"] = Field(default="cispo", description="Policy loss.")
-    normalize_std: bool = Field(default=False, description="Divide group advantages by the group's reward std.")
     no_code_reward: float = Field(default=-0.1, le=0.0, description="Reward of an answer without a code block.")
     init_state: str | None = Field(
         default=None, description="Start from this save_state checkpoint's weights (e.g. after SFT)."
     )
-    save_every: int = Field(default=5, ge=1, description="save_state every N steps (and at the end).")
-    mode: Literal["sync", "async"] = Field(
-        default="sync", description="On-policy steps, or rollouts kept running while training."
-    )
     num_rollout_workers: int = Field(default=8, ge=1, description="Episodes (groups) being sampled and graded at once.")
-    max_steps_off_policy: int = Field(default=1, ge=0, description="Async: staleness limit of a group, in steps.")
-    stale_policy: StalePolicy = Field(default="requeue", description="Async: what happens to a staler group.")
     sandbox_workers: int = Field(default=4, ge=1, le=64, description="Sandboxed programs running at once.")
     sandbox_cpu_seconds: int = Field(default=2, ge=1, le=600, description="CPU-time limit of one test run.")
     sandbox_wall_seconds: float = Field(default=5.0, gt=0.0, le=600.0, description="Wall-time limit of one test run.")
@@ -114,8 +112,10 @@ class Attempt:
     tool_report: str | None = None
 
 
-@dataclass
+@dataclass(frozen=True)
 class CodeGroup:
+    """The episodes of one problem (a group), and the policy version that sampled them: a record, never changed."""
+
     problem_index: int
     problem: CodeProblem
     attempts: list[Attempt]
@@ -278,7 +278,7 @@ def main(cfg: Config, service: ServiceClient | None = None, sandbox: Sandbox | N
     sampler, version = training.save_weights_and_get_sampling_client(), run.step - 1
     workers = ThreadPoolExecutor(max_workers=cfg.num_rollout_workers, thread_name_prefix="rollout")
     in_flight: deque = deque()  # (problem index, policy version, future of a CodeGroup), oldest first
-    before = eval_before_training(run, log, partial(evaluate, sampler, tokenizer, sandbox, heldout, cfg, log))
+    before = eval_before_training(run, partial(evaluate, sampler, tokenizer, sandbox, heldout, cfg, log))
     last_eval = before["eval/pass_rate"] if before else None  # shown beside the reward once an eval has run
     for step in (progress := steps(run, cfg.steps, "code RL")):
         step_started = time.monotonic()
@@ -359,10 +359,8 @@ def main(cfg: Config, service: ServiceClient | None = None, sandbox: Sandbox | N
         # ------------------------------------------------------------ eval and checkpoint, with the loop position
         end_step(
             run,
-            log,
             step,
             metrics,
-            cfg,
             partial(evaluate, sampler, tokenizer, sandbox, heldout, cfg, log),
             position=stream.position([g[0] for g in in_flight]),
             started=step_started,
@@ -374,11 +372,7 @@ def main(cfg: Config, service: ServiceClient | None = None, sandbox: Sandbox | N
     workers.shutdown(wait=False, cancel_futures=True)
     # -------------------------------------------------------------------- curve and summary
     return close_run(
-        run,
-        log,
-        ["reward/mean", "accuracy/train", "eval/pass_rate"],
-        f"code RL, {cfg.max_turns} turn(s) ({cfg.base_model})",
-        "eval/pass_rate",
+        run, f"code RL, {cfg.max_turns} turn(s)", ["reward/mean", "accuracy/train", "eval/pass_rate"], "eval/pass_rate"
     )
 
 

@@ -165,18 +165,10 @@ def main(cfg: Config, service: ServiceClient | None = None) -> RunResult:
             )
         }
         if problems and cfg.arithmetic_eval:
-            metrics["eval/accuracy"] = evaluate_problems(
-                student,
-                tokenizer,
-                problems,
-                system_prompt=cfg.system_prompt,
-                max_tokens=cfg.max_tokens,
-                stop=cfg.stop,
-                desc=f"eval @ step {step}",
-            ).accuracy
+            metrics["eval/accuracy"] = evaluate_problems(student, tokenizer, problems, cfg, step).accuracy
         return metrics
 
-    eval_before_training(run, log, evaluate)
+    eval_before_training(run, evaluate)
 
     # ---------------------------------------------------------------- training loop
     for step in (progress := steps(run, cfg.steps, "distill")):
@@ -209,15 +201,14 @@ def main(cfg: Config, service: ServiceClient | None = None) -> RunResult:
             "time/sample_and_score": sampled - started,
             "time/step": time.monotonic() - started,
         }
-        end_step(run, log, step, metrics, cfg, evaluate)
+        end_step(run, step, metrics, evaluate)
         progress.set_postfix(kl=f"{metrics['kl/student_teacher']:.3f}")
 
     # ---------------------------------------------------------------- curve and summary
     return finish_run(
-        log,
-        run.state_path,
+        run,
+        "distillation",
         ["kl/student_teacher", "eval/kl_student_teacher", "eval/accuracy"],
-        f"distillation ({cfg.base_model})",
         "eval/kl_student_teacher",
     )
 

@@ -22,27 +22,16 @@ from pydantic import Field
 
 from treadle import ServiceClient
 from treadle.recipes.cli import parse_config
-from treadle.recipes.loop import adam, batch_indices, end_step, eval_before_training, start_run, steps
-from treadle.recipes.preference import (
-    PreferenceConfig,
-    RunResult,
-    finish_run,
-    heldout_evaluator,
-    reference_scorer,
-    render_pairs,
-)
+from treadle.recipes.loop import batch_indices, end_step, eval_before_training, steps
+from treadle.recipes.preference import PreferenceConfig, RunResult, render_pairs, start_preference_run
 from treadle.recipes.preference_data import arithmetic_pairs, load_pairs
-from treadle.recipes.preference_losses import dpo_on_pairs, forward_backward_with_loss
-from treadle.recipes.run_log import RunLog
+from treadle.recipes.preference_losses import dpo_on_pairs
 
 
 class Config(PreferenceConfig):
     """DPO from preference pairs, the loss on the client, through the treadle SDK."""
 
     log_dir: str = Field(default="runs/dpo", description="Where metrics.jsonl, checkpoints.jsonl and the PNG go.")
-    data_path: str | None = Field(
-        default=None, description="JSONL of {prompt, chosen, rejected}; None: arithmetic pairs."
-    )
     pairs: int = Field(default=256, ge=1, description="Arithmetic: training pairs to generate.")
     batch_size: int = Field(default=16, ge=1, description="Pairs per step.")
     label_smoothing: float = Field(
@@ -51,10 +40,8 @@ class Config(PreferenceConfig):
 
 
 def main(cfg: Config, service: ServiceClient | None = None) -> RunResult:
-    service = service or ServiceClient()
-    log = RunLog.for_config(cfg)
-    run = start_run(service, log, cfg)  # a fresh session, or the last checkpoint's
-    tokenizer = run.training.get_tokenizer()
+    start = start_preference_run(service or ServiceClient(), cfg)  # a fresh session, or the last checkpoint's
+    run, evaluate = start.run, start.evaluate
 
     # ---------------------------------------------------------------- data, and reference logprobs once per completion
     train = (
@@ -62,10 +49,8 @@ def main(cfg: Config, service: ServiceClient | None = None) -> RunResult:
         if cfg.data_path
         else arithmetic_pairs(cfg.pairs, cfg.seed, max_operand=cfg.max_operand)
     )
-    reference = reference_scorer(service, cfg.base_model, cfg.reference)
-    pairs = render_pairs(tokenizer, reference, train, cfg.system_prompt)
-    evaluate = heldout_evaluator(run.training, tokenizer, log, reference, cfg)
-    eval_before_training(run, log, evaluate)
+    pairs = render_pairs(start.tokenizer, start.reference, train, cfg.system_prompt)
+    eval_before_training(run, evaluate)
 
     # ---------------------------------------------------------------- training loop
     for step in (progress := steps(run, cfg.steps, "DPO")):
@@ -73,20 +58,12 @@ def main(cfg: Config, service: ServiceClient | None = None) -> RunResult:
         indices = batch_indices(step, cfg.batch_size, len(train), cfg.seed)
         batch = [pairs.chosen[i] for i in indices] + [pairs.rejected[i] for i in indices]
         loss_fn = dpo_on_pairs(pairs.ref_chosen[indices], pairs.ref_rejected[indices], cfg.beta, cfg.label_smoothing)
-        fwd_bwd, result = forward_backward_with_loss(run.training, batch, loss_fn)
-        optim = run.training.optim_step(adam(cfg))
-        fwd_bwd.result(), optim.result()
-        end_step(run, log, step, {**result.metrics, "time/step": time.monotonic() - started}, cfg, evaluate)
+        result = start.train_on_loss(batch, loss_fn)
+        end_step(run, step, {**result.metrics, "time/step": time.monotonic() - started}, evaluate)
         progress.set_postfix(loss=f"{result.loss:.3f}", acc=f"{result.metrics['dpo/accuracy']:.2f}")
 
     # ---------------------------------------------------------------- curve and summary
-    return finish_run(
-        log,
-        run.state_path,
-        ["dpo/loss", "dpo/accuracy", "eval/reward_accuracy", "eval/accuracy"],
-        f"DPO ({cfg.base_model})",
-        "eval/reward_accuracy",
-    )
+    return start.finish("DPO", ["dpo/loss", "dpo/accuracy", "eval/reward_accuracy", "eval/accuracy"])
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ into one decode loop instead of answering one round trip at a time.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Protocol, Sequence
 
 from tqdm import tqdm
 
@@ -27,22 +27,27 @@ def prompt_messages(question: str, system_prompt: str | None) -> list[dict[str, 
     return [*system, {"role": "user", "content": question}]
 
 
+class AnswerConfig(Protocol):
+    """The fields of a recipe's config that say how a question is asked and answered."""
+
+    system_prompt: str | None
+    max_tokens: int
+    stop: list[str]
+
+
 def evaluate_problems(
     sampler: Any,
     tokenizer: Any,
     problems: Sequence[Problem],
-    *,
-    system_prompt: str | None,
-    max_tokens: int,
-    stop: list[str],
+    cfg: AnswerConfig,
+    step: int,
     first_line_only: bool = True,
-    desc: str = "eval",
 ) -> EvalResult:
-    """Greedy (`top_k=1`) accuracy of `sampler` on `problems`."""
-    params = SamplingParams(max_tokens=max_tokens, temperature=1.0, top_k=1, stop=stop, seed=0)
+    """Greedy (`top_k=1`) accuracy of `sampler` (the policy after `step`) on `problems`, asked as `cfg` says."""
+    params = SamplingParams(max_tokens=cfg.max_tokens, temperature=1.0, top_k=1, stop=cfg.stop, seed=0)
     futures = [
         sampler.sample(
-            ModelInput.from_ints(render_generation_prompt(tokenizer, prompt_messages(p.question, system_prompt))),
+            ModelInput.from_ints(render_generation_prompt(tokenizer, prompt_messages(p.question, cfg.system_prompt))),
             num_samples=1,
             sampling_params=params,
         )
@@ -50,7 +55,7 @@ def evaluate_problems(
     ]
     responses, correct = [], 0.0
     # No bar in a log file (disable=None: only on a terminal), where nested bars come out garbled.
-    for problem, future in tqdm(list(zip(problems, futures)), desc=desc, leave=False, disable=None):
+    for problem, future in tqdm(list(zip(problems, futures)), desc=f"eval @ step {step}", leave=False, disable=None):
         text = tokenizer.decode(future.result().sequences[0].tokens, skip_special_tokens=True)
         responses.append(text)
         correct += grade(text, problem.answer, first_line_only)

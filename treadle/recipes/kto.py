@@ -25,27 +25,16 @@ from pydantic import Field
 
 from treadle import ServiceClient
 from treadle.recipes.cli import parse_config
-from treadle.recipes.loop import adam, batch_indices, end_step, eval_before_training, start_run, steps
-from treadle.recipes.preference import (
-    PreferenceConfig,
-    RunResult,
-    completion_datum,
-    finish_run,
-    heldout_evaluator,
-    reference_scorer,
-)
+from treadle.recipes.loop import batch_indices, end_step, eval_before_training, steps
+from treadle.recipes.preference import PreferenceConfig, RunResult, completion_datum, start_preference_run
 from treadle.recipes.preference_data import arithmetic_kto_examples, load_kto_examples
-from treadle.recipes.preference_losses import forward_backward_with_loss, kto_on_batch
-from treadle.recipes.run_log import RunLog
+from treadle.recipes.preference_losses import kto_on_batch
 
 
 class Config(PreferenceConfig):
     """KTO from desirable / undesirable labels, the loss on the client, through the treadle SDK."""
 
     log_dir: str = Field(default="runs/kto", description="Where metrics.jsonl, checkpoints.jsonl and the PNG go.")
-    data_path: str | None = Field(
-        default=None, description="JSONL of {prompt, completion, label}; None: arithmetic examples."
-    )
     examples: int = Field(default=256, ge=2, description="Arithmetic: labelled examples to generate.")
     desirable_fraction: float = Field(
         default=0.5, gt=0.0, lt=1.0, description="Arithmetic: share of right (desirable) examples."
@@ -56,10 +45,8 @@ class Config(PreferenceConfig):
 
 
 def main(cfg: Config, service: ServiceClient | None = None) -> RunResult:
-    service = service or ServiceClient()
-    log = RunLog.for_config(cfg)
-    run = start_run(service, log, cfg)  # a fresh session, or the last checkpoint's
-    tokenizer = run.training.get_tokenizer()
+    start = start_preference_run(service or ServiceClient(), cfg)  # a fresh session, or the last checkpoint's
+    run, tokenizer, evaluate = start.run, start.tokenizer, start.evaluate
 
     # ---------------------------------------------------------------- data, and reference logprobs once per completion
     examples = (
@@ -67,7 +54,6 @@ def main(cfg: Config, service: ServiceClient | None = None) -> RunResult:
         if cfg.data_path
         else arithmetic_kto_examples(cfg.examples, cfg.seed, cfg.desirable_fraction, cfg.max_operand)
     )
-    reference = reference_scorer(service, cfg.base_model, cfg.reference)
     datums = [completion_datum(tokenizer, e.prompt, e.completion, cfg.system_prompt) for e in examples]
     # Each prompt's mismatched completion is another example's, fixed once (a seeded derangement), so
     # its reference logprob too is computed once; the batch's z0 averages its examples' pairs.
@@ -78,11 +64,10 @@ def main(cfg: Config, service: ServiceClient | None = None) -> RunResult:
         completion_datum(tokenizer, e.prompt, examples[partner[i]].completion, cfg.system_prompt)
         for i, e in enumerate(examples)
     ]
-    ref = reference([*datums, *mismatched])
+    ref = start.reference([*datums, *mismatched])
     ref, ref_mismatched = ref[: len(datums)], ref[len(datums) :]
     desirable = np.array([e.label for e in examples])
-    evaluate = heldout_evaluator(run.training, tokenizer, log, reference, cfg)
-    eval_before_training(run, log, evaluate)
+    eval_before_training(run, evaluate)
 
     # ---------------------------------------------------------------- training loop
     for step in (progress := steps(run, cfg.steps, "KTO")):
@@ -97,25 +82,17 @@ def main(cfg: Config, service: ServiceClient | None = None) -> RunResult:
             cfg.undesirable_weight,
         )
         batch = [datums[i] for i in indices] + [mismatched[i] for i in indices]
-        fwd_bwd, result = forward_backward_with_loss(run.training, batch, loss_fn, n_trained=len(indices))
-        optim = run.training.optim_step(adam(cfg))
-        fwd_bwd.result(), optim.result()
+        result = start.train_on_loss(batch, loss_fn, n_trained=len(indices))
         metrics = {
             **result.metrics,
             "desirable_share": float(desirable[indices].mean()),
             "time/step": time.monotonic() - started,
         }
-        end_step(run, log, step, metrics, cfg, evaluate)
+        end_step(run, step, metrics, evaluate)
         progress.set_postfix(loss=f"{result.loss:.3f}", kl=f"{result.metrics['kto/kl']:.3f}")
 
     # ---------------------------------------------------------------- curve and summary
-    return finish_run(
-        log,
-        run.state_path,
-        ["kto/loss", "kto/kl", "eval/reward_accuracy", "eval/accuracy"],
-        f"KTO ({cfg.base_model})",
-        "eval/reward_accuracy",
-    )
+    return start.finish("KTO", ["kto/loss", "kto/kl", "eval/reward_accuracy", "eval/accuracy"])
 
 
 if __name__ == "__main__":

@@ -4,10 +4,11 @@ A recipe reads top to bottom as:
 
     run = start_run(service, log, cfg)          # a fresh session, or the last checkpoint's
     ...data, the held-out eval...
-    eval_before_training(run, log, evaluate)    # step 0's row
+    eval_before_training(run, evaluate)         # step 0's row
     for step in steps(run, cfg.steps, "GRPO"):
         ...the recipe's own step: sample, grade, forward_backward, optim_step...
-        end_step(run, log, step, metrics, cfg, evaluate, position=...)
+        end_step(run, step, metrics, evaluate, position=...)
+    return close_run(run, "GRPO", curve, eval_key)
 
 `end_step` runs the held-out eval when it is due, and writes the step's metrics row, with a checkpoint
 when one is due, in the one order that a kill at any moment cannot corrupt (see its docstring).
@@ -18,13 +19,15 @@ from __future__ import annotations
 import random
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Literal, Protocol
 
+from pydantic import Field
 from tqdm import tqdm
 
 from treadle import AdamParams
+from treadle.recipes.off_policy import StalePolicy
 from treadle.recipes.plot import plot_metrics
-from treadle.recipes.run_log import RunLog
+from treadle.recipes.run_log import RunConfig, RunLog
 
 
 class LoopConfig(Protocol):
@@ -40,12 +43,32 @@ class LoopConfig(Protocol):
     learning_rate: float
 
 
+class GroupRLConfig(RunConfig):
+    """The fields the GRPO recipes share (math_rl, code_rl): groups of samples per problem, the prompt and its
+    sampling, and the async mode's staleness rules. Each recipe adds its task and its policy loss."""
+
+    system_prompt: str | None = Field(default=None, description="System message (None: the chat template's default).")
+    groups_per_batch: int = Field(default=8, ge=1, description="Problems (groups) per step.")
+    group_size: int = Field(default=8, ge=2, description="Completions sampled per problem (K).")
+    max_tokens: int = Field(default=16, ge=1, description="Most tokens per completion.")
+    temperature: float = Field(default=1.0, gt=0.0, description="Sampling temperature of rollouts.")
+    normalize_std: bool = Field(default=False, description="Divide group advantages by the group's reward std.")
+    save_every: int = Field(default=5, ge=1, description="save_state every N steps (and at the end).")
+    mode: Literal["sync", "async"] = Field(
+        default="sync", description="On-policy steps, or rollouts kept in flight while training (off-policy)."
+    )
+    max_steps_off_policy: int = Field(default=1, ge=0, description="Async: staleness limit of a group, in steps.")
+    stale_policy: StalePolicy = Field(default="requeue", description="Async: what happens to a staler group.")
+
+
 @dataclass
 class Run:
-    """A run's training client, the first step it runs, and its last checkpoint (resumed from, or saved by
-    `end_step`), with the loop position saved beside it (e.g. a data cursor)."""
+    """A run's training client, its log and config, the first step it runs, and its last checkpoint (resumed
+    from, or saved by `end_step`), with the loop position saved beside it (e.g. a data cursor)."""
 
     training: Any
+    log: RunLog
+    cfg: LoopConfig
     step: int
     state_path: str = ""
     position: dict[str, Any] = field(default_factory=dict)
@@ -64,19 +87,19 @@ def start_run(service: Any, log: RunLog, cfg: LoopConfig, init_state: str | None
                 cfg.base_model, rank=cfg.lora_rank, alpha=2 * cfg.lora_rank, seed=cfg.seed
             )
         )
-        return Run(training, 1)
+        return Run(training, log, cfg, 1)
     log.rewind_to(last.step)
     print(f"resuming from {last.state_path} after step {last.step}")
     training = service.create_training_client_from_state_with_optimizer(last.state_path)
-    return Run(training, last.step + 1, last.state_path, last.extra)
+    return Run(training, log, cfg, last.step + 1, last.state_path, last.extra)
 
 
-def eval_before_training(run: Run, log: RunLog, evaluate: Callable[[int], dict[str, float]]) -> dict[str, float] | None:
+def eval_before_training(run: Run, evaluate: Callable[[int], dict[str, float]]) -> dict[str, float] | None:
     """A fresh run's held-out eval before any training, logged as step 0 (a resumed run has its row already)."""
     if run.step > 1:
         return None
     metrics = evaluate(0)
-    log.log_metrics(0, metrics)
+    run.log.log_metrics(0, metrics)
     return metrics
 
 
@@ -103,10 +126,8 @@ def adam(cfg: LoopConfig) -> AdamParams:
 
 def end_step(
     run: Run,
-    log: RunLog,
     step: int,
     metrics: dict[str, float],
-    cfg: LoopConfig,
     evaluate: Callable[[int], dict[str, float]],
     *,
     position: dict[str, Any] | None = None,
@@ -119,6 +140,7 @@ def end_step(
     A checkpoint's save_state comes first, then the step's row, then the resume point: a kill between the
     row and the resume point resumes from the previous checkpoint (the row is dropped, the step runs again),
     where the other order would resume past a row never written."""
+    cfg, log = run.cfg, run.log
     if is_due(step, cfg.eval_every, cfg.steps):
         metrics.update(evaluate(step))
     saving = is_due(step, cfg.save_every, cfg.steps)
@@ -149,8 +171,11 @@ class RunResult:
     png_path: str
 
 
-def close_run(run: Run, log: RunLog, curve: list[str], title: str, eval_key: str) -> RunResult:
-    """Plot `curve`, close the log (and its MLflow run), and sum the run up by `eval_key` in its eval rows."""
+def close_run(run: Run, name: str, curve: list[str], eval_key: str) -> RunResult:
+    """Plot `curve` (titled `name` and the base model), close the log (and its MLflow run), and sum the run up
+    by `eval_key` in its eval rows."""
+    log = run.log
+    title = f"{name} ({run.cfg.base_model})"
     png_path = plot_metrics(log.metrics_path, f"{log.log_dir}/curve.png", curve, title=title)
     log.close()
     evals = [row[eval_key] for row in log.metrics() if eval_key in row]

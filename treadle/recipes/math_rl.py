@@ -32,14 +32,14 @@ from treadle.recipes.advantages import group_advantages, is_informative, kl_pena
 from treadle.recipes.cli import parse_config
 from treadle.recipes.datums import rl_datum
 from treadle.recipes.evaluation import evaluate_problems, prompt_messages
-from treadle.recipes.loop import adam, close_run, end_step, eval_before_training, start_run, steps
+from treadle.recipes.loop import GroupRLConfig, adam, close_run, end_step, eval_before_training, start_run, steps
 from treadle.recipes.math_tasks import Problem, arithmetic_heldout, arithmetic_problem_at, load_gsm8k, reward
-from treadle.recipes.off_policy import Group, ProblemStream, SampledCompletion, StalePolicy, staleness, staleness_action
+from treadle.recipes.off_policy import Group, ProblemStream, SampledCompletion, staleness, staleness_action
 from treadle.recipes.rendering import render_generation_prompt
-from treadle.recipes.run_log import RunConfig, RunLog
+from treadle.recipes.run_log import RunLog
 
 
-class Config(RunConfig):
+class Config(GroupRLConfig):
     """GRPO on arithmetic word problems or GSM8K, through the treadle SDK."""
 
     log_dir: str = Field(default="runs/math_rl", description="Where metrics.jsonl, checkpoints.jsonl and the PNG go.")
@@ -49,17 +49,11 @@ class Config(RunConfig):
         default=None, description="GSM8K train JSONL (question/answer); None: HF datasets."
     )
     gsm8k_eval_path: str | None = Field(default=None, description="GSM8K test JSONL; None: HF datasets.")
-    system_prompt: str | None = Field(default=None, description="System message (None: the chat template's default).")
-    groups_per_batch: int = Field(default=8, ge=1, description="Problems (groups) per step.")
-    group_size: int = Field(default=8, ge=2, description="Completions sampled per problem (K).")
-    max_tokens: int = Field(default=16, ge=1, description="Most tokens per completion.")
-    temperature: float = Field(default=1.0, gt=0.0, description="Sampling temperature of rollouts.")
     stop: list[str] = Field(default_factory=lambda: ["\n"], description="Stop strings of rollouts and eval.")
     learning_rate: float = Field(default=3e-4, gt=0.0, description="AdamW learning rate.")
     loss_fn: Literal["importance_sampling", "ppo", "cispo"] = Field(
         default="importance_sampling", description="Policy loss."
     )
-    normalize_std: bool = Field(default=False, description="Divide group advantages by the group's reward std.")
     format_reward: float = Field(
         default=0.0, ge=0.0, lt=1.0, description="Reward of a wrong answer that is still an integer."
     )
@@ -67,13 +61,7 @@ class Config(RunConfig):
         default=0.0, ge=0.0, description="Subtract coef * KL(policy || base) from each reward."
     )
     eval_problems: int = Field(default=50, ge=1, description="Size of the fixed held-out set.")
-    save_every: int = Field(default=5, ge=1, description="save_state every N steps (and at the end).")
-    mode: Literal["sync", "async"] = Field(
-        default="sync", description="On-policy steps, or off-policy with rollouts in flight."
-    )
     async_groups_in_flight: int = Field(default=16, ge=1, description="Async: groups being sampled at any time.")
-    max_steps_off_policy: int = Field(default=1, ge=0, description="Async: staleness limit of a group, in steps.")
-    stale_policy: StalePolicy = Field(default="requeue", description="Async: what happens to a staler group.")
 
 
 @dataclass
@@ -138,16 +126,7 @@ def evaluate(
 ) -> dict[str, float]:
     """Greedy held-out accuracy of the snapshot `sampler`; each answer goes to eval_samples.jsonl."""
     started = time.monotonic()
-    result = evaluate_problems(
-        sampler,
-        tokenizer,
-        heldout,
-        system_prompt=cfg.system_prompt,
-        max_tokens=cfg.max_tokens,
-        stop=cfg.stop,
-        first_line_only=first_line_only(cfg),
-        desc=f"eval @ step {step}",
-    )
+    result = evaluate_problems(sampler, tokenizer, heldout, cfg, step, first_line_only(cfg))
     for problem, response in zip(heldout, result.responses):
         log.append(
             "eval_samples.jsonl", step, {"question": problem.question, "answer": problem.answer, "response": response}
@@ -296,7 +275,7 @@ def main(cfg: Config, service: ServiceClient | None = None) -> RunResult:
     training, tokenizer = run.training, run.training.get_tokenizer()
     reference = service.create_sampling_client(base_model=cfg.base_model) if cfg.kl_penalty_coef > 0 else None
     rollouts = Rollouts(training.save_weights_and_get_sampling_client(), run.step - 1, ProblemStream.at(run.position))
-    before = eval_before_training(run, log, partial(evaluate, rollouts.sampler, tokenizer, heldout, cfg, log))
+    before = eval_before_training(run, partial(evaluate, rollouts.sampler, tokenizer, heldout, cfg, log))
     eval_seconds = [before["time/eval"]] if before else []
     last_eval = before["eval/accuracy"] if before else None  # shown beside the reward once an eval has run
 
@@ -321,10 +300,8 @@ def main(cfg: Config, service: ServiceClient | None = None) -> RunResult:
         # ------------------------------------------------------------ eval and checkpoint, with the stream's position
         end_step(
             run,
-            log,
             step,
             metrics,
-            cfg,
             partial(evaluate, rollouts.sampler, tokenizer, heldout, cfg, log),
             position=rollouts.stream.position([g.index for g in rollouts.in_flight]),
             started=step_started,
@@ -337,9 +314,7 @@ def main(cfg: Config, service: ServiceClient | None = None) -> RunResult:
         )
 
     # -------------------------------------------------------------------- curve and summary
-    result = close_run(
-        run, log, ["reward/mean", "eval/accuracy"], f"GRPO on {cfg.task} ({cfg.base_model})", "eval/accuracy"
-    )
+    result = close_run(run, f"GRPO on {cfg.task}", ["reward/mean", "eval/accuracy"], "eval/accuracy")
     return RunResult(**asdict(result), eval_seconds=eval_seconds)
 
 

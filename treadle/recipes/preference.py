@@ -22,9 +22,15 @@ from pydantic import Field
 from treadle.recipes.datums import supervised_datum
 from treadle.recipes.evaluation import evaluate_problems, prompt_messages
 from treadle.recipes.math_tasks import Problem, arithmetic_heldout
-from treadle.recipes.plot import plot_metrics
+from treadle.recipes.loop import Run, adam, close_run, start_run
 from treadle.recipes.preference_data import PreferencePair, arithmetic_pairs, load_pairs
-from treadle.recipes.preference_losses import dpo_loss, sequence_logprobs
+from treadle.recipes.preference_losses import (
+    PreferenceLoss,
+    SequenceLoss,
+    dpo_loss,
+    forward_backward_with_loss,
+    sequence_logprobs,
+)
 from treadle.recipes.rendering import render_conversation
 from treadle.recipes.run_log import RunConfig, RunLog
 from treadle.types import Datum
@@ -40,6 +46,10 @@ class PreferenceConfig(RunConfig):
         default="SmolLM2-135M-Instruct", description="Base model served by the workers (also the reference)."
     )
     system_prompt: str | None = Field(default=None, description="System message (None: the chat template's default).")
+    data_path: str | None = Field(
+        default=None,
+        description="Training JSONL: DPO {prompt, chosen, rejected}, KTO {prompt, completion, label}; None: arithmetic.",
+    )
     reference: ReferenceSource = Field(
         default="sampler",
         description="Reference logprobs: the base model's sampler, or a fresh adapter's batched forward.",
@@ -153,26 +163,16 @@ def heldout_metrics(
     log: RunLog,
     step: int,
     heldout: RenderedPairs,
-    beta: float,
     problems: Sequence[Problem],
-    *,
-    system_prompt: str | None,
-    max_tokens: int,
-    stop: list[str],
+    cfg: PreferenceConfig,
 ) -> dict[str, float]:
     """`pair_metrics`, plus greedy accuracy on `problems` (if any) from a named sampler snapshot of this step."""
-    metrics = pair_metrics(training, heldout, beta)
+    metrics = pair_metrics(training, heldout, cfg.beta)
     if problems:
         path = training.save_weights_for_sampler(f"step-{step:06d}").result().path
         log.record_sampler(path, step)
         metrics["eval/accuracy"] = evaluate_problems(
-            training.create_sampling_client(path),
-            tokenizer,
-            problems,
-            system_prompt=system_prompt,
-            max_tokens=max_tokens,
-            stop=stop,
-            desc=f"eval @ step {step}",
+            training.create_sampling_client(path), tokenizer, problems, cfg, step
         ).accuracy
     return metrics
 
@@ -194,12 +194,43 @@ def heldout_evaluator(
         tokenizer,
         log,
         heldout=render_pairs(tokenizer, reference, heldout, cfg.system_prompt),
-        beta=cfg.beta,
         problems=problems,
-        system_prompt=cfg.system_prompt,
-        max_tokens=cfg.max_tokens,
-        stop=cfg.stop,
+        cfg=cfg,
     )
+
+
+@dataclass
+class PreferenceRun:
+    """What a DPO or KTO run starts from: the run (fresh or resumed), its tokenizer, the frozen reference's
+    scorer, and the held-out eval (`heldout_evaluator`)."""
+
+    run: Run
+    tokenizer: Any
+    reference: ReferenceScorer
+    evaluate: Callable[[int], dict[str, float]]
+
+    def train_on_loss(
+        self, batch: Sequence[Datum], loss_fn: SequenceLoss, n_trained: int | None = None
+    ) -> PreferenceLoss:
+        """One optimizer step on a loss computed here: the policy's `forward`, the loss's exact gradient sent
+        back as a `forward_backward` (`forward_backward_with_loss`), then `optim_step`; returns once both are done."""
+        fwd_bwd, result = forward_backward_with_loss(self.run.training, batch, loss_fn, n_trained)
+        optim = self.run.training.optim_step(adam(self.run.cfg))
+        fwd_bwd.result(), optim.result()
+        return result
+
+    def finish(self, name: str, curve: list[str]) -> RunResult:
+        """The curve and the summary (`finish_run`), by the held-out implicit-reward accuracy's eval rows."""
+        return finish_run(self.run, name, curve, "eval/reward_accuracy")
+
+
+def start_preference_run(service: Any, cfg: PreferenceConfig) -> PreferenceRun:
+    """The run's session (a fresh one, or the last checkpoint's with `cfg.resume`), the reference and the eval."""
+    log = RunLog.for_config(cfg)
+    run = start_run(service, log, cfg)
+    tokenizer = run.training.get_tokenizer()
+    reference = reference_scorer(service, cfg.base_model, cfg.reference)
+    return PreferenceRun(run, tokenizer, reference, heldout_evaluator(run.training, tokenizer, log, reference, cfg))
 
 
 def eval_part(row: dict) -> dict[str, float]:
@@ -224,9 +255,8 @@ class RunResult:
         )
 
 
-def finish_run(log: RunLog, final_state_path: str, curve: list[str], title: str, eval_key: str) -> RunResult:
-    """Plot `curve`, close the log (and its MLflow run), and sum the run up from its eval rows (those with `eval_key`)."""
-    png_path = plot_metrics(log.metrics_path, f"{log.log_dir}/curve.png", curve, title=title)
-    log.close()
-    evals = [row for row in log.metrics() if eval_key in row]
-    return RunResult(eval_part(evals[0]), eval_part(evals[-1]), final_state_path, log.metrics_path, png_path)
+def finish_run(run: Run, name: str, curve: list[str], eval_key: str) -> RunResult:
+    """`loop.close_run` with every held-out metric of the first and last eval rows (those with `eval_key`)."""
+    summary = close_run(run, name, curve, eval_key)
+    evals = [eval_part(row) for row in run.log.metrics() if eval_key in row]
+    return RunResult(evals[0], evals[-1], summary.final_state_path, summary.metrics_path, summary.png_path)

@@ -24,9 +24,8 @@ from treadle import ServiceClient
 from treadle.recipes.cli import parse_config
 from treadle.recipes.conversations import EXAMPLE_CONVERSATIONS, load_conversations, load_hf_conversations
 from treadle.recipes.datums import supervised_datum
-from treadle.recipes.loop import adam, batch_indices, eval_before_training, is_due, start_run, steps
+from treadle.recipes.loop import adam, batch_indices, close_run, eval_before_training, is_due, start_run, steps
 from treadle.recipes.packing import pack_conversations
-from treadle.recipes.plot import plot_metrics
 from treadle.recipes.rendering import RenderedConversation, render_conversation
 from treadle.recipes.run_log import RunConfig, RunLog
 
@@ -111,9 +110,7 @@ def main(cfg: Config, service: ServiceClient | None = None) -> RunResult:
         """Mean loss per trained token of the held-out split."""
         return future.result().metrics["loss:sum"] / eval_weight
 
-    eval_before_training(
-        run, log, lambda step: {"eval/loss": eval_loss(training.forward(eval_datums, "cross_entropy"))}
-    )
+    eval_before_training(run, lambda step: {"eval/loss": eval_loss(training.forward(eval_datums, "cross_entropy"))})
 
     # ---------------------------------------------------------------- pipelined loop
     def submit(step: int) -> Submitted:
@@ -156,12 +153,10 @@ def main(cfg: Config, service: ServiceClient | None = None) -> RunResult:
         finish(in_flight.popleft())
 
     # ---------------------------------------------------------------- curve and summary
-    png_path = plot_metrics(
-        log.metrics_path, f"{log.log_dir}/curve.png", ["train/loss", "eval/loss"], title=f"SFT ({cfg.base_model})"
+    summary = close_run(run, "SFT", ["train/loss", "eval/loss"], "eval/loss")
+    return RunResult(
+        summary.eval_before, summary.eval_after, summary.final_state_path, summary.metrics_path, summary.png_path
     )
-    log.close()
-    evals = [row["eval/loss"] for row in log.metrics() if "eval/loss" in row]
-    return RunResult(evals[0], evals[-1], run.state_path, log.metrics_path, png_path)
 
 
 if __name__ == "__main__":

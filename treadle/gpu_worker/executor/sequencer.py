@@ -31,9 +31,7 @@ import logging
 import time
 from typing import Callable
 
-import redis as redis_lib
 from celery import Celery
-from kombu import exceptions as kombu_errors
 
 from treadle.errors import ServerError, TreadleError
 from treadle.gpu_worker.executor import turns
@@ -48,6 +46,7 @@ from treadle.queue import names
 from treadle.queue.journal import Journal, JournalEntry
 from treadle.queue.ops import OpRequest, StopRequest, encode_result
 from treadle.queue.connections import ring
+from treadle.queue.outages import through_outages
 from treadle.queue.results import ResultStore
 from treadle.queue.sessions import inactive_error
 
@@ -335,19 +334,9 @@ class Sequencer:
         self._ring_on(session_id, seq)  # a fresh doorbell reaches whoever owns (or will own) it
 
 
-REDIS_OUTAGE_TOLERANCE_S = 300.0
 READ_AHEAD_OPS = 8  # ops a pass runs past the doorbells it has seen before its Celery task looks at its shutdown
 
 
-def _through_outages(write) -> None:
-    """Run a Redis write, retrying through a Redis restart (bounded backoff, then give up loudly)."""
-    delay, since = 0.1, time.monotonic()
-    while True:
-        try:
-            return write()
-        except (redis_lib.ConnectionError, redis_lib.TimeoutError, OSError, kombu_errors.OperationalError):
-            if time.monotonic() - since > REDIS_OUTAGE_TOLERANCE_S:
-                raise
-            log.warning("Redis unavailable while storing a result; retrying in %.1f s", delay)
-            time.sleep(delay)
-            delay = min(delay * 2, 5.0)
+def _through_outages(write):
+    """Run a Redis write, retrying through a Redis restart (treadle.queue.outages), then give up loudly."""
+    return through_outages(write, what="storing a result")

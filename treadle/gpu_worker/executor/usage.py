@@ -45,32 +45,6 @@ class UsageRecorder:
     def __init__(self, redis):
         self.meter = Meter(redis)
 
-    def op_finished(
-        self,
-        *,
-        session_id: str,
-        op_id: str,
-        request: OpRequest,
-        response: BaseModel | None,
-        owner: str | None,
-        base_model: str,
-        seconds: float,
-        outcome: str,
-    ) -> None:
-        """Meter a successful op and observe every op. `outcome`: ok | user_error | server_error."""
-        usage = self.observe(
-            session_id=session_id,
-            op_id=op_id,
-            request=request,
-            response=response,
-            owner=owner,
-            base_model=base_model,
-            seconds=seconds,
-            outcome=outcome,
-        )
-        if usage is not None:
-            self.record(usage)
-
     def observe(
         self,
         *,
@@ -114,7 +88,7 @@ class UsageRecorder:
         seconds: float,
         outcome: str,
     ) -> None:
-        """The same for an op of a base model's control queue (create_session, sample)."""
+        """Observe an op of a base model's control queue (create_session, sample), and meter it if it succeeded."""
         if isinstance(request, CreateSessionRequest):
             session_id, owner = request.session_id, request.owner
         elif isinstance(request, SampleRequest) and request.model_path is not None:
@@ -123,7 +97,7 @@ class UsageRecorder:
             owner = request.owner or (record.owner if record is not None else None)
         else:
             session_id, owner = f"base:{request.base_model}", getattr(request, "owner", None)
-        self.op_finished(
+        usage = self.observe(
             session_id=session_id,
             op_id=future_id,
             request=request,
@@ -133,3 +107,5 @@ class UsageRecorder:
             seconds=seconds,
             outcome=outcome,
         )
+        if usage is not None:  # a successful op: meter it
+            self.record(usage)

@@ -101,22 +101,34 @@ def save_state(req: SaveStateRequest, ctx: OpContext) -> SaveWeightsResponse:
         raise CheckpointExistsError(f"name: checkpoint {path.uri()} exists and overwrite=False")
     with tempfile.TemporaryDirectory(prefix="treadle-state-") as tmp:
         ctx.engine.save_state(ctx.session_id, tmp, include_optimizer=True)
-        ctx.fence()
-        started = time.monotonic()
-        manifest = ctx.store.save(
+        _store(
+            ctx,
             tmp,
             path,
-            base_model=ctx.session.base_model,
-            lora_config=ctx.session.lora.model_dump(),
-            step=ctx.engine.step(ctx.session_id),
-            applied_seq=ctx.seq,
+            "state",
             ttl_seconds=req.ttl_seconds,
             user_metadata=req.user_metadata,
             overwrite=req.overwrite,
-            extra={"base_model_path": ctx.engine.base_model},
         )
-        metrics.observe_checkpoint("state", time.monotonic() - started, manifest.size_bytes)
     return SaveWeightsResponse(path=path.uri())
+
+
+def _store(ctx: OpContext, tmp: str, path: CheckpointPath, kind: str, **options) -> None:
+    """Store the checkpoint written to `tmp` as `path`, with the session's provenance (once the lease is checked:
+    a worker that lost the session must not overwrite what its new owner saves), and time it."""
+    ctx.fence()
+    started = time.monotonic()
+    manifest = ctx.store.save(
+        tmp,
+        path,
+        base_model=ctx.session.base_model,
+        lora_config=ctx.session.lora.model_dump(),
+        step=ctx.engine.step(ctx.session_id),
+        applied_seq=ctx.seq,
+        extra={"base_model_path": ctx.engine.base_model},
+        **options,
+    )
+    metrics.observe_checkpoint(kind, time.monotonic() - started, manifest.size_bytes)
 
 
 @handles(SaveWeightsForSamplerRequest)
@@ -134,20 +146,7 @@ def save_weights_for_sampler(req: SaveWeightsForSamplerRequest, ctx: OpContext) 
             from treadle.storage.merged_export import export_merged  # transformers' full model load: only when asked
 
             export_merged(ctx.engine.base_model, tmp, f"{tmp}/merged")
-        ctx.fence()
-        started = time.monotonic()
-        manifest = ctx.store.save(
-            tmp,
-            path,
-            base_model=ctx.session.base_model,
-            lora_config=ctx.session.lora.model_dump(),
-            step=ctx.engine.step(ctx.session_id),
-            applied_seq=ctx.seq,
-            ttl_seconds=ttl,
-            overwrite=True,
-            extra={"base_model_path": ctx.engine.base_model},
-        )
-        metrics.observe_checkpoint("sampler", time.monotonic() - started, manifest.size_bytes)
+        _store(ctx, tmp, path, "sampler", ttl_seconds=ttl, overwrite=True)
     return SaveWeightsForSamplerResponse(path=sampler_id)
 
 

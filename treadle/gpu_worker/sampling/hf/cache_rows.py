@@ -97,8 +97,9 @@ def cut_left(cache: DynamicCache, columns: int) -> None:
             layer.keys, layer.values = layer.keys[:, :, columns:], layer.values[:, :, columns:]
 
 
-def join(mine: DynamicCache, theirs: DynamicCache, width: int) -> None:
-    """Append `theirs`' rows to `mine`, both left-padded to `width` positions; `mine` is updated in place."""
+def join(mine: DynamicCache, theirs: DynamicCache, width: int | None = None) -> None:
+    """Append `theirs`' rows to `mine`, in place; attention layers are left-padded to `width` positions first
+    (None: both are as long already)."""
     for own, other in zip(mine.layers, theirs.layers):
         if _kv_ready(own) or _kv_ready(other):
             own.keys = torch.cat([_pad_left(own.keys, width), _pad_left(other.keys, width)])
@@ -126,12 +127,7 @@ def concat_rows(parts: list[DynamicCache]) -> DynamicCache:
     """One cache from caches over consecutive runs of rows (each as long as the others)."""
     whole = parts[0]
     for part in parts[1:]:
-        for own, other in zip(whole.layers, part.layers):
-            if _kv_ready(own):
-                own.keys, own.values = torch.cat([own.keys, other.keys]), torch.cat([own.values, other.values])
-            if _has_states(own):
-                for (states, key), (other_states, _) in zip(_states(own), _states(other)):
-                    states[key] = torch.cat([states[key], other_states[key]])
+        join(whole, part)
     return whole
 
 
@@ -147,6 +143,8 @@ def _copy_state_flags(own, other) -> None:
     own.conv_states, own.recurrent_states = dict(other.conv_states), dict(other.recurrent_states)
 
 
-def _pad_left(states: torch.Tensor, width: int) -> torch.Tensor:
-    """(batch, heads, length, dim) padded with zeros on the left of the length axis to `width`."""
+def _pad_left(states: torch.Tensor, width: int | None) -> torch.Tensor:
+    """(batch, heads, length, dim) padded with zeros on the left of the length axis to `width` (None: as it is)."""
+    if width is None or width == states.shape[-2]:
+        return states
     return F.pad(states, (0, 0, width - states.shape[-2], 0))

@@ -1,4 +1,8 @@
-"""Client set-up and session bookkeeping: client/config, create_session, heartbeat, finish, health, telemetry."""
+"""The lifecycle of a client and its sessions: client/config, create_session, heartbeat, finish, health, telemetry.
+
+These routes change what exists; reading about existing sessions (search, queues, traces) is in
+`routes_session_reports.py`.
+"""
 
 from __future__ import annotations
 

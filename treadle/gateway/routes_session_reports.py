@@ -1,4 +1,5 @@
-"""Session search, session queues and session traces, for the caller's own sessions only.
+"""Reports on sessions: search, queues and traces, for the caller's own sessions only (creating, heartbeating
+and finishing them is `routes_lifecycle.py`).
 
 treadle has no organisations or projects: every search is over the caller's sessions (an `accessible`
 or `user` owner filter searches the same set), and every session's project id is `default`.
