@@ -114,6 +114,12 @@ class Engine:
 
     # ------------------------------------------------------------ sessions
 
+    @property
+    def device(self) -> DeviceLock:
+        """The lock every method here takes (reentrant): the op loop holds it from one op to the next while their
+        sessions are owed the device (treadle.gpu_worker.executor.turns.HeldDevice)."""
+        return self._lock
+
     def create_session(self, session_id: str, lora: LoraConfig) -> None:
         with self._lock:
             if session_id in self._sessions:

@@ -135,7 +135,15 @@ class Sequencer:
         if len(self.sessions.owned) > 1:
             ready.update(dict.fromkeys(turns.ready_elsewhere(self.sessions.owned, self.redis, exclude=first)))
         self.fair.forget(set(self.sessions.owned))
-        self._waiting, past_doorbells = ready, 0
+        self._waiting = ready
+        held = turns.HeldDevice()
+        try:
+            self._give_turns(ready, handoff, held)
+        finally:
+            held.release()
+
+    def _give_turns(self, ready: dict, handoff: bool, held: turns.HeldDevice) -> None:
+        past_doorbells = 0
         while ready:
             session_id = self.fair.pick({sid: turns.owner_of(self.sessions.owned, sid) for sid in ready})
             if (owned := self.sessions.owned.get(session_id)) is None:  # released meanwhile (a stop, a lost lease)
@@ -144,6 +152,7 @@ class Sequencer:
             if past_doorbells >= READ_AHEAD_OPS:  # back to Celery for a moment: its turn comes back by the doorbell
                 self._ring_on(session_id, owned.applied + 1)
                 return
+            held.take(self.sessions.engine(owned.record.base_model).device, session_id)
             turn = self._turn(owned, ready.pop(session_id), handoff)
             if turn is None:
                 continue

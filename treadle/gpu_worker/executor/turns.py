@@ -19,6 +19,7 @@ from typing import Mapping
 
 from redis import Redis
 
+from treadle.gpu_worker.model.device_lock import DeviceLock
 from treadle.gpu_worker.sessions.hosting import OwnedSession
 
 from treadle.queue.fair import FairShare
@@ -77,3 +78,26 @@ class Glance:
         found = answers[len(answers) - len(self.queues) - len(self.sessions) : len(answers) - len(self.queues)]
         self.ready = [sid for (sid, _), there in zip(self.sessions, found) if there]
         self.control_waiting = any(counts)
+
+
+class HeldDevice:
+    """The device lock of the engine a pass's ops run on, kept from one op to the next while the next op's session
+    is owed the device at least as much as whoever waits (`DeviceLock.keep`). Released between two ops, it went to
+    the sampler's next round, which was waiting: a light session's `optim_step` then waited for a heavy session's
+    prefill after its own `forward_backward`."""
+
+    def __init__(self) -> None:
+        self.lock: DeviceLock | None = None
+
+    def take(self, lock: DeviceLock, session_id: str) -> None:
+        tenants = {session_id: 1.0}
+        if self.lock is not None and (self.lock is not lock or not self.lock.keep(tenants)):
+            self.release()
+        if self.lock is None:
+            lock.acquire(tenants)
+            self.lock = lock
+
+    def release(self) -> None:
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
