@@ -9,16 +9,19 @@ two things make a row depend on its neighbours, and both are removed here:
 1. Attention over a padded KV cache: SDPA's reduction over key positions changes with the padding
    and, with more than one thread, with the batch size. A decode step (one query per row) attends
    in one batched matmul / softmax / matmul over the whole left-padded cache, padding masked to
-   -inf, with the key axis padded on the left to a multiple of `KEY_MULTIPLE` (at least one
-   multiple): what made a row's numbers move with the padding was where its keys sat relative to
-   the kernels' SIMD lanes and blocks (the softmax sums in 8-lane vectors from the first column;
-   MKL's q.k products take edge kernels for the last columns), and with the width a multiple of 64
-   a key's column modulo 64 is fixed by its distance from the end, the same alone and batched; the
-   masked keys add exact zeros. The value product is taken as v^T @ w^T, whose reduction over
-   keys MKL orders independently of the width (w @ v, with 4 or more query heads per KV head, did
-   not). One call per layer however many prompt lengths share the step. Prefills (many queries per
-   row; alone the row has fewer) group rows by their left padding (runs of consecutive rows with the
-   same first real column) and each group attends over its own unpadded keys.
+   -inf, however many prompt lengths share the step. What made a row's numbers move with the
+   padding was where its keys sat relative to the kernels' lanes and blocks, and each product is
+   laid out so that it does not: the scores are taken as k @ q^T (a key's score is then the same
+   wherever the key sits); the softmax, which sums in 8-lane vectors from the first column, runs
+   on scores padded on the left with -inf to a multiple of `KEY_MULTIPLE` columns, so a key's column
+   modulo 64 is fixed by its distance from the end, the same alone and batched, and masked keys add
+   exact zeros; the values are taken as v^T @ w^T, whose reduction over keys MKL orders the same
+   for any width (w @ v, with 4 or more query heads per KV head, did not). A cache shorter than
+   `KEY_MULTIPLE` is padded, so that no product falls under torch's own small-matmul loop (another
+   summation order). Measured on this CPU (MKL, AVX2); `tests/test_grouped_sampling.py` checks it. Prefills
+   (many queries per row; alone the row has fewer) group rows by their left padding (runs of
+   consecutive rows with the same first real column) and each group attends over its own unpadded
+   keys.
 2. Matmuls whose row count is not a multiple of `ROW_MULTIPLE` take other MKL kernels (another
    summation order) for the remainder rows. Every `F.linear` of a sampling forward is padded with
    zero rows to a multiple of `ROW_MULTIPLE` (8; 4 already sufficed on the AVX2 machine measured).
@@ -39,7 +42,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 
 ROW_MULTIPLE = 8
-KEY_MULTIPLE = 64  # see 1. above; also keeps every product above torch's small-bmm loop (400 multiply-adds)
+KEY_MULTIPLE = 64  # see 1. above
 IMPLEMENTATION = "treadle_rows"
 
 _original_linear = F.linear
@@ -141,11 +144,14 @@ def _decode_attention(query, key, value, row_starts, scaling, sliding_window, s_
     batch, heads, _, dim = query.shape
     kv_heads, lk = key.shape[1], key.shape[2]
     groups = heads // kv_heads
-    width = max(KEY_MULTIPLE, -(-lk // KEY_MULTIPLE) * KEY_MULTIPLE)
-    key = F.pad(key, (0, 0, width - lk, 0))
-    value = F.pad(value, (0, 0, width - lk, 0))
-    # The query heads that share a KV head are one product's rows: no repeated copy of the cache.
-    scores = torch.matmul(query.reshape(batch, kv_heads, groups, dim), key.transpose(2, 3)) * scaling
+    if lk < KEY_MULTIPLE:  # a short cache is padded (a small copy): products under 400 multiply-adds take torch's loop
+        key, value = F.pad(key, (0, 0, KEY_MULTIPLE - lk, 0)), F.pad(value, (0, 0, KEY_MULTIPLE - lk, 0))
+        row_starts, lk = row_starts + KEY_MULTIPLE - lk, KEY_MULTIPLE
+    width = -(-lk // KEY_MULTIPLE) * KEY_MULTIPLE
+    # k @ q^T: the query heads that share a KV head are one product's columns (no repeated copy of the
+    # cache), and each key's score comes out the same wherever the key sits in the cache.
+    scores = torch.matmul(key, query.reshape(batch, kv_heads, groups, dim).transpose(2, 3)).transpose(2, 3)
+    scores = F.pad(scores * scaling, (width - lk, 0), value=float("-inf"))  # (B, Hkv, groups, width)
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
     columns = torch.arange(width, device=query.device)
@@ -158,7 +164,8 @@ def _decode_attention(query, key, value, row_starts, scaling, sliding_window, s_
         weights = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1, dtype=torch.float32)[..., :-1]
     else:
         weights = torch.softmax(scores, dim=-1, dtype=torch.float32)
-    out = torch.matmul(value.transpose(2, 3), weights.to(query.dtype).transpose(2, 3))  # (B, Hkv, Dv, groups)
+    weights = weights[..., width - lk :].to(query.dtype)
+    out = torch.matmul(value.transpose(2, 3), weights.transpose(2, 3))  # (B, Hkv, Dv, groups)
     return out.transpose(2, 3).reshape(batch, 1, heads, value.shape[-1])
 
 
