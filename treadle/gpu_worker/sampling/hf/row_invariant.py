@@ -15,8 +15,9 @@ two things make a row depend on its neighbours, and both are removed here:
    wherever the key sits); the softmax, which sums in 8-lane vectors from the first column, runs
    on scores padded on the left with -inf to a multiple of `KEY_MULTIPLE` columns, so a key's column
    modulo 64 is fixed by its distance from the end, the same alone and batched, and masked keys add
-   exact zeros; the values are taken as v^T @ w^T, whose reduction over keys MKL orders the same
-   for any width (w @ v, with 4 or more query heads per KV head, did not). A cache shorter than
+   exact zeros; the values are taken as w @ v, or, with 4 or more query heads per KV head, where
+   MKL's w @ v orders its reduction over keys by the width, as v^T @ w^T (which does not, and is
+   several times slower at these shapes). A cache shorter than
    `KEY_MULTIPLE` is padded, so that no product falls under torch's own small-matmul loop (another
    summation order). Measured on this CPU (MKL, AVX2); `tests/test_grouped_sampling.py` checks it. Prefills
    (many queries per row; alone the row has fewer) group rows by their left padding (runs of
@@ -43,6 +44,7 @@ from transformers import AttentionInterface
 
 ROW_MULTIPLE = 8
 KEY_MULTIPLE = 64  # see 1. above
+WIDE_GROUPS = 4  # query heads per KV head from which w @ v's reduction depends on the width (1. above)
 IMPLEMENTATION = "treadle_rows"
 
 _original_linear = F.linear
@@ -165,7 +167,9 @@ def _decode_attention(query, key, value, row_starts, scaling, sliding_window, s_
     else:
         weights = torch.softmax(scores, dim=-1, dtype=torch.float32)
     weights = weights[..., width - lk :].to(query.dtype)
-    out = torch.matmul(value.transpose(2, 3), weights.transpose(2, 3))  # (B, Hkv, Dv, groups)
+    if groups < WIDE_GROUPS:
+        return torch.matmul(weights, value).reshape(batch, 1, heads, value.shape[-1])
+    out = torch.matmul(value.transpose(2, 3), weights.transpose(2, 3))  # (B, Hkv, Dv, groups): slower, invariant
     return out.transpose(2, 3).reshape(batch, 1, heads, value.shape[-1])
 
 
