@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Iterator
 
 import torch
+import torch.nn.functional as F
 from peft.tuners.lora import Linear as LoraLinear
 
 from treadle.gpu_worker.model.adapters import AdapterBank
@@ -120,11 +121,13 @@ def stacks_for(bank: AdapterBank, names: tuple[str, ...]) -> dict[LoraLinear, li
 @dataclass
 class _Slots:
     """Where a stack's rows go: token rows `source` of the flattened input fill rows `slot` of the
-    (n * rows) block; `tiled` when both are 0..N-1 (the input already is the block)."""
+    (n * rows) block; `prefix` when both are 0..N-1 (the input is the block's first rows: padded with
+    zero rows, or, `tiled`, already the whole block)."""
 
     rows: int
     source: torch.Tensor
     slot: torch.Tensor
+    prefix: bool
     tiled: bool
 
 
@@ -137,8 +140,8 @@ def _slots(adapters: list[str | None], names: tuple[str, ...], per_row: int, min
     source = torch.cat([(torch.tensor(r, dtype=torch.long)[:, None] * per_row + tokens).flatten() for r in rows_of])
     slot = torch.cat([k * rows + torch.arange(len(r) * per_row) for k, r in enumerate(rows_of)])
     everything = torch.arange(len(adapters) * per_row)
-    tiled = len(slot) == len(names) * rows and torch.equal(source, everything) and torch.equal(slot, everything)
-    return _Slots(rows, source.to(device), slot.to(device), tiled)
+    prefix = torch.equal(source, everything) and torch.equal(slot, everything)
+    return _Slots(rows, source.to(device), slot.to(device), prefix, prefix and len(slot) == len(names) * rows)
 
 
 def _add_deltas(x: torch.Tensor, output: torch.Tensor, stacks: list[Stack], slots_of) -> None:
@@ -148,8 +151,9 @@ def _add_deltas(x: torch.Tensor, output: torch.Tensor, stacks: list[Stack], slot
         slots = slots_of(stack.names, x.shape[-2] if x.dim() == 3 else 1, stack.min_rows)
         flat = x.reshape(-1, x.shape[-1]).to(stack.a.dtype)
         n = len(stack.names)
-        if slots.tiled:
-            block = flat.view(n, slots.rows, flat.shape[-1])
+        if slots.prefix:  # the usual case: one adapter on every row, or adapters' runs of equal length
+            block = flat if slots.tiled else F.pad(flat, (0, 0, 0, n * slots.rows - flat.shape[0]))
+            block = block.view(n, slots.rows, flat.shape[-1])
         else:
             block = flat.new_zeros(n * slots.rows, flat.shape[-1]).index_copy_(
                 0, slots.slot, flat.index_select(0, slots.source)
@@ -157,8 +161,8 @@ def _add_deltas(x: torch.Tensor, output: torch.Tensor, stacks: list[Stack], slot
             block = block.view(n, slots.rows, flat.shape[-1])
         delta = torch.bmm(torch.bmm(block, stack.a.transpose(1, 2)), stack.b.transpose(1, 2)) * stack.scale
         delta = delta.to(output.dtype).view(-1, output.shape[-1])
-        if slots.tiled:
-            flat_out += delta
+        if slots.prefix:
+            flat_out += delta[: flat_out.shape[0]]
         else:
             flat_out.index_add_(0, slots.source, delta.index_select(0, slots.slot))
 
