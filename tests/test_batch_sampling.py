@@ -13,7 +13,6 @@ from treadle.gpu_worker.model.adapters import AdapterBank
 from treadle.gpu_worker.sampling.hf import batch_decode
 from treadle.gpu_worker.sampling.hf.batch_decode import SampleJob
 from treadle.gpu_worker.model.device_lock import DeviceLock
-from treadle.gpu_worker.sampling.hf.mixed_lora import adapter_runs
 from treadle.gpu_worker.model.host import ModelHost
 from treadle.gpu_worker.sampling.extras import SampleExtras
 from treadle.gpu_worker.sampling.hf.scheduler import SampleScheduler
@@ -117,9 +116,9 @@ def test_mixed_adapter_batch_logprobs_equal_forward(bank, scheduler):
 
 
 def test_mixed_steps_by_runs_equal_split_forwards_bitwise(bank, scheduler, monkeypatch):
-    # The same mixed requests through mixed_lora (deltas added over runs of rows) and through one forward
-    # per adapter run on its slice of the cache (the path of expert adapters): the same tokens and
-    # logprobs to the bit.
+    # The same mixed requests through mixed_lora (every adapter's delta in one grouped product) and through
+    # one forward per adapter run on its slice of the cache, each PEFT's own single-adapter forward (the
+    # path of expert adapters): the same tokens and logprobs to the bit.
     def run():
         jobs = [
             job(bank, p, a, num_samples=3, max_tokens=8, seed=i)
@@ -128,12 +127,11 @@ def test_mixed_steps_by_runs_equal_split_forwards_bitwise(bank, scheduler, monke
         return [[(s.tokens, s.logprobs) for s in r.sequences] for r in submit_together(scheduler, jobs)]
 
     by_runs = run()
-    monkeypatch.setattr(batch_decode, "plain_linear_adapters", lambda bank, adapters: False)
+    monkeypatch.setattr(batch_decode, "stacks_for", lambda bank, names: None)
     assert run() == by_runs
 
 
-def test_adapter_runs_and_adapters_off(bank):
-    assert adapter_runs(["a", "a", None, "b", "a", "a", None]) == [(0, 2, "a"), (3, 4, "b"), (4, 6, "a")]
+def test_adapters_off(bank):
     ids = torch.tensor([PROMPTS[1]])
     with bank.using("one", trainable=True) as model, torch.no_grad():
         adapted = model(input_ids=ids).logits

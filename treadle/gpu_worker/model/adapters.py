@@ -60,6 +60,7 @@ class AdapterBank:
         # (a quarter of a short forward op's worker time on the tiny model), so `using` skips a repeat.
         self._active: tuple[str, bool] | None = None
         self._lora_layers: list[LoraLayer] | None = None  # found once per set of adapters, see `lora_layers`
+        self.version = 0  # bumped whenever an adapter is added or removed (what caches of adapter tensors key on)
 
     def lora_config(self, lora: LoraConfig) -> peft.LoraConfig:
         """The PEFT config of a new session's adapter on this model."""
@@ -86,6 +87,7 @@ class AdapterBank:
             else:
                 self.peft_model.add_adapter(name, config)
         self._lora_layers = None  # an adapter may target modules no other adapter has
+        self.version += 1
         self._activate(name, trainable=False)  # frozen until a training op activates it
 
     def remove(self, name: str) -> None:
@@ -93,6 +95,7 @@ class AdapterBank:
             warnings.simplefilter("ignore", UserWarning)
             self.peft_model.delete_adapter(name)
         self._lora_layers = None
+        self.version += 1
         if self._active is not None and self._active[0] == name:
             self._active = None
 

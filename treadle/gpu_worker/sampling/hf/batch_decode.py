@@ -29,9 +29,9 @@ import torch.nn.functional as F
 
 from treadle.gpu_worker.sampling.hf import cache_rows
 from treadle.gpu_worker.model.adapters import AdapterBank
-from treadle.gpu_worker.sampling.hf.mixed_lora import mixed_adapters, plain_linear_adapters
+from treadle.gpu_worker.sampling.hf.mixed_lora import grouped_adapters, stacks_for
 from treadle.gpu_worker.model.host import ModelHost
-from treadle.gpu_worker.sampling.hf.row_invariant import invariant_forward, row_runs
+from treadle.gpu_worker.sampling.hf.row_invariant import first_columns, invariant_forward, row_runs
 from treadle.gpu_worker.sampling.extras import SampleExtras, score_prompt, top_of_rows
 from treadle.gpu_worker.sampling.hf.token_choice import draw, finished, processed_logprobs
 from treadle.gpu_worker.training.validation import PreparedSample
@@ -83,14 +83,21 @@ def forward_rows(bank: AdapterBank, adapters: list[str | None], **inputs):
     """The model's output (`.logits`, `.cache`) for a left-padded batch whose row i runs with adapter
     `adapters[i]` (None: base); batch-invariant (`row_invariant`): each row's numbers are those it
     would get alone."""
-    distinct = set(adapters)
-    inputs["row_runs"] = row_runs(inputs["attention_mask"])
+    mask = inputs["attention_mask"]
+    inputs["row_runs"] = row_runs(mask)
+    if inputs["input_ids"].shape[1] == 1 and mask.shape[1] > 1:  # a decode step: one attention call per layer
+        inputs["row_starts"] = first_columns(mask)
+    names = tuple(sorted({a for a in adapters if a is not None}))
     with torch.no_grad(), invariant_forward(bank.host.model):
-        if len(distinct) == 1:
-            with bank.using(adapters[0], trainable=False) as model:
+        if not names:
+            with bank.using(None, trainable=False) as model:
                 return model(**inputs)
-        if plain_linear_adapters(bank, distinct):
-            with mixed_adapters(bank, adapters) as model:
+        layers = stacks_for(bank, names)
+        if layers is not None:  # one adapter or many: the same grouped LoRA products (`mixed_lora`)
+            with grouped_adapters(bank, adapters, layers) as model:
+                return model(**inputs)
+        if len(set(adapters)) == 1:
+            with bank.using(adapters[0], trainable=False) as model:
                 return model(**inputs)
     return _split_forward(bank, adapters, inputs)
 
@@ -107,6 +114,7 @@ def _split_forward(bank: AdapterBank, adapters: list[str | None], inputs: dict) 
     for begin, end in runs:
         part = {key: value[begin:end] for key, value in inputs.items() if isinstance(value, torch.Tensor)}
         part |= {key: value for key, value in inputs.items() if key not in part and key not in ("cache", "row_runs")}
+        part.pop("row_starts", None)
         if cache is not None:
             part["cache"] = cache_rows.slice_rows(cache, begin, end, config)
         outputs.append(forward_rows(bank, adapters[begin:end], **part))

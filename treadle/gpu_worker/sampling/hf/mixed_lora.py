@@ -1,71 +1,199 @@
-"""Forwards whose rows use different LoRA adapters, adapter by adapter over runs of consecutive rows.
+"""Sampling forwards whose rows use LoRA adapters, one or many: every adapter's delta in one grouped product.
 
-PEFT's own mixed-adapter batches (`adapter_names=[...]`) gather each adapter's rows with a Python list
-of indices and scatter its delta back, in every LoRA layer: for 4 sessions of 8 rows on SmolLM2 that
-indexing was 38 % of the time in PEFT's mixed-batch LoRA forward (py-spy), and with it a 4-session step
-took 1.5-1.8x the time of the same rows under one adapter. The sampler keeps a request's rows next to each other, so an adapter's rows form a
-few runs: here each LoRA layer runs its base layer on the whole batch (adapters disabled), and a
-forward hook adds each run's delta on a slice, `out[a:b] += B(A(x[a:b])) * scaling`, with no gather
-or scatter. That is the same arithmetic as PEFT's single-adapter forward (`result + B(A(x)) *
-scaling`) on those rows, so a row's numbers do not depend on which adapters share its batch
-(`row_invariant` pads every linear, so a run's row count does not matter either).
+Each LoRA layer runs its base layer on the whole batch (adapters switched off) and a forward hook adds
+the deltas. Per layer, the A and B matrices of the batch's adapters are stacked, (n, r, in) and
+(n, out, r); each adapter's rows are gathered into one slot of an (n, m, in) block (a view, no copy,
+when the rows already tile it); and two `torch.bmm` compute every adapter's `B(A(x)) * scaling` at
+once. So a layer costs the same two products whether the batch holds one adapter or eight: 4 sessions
+of 8 rows cost about what one session of 32 rows costs. The stacks are built once per set of adapters
+(`AdapterStacks`) and kept until the bank's adapters change (snapshots are frozen, so their tensors
+never do). Adapters of different ranks go into different stacks (one pair of products per rank).
+
+Before this, each adapter's delta was added over its own runs of rows (two products per run per
+layer); before that, PEFT's mixed batches (`adapter_names=[...]`) gathered and scattered rows with
+Python lists, 38 % of a mixed step.
+
+Bit for bit: every slot is one product of m rows, m a multiple of `ROW_MULTIPLE` and large enough that
+torch takes MKL's path (its own loop, another summation order, below 400 multiply-adds), and MKL
+computes such a product's rows independently of m and of the other slots. A row's delta is thus the
+same whichever adapters share its batch, and single-adapter sampling goes through here too (one
+slot), so a request alone and the same request batched compute the same numbers. (Measured: equal to
+PEFT's own forward through `F.linear` as well, which `tests/test_batch_sampling.py` checks through
+the split forwards of `batch_decode`.) Sampling is inference: LoRA dropout is not applied.
 """
 
 from __future__ import annotations
 
+import weakref
+from collections import OrderedDict
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Iterator
 
 import torch
+import torch.nn.functional as F
 from peft.tuners.lora import Linear as LoraLinear
 
 from treadle.gpu_worker.model.adapters import AdapterBank
+from treadle.gpu_worker.sampling.hf.row_invariant import ROW_MULTIPLE
 
-
-def adapter_runs(adapters: list[str | None]) -> list[tuple[int, int, str]]:
-    """(first row, end row, adapter) of each run of consecutive rows with the same adapter; base rows
-    (None) need no delta and are left out."""
-    runs: list[tuple[int, int, str]] = []
-    for row, name in enumerate(adapters):
-        if runs and runs[-1][2] == name and runs[-1][1] == row:
-            runs[-1] = (runs[-1][0], row + 1, name)
-        elif name is not None:
-            runs.append((row, row + 1, name))
-    return runs
+SMALL_BMM = 400  # torch's CPU bmm computes products of fewer multiply-adds with its own loop, not MKL
+KEPT_SETS = 4  # sets of adapters whose stacks are kept (each multi-adapter set holds a copy of its weights)
 
 
 def plain_linear_adapters(bank: AdapterBank, adapters: set[str | None]) -> bool:
     """Whether every adapter named lives only in plain LoRA linears (no DoRA or other variant, no LoRA
-    embedding): what `mixed_adapters` computes. A PEFT adapter loaded from a user's directory may not."""
+    embedding, no bias on B): what `grouped_adapters` computes. A PEFT adapter loaded from a user's
+    directory may not be."""
     for layer in bank.lora_layers():
         if not isinstance(layer, LoraLinear):
             if any(name in layer.lora_embedding_A or name in layer.lora_A for name in adapters):
                 return False
-        elif any(name in layer.lora_variant for name in adapters):
+        elif any(
+            name in layer.lora_variant or (name in layer.lora_B and layer.lora_B[name].bias is not None)
+            for name in adapters
+        ):
             return False
     return True
 
 
+@dataclass
+class Stack:
+    """The A and B matrices of some adapters of one rank on one layer, stacked: one slot per adapter."""
+
+    names: tuple[str, ...]
+    a: torch.Tensor  # (n, r, in)
+    b: torch.Tensor  # (n, out, r)
+    scale: torch.Tensor  # (n, 1, 1)
+    min_rows: int  # fewest rows per slot for which both products take MKL's path
+
+    @classmethod
+    def of(cls, layer: LoraLinear, names: tuple[str, ...]) -> Stack:
+        a = [layer.lora_A[name].weight.detach() for name in names]
+        b = [layer.lora_B[name].weight.detach() for name in names]
+        # One adapter: a view of its own weights, laid out as a stacked copy would be.
+        a, b = (a[0].unsqueeze(0), b[0].unsqueeze(0)) if len(names) == 1 else (torch.stack(a), torch.stack(b))
+        scale = torch.tensor([layer.scaling[name] for name in names], dtype=a.dtype, device=a.device)
+        rank, fan_in, fan_out = a.shape[1], a.shape[2], b.shape[1]
+        return cls(names, a, b, scale.reshape(-1, 1, 1), -(-SMALL_BMM // (rank * min(fan_in, fan_out))))
+
+
+class AdapterStacks:
+    """Per set of adapters, each LoRA layer's stacks; rebuilt only when the bank's adapters change."""
+
+    def __init__(self) -> None:
+        self._version = -1
+        self._sets: OrderedDict[tuple[str, ...], dict[LoraLinear, list[Stack]] | None] = OrderedDict()
+
+    def layers(self, bank: AdapterBank, names: tuple[str, ...]) -> dict[LoraLinear, list[Stack]] | None:
+        """The stacks of every LoRA layer any of `names` (sorted) targets; None if one of them is not a
+        plain linear adapter (`plain_linear_adapters`)."""
+        if bank.version != self._version:
+            self._sets.clear()
+            self._version = bank.version
+        if names in self._sets:
+            self._sets.move_to_end(names)
+            return self._sets[names]
+        found = None
+        if plain_linear_adapters(bank, set(names)):
+            found = {}
+            for layer in bank.lora_layers():
+                targeted = [name for name in names if isinstance(layer, LoraLinear) and name in layer.lora_A]
+                by_rank: dict[int, list[str]] = {}
+                for name in targeted:
+                    by_rank.setdefault(layer.r[name], []).append(name)
+                if by_rank:
+                    found[layer] = [Stack.of(layer, tuple(group)) for group in by_rank.values()]
+        self._sets[names] = found
+        while len(self._sets) > KEPT_SETS:
+            self._sets.popitem(last=False)
+        return found
+
+
+_STACKS: weakref.WeakKeyDictionary[AdapterBank, AdapterStacks] = weakref.WeakKeyDictionary()
+
+
+def stacks_for(bank: AdapterBank, names: tuple[str, ...]) -> dict[LoraLinear, list[Stack]] | None:
+    """`AdapterStacks.layers` of the bank's own cache."""
+    return _STACKS.setdefault(bank, AdapterStacks()).layers(bank, names)
+
+
+@dataclass
+class _Slots:
+    """Where a stack's rows go: token rows `source` of the flattened input fill rows `slot` of the
+    (n * rows) block; `prefix` when both are 0..N-1 (the input is the block's first rows: padded with
+    zero rows, or, `tiled`, already the whole block)."""
+
+    rows: int
+    source: torch.Tensor
+    slot: torch.Tensor
+    prefix: bool
+    tiled: bool
+
+
+def _slots(adapters: list[str | None], names: tuple[str, ...], per_row: int, min_rows: int, device) -> _Slots:
+    """Slot k holds the tokens of adapter names[k]'s rows (each row `per_row` tokens), in order."""
+    rows_of = [[row for row, name in enumerate(adapters) if name == wanted] for wanted in names]
+    rows = max(max(len(r) for r in rows_of) * per_row, min_rows)
+    rows = -(-rows // ROW_MULTIPLE) * ROW_MULTIPLE
+    tokens = torch.arange(per_row)
+    source = torch.cat([(torch.tensor(r, dtype=torch.long)[:, None] * per_row + tokens).flatten() for r in rows_of])
+    slot = torch.cat([k * rows + torch.arange(len(r) * per_row) for k, r in enumerate(rows_of)])
+    everything = torch.arange(len(adapters) * per_row)
+    prefix = torch.equal(source, everything) and torch.equal(slot, everything)
+    return _Slots(rows, source.to(device), slot.to(device), prefix, prefix and len(slot) == len(names) * rows)
+
+
+def _add_deltas(x: torch.Tensor, output: torch.Tensor, stacks: list[Stack], slots_of) -> None:
+    """output += every stack's LoRA deltas of x, each row by its own adapter; in place."""
+    flat_out = output.view(-1, output.shape[-1])
+    for stack in stacks:
+        slots = slots_of(stack.names, x.shape[-2] if x.dim() == 3 else 1, stack.min_rows)
+        flat = x.reshape(-1, x.shape[-1]).to(stack.a.dtype)
+        n = len(stack.names)
+        if slots.prefix:  # the usual case: one adapter on every row, or adapters' runs of equal length
+            block = flat if slots.tiled else F.pad(flat, (0, 0, 0, n * slots.rows - flat.shape[0]))
+            block = block.view(n, slots.rows, flat.shape[-1])
+        else:
+            block = flat.new_zeros(n * slots.rows, flat.shape[-1]).index_copy_(
+                0, slots.slot, flat.index_select(0, slots.source)
+            )
+            block = block.view(n, slots.rows, flat.shape[-1])
+        delta = torch.bmm(torch.bmm(block, stack.a.transpose(1, 2)), stack.b.transpose(1, 2)) * stack.scale
+        delta = delta.to(output.dtype).view(-1, output.shape[-1])
+        if slots.prefix:
+            flat_out += delta[: flat_out.shape[0]]
+        else:
+            flat_out.index_add_(0, slots.source, delta.index_select(0, slots.slot))
+
+
 @contextmanager
-def mixed_adapters(bank: AdapterBank, adapters: list[str | None]) -> Iterator[torch.nn.Module]:
-    """The model to call for a batch whose row i runs with adapter `adapters[i]` (None: base). Callers
-    hold the device lock (the hooks sit on the shared model while the block runs) and disable grad."""
-    runs = adapter_runs(adapters)
+def grouped_adapters(
+    bank: AdapterBank, adapters: list[str | None], layers: dict[LoraLinear, list[Stack]]
+) -> Iterator[torch.nn.Module]:
+    """The model to call for a batch whose row i runs with adapter `adapters[i]` (None: base), given the
+    stacks of its adapters (`stacks_for`). Callers hold the device lock (the hooks sit on the shared
+    model while the block runs) and disable grad."""
+    device = bank.host.device
+    planned: dict[tuple, _Slots] = {}  # the same slots serve every layer with the same adapters and shape
 
-    def add_deltas(module: LoraLinear, args: tuple, output: torch.Tensor) -> torch.Tensor:
-        x = args[0]
-        for begin, end, name in runs:
-            if name not in module.lora_A:  # this adapter does not target this layer
-                continue
-            lora_a, lora_b = module.lora_A[name], module.lora_B[name]
-            delta = lora_b(lora_a(module.lora_dropout[name](x[begin:end].to(lora_a.weight.dtype))))
-            output[begin:end] += (delta * module.scaling[name]).to(output.dtype)
-        return output
+    def slots_of(names: tuple[str, ...], per_row: int, min_rows: int) -> _Slots:
+        key = (names, per_row, min_rows)
+        if key not in planned:
+            planned[key] = _slots(adapters, names, per_row, min_rows, device)
+        return planned[key]
 
-    handles = [layer.register_forward_hook(add_deltas) for layer in bank.lora_layers() if isinstance(layer, LoraLinear)]
+    def hook_for(stacks: list[Stack]):
+        def add(module: LoraLinear, args: tuple, output: torch.Tensor) -> torch.Tensor:
+            _add_deltas(args[0], output, stacks, slots_of)
+            return output
+
+        return add
+
+    handles = [layer.register_forward_hook(hook_for(stacks)) for layer, stacks in layers.items()]
     try:
         with bank.adapters_off():  # each layer runs its base layer alone; the hooks add the deltas
-            yield bank.peft_model
+            yield bank.host.model
     finally:
         for handle in handles:
             handle.remove()

@@ -7,9 +7,22 @@ repeated RL run would no longer reproduce the uninterrupted one bit for bit. Mea
 two things make a row depend on its neighbours, and both are removed here:
 
 1. Attention over a padded KV cache: SDPA's reduction over key positions changes with the padding
-   and, with more than one thread, with the batch size. Here rows are grouped by their left padding
-   (runs of consecutive rows with the same first real column) and each group attends over its own
-   unpadded keys with plain matmul / softmax / matmul, whose result per row depends only on the row.
+   and, with more than one thread, with the batch size. A decode step (one query per row) attends
+   in one batched matmul / softmax / matmul over the whole left-padded cache, padding masked to
+   -inf, however many prompt lengths share the step. What made a row's numbers move with the
+   padding was where its keys sat relative to the kernels' lanes and blocks, and each product is
+   laid out so that it does not: the scores are taken as k @ q^T (a key's score is then the same
+   wherever the key sits); the softmax, which sums in 8-lane vectors from the first column, runs
+   on scores padded on the left with -inf to a multiple of `KEY_MULTIPLE` columns, so a key's column
+   modulo 64 is fixed by its distance from the end, the same alone and batched, and masked keys add
+   exact zeros; the values are taken as w @ v, or, with 4 or more query heads per KV head, where
+   MKL's w @ v orders its reduction over keys by the width, as v^T @ w^T (which does not, and is
+   several times slower at these shapes). A cache shorter than
+   `KEY_MULTIPLE` is padded, so that no product falls under torch's own small-matmul loop (another
+   summation order). Measured on this CPU (MKL, AVX2); `tests/test_grouped_sampling.py` checks it. Prefills
+   (many queries per row; alone the row has fewer) group rows by their left padding (runs of
+   consecutive rows with the same first real column) and each group attends over its own unpadded
+   keys.
 2. Matmuls whose row count is not a multiple of `ROW_MULTIPLE` take other MKL kernels (another
    summation order) for the remainder rows. Every `F.linear` of a sampling forward is padded with
    zero rows to a multiple of `ROW_MULTIPLE` (8; 4 already sufficed on the AVX2 machine measured).
@@ -30,6 +43,8 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 
 ROW_MULTIPLE = 8
+KEY_MULTIPLE = 64  # see 1. above
+WIDE_GROUPS = 4  # query heads per KV head from which w @ v's reduction depends on the width (1. above)
 IMPLEMENTATION = "treadle_rows"
 
 _original_linear = F.linear
@@ -61,6 +76,11 @@ def row_runs(mask: torch.Tensor) -> list[tuple[int, int, int]]:
     return runs
 
 
+def first_columns(mask: torch.Tensor) -> torch.Tensor:
+    """Each row's first real column in a left-padded 2-D attention mask."""
+    return (mask.cumsum(dim=1) == 0).sum(dim=1)
+
+
 def _rows_attention(
     module,
     query,
@@ -70,6 +90,7 @@ def _rows_attention(
     scaling: float,
     dropout: float = 0.0,
     row_runs: list[tuple[int, int, int]] | None = None,
+    row_starts: torch.Tensor | None = None,
     sliding_window: int | None = None,
     s_aux: torch.Tensor | None = None,
     softcap: float | None = None,
@@ -83,6 +104,8 @@ def _rows_attention(
     gpt-oss), logit soft-capping (Gemma 2), and value heads narrower than query heads (DeepSeek's
     latent attention). The cache always holds every position (`cache_rows`), so the window is a mask.
     """
+    if row_starts is not None and query.shape[2] == 1:
+        return _decode_attention(query, key, value, row_starts, scaling, sliding_window, s_aux, softcap), None
     if row_runs is None:
         raise RuntimeError(f"{IMPLEMENTATION} attention needs row_runs (only sampling forwards use it)")
     groups = query.shape[1] // key.shape[1]
@@ -117,13 +140,47 @@ def _rows_attention(
     return out.transpose(1, 2).contiguous(), None
 
 
+def _decode_attention(query, key, value, row_starts, scaling, sliding_window, s_aux, softcap) -> torch.Tensor:
+    """One query per row, every row in one call: `_rows_attention`'s arithmetic for a decode step, over
+    the left-padded cache whose row b starts at column `row_starts[b]` (see 1. in the module docstring)."""
+    batch, heads, _, dim = query.shape
+    kv_heads, lk = key.shape[1], key.shape[2]
+    groups = heads // kv_heads
+    if lk < KEY_MULTIPLE:  # a short cache is padded (a small copy): products under 400 multiply-adds take torch's loop
+        key, value = F.pad(key, (0, 0, KEY_MULTIPLE - lk, 0)), F.pad(value, (0, 0, KEY_MULTIPLE - lk, 0))
+        row_starts, lk = row_starts + KEY_MULTIPLE - lk, KEY_MULTIPLE
+    width = -(-lk // KEY_MULTIPLE) * KEY_MULTIPLE
+    # k @ q^T: the query heads that share a KV head are one product's columns (no repeated copy of the
+    # cache), and each key's score comes out the same wherever the key sits in the cache.
+    scores = torch.matmul(key, query.reshape(batch, kv_heads, groups, dim).transpose(2, 3)).transpose(2, 3)
+    scores = F.pad(scores * scaling, (width - lk, 0), value=float("-inf"))  # (B, Hkv, groups, width)
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    columns = torch.arange(width, device=query.device)
+    visible = columns >= (width - lk + row_starts)[:, None]
+    if sliding_window is not None:  # the query sits on the last column: it sees the window's last keys
+        visible &= columns >= width - sliding_window
+    scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
+    if s_aux is not None:  # the sink, in the softmax, not in the output; last, on a column fixed alone and batched
+        sink = s_aux.reshape(1, kv_heads, groups, 1).expand(batch, -1, -1, 1).to(scores.dtype)
+        weights = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1, dtype=torch.float32)[..., :-1]
+    else:
+        weights = torch.softmax(scores, dim=-1, dtype=torch.float32)
+    weights = weights[..., width - lk :].to(query.dtype)
+    if groups < WIDE_GROUPS:
+        return torch.matmul(weights, value).reshape(batch, 1, heads, value.shape[-1])
+    out = torch.matmul(value.transpose(2, 3), weights.transpose(2, 3))  # (B, Hkv, Dv, groups): slower, invariant
+    return out.transpose(2, 3).reshape(batch, 1, heads, value.shape[-1])
+
+
 AttentionInterface.register(IMPLEMENTATION, _rows_attention)
 
 
 @contextmanager
 def invariant_forward(model: torch.nn.Module) -> Iterator[None]:
     """Within the block, this thread's forwards of `model` are batch-invariant; the caller passes
-    `row_runs=row_runs(attention_mask)` to the model call. Callers hold the device lock."""
+    `row_runs=row_runs(attention_mask)` to the model call, and in a decode step (one new token per row)
+    `row_starts=first_columns(attention_mask)` too. Callers hold the device lock."""
     config = model.config
     previous = config._attn_implementation
     config._attn_implementation = IMPLEMENTATION

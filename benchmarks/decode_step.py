@@ -1,0 +1,191 @@
+"""What one decode step of the sampler costs, in-process, against the model's own attention and HF `generate`.
+
+The rows: `--prompts` chat prompts of different lengths x `--samples` samples (32 rows by default),
+decoding with no stop, T=1. Median milliseconds per decode step, rounds alternating the rows:
+
+1. treadle, base model: the batch-invariant decode step (`row_invariant`: one attention call per layer);
+2. the same, with attention run per group of rows with the same padding (how the sampler attended
+   before: one call per distinct prompt length);
+3. the model's own SDPA attention on the same rows and cache (a plain transformers forward: not
+   batch-invariant);
+4. HF `generate` on the same rows, per step ((time of N tokens - time of 1) / (N - 1));
+5. treadle with one LoRA adapter on every row, and with `--sessions` adapters on as many runs of rows
+   (`mixed_lora`'s grouped products);
+6. the ceiling of many sessions: `--sessions` steps of (rows / sessions) rows against one step of all
+   the rows, base model: what batching the sessions can gain at most.
+
+Treadle's steps include drawing the tokens; 3 is the bare forward.
+
+    .venv/bin/python benchmarks/decode_step.py [--prompts 8 --samples 4 --steps 16 --threads 2 --rounds 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from sampling import chat_prompts  # this directory's benchmarks/sampling.py
+
+
+def treadle_steps(bank, prompts, adapters, samples, steps) -> list[float]:
+    """Seconds of each of `steps` decode steps of a fresh batch (the prefill and first step untimed)."""
+    from treadle.gpu_worker.sampling.hf.batch_decode import DecodeBatch, SampleJob
+    from treadle.gpu_worker.training.validation import prepare_sample
+    from treadle.types import ModelInput, SamplingParams
+
+    host = bank.host
+    batch = DecodeBatch(bank, host)
+    jobs = []
+    for i, (prompt, adapter) in enumerate(zip(prompts, adapters)):
+        params = SamplingParams(max_tokens=steps + 2, temperature=1.0, seed=i)
+        request = prepare_sample(
+            ModelInput.from_ints(prompt), samples, params, 0, max_seq_len=host.max_seq_len, vocab_size=host.vocab_size
+        )
+        jobs.append(SampleJob(adapter, request, samples, params, frozenset()))
+    batch.admit(jobs)
+    batch.step()
+    return [timed(batch.step) for _ in range(steps)]
+
+
+def sdpa_steps(host, prompts, samples, steps) -> list[float]:
+    """Seconds of each of `steps` plain transformers forwards (the model's own attention) of the same rows."""
+    from transformers import DynamicCache
+
+    rows = [p for p in prompts for _ in range(samples)]
+    width = max(len(p) for p in rows)
+    ids = torch.full((len(rows), width), host.pad_token_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(rows):
+        ids[i, width - len(p) :], mask[i, width - len(p) :] = torch.tensor(p), 1
+    positions = (mask.cumsum(1) - 1).clamp(min=0)
+    times = []
+    with torch.no_grad():
+        out = host.model(
+            input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=DynamicCache(), use_cache=True
+        )
+        cache, last, position = out.past_key_values, out.logits[:, -1].argmax(-1), positions[:, -1]
+        for step in range(steps + 1):
+            mask = torch.cat([mask, torch.ones((len(rows), 1), dtype=torch.long)], dim=1)
+            position = position + 1
+            started = time.perf_counter()
+            out = host.model(
+                input_ids=last[:, None],
+                attention_mask=mask,
+                position_ids=position[:, None],
+                past_key_values=cache,
+                use_cache=True,
+            )
+            last = torch.multinomial(torch.softmax(out.logits[:, -1].float(), -1), 1)[:, 0]
+            if step:  # the first step is left out, as in treadle_steps
+                times.append(time.perf_counter() - started)
+            cache = out.past_key_values
+    return times
+
+
+def generate_step(host, prompts, samples, steps) -> float:
+    """Seconds per decode step of HF `generate` on the same rows."""
+    from transformers import GenerationConfig
+
+    rows = [p for p in prompts for _ in range(samples)]
+    width = max(len(p) for p in rows)
+    ids = torch.full((len(rows), width), host.pad_token_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(rows):
+        ids[i, width - len(p) :], mask[i, width - len(p) :] = torch.tensor(p), 1
+
+    def run(tokens: int) -> float:
+        config = GenerationConfig(
+            do_sample=True, max_new_tokens=tokens, min_new_tokens=tokens, top_k=0, pad_token_id=host.pad_token_id
+        )
+        with torch.no_grad():
+            return timed(lambda: host.model.generate(input_ids=ids, attention_mask=mask, generation_config=config))
+
+    return (run(steps + 1) - run(1)) / steps
+
+
+def timed(fn) -> float:
+    started = time.perf_counter()
+    fn()
+    return time.perf_counter() - started
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--prompts", type=int, default=8, help="prompts, of different lengths")
+    parser.add_argument("--samples", type=int, default=4, help="rows per prompt")
+    parser.add_argument("--sessions", type=int, default=4, help="adapters of the mixed rows (divides --prompts)")
+    parser.add_argument("--steps", type=int, default=16, help="timed decode steps per row and round")
+    parser.add_argument("--rank", type=int, default=32, help="LoRA rank")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads")
+    parser.add_argument("--rounds", type=int, default=2, help="measured rounds (after a warm-up round)")
+    parser.add_argument("--model_dir", default=None, help="default: SmolLM2-135M-Instruct, prepared offline")
+    args = parser.parse_args()
+
+    from treadle.demo.model import prepare_smollm2
+    from treadle.gpu_worker.model.adapters import AdapterBank
+    from treadle.gpu_worker.model.host import ModelHost
+    from treadle.gpu_worker.sampling.hf import batch_decode
+    from treadle.types import LoraConfig
+
+    torch.set_num_threads(args.threads)
+    host = ModelHost(args.model_dir or prepare_smollm2())
+    bank = AdapterBank(host)
+    names = [f"s{k}" for k in range(args.sessions)]
+    for k, name in enumerate(names):
+        bank.add(name, bank.lora_config(LoraConfig(rank=args.rank, alpha=args.rank)), seed=k)
+    prompts = chat_prompts(host.tokenizer, args.prompts)
+    n, per = args.prompts, args.prompts // args.sessions
+    grouped_rows = batch_decode.first_columns
+
+    def per_group(*a, **kw):
+        batch_decode.first_columns = lambda mask: None  # no row_starts: `row_invariant` attends per group
+        try:
+            return treadle_steps(*a, **kw)
+        finally:
+            batch_decode.first_columns = grouped_rows
+
+    rows = {
+        "treadle, base, one attention call": lambda s: treadle_steps(bank, prompts, [None] * n, args.samples, s),
+        "treadle, base, attention per group": lambda s: per_group(bank, prompts, [None] * n, args.samples, s),
+        "model's own SDPA forward": lambda s: sdpa_steps(host, prompts, args.samples, s),
+        "HF generate, per step": lambda s: [generate_step(host, prompts, args.samples, s)],
+        "treadle, one adapter": lambda s: treadle_steps(bank, prompts, [names[0]] * n, args.samples, s),
+        f"treadle, {args.sessions} adapters": lambda s: treadle_steps(
+            bank, prompts, [names[i // per] for i in range(n)], args.samples, s
+        ),
+        f"base, {args.sessions} steps of {per * args.samples} rows": lambda s: [
+            sum(
+                statistics.median(treadle_steps(bank, prompts[k * per : (k + 1) * per], [None] * per, args.samples, s))
+                for k in range(args.sessions)
+            )
+        ],
+    }
+    for fn in rows.values():  # warm-up
+        fn(2)
+    results: dict[str, list[float]] = {name: [] for name in rows}
+    for _ in range(args.rounds):
+        for name, fn in rows.items():
+            results[name].extend(fn(args.steps))
+    ms = {name: 1000 * statistics.median(times) for name, times in results.items()}
+
+    print(
+        f"\ndecode step, {n} prompts x {args.samples} samples = {n * args.samples} rows, {args.threads} threads, "
+        f"{args.rounds} rounds x {args.steps} steps (median ms per step)"
+    )
+    for name, value in ms.items():
+        print(f"{name:<40}{value:>9.1f}")
+    names_ = list(ms)
+    print(f"\none attention call / per group:        {ms[names_[0]] / ms[names_[1]]:.2f}x the time")
+    print(f"invariant step / the model's own SDPA:  {ms[names_[0]] / ms[names_[2]]:.2f}x the time")
+    print(f"invariant step / HF generate's step:    {ms[names_[0]] / ms[names_[3]]:.2f}x the time")
+    print(f"{args.sessions} adapters / one adapter:            {ms[names_[5]] / ms[names_[4]]:.2f}x the time")
+    ceiling = ms[names_[6]] / ms[names_[0]]
+    print(f"ceiling of {args.sessions} sessions at once (their steps apart / together): {ceiling:.2f}x")
+    print(f"{args.sessions} adapters / the base model, same rows:      {ms[names_[5]] / ms[names_[0]]:.2f}x the time")
+
+
+if __name__ == "__main__":
+    main()
