@@ -20,7 +20,9 @@ says why and what to use instead.
 
 Adding a loss: write the function, add a `LossSpec` row to `LOSSES` (its required inputs and its
 parameters: a `LossConfig` in `treadle.types.LOSS_CONFIGS`), add its name to `treadle.types.LossFnType`
-(a test pins that the three agree), and a hand-computed row to tests/test_losses.py.
+(a test pins that the three agree), and a hand-computed row to tests/test_losses.py. If a 0 in one of its
+inputs makes a token's gradient exactly 0 (an advantage, a weight), name that input as its `gradient_gate`
+and add the loss to tests/test_gradient_gate.py: the trainer then differentiates only the other positions.
 """
 
 from __future__ import annotations
