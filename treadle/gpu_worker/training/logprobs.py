@@ -86,6 +86,8 @@ def _split_logprobs(
     ungraded = attention_mask & ~graded
     with _split_head(model.get_output_embeddings(), graded, ungraded):
         logits = model(input_ids=input_ids, attention_mask=attention_mask.long(), use_cache=False).logits
+    if logits.dim() == 3:  # a model whose forward does not call its output embeddings module: every position's
+        return torch.log_softmax(logits.float(), dim=-1).gather(-1, target_ids)
     count = int(graded.sum())
     with_grad = torch.log_softmax(logits[:count].float(), dim=-1).gather(-1, target_ids[graded])
     with torch.no_grad():
