@@ -23,7 +23,12 @@ worker training earlier groups meanwhile), `training` (blocked on forward_backwa
 the last group), `snapshot` (save_weights_and_get_sampling_client), `client` (rewards, datums, submits).
 Ratios are medians over rounds of the per-round ratios.
 
+`--calls` measures the training half alone: the same 32 rows (fixed completions of random tokens, of
+`--tokens`/3 to `--tokens` tokens) as `--prompts` per-group forward_backward calls submitted at once against
+one call, each followed by optim_step, in-process (an `Engine` in this process) and through the stack.
+
     .venv/bin/python benchmarks/grpo_step.py [--prompts 8 --samples 4 --tokens 64 --threads 2 --rounds 3]
+    .venv/bin/python benchmarks/grpo_step.py --calls [--model_dir DIR]
 """
 
 from __future__ import annotations
@@ -264,6 +269,77 @@ class Child:
         self.process.wait()
 
 
+# ---------------------------------------------------------------- the training half alone
+
+
+def fixed_groups(tokenizer, args, vocab: int):
+    """`--prompts` groups of `--samples` datums with fixed random completions (the same every round)."""
+    rng = np.random.default_rng(0)
+    problems, prompts = problems_and_prompts(tokenizer, args.prompts, 0)
+    groups = []
+    for prompt in prompts:
+        lengths = rng.integers(max(1, args.tokens // 3), args.tokens + 1, args.samples)
+        groups.append(
+            [
+                rl_datum(prompt, rng.integers(0, vocab, n).tolist(), (-rng.random(n)).tolist(), rng.normal())
+                for n in lengths
+            ]
+        )
+    return groups
+
+
+def training_calls(args, stack) -> None:
+    """Per-group forward_backward calls against one call over the same rows, in-process and through the stack."""
+    import torch
+
+    from treadle import AdamParams, ServiceClient
+    from treadle.gpu_worker.engine import Engine
+    from treadle.types import LoraConfig
+
+    torch.set_num_threads(args.threads)
+    engine = Engine(args.model_dir)
+    engine.create_session("calls", LoraConfig(rank=args.rank, alpha=args.rank, seed=0))
+    training = ServiceClient(broker_url=stack.broker_url, storage_url=stack.storage_url).create_lora_training_client(
+        "bench", rank=args.rank, alpha=args.rank, seed=0
+    )
+    groups = fixed_groups(engine.tokenizer, args, min(engine.vocab_size, 10_000))
+    adam = AdamParams(learning_rate=LEARNING_RATE, eps=1e-8)
+
+    def in_process(calls):
+        for datums in calls:
+            engine.forward_backward("calls", datums, "importance_sampling")
+        engine.optim_step("calls", adam)
+
+    def through_stack(calls):
+        futures = [training.forward_backward(datums, "importance_sampling") for datums in calls]
+        futures.append(training.optim_step(adam))
+        for future in futures:
+            future.result()
+
+    shapes = {"per-group": groups, "one call": [[d for g in groups for d in g]]}
+    times: dict[tuple[str, str], list[float]] = {}
+    for round_index in range(args.rounds + 1):
+        for where, run in (("in-process", in_process), ("stack", through_stack)):
+            for shape, calls in shapes.items():
+                started = time.perf_counter()
+                run(calls)
+                elapsed = time.perf_counter() - started
+                print(f"round {round_index} {where:<10} {shape:<9} {elapsed:.2f} s", flush=True)
+                if round_index:
+                    times.setdefault((where, shape), []).append(elapsed)
+    training.stop()
+    engine.close()
+    print(
+        f"\n{len(groups)} groups x {args.samples} rows, {args.threads} torch threads, {args.rounds} rounds (median s)"
+    )
+    for where in ("in-process", "stack"):
+        per, one = times[(where, "per-group")], times[(where, "one call")]
+        ratio = statistics.median(p / o for p, o in zip(per, one))
+        print(
+            f"  {where:<10} per-group {statistics.median(per):.2f}, one call {statistics.median(one):.2f}: {ratio:.2f}x"
+        )
+
+
 # ---------------------------------------------------------------- the run
 
 
@@ -299,6 +375,7 @@ def main() -> None:
     parser.add_argument(
         "--model_dir", default=None, help="model directory (default: SmolLM2-135M-Instruct, prepared offline)"
     )
+    parser.add_argument("--calls", action="store_true", help="measure per-group forward_backward calls alone")
     parser.add_argument("--child", choices=("hand", "trl"), default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -311,6 +388,10 @@ def main() -> None:
     from treadle.local_stack import LocalStack
 
     args.model_dir = args.model_dir or prepare_smollm2()
+    if args.calls:
+        os.environ["OMP_NUM_THREADS"] = str(args.threads)
+        with tempfile.TemporaryDirectory() as tmp, LocalStack([f"bench={args.model_dir}"], home=f"{tmp}/s") as stack:
+            return training_calls(args, stack)
     modes = args.modes.split(",")
     argv = [f"--{k}={getattr(args, k)}" for k in ("prompts", "samples", "tokens", "rank", "threads", "rounds")]
     children = {m: Child(m, [*argv, f"--model_dir={args.model_dir}"]) for m in modes if m in ("hand", "trl")}
