@@ -56,6 +56,11 @@ from treadle.types import (
 )
 
 
+def _gated(datum: PreparedDatum, gate: str) -> np.ndarray:
+    """The positions where the loss's `gate` input is nonzero (any of a position's K columns)."""
+    return (datum.inputs[gate].reshape(datum.length, -1) != 0).any(axis=1)
+
+
 # Bound on an in-process caller's wait for the sampler thread (which answers or fails every request).
 LOCAL_WAIT_S = 600.0
 
@@ -202,6 +207,9 @@ class Engine:
                     [d.inputs["target_tokens"] for d in batch],
                     device=device,
                     pad_token_id=self._host.pad_token_id,
+                    needs_grad=[_gated(d, spec.gradient_gate) for d in batch]
+                    if backward and spec.gradient_gate
+                    else None,
                 )
                 # Flat, like the logprobs below: an [N, K] input's K values a position follow each other.
                 inputs = {

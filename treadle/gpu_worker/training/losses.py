@@ -20,7 +20,9 @@ says why and what to use instead.
 
 Adding a loss: write the function, add a `LossSpec` row to `LOSSES` (its required inputs and its
 parameters: a `LossConfig` in `treadle.types.LOSS_CONFIGS`), add its name to `treadle.types.LossFnType`
-(a test pins that the three agree), and a hand-computed row to tests/test_losses.py.
+(a test pins that the three agree), and a hand-computed row to tests/test_losses.py. If a 0 in one of its
+inputs makes a token's gradient exactly 0 (an advantage, a weight), name that input as its `gradient_gate`
+and add the loss to tests/test_gradient_gate.py: the trainer then differentiates only the other positions.
 """
 
 from __future__ import annotations
@@ -96,6 +98,9 @@ class LossSpec:
     config: type[LossConfig] = LossConfig  # the parameters' defaults and bounds (treadle.types.LOSS_CONFIGS)
     per_sequence: bool = False  # also give the function `sequence_index` (datum of each token)
     columns: bool = False  # also takes `[N, K]` target_tokens and weights (K targets a position)
+    # An input whose 0 at a position makes the loss's gradient there exactly 0 (A = 0 or weight 0: a prompt's
+    # positions), so the trainer differentiates only the other positions; None: every position can have one.
+    gradient_gate: str | None = None
 
     @property
     def config_defaults(self) -> dict[str, float]:
@@ -103,12 +108,19 @@ class LossSpec:
 
 
 LOSSES: dict[str, LossSpec] = {
-    "cross_entropy": LossSpec(cross_entropy, ("weights",), columns=True),
-    "importance_sampling": LossSpec(importance_sampling, ("logprobs", "advantages")),
-    "ppo": LossSpec(ppo, ("logprobs", "advantages"), PPOConfig),
-    "cispo": LossSpec(cispo, ("logprobs", "advantages"), CISPOConfig),
+    "cross_entropy": LossSpec(cross_entropy, ("weights",), columns=True, gradient_gate="weights"),
+    "importance_sampling": LossSpec(importance_sampling, ("logprobs", "advantages"), gradient_gate="advantages"),
+    "ppo": LossSpec(ppo, ("logprobs", "advantages"), PPOConfig, gradient_gate="advantages"),
+    "cispo": LossSpec(cispo, ("logprobs", "advantages"), CISPOConfig, gradient_gate="advantages"),
+    # dro's quadratic pull towards q has a gradient wherever lp != q, whatever the advantage.
     "dro": LossSpec(dro, ("logprobs", "advantages"), DROConfig),
-    "gspo": LossSpec(gspo, ("logprobs", "advantages", "sequence_ratio_mask"), GSPOConfig, per_sequence=True),
+    "gspo": LossSpec(
+        gspo,
+        ("logprobs", "advantages", "sequence_ratio_mask"),
+        GSPOConfig,
+        per_sequence=True,
+        gradient_gate="advantages",  # the sequence ratio reads every marked lp, but as a constant
+    ),
 }
 
 
