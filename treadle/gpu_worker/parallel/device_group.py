@@ -36,6 +36,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from treadle.net import free_port
+
 log = logging.getLogger("treadle.worker")
 
 WATCHDOG_PERIOD_S = 0.5
@@ -110,8 +112,6 @@ class DeviceGroup:
     """Rank 0's side: the follower processes, a socket to each, and the watchdog over them."""
 
     def __init__(self, config):
-        from treadle.local_stack import free_port
-
         self.size = config.devices
         self.device = rank_device(config.device, 0)
         self.spec = {
