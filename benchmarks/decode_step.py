@@ -50,16 +50,22 @@ def treadle_steps(bank, prompts, adapters, samples, steps) -> list[float]:
     return [timed(batch.step) for _ in range(steps)]
 
 
-def sdpa_steps(host, prompts, samples, steps) -> list[float]:
-    """Seconds of each of `steps` plain transformers forwards (the model's own attention) of the same rows."""
-    from transformers import DynamicCache
-
-    rows = [p for p in prompts for _ in range(samples)]
+def left_padded(host, rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows left-padded to one width: (input ids, attention mask)."""
     width = max(len(p) for p in rows)
     ids = torch.full((len(rows), width), host.pad_token_id, dtype=torch.long)
     mask = torch.zeros_like(ids)
     for i, p in enumerate(rows):
         ids[i, width - len(p) :], mask[i, width - len(p) :] = torch.tensor(p), 1
+    return ids, mask
+
+
+def sdpa_steps(host, prompts, samples, steps) -> list[float]:
+    """Seconds of each of `steps` plain transformers forwards (the model's own attention) of the same rows."""
+    from transformers import DynamicCache
+
+    rows = [p for p in prompts for _ in range(samples)]
+    ids, mask = left_padded(host, rows)
     positions = (mask.cumsum(1) - 1).clamp(min=0)
     times = []
     with torch.no_grad():
@@ -90,11 +96,7 @@ def generate_step(host, prompts, samples, steps) -> float:
     from transformers import GenerationConfig
 
     rows = [p for p in prompts for _ in range(samples)]
-    width = max(len(p) for p in rows)
-    ids = torch.full((len(rows), width), host.pad_token_id, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, p in enumerate(rows):
-        ids[i, width - len(p) :], mask[i, width - len(p) :] = torch.tensor(p), 1
+    ids, mask = left_padded(host, rows)
 
     def run(tokens: int) -> float:
         config = GenerationConfig(

@@ -27,9 +27,14 @@ WAIT = 60  # seconds; every wait in these tests has this bound
 @pytest.fixture(scope="module")
 def bank(tiny_model_dir) -> AdapterBank:
     """Three adapters with random (non-zero) B matrices, so each one changes the model's outputs."""
-    bank = AdapterBank(ModelHost(tiny_model_dir))
-    for seed, name in enumerate(ADAPTERS):
-        bank.add(name, bank.lora_config(LoraConfig(rank=4, alpha=8)), seed=seed)
+    return bank_of(tiny_model_dir, [(name, 4) for name in ADAPTERS])
+
+
+def bank_of(model_dir: str, adapters: list[tuple[str, int]]) -> AdapterBank:
+    """A bank with the adapters (name, rank), each with random B matrices (seeded by its place in the list)."""
+    bank = AdapterBank(ModelHost(model_dir))
+    for seed, (name, rank) in enumerate(adapters):
+        bank.add(name, bank.lora_config(LoraConfig(rank=rank, alpha=8)), seed=seed)
         generator = torch.Generator().manual_seed(100 + seed)
         with torch.no_grad():
             for key, param in bank.parameters(name).items():

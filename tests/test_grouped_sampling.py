@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from treadle.gpu_worker.model.adapters import AdapterBank
-from treadle.gpu_worker.model.host import ModelHost
 from treadle.gpu_worker.sampling.hf import cache_rows, mixed_lora, row_invariant
 from treadle.gpu_worker.sampling.hf.batch_decode import forward_rows
 from treadle.types import LoraConfig
+from tests.test_batch_sampling import bank_of
 
 PROMPTS = [[5, 6, 7, 8], [40, 41, 42, 43, 44, 45, 46, 47, 48], [100, 101], [200, 201, 202, 203, 204, 205], [9]]
 
@@ -20,15 +20,7 @@ PROMPTS = [[5, 6, 7, 8], [40, 41, 42, 43, 44, 45, 46, 47, 48], [100, 101], [200,
 def bank(tiny_model_dir) -> AdapterBank:
     """Adapters x, y, z (rank 4) and w (rank 8), with random B matrices so each changes the outputs; y2 is
     y with other weights."""
-    bank = AdapterBank(ModelHost(tiny_model_dir))
-    for seed, (name, rank) in enumerate([("x", 4), ("y", 4), ("z", 4), ("w", 8), ("y2", 4)]):
-        bank.add(name, bank.lora_config(LoraConfig(rank=rank, alpha=8)), seed=seed)
-        generator = torch.Generator().manual_seed(100 + seed)
-        with torch.no_grad():
-            for key, param in bank.parameters(name).items():
-                if "lora_B" in key:
-                    param.copy_(torch.randn(param.shape, generator=generator) * 0.3)
-    return bank
+    return bank_of(tiny_model_dir, [("x", 4), ("y", 4), ("z", 4), ("w", 8), ("y2", 4)])
 
 
 def prefill_and_steps(bank, prompts, adapters, steps=3) -> list[torch.Tensor]:
