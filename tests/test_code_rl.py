@@ -84,17 +84,25 @@ def tiny_problems(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def warm_start(stack, tiny_problems, tmp_path_factory) -> str:
-    """A save_state path of the tiny model after SFT on the echo answer (or none) to the tiny problems' prompts."""
+    """A save_state path of the tiny model after SFT on the echo answer (or none) to the tiny problems' prompts, and
+    for two-turn prompts on the echo answer again after a check_solution report: without that second turn the tiny
+    model's answers after a report are whatever its random weights make of it, and whether one of them held a code
+    block turned on the last bits of the warm start's training."""
     conversations = []
     for problem in load_code_problems(tiny_problems):
         for answer in [ECHO, ECHO, ECHO, NO_CODE]:
             for turns in (1, 2):
-                conversations.append(
-                    [
-                        {"role": "user", "content": problem_prompt(problem, turns)},
-                        {"role": "assistant", "content": answer},
+                conversation = [
+                    {"role": "user", "content": problem_prompt(problem, turns)},
+                    {"role": "assistant", "content": answer},
+                ]
+                if turns == 2 and answer == ECHO:
+                    report = "check_solution: 0 of 1 example tests passed.\nTest 1: wrong answer."
+                    conversation += [
+                        {"role": "tool", "name": "check_solution", "content": report},
+                        {"role": "assistant", "content": ECHO},
                     ]
-                )
+                conversations.append(conversation)
     data = tmp_path_factory.mktemp("code-sft") / "sft.jsonl"
     data.write_text("".join(json.dumps({"messages": c}) + "\n" for c in conversations))
     cfg = sft.Config(
