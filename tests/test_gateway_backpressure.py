@@ -13,27 +13,15 @@ import tinker
 from tinker import types as tt
 
 from tests.fixtures.gateway import ALICE_KEY
-from tests.test_gateway_http import _client, _fb_body, _post_fb, _result
+from tests.test_gateway_http import _client, _fb_body, _post_fb, _result, create_model
 from tests.test_sessions import sft_batch
 from treadle.queue import names
 
 
 def _model(gateway) -> tuple[str, str]:
     """(client session id, model id) of a new training model of alice's."""
-    with _client(gateway, ALICE_KEY) as alice:
-        session_id = alice.post(
-            "/create_session", json={"tags": [], "user_metadata": None, "sdk_version": "0.38.0"}
-        ).json()["session_id"]
-        created = alice.post(
-            "/create_model",
-            json={
-                "session_id": session_id,
-                "model_seq_id": 0,
-                "base_model": "tiny",
-                "lora_config": {"rank": 4, "seed": 1},
-            },
-        ).json()
-        return session_id, _result(alice, created["request_id"]).json()["model_id"]
+    session_id, _, model_id = create_model(gateway)
+    return session_id, model_id
 
 
 def _bound(stack_redis, model_id: str, limit: int) -> None:

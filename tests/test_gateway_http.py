@@ -50,9 +50,9 @@ def _post_fb(client: httpx.Client, body: bytes) -> httpx.Response:
     return client.post("/forward_backward", content=body, headers={"Content-Type": "application/x-protobuf"})
 
 
-@pytest.fixture(scope="module")
-def alice_model(gateway):
-    """A training model of alice's, created over plain HTTP."""
+def create_model(gateway) -> tuple[str, str, str]:
+    """A training model of alice's, created over plain HTTP: (client session id, the model id the create answered,
+    the model id its result names)."""
     with _client(gateway, ALICE_KEY) as alice:
         session_id = alice.post(
             "/create_session", json={"tags": [], "user_metadata": None, "sdk_version": "0.38.0"}
@@ -66,8 +66,15 @@ def alice_model(gateway):
                 "lora_config": {"rank": 4, "seed": 1},
             },
         ).json()
-        assert _result(alice, created["request_id"]).json()["model_id"] == created["model_id"]
-        return created["model_id"]
+        return session_id, created["model_id"], _result(alice, created["request_id"]).json()["model_id"]
+
+
+@pytest.fixture(scope="module")
+def alice_model(gateway):
+    """A training model of alice's, created over plain HTTP."""
+    _, answered, result = create_model(gateway)
+    assert result == answered
+    return answered
 
 
 def test_missing_or_wrong_key_is_401(gateway):
