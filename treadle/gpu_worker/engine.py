@@ -13,9 +13,11 @@ Every request is validated completely before any tensor is touched.
 
 from __future__ import annotations
 
+import functools
 import threading
 from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import Callable, TypeVar
 
 import numpy as np
 import torch
@@ -25,10 +27,11 @@ from treadle.errors import InvalidRequestError, SessionNotFoundError
 from treadle.gpu_worker.model.adapters import AdapterBank
 from treadle.gpu_worker.sampling.hf.batch_decode import SampleJob
 from treadle.gpu_worker.model.cpu_threads import CpuThreads
+from treadle.gpu_worker.model.compute_thread import compute_thread
 from treadle.gpu_worker.model.device_lock import DeviceLock
 from treadle.gpu_worker.training.logprobs import micro_batches, target_logprobs
 from treadle.gpu_worker.training.losses import LOSSES
-from treadle.gpu_worker.model.host import ModelHost
+from treadle.gpu_worker.model.host import ModelHost, pick_device
 from treadle.gpu_worker.model_profile import profile
 from treadle.gpu_worker.training.optimizer import SessionOptimizer
 from treadle.gpu_worker.sampling.extras import SampleExtras
@@ -61,8 +64,21 @@ def _gated(datum: PreparedDatum, gate: str) -> np.ndarray:
     return (datum.inputs[gate].reshape(datum.length, -1) != 0).any(axis=1)
 
 
+def _on_device(method: Callable[..., T]) -> Callable[..., T]:
+    """The method holds the engine's device lock and computes where its device does (DeviceLock.run)."""
+
+    @functools.wraps(method)
+    def call(self: Engine, *args, **kwargs):
+        with self._lock:
+            return self._lock.run(method, self, *args, **kwargs)
+
+    return call
+
+
 # Bound on an in-process caller's wait for the sampler thread (which answers or fails every request).
 LOCAL_WAIT_S = 600.0
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -87,11 +103,17 @@ class Engine:
         sampler: SamplerKind = "hf",
         vllm: VllmOptions | None = None,
     ):
-        self._host = ModelHost(model, device=device, dtype=dtype)
+        compute = compute_thread(pick_device(device))
+        self._lock = DeviceLock(compute)
+        # Loaded where it will compute: a load's parallel copies on this thread would give it a thread pool of its own.
+        self._host = (
+            compute.run(ModelHost, model, device=device, dtype=dtype)
+            if compute
+            else ModelHost(model, device=device, dtype=dtype)
+        )
         self._bank = AdapterBank(self._host)
         self._sessions: dict[str, _Session] = {}
         self._samplers: dict[str, str] = {}  # sampler id -> adapter name
-        self._lock = DeviceLock()
         self._catalog = (
             threading.Lock()
         )  # sampler ids; not the device lock, held by every decode step (see sample_async)
@@ -125,11 +147,11 @@ class Engine:
         sessions are owed the device (treadle.gpu_worker.executor.turns.HeldDevice)."""
         return self._lock
 
+    @_on_device
     def create_session(self, session_id: str, lora: LoraConfig) -> None:
-        with self._lock:
-            if session_id in self._sessions:
-                raise InvalidRequestError(f"session_id: {session_id!r} already exists")
-            self._sessions[session_id] = self._new_session(lora)
+        if session_id in self._sessions:
+            raise InvalidRequestError(f"session_id: {session_id!r} already exists")
+        self._sessions[session_id] = self._new_session(lora)
 
     def _new_session(self, lora: LoraConfig) -> _Session:
         adapter = self._bank.new_name()
@@ -139,13 +161,13 @@ class Engine:
     def has_session(self, session_id: str) -> bool:
         return session_id in self._sessions
 
+    @_on_device
     def drop_session(self, session_id: str) -> None:
         """Free the session's adapter, optimizer state and gradients."""
-        with self._lock:
-            session = self._session(session_id)
-            session.optimizer.zero_grad()
-            self._bank.remove(session.adapter)
-            del self._sessions[session_id]
+        session = self._session(session_id)
+        session.optimizer.zero_grad()
+        self._bank.remove(session.adapter)
+        del self._sessions[session_id]
 
     def step(self, session_id: str) -> int:
         """Optimizer steps applied so far."""
@@ -174,16 +196,16 @@ class Engine:
         """Like `forward`, and adds the loss's gradients to the session's accumulated gradients."""
         return self._checked_run(session_id, data, loss_fn, loss_fn_config, backward=True)
 
+    @_on_device
     def _checked_run(
         self, session_id: str, data: list[Datum], loss_fn: str, loss_fn_config: dict | None, *, backward: bool
     ) -> ForwardBackwardOutput:
         # Everything is validated before the model runs, so a rejected request leaves no gradients.
-        with self._lock:
-            session = self._session(session_id)
-            config = check_loss(loss_fn, loss_fn_config)
-            prepared = prepare_data(data, loss_fn, max_seq_len=self.max_seq_len, vocab_size=self.vocab_size)
-            with self._threads.sized(sum(d.length for d in prepared) * self._base_params):
-                return self._run(session, prepared, loss_fn, config, backward=backward)
+        session = self._session(session_id)
+        config = check_loss(loss_fn, loss_fn_config)
+        prepared = prepare_data(data, loss_fn, max_seq_len=self.max_seq_len, vocab_size=self.vocab_size)
+        with self._threads.sized(sum(d.length for d in prepared) * self._base_params):
+            return self._run(session, prepared, loss_fn, config, backward=backward)
 
     def _run(
         self,
@@ -229,33 +251,33 @@ class Engine:
                     outputs[i] = {"logprobs": TensorData.from_numpy(lp.detach().cpu().numpy())}
         return ForwardBackwardOutput(loss_fn_outputs=outputs, metrics={"loss:sum": total_loss})
 
+    @_on_device
     def optim_step(self, session_id: str, params: AdamParams) -> OptimStepResponse:
         """Apply the accumulated gradients with AdamW(params) and clear them."""
-        with self._lock:
-            session = self._session(session_id)
-            with self._threads.sized(10 * session.optimizer.size):
-                metrics = session.optimizer.step(params)
-            session.step += 1
-            return OptimStepResponse(metrics={**metrics, "step:max": float(session.step)})
+        session = self._session(session_id)
+        with self._threads.sized(10 * session.optimizer.size):
+            metrics = session.optimizer.step(params)
+        session.step += 1
+        return OptimStepResponse(metrics={**metrics, "step:max": float(session.step)})
 
     # ------------------------------------------------------------ samplers
 
+    @_on_device
     def snapshot_sampler(self, session_id: str, sampler_id: str) -> None:
         """A frozen copy of the session's adapter as it is now; later training never changes it."""
-        with self._lock:
-            session = self._session(session_id)
-            self._check_new_sampler(sampler_id)
-            adapter = self._bank.new_name()
-            self._bank.add_copy(adapter, source=session.adapter)
-            self._samplers[sampler_id] = adapter
+        session = self._session(session_id)
+        self._check_new_sampler(sampler_id)
+        adapter = self._bank.new_name()
+        self._bank.add_copy(adapter, source=session.adapter)
+        self._samplers[sampler_id] = adapter
 
+    @_on_device
     def load_sampler(self, sampler_id: str, adapter_dir: str) -> None:
         """A frozen sampler from a PEFT adapter directory."""
-        with self._lock:
-            self._check_new_sampler(sampler_id)
-            adapter = self._bank.new_name()
-            self._bank.add_from_dir(adapter, adapter_dir)
-            self._samplers[sampler_id] = adapter
+        self._check_new_sampler(sampler_id)
+        adapter = self._bank.new_name()
+        self._bank.add_from_dir(adapter, adapter_dir)
+        self._samplers[sampler_id] = adapter
 
     def _check_new_sampler(self, sampler_id: str) -> None:
         if sampler_id in self._samplers:
@@ -336,23 +358,24 @@ class Engine:
 
     # ------------------------------------------------------------ state
 
+    @_on_device
     def save_state(self, session_id: str, directory: str, *, include_optimizer: bool = True) -> None:
         """Adapter (PEFT format), optimizer moments, pending gradients, step, LoRA config and RNG state."""
-        with self._lock:
-            session = self._session(session_id)
-            self._bank.save(session.adapter, directory)
-            write_state(
-                directory,
-                TrainingState(
-                    base_model=self.base_model,
-                    lora=session.lora,
-                    step=session.step,
-                    optimizer=session.optimizer.state_tensors() if include_optimizer else None,
-                    gradients=session.optimizer.grad_tensors(),
-                    rng=capture_rng(),
-                ),
-            )
+        session = self._session(session_id)
+        self._bank.save(session.adapter, directory)
+        write_state(
+            directory,
+            TrainingState(
+                base_model=self.base_model,
+                lora=session.lora,
+                step=session.step,
+                optimizer=session.optimizer.state_tensors() if include_optimizer else None,
+                gradients=session.optimizer.grad_tensors(),
+                rng=capture_rng(),
+            ),
+        )
 
+    @_on_device
     def load_state(self, session_id: str, directory: str, *, with_optimizer: bool) -> None:
         """Create (or replace) the session from a state directory.
 
@@ -360,29 +383,26 @@ class Engine:
         False loads the weights and step count and starts Adam afresh. Everything is loaded into a new
         adapter first, so a failed load leaves an existing session untouched.
         """
-        with self._lock:
-            state = read_state(directory, with_optimizer=with_optimizer)
-            if session_id in self._sessions:
-                check_same_adapter(self._sessions[session_id].lora, state.lora, source=str(directory))
-            fresh = self._new_session(state.lora)
-            try:
-                self._bank.copy_weights(
-                    fresh.adapter, load_peft_weights(directory, device="cpu"), source=str(directory)
-                )
-                if with_optimizer:
-                    fresh.optimizer.load_state_tensors(state.optimizer, source=str(directory))
-                    fresh.optimizer.load_grad_tensors(state.gradients, source=str(directory))
-            except Exception:
-                self._bank.remove(fresh.adapter)
-                raise
-            fresh.step = state.step
-            if session_id in self._sessions:
-                self.drop_session(session_id)
-            self._sessions[session_id] = fresh
-            if with_optimizer and state.rng:
-                restore_rng(state.rng)
+        state = read_state(directory, with_optimizer=with_optimizer)
+        if session_id in self._sessions:
+            check_same_adapter(self._sessions[session_id].lora, state.lora, source=str(directory))
+        fresh = self._new_session(state.lora)
+        try:
+            self._bank.copy_weights(fresh.adapter, load_peft_weights(directory, device="cpu"), source=str(directory))
+            if with_optimizer:
+                fresh.optimizer.load_state_tensors(state.optimizer, source=str(directory))
+                fresh.optimizer.load_grad_tensors(state.gradients, source=str(directory))
+        except Exception:
+            self._bank.remove(fresh.adapter)
+            raise
+        fresh.step = state.step
+        if session_id in self._sessions:
+            self.drop_session(session_id)
+        self._sessions[session_id] = fresh
+        if with_optimizer and state.rng:
+            restore_rng(state.rng)
 
+    @_on_device
     def save_sampler_weights(self, sampler_id: str, directory: str) -> None:
         """The sampler's adapter as a PEFT directory (adapter only)."""
-        with self._lock:
-            self._bank.save(self._sampler(sampler_id), directory)
+        self._bank.save(self._sampler(sampler_id), directory)

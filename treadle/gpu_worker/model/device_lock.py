@@ -17,6 +17,10 @@ A tenant is a session id (a sample's: the session its snapshot came from), witho
 weighted shares between owners are the op turns' (treadle.queue.fair); here only which of two ready
 forwards runs first is decided. The op thread names its tenant for the engine calls of one op with
 `serving` (the engine's methods take the lock without knowing whom they serve).
+
+On CPU the holder computes through `run`, on the process's one compute thread (why:
+treadle.gpu_worker.model.compute_thread); while that thread runs a holder's call, it counts as the holder, so
+the call may take the lock again.
 """
 
 from __future__ import annotations
@@ -25,9 +29,12 @@ import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator, Mapping
+from typing import Callable, Iterator, Mapping, TypeVar
 
+from treadle.gpu_worker.model.compute_thread import ComputeThread
 from treadle.queue.fair import ServiceTags
+
+T = TypeVar("T")
 
 _serving = threading.local()
 
@@ -52,7 +59,8 @@ class _Waiter:
 class DeviceLock:
     """Reentrant lock (a `with` block, or `hold(tenants)`; the same thread may nest it), granted fairly."""
 
-    def __init__(self) -> None:
+    def __init__(self, compute: ComputeThread | None = None) -> None:
+        self._compute = compute
         self._cond = threading.Condition(threading.Lock())
         self._owner: int | None = None
         self._depth = 0
@@ -66,7 +74,7 @@ class DeviceLock:
     def acquire(self, tenants: Mapping[str, float] | None = None) -> None:
         """Wait for the device. `tenants`: whom the hold serves, with their shares of it (rows); None: this thread's
         `serving` tenant, if any."""
-        me = threading.get_ident()
+        me = self._me()
         with self._cond:
             if self._owner == me:
                 self._depth += 1
@@ -88,7 +96,7 @@ class DeviceLock:
 
     def release(self) -> None:
         with self._cond:
-            if self._owner != threading.get_ident():
+            if self._owner != self._me():
                 raise RuntimeError("DeviceLock released by a thread that does not hold it")
             self._depth -= 1
             if self._depth == 0:
@@ -103,7 +111,7 @@ class DeviceLock:
         lock again would lose it to whoever was already waiting, owed or not; this is how the sampler keeps the
         device for a light tenant's decode steps while the heavy tenant's next op waits."""
         with self._cond:
-            if self._owner != threading.get_ident() or self._depth != 1:
+            if self._owner != self._me() or self._depth != 1:
                 raise RuntimeError("DeviceLock.keep needs the lock held once by this thread")
             now = time.monotonic()
             self._charge(now - self._held_since)
@@ -116,6 +124,21 @@ class DeviceLock:
                 self.tags.advance(min(tenants, key=self.tags.tag))
             self._holding = tenants
             return True
+
+    def run(self, fn: Callable[..., T], /, *args, **kwargs) -> T:
+        """`fn(*args, **kwargs)`, computed on the compute thread if there is one; the caller holds the lock."""
+        if self._compute is None:
+            return fn(*args, **kwargs)
+        if self._owner != self._me():
+            raise RuntimeError("DeviceLock.run needs the lock held by this thread")
+        return self._compute.run(fn, *args, **kwargs)
+
+    def _me(self) -> int:
+        """This thread, or the thread whose call the compute thread is running."""
+        me = threading.get_ident()
+        if self._compute is not None and me == self._compute.ident and self._compute.acting_for is not None:
+            return self._compute.acting_for
+        return me
 
     @contextmanager
     def hold(self, tenants: Mapping[str, float]) -> Iterator["DeviceLock"]:

@@ -111,13 +111,19 @@ class LogprobAudit:
             if self.settings.observe is not None:
                 self.settings.observe(self.host.name, gap)
 
+    def _trained(self, adapter: str | None, tokens: np.ndarray, targets: np.ndarray) -> torch.Tensor:
+        """The training forward's logprobs of `targets` after each of `tokens`."""
+        with torch.no_grad(), self.bank.using(adapter, trainable=False) as model:
+            [row] = target_logprobs(
+                model, [tokens], [targets], device=self.host.device, pad_token_id=self.host.pad_token_id
+            )
+        return row
+
     def gap(self, case: _Case) -> float:
         """Mean |sampler logprob - training-forward logprob| over the sequence's tokens (nats)."""
         tokens = np.concatenate([case.prompt, case.tokens])
         targets = np.concatenate([tokens[1:], [self.host.pad_token_id]])
-        with self.device_lock, torch.no_grad(), self.bank.using(case.adapter, trainable=False) as model:
-            [row] = target_logprobs(
-                model, [tokens], [targets], device=self.host.device, pad_token_id=self.host.pad_token_id
-            )
+        with self.device_lock:
+            row = self.device_lock.run(self._trained, case.adapter, tokens, targets)
         trained = row[len(case.prompt) - 1 : len(tokens) - 1].double().cpu().numpy()
         return float(np.abs(trained - case.logprobs).mean())

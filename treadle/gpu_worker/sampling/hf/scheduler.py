@@ -163,7 +163,7 @@ class SampleScheduler:
         # tenant's own rows.
         while self._wait_for_work():
             with self.device_lock.hold(self._tenants()) as device:
-                while self._round() and device.keep(self._tenants()):
+                while device.run(self._round) and device.keep(self._tenants()):
                     pass
             if self._retiring:
                 self._retire_unused()
