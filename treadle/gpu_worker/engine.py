@@ -13,11 +13,9 @@ Every request is validated completely before any tensor is touched.
 
 from __future__ import annotations
 
-import functools
 import threading
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Callable, TypeVar
 
 import numpy as np
 import torch
@@ -28,7 +26,7 @@ from treadle.gpu_worker.model.adapters import AdapterBank
 from treadle.gpu_worker.sampling.hf.batch_decode import SampleJob
 from treadle.gpu_worker.model.cpu_threads import CpuThreads
 from treadle.gpu_worker.model.compute_thread import compute_thread
-from treadle.gpu_worker.model.device_lock import DeviceLock
+from treadle.gpu_worker.model.device_lock import DeviceLock, on_device
 from treadle.gpu_worker.training.logprobs import micro_batches, target_logprobs
 from treadle.gpu_worker.training.losses import LOSSES
 from treadle.gpu_worker.model.host import ModelHost, pick_device
@@ -64,21 +62,8 @@ def _gated(datum: PreparedDatum, gate: str) -> np.ndarray:
     return (datum.inputs[gate].reshape(datum.length, -1) != 0).any(axis=1)
 
 
-def _on_device(method: Callable[..., T]) -> Callable[..., T]:
-    """The method holds the engine's device lock and computes where its device does (DeviceLock.run)."""
-
-    @functools.wraps(method)
-    def call(self: Engine, *args, **kwargs):
-        with self._lock:
-            return self._lock.run(method, self, *args, **kwargs)
-
-    return call
-
-
 # Bound on an in-process caller's wait for the sampler thread (which answers or fails every request).
 LOCAL_WAIT_S = 600.0
-
-T = TypeVar("T")
 
 
 @dataclass
@@ -147,7 +132,7 @@ class Engine:
         sessions are owed the device (treadle.gpu_worker.executor.turns.HeldDevice)."""
         return self._lock
 
-    @_on_device
+    @on_device
     def create_session(self, session_id: str, lora: LoraConfig) -> None:
         if session_id in self._sessions:
             raise InvalidRequestError(f"session_id: {session_id!r} already exists")
@@ -161,7 +146,7 @@ class Engine:
     def has_session(self, session_id: str) -> bool:
         return session_id in self._sessions
 
-    @_on_device
+    @on_device
     def drop_session(self, session_id: str) -> None:
         """Free the session's adapter, optimizer state and gradients."""
         session = self._session(session_id)
@@ -196,7 +181,7 @@ class Engine:
         """Like `forward`, and adds the loss's gradients to the session's accumulated gradients."""
         return self._checked_run(session_id, data, loss_fn, loss_fn_config, backward=True)
 
-    @_on_device
+    @on_device
     def _checked_run(
         self, session_id: str, data: list[Datum], loss_fn: str, loss_fn_config: dict | None, *, backward: bool
     ) -> ForwardBackwardOutput:
@@ -251,7 +236,7 @@ class Engine:
                     outputs[i] = {"logprobs": TensorData.from_numpy(lp.detach().cpu().numpy())}
         return ForwardBackwardOutput(loss_fn_outputs=outputs, metrics={"loss:sum": total_loss})
 
-    @_on_device
+    @on_device
     def optim_step(self, session_id: str, params: AdamParams) -> OptimStepResponse:
         """Apply the accumulated gradients with AdamW(params) and clear them."""
         session = self._session(session_id)
@@ -262,7 +247,7 @@ class Engine:
 
     # ------------------------------------------------------------ samplers
 
-    @_on_device
+    @on_device
     def snapshot_sampler(self, session_id: str, sampler_id: str) -> None:
         """A frozen copy of the session's adapter as it is now; later training never changes it."""
         session = self._session(session_id)
@@ -271,7 +256,7 @@ class Engine:
         self._bank.add_copy(adapter, source=session.adapter)
         self._samplers[sampler_id] = adapter
 
-    @_on_device
+    @on_device
     def load_sampler(self, sampler_id: str, adapter_dir: str) -> None:
         """A frozen sampler from a PEFT adapter directory."""
         self._check_new_sampler(sampler_id)
@@ -358,7 +343,7 @@ class Engine:
 
     # ------------------------------------------------------------ state
 
-    @_on_device
+    @on_device
     def save_state(self, session_id: str, directory: str, *, include_optimizer: bool = True) -> None:
         """Adapter (PEFT format), optimizer moments, pending gradients, step, LoRA config and RNG state."""
         session = self._session(session_id)
@@ -375,7 +360,7 @@ class Engine:
             ),
         )
 
-    @_on_device
+    @on_device
     def load_state(self, session_id: str, directory: str, *, with_optimizer: bool) -> None:
         """Create (or replace) the session from a state directory.
 
@@ -402,7 +387,7 @@ class Engine:
         if with_optimizer and state.rng:
             restore_rng(state.rng)
 
-    @_on_device
+    @on_device
     def save_sampler_weights(self, sampler_id: str, directory: str) -> None:
         """The sampler's adapter as a PEFT directory (adapter only)."""
         self._bank.save(self._sampler(sampler_id), directory)

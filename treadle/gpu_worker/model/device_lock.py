@@ -25,6 +25,7 @@ the call may take the lock again.
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from contextlib import contextmanager
@@ -48,6 +49,18 @@ def serving(tenant: str) -> Iterator[None]:
         yield
     finally:
         _serving.tenant = previous
+
+
+def on_device(method: Callable[..., T]) -> Callable[..., T]:
+    """A method of an object whose `device` is its `DeviceLock`: the call holds the lock and computes where the
+    device does (`DeviceLock.run`)."""
+
+    @functools.wraps(method)
+    def call(self, *args, **kwargs):
+        with self.device:
+            return self.device.run(method, self, *args, **kwargs)
+
+    return call
 
 
 @dataclass
