@@ -88,14 +88,10 @@ class Engine:
         sampler: SamplerKind = "hf",
         vllm: VllmOptions | None = None,
     ):
-        compute = compute_thread(pick_device(device))
-        self._lock = DeviceLock(compute)
+        self._lock = DeviceLock(compute_thread(pick_device(device)))
         # Loaded where it will compute: a load's parallel copies on this thread would give it a thread pool of its own.
-        self._host = (
-            compute.run(ModelHost, model, device=device, dtype=dtype)
-            if compute
-            else ModelHost(model, device=device, dtype=dtype)
-        )
+        with self._lock:
+            self._host = self._lock.run(ModelHost, model, device=device, dtype=dtype)
         self._bank = AdapterBank(self._host)
         self._sessions: dict[str, _Session] = {}
         self._samplers: dict[str, str] = {}  # sampler id -> adapter name
