@@ -1,4 +1,5 @@
-"""On CPU, every tensor computation of an engine runs on the process's one compute thread, whoever asks for it."""
+"""On CPU, an engine's tensor computations run on the process's one compute thread, whoever asks for them (toy-sized
+training ops on more than one configured thread excepted: tests/test_cpu_threads.py)."""
 
 import threading
 

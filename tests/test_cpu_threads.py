@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import threading
+
 import torch
 
+from treadle.gpu_worker.model import cpu_threads
 from treadle.gpu_worker.model.cpu_threads import MIN_PARALLEL_WORK, CpuThreads
 from treadle.gpu_worker.engine import Engine
 from treadle.types import AdamParams, LoraConfig
@@ -15,32 +18,41 @@ def test_work_below_the_bound_runs_on_one_thread_and_the_count_comes_back():
     torch.set_num_threads(2)
     try:
         threads = CpuThreads(torch.device("cpu"))
-        with threads.sized(MIN_PARALLEL_WORK - 1):
+        assert threads.small(MIN_PARALLEL_WORK - 1) and not threads.small(MIN_PARALLEL_WORK)
+        with threads.one():
             assert torch.get_num_threads() == 1
         assert torch.get_num_threads() == 2
-        with threads.sized(MIN_PARALLEL_WORK):
-            assert torch.get_num_threads() == 2
-        assert not CpuThreads(torch.device("cuda")).enabled  # an accelerator's ops are left alone
+        assert not CpuThreads(torch.device("cuda")).small(1)  # an accelerator's ops are left alone
         torch.set_num_threads(1)
-        assert not CpuThreads(torch.device("cpu")).enabled  # one thread configured: nothing to lower
+        assert not CpuThreads(torch.device("cpu")).small(1)  # one thread configured: nothing to lower
     finally:
         torch.set_num_threads(before)
 
 
-def test_the_engine_sizes_its_training_ops(tiny_model_dir):
-    """On the tiny model a forward_backward and an optim_step are toy-sized: they run on one thread, and the
-    count is back to the configured two afterwards."""
+def test_the_engine_sizes_its_training_ops(tiny_model_dir, monkeypatch):
+    """On the tiny model a forward_backward and an optim_step are toy-sized: they run on one thread of the caller
+    (no hand-off to the compute thread), and the count is back to the configured two afterwards. Work above the
+    bound runs on the compute thread."""
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
         engine = Engine(tiny_model_dir)
         engine.create_session("s", LoraConfig(rank=4, seed=0))
         seen = []
-        engine._host.model.register_forward_pre_hook(lambda *_: seen.append(torch.get_num_threads()))
+        engine._host.model.register_forward_pre_hook(
+            lambda *_: seen.append((threading.current_thread().name, torch.get_num_threads()))
+        )
         engine.forward_backward("s", sft_batch(0), "cross_entropy")
-        assert seen and set(seen) == {1}
+        assert seen and set(seen) == {(threading.current_thread().name, 1)}
         assert torch.get_num_threads() == 2
         engine.optim_step("s", AdamParams(learning_rate=1e-3))
         assert torch.get_num_threads() == 2
+
+        seen.clear()
+        monkeypatch.setattr(cpu_threads, "MIN_PARALLEL_WORK", 0)
+        engine.forward_backward("s", sft_batch(0), "cross_entropy")
+        # (the compute thread's own count is the process's: in this test process it may be one)
+        assert seen and {name for name, _ in seen} == {"treadle-compute"}
+        engine.close()
     finally:
         torch.set_num_threads(before)

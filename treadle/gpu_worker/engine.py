@@ -5,7 +5,7 @@ a frozen adapter snapshot (or the bare base model). The engine knows nothing of 
 storage: the Celery worker calls these methods in each session's `seq` order, and the checkpoint
 store moves the directories that `save_state` / `save_sampler_weights` write.
 
-Every public method but queueing a sample takes one FIFO `DeviceLock` (the active adapter is PeftModel-wide
+Every public method but queueing a sample takes the fair `DeviceLock` (the active adapter is PeftModel-wide
 state). The HF `SampleScheduler` batches every pending sample request into one decode loop and takes the lock
 once per forward (a training op waits at most one decode step); vLLM samples in a child process, lock-free.
 Every request is validated completely before any tensor is touched.
@@ -16,6 +16,7 @@ from __future__ import annotations
 import threading
 from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import Callable, TypeVar
 
 import numpy as np
 import torch
@@ -61,6 +62,8 @@ def _gated(datum: PreparedDatum, gate: str) -> np.ndarray:
     """The positions where the loss's `gate` input is nonzero (any of a position's K columns)."""
     return (datum.inputs[gate].reshape(datum.length, -1) != 0).any(axis=1)
 
+
+T = TypeVar("T")
 
 # Bound on an in-process caller's wait for the sampler thread (which answers or fails every request).
 LOCAL_WAIT_S = 600.0
@@ -177,16 +180,25 @@ class Engine:
         """Like `forward`, and adds the loss's gradients to the session's accumulated gradients."""
         return self._checked_run(session_id, data, loss_fn, loss_fn_config, backward=True)
 
-    @on_device
     def _checked_run(
         self, session_id: str, data: list[Datum], loss_fn: str, loss_fn_config: dict | None, *, backward: bool
     ) -> ForwardBackwardOutput:
-        # Everything is validated before the model runs, so a rejected request leaves no gradients.
-        session = self._session(session_id)
-        config = check_loss(loss_fn, loss_fn_config)
-        prepared = prepare_data(data, loss_fn, max_seq_len=self.max_seq_len, vocab_size=self.vocab_size)
-        with self._threads.sized(sum(d.length for d in prepared) * self._base_params):
-            return self._run(session, prepared, loss_fn, config, backward=backward)
+        with self.device:
+            # Everything is validated before the model runs, so a rejected request leaves no gradients.
+            session = self._session(session_id)
+            config = check_loss(loss_fn, loss_fn_config)
+            prepared = prepare_data(data, loss_fn, max_seq_len=self.max_seq_len, vocab_size=self.vocab_size)
+            work = sum(d.length for d in prepared) * self._base_params
+            return self._compute(work, self._run, session, prepared, loss_fn, config, backward=backward)
+
+    def _compute(self, work: float, fn: Callable[..., T], /, *args, **kwargs) -> T:
+        """`fn(*args, **kwargs)` for a holder of the device lock, on threads sized to its `work`: toy-sized work on
+        one thread of this one (it starts no OpenMP team, so it needs no hand-off), the rest where the lock computes
+        (treadle.gpu_worker.model.cpu_threads)."""
+        if self._threads.small(work):
+            with self._threads.one():
+                return fn(*args, **kwargs)
+        return self.device.run(fn, *args, **kwargs)
 
     def _run(
         self,
@@ -232,13 +244,12 @@ class Engine:
                     outputs[i] = {"logprobs": TensorData.from_numpy(lp.detach().cpu().numpy())}
         return ForwardBackwardOutput(loss_fn_outputs=outputs, metrics={"loss:sum": total_loss})
 
-    @on_device
     def optim_step(self, session_id: str, params: AdamParams) -> OptimStepResponse:
         """Apply the accumulated gradients with AdamW(params) and clear them."""
-        session = self._session(session_id)
-        with self._threads.sized(10 * session.optimizer.size):
-            metrics = session.optimizer.step(params)
-        session.step += 1
+        with self.device:
+            session = self._session(session_id)
+            metrics = self._compute(10 * session.optimizer.size, session.optimizer.step, params)
+            session.step += 1
         return OptimStepResponse(metrics={**metrics, "step:max": float(session.step)})
 
     # ------------------------------------------------------------ samplers

@@ -9,8 +9,10 @@ region of every later op pays a wake-up. Measured on 2 cores: a second thread th
 the main thread's small linears 1.49x slower (454 -> 676 us), HF `generate` of 32 rows 1.30x (18 -> 24 s),
 and treadle's sampler as slow as that, since the op thread had run training ops.
 
-So on CPU every computation goes to this thread (`run`), whichever thread holds the lock, and the process
-has one team. On CUDA the OpenMP teams do little (kernels run on the device), so nothing moves there.
+So on CPU every computation on more than one thread goes to this thread (`run`), whichever thread holds the
+lock, and the process has one team. A toy-sized training op computes on one thread of its caller instead: it
+starts no team, and it would pay the hand-off (treadle.gpu_worker.model.cpu_threads). On CUDA the OpenMP teams
+do little (kernels run on the device), so nothing moves there.
 """
 
 from __future__ import annotations

@@ -9,6 +9,10 @@ So an op whose work (tokens x base parameters; an optimizer step counts ten per 
 below `MIN_PARALLEL_WORK` runs on one thread; any larger op, and everything on a real model (one token
 of SmolLM2-135M is already above it), on the threads torch was configured with. On CUDA nothing changes.
 Callers hold the engine's device lock, so no other op runs while the count is lowered.
+
+An op on one thread starts no OpenMP team, so it may run on the thread that asks for it: the engine computes
+toy-sized work there instead of handing it to the compute thread (treadle.gpu_worker.model.compute_thread),
+whose hand-off and wake-up cost a few percent of a 4 ms op.
 """
 
 from __future__ import annotations
@@ -27,12 +31,13 @@ class CpuThreads:
         self.threads = torch.get_num_threads()
         self.enabled = device.type == "cpu" and self.threads > 1
 
+    def small(self, work: float) -> bool:
+        """True when `work` should run on one thread (`one`)."""
+        return self.enabled and work < MIN_PARALLEL_WORK
+
     @contextmanager
-    def sized(self, work: float) -> Iterator[None]:
-        """Run the block on one thread when `work` is below `MIN_PARALLEL_WORK`."""
-        if not self.enabled or work >= MIN_PARALLEL_WORK:
-            yield
-            return
+    def one(self) -> Iterator[None]:
+        """Torch computes on one thread of this thread within the block."""
         torch.set_num_threads(1)
         try:
             yield
