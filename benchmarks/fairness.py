@@ -3,17 +3,17 @@
 Tenant B runs a light training loop, one step at a time (forward_backward of 4 x 32 tokens, then
 optim_step, waiting for both), with a 1 x 8-token sample request every 5 steps. Tenant A pipelines
 `--heavy` forward_backwards of 16 x 256 tokens and 16 sample requests of 16 rows x 64 tokens without
-waiting. The benchmark measures B alone, A alone, then both together (B's loop runs for as long as A has
-work queued), on one local stack (Redis + one worker) on the tiny random model, and prints:
+waiting. On one local stack (Redis + one worker) on the tiny random model, the benchmark measures B's
+loop of `--steps` steps alone, A's burst alone, then the same loop of B started with A's burst, and prints:
 
 - B's step and small-sample latency (p50 / p95), alone and beside A;
 - B's p95 step beside A in units of A's heavy op (its median compute time on the worker);
 - A's throughput (heavy ops per second of wall time) alone and beside B, and their ratio;
-- the device time of one B step, and the share of the device B would hold were its steps beside A as quick as
-  1.5x alone: B's loop runs the whole time A's burst does, so A keeps at most the rest. B's latency and A's
-  throughput trade against each other; fair turns give B its ops right after the one running, no sooner.
+- where B's loop ended in A's burst (it must run beside it);
+- with `--saturate`, a fourth phase: B loops for as long as A's burst lasts. The device is then shared by
+  fair turns, and A keeps only its share, whatever the scheduler does.
 
-    .venv/bin/python benchmarks/fairness.py [--heavy 200] [--json]
+    .venv/bin/python benchmarks/fairness.py [--heavy 200] [--steps 60] [--saturate] [--json]
 """
 
 from __future__ import annotations
@@ -87,7 +87,25 @@ def heavy_burst(tc, sampler, heavy: int) -> float:
     return time.perf_counter() - started
 
 
-def run(heavy: int, alone_steps: int) -> dict:
+def beside(a, a_sampler, b, b_sampler, heavy: int, steps: int) -> tuple[tuple[list[float], list[float]], float, float]:
+    """B's loop (`steps` steps; 0: for as long as A's burst lasts) started with A's burst: (B's latencies, A's
+    burst in s, when B's loop ended in s from the burst's start)."""
+    stop, out = threading.Event(), {}
+
+    def loop():
+        out["b"] = light_loop(b, b_sampler, stop, steps or 1_000_000)
+        out["ended"] = time.perf_counter()
+
+    thread = threading.Thread(target=loop)
+    started = time.perf_counter()
+    thread.start()
+    a_s = heavy_burst(a, a_sampler, heavy)
+    stop.set()
+    thread.join()
+    return out["b"], a_s, out["ended"] - started
+
+
+def run(heavy: int, steps: int, saturate: bool) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         model = build_tiny_model(f"{tmp}/tiny", arch="llama", seed=0)
         with LocalStack([f"tiny={model}"], home=f"{tmp}/stack") as stack:
@@ -99,79 +117,88 @@ def run(heavy: int, alone_steps: int) -> dict:
             light_loop(b, b_sampler, None, 10)  # warm-up: first ops, first samples
             heavy_burst(a, a_sampler, 8)
 
-            b_alone = light_loop(b, b_sampler, None, alone_steps)
+            b_alone = light_loop(b, b_sampler, None, steps)
             a_alone_s = heavy_burst(a, a_sampler, heavy)
             heavy_ms = [
                 o.compute_s * 1000 for o in Meter(sc.ops.redis).session_ops(a.session_id) if o.op == "forward_backward"
             ][-heavy:]
-
             b_ops = Meter(sc.ops.redis).session_ops(b.session_id)
             b_device_ms = sum(
                 statistics.median(o.compute_s * 1000 for o in b_ops if o.op == op)
                 for op in ("forward_backward", "optim_step")
             )
-            stop, together = threading.Event(), {}
-            loop = threading.Thread(target=lambda: together.update(b=light_loop(b, b_sampler, stop, 1_000_000)))
-            loop.start()
-            a_together_s = heavy_burst(a, a_sampler, heavy)
-            stop.set()
-            loop.join()
+            b_beside, a_beside_s, b_ended_s = beside(a, a_sampler, b, b_sampler, heavy, steps)
+            saturated = beside(a, a_sampler, b, b_sampler, heavy, 0) if saturate else None
             a.stop()
             b.stop()
-    (step_alone, sample_alone), (step_beside, sample_beside) = b_alone, together["b"]
     heavy_op = statistics.median(heavy_ms)
-    return {
+    figures = {
         "heavy_ops": heavy,
         "heavy_op_ms_p50": heavy_op,
-        "b_step_ms_alone": {"p50": pct(step_alone, 0.5), "p95": pct(step_alone, 0.95), "n": len(step_alone)},
-        "b_step_ms_beside_a": {"p50": pct(step_beside, 0.5), "p95": pct(step_beside, 0.95), "n": len(step_beside)},
-        "b_sample_ms_alone": {"p50": pct(sample_alone, 0.5), "p95": pct(sample_alone, 0.95), "n": len(sample_alone)},
-        "b_sample_ms_beside_a": {
-            "p50": pct(sample_beside, 0.5),
-            "p95": pct(sample_beside, 0.95),
-            "n": len(sample_beside),
-        },
         "b_step_device_ms": b_device_ms,
-        # B at 1.5x its alone p50, one step after another, would hold the device this much of the time; A could
-        # keep at most the rest of its throughput (see the module docstring)
-        "b_device_share_at_1_5x_alone": b_device_ms / (1.5 * pct(step_alone, 0.5)),
-        "b_step_p95_beside_a_in_heavy_ops": pct(step_beside, 0.95) / heavy_op,
-        "b_step_p50_beside_over_alone": pct(step_beside, 0.5) / pct(step_alone, 0.5),
         "a_heavy_ops_per_s_alone": heavy / a_alone_s,
-        "a_heavy_ops_per_s_beside_b": heavy / a_together_s,
-        "a_throughput_beside_over_alone": a_alone_s / a_together_s,
+        **latencies("alone", b_alone),
+        **latencies("beside_a", b_beside),
+        "b_step_p95_beside_a_in_heavy_ops": pct(b_beside[0], 0.95) / heavy_op,
+        "b_step_p50_beside_over_alone": pct(b_beside[0], 0.5) / pct(b_alone[0], 0.5),
+        "a_heavy_ops_per_s_beside_b": heavy / a_beside_s,
+        "a_throughput_beside_over_alone": a_alone_s / a_beside_s,
+        "b_loop_ended_s": b_ended_s,
+        "a_burst_beside_b_s": a_beside_s,
+    }
+    if saturated is not None:
+        (step_sat, _), a_sat_s, _ = saturated
+        figures["saturated"] = {
+            "b_steps": len(step_sat),
+            "b_step_p50_over_alone": pct(step_sat, 0.5) / pct(b_alone[0], 0.5),
+            "b_step_p95_in_heavy_ops": pct(step_sat, 0.95) / heavy_op,
+            "a_throughput_over_alone": a_alone_s / a_sat_s,
+        }
+    return figures
+
+
+def latencies(where: str, loop: tuple[list[float], list[float]]) -> dict:
+    step, sample = loop
+    return {
+        f"b_step_ms_{where}": {"p50": pct(step, 0.5), "p95": pct(step, 0.95), "n": len(step)},
+        f"b_sample_ms_{where}": {"p50": pct(sample, 0.5), "p95": pct(sample, 0.95), "n": len(sample)},
     }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--heavy", type=int, default=200, help="A's heavy forward_backwards per burst")
-    parser.add_argument("--alone_steps", type=int, default=60, help="B's steps when alone")
+    parser.add_argument("--steps", type=int, default=60, help="B's steps, alone and beside A")
+    parser.add_argument("--saturate", action="store_true", help="also: B loops for as long as A's burst lasts")
     parser.add_argument("--json", action="store_true", help="print the figures as JSON")
     args = parser.parse_args()
-    figures = run(args.heavy, args.alone_steps)
+    figures = run(args.heavy, args.steps, args.saturate)
     if args.json:
         print(json.dumps(figures, indent=2))
         return
     print(f"A's heavy op (16 x 256 tokens): {figures['heavy_op_ms_p50']:.1f} ms median on the worker")
+    print(f"B's step holds the device {figures['b_step_device_ms']:.1f} ms")
     for what in ("b_step_ms", "b_sample_ms"):
-        alone, beside = figures[f"{what}_alone"], figures[f"{what}_beside_a"]
+        alone, beside_a = figures[f"{what}_alone"], figures[f"{what}_beside_a"]
         print(
             f"B {what[2:-3]:6s} p50 / p95: alone {alone['p50']:.1f} / {alone['p95']:.1f} ms (n={alone['n']}), "
-            f"beside A {beside['p50']:.1f} / {beside['p95']:.1f} ms (n={beside['n']})"
+            f"beside A {beside_a['p50']:.1f} / {beside_a['p95']:.1f} ms (n={beside_a['n']})"
         )
     print(
         f"B's p95 step beside A: {figures['b_step_p95_beside_a_in_heavy_ops']:.2f} of A's heavy ops; "
         f"B's p50 step beside A / alone: {figures['b_step_p50_beside_over_alone']:.2f}x"
     )
     print(
-        f"B's step holds the device {figures['b_step_device_ms']:.1f} ms: at 1.5x its alone p50, step after step, "
-        f"{figures['b_device_share_at_1_5x_alone']:.0%} of the device, which A would lose"
-    )
-    print(
         f"A's throughput: alone {figures['a_heavy_ops_per_s_alone']:.2f} ops/s, beside B "
         f"{figures['a_heavy_ops_per_s_beside_b']:.2f} ops/s ({figures['a_throughput_beside_over_alone']:.2f}x)"
     )
+    print(f"B's loop ended {figures['b_loop_ended_s']:.1f} s into A's {figures['a_burst_beside_b_s']:.1f} s burst")
+    if "saturated" in figures:
+        sat = figures["saturated"]
+        print(
+            f"B looping through A's burst ({sat['b_steps']} steps): B p50 / alone {sat['b_step_p50_over_alone']:.2f}x, "
+            f"B p95 {sat['b_step_p95_in_heavy_ops']:.2f} heavy ops, A {sat['a_throughput_over_alone']:.2f}x alone"
+        )
 
 
 if __name__ == "__main__":

@@ -112,6 +112,9 @@ def fair_stack(tiny_model_dir, tmp_path_factory):
             str(ROW_BOUND),
             "--logprob_audit_fraction",
             "1",
+            # A light loop's next step comes a few ms after its result here, but much later on a loaded CI machine.
+            "--anticipate_ms",
+            "500",
         ],
     )
     stack.start(wait_for_workers=180)
@@ -152,6 +155,35 @@ def test_a_light_loop_waits_for_at_most_two_heavy_ops_of_a_tenant_that_pipelines
         for submitted, (optim_start, _) in zip(steps, b_optims)
     ]
     assert max(waited) <= 2, waited
+    a.stop()
+    b.stop()
+
+
+def test_a_light_loop_beside_a_pipelining_tenant_runs_its_steps_back_to_back_while_it_is_owed(fair_stack):
+    """B's next step comes a moment after its result. While B is owed the device, the worker waits for that step
+    (anticipation) instead of starting one of A's heavy ops, so B runs several steps per heavy op of A. Without the
+    wait, each B step waited for the heavy op that had started while B's client was busy."""
+    sc, _, _ = fair_stack
+    a, b = _session(sc, seed=0), _session(sc, seed=1)
+    b.forward_backward(sft_batch(99, n=2, length=16), "cross_entropy")
+    b.optim_step(ADAM).result(timeout=120)  # B's first ops: its turn costs are known
+    heavy = [a.forward_backward(sft_batch(i, n=16, length=128), "cross_entropy") for i in range(30)]
+    steps = []
+    for i in range(10):
+        submitted = time.time()
+        b.forward_backward(sft_batch(100 + i, n=2, length=16), "cross_entropy")
+        b.optim_step(ADAM).result(timeout=120)
+        steps.append(submitted)
+    for future in heavy:
+        future.result(timeout=300)
+    a_ops = _spans(sc, a.session_id)
+    b_forwards = _spans(sc, b.session_id, "forward_backward")[-10:]
+    assert b_forwards[-1][1] < a_ops[-1][0], "B's loop ran beside A's backlog, not after it"
+    # A's ops that ended while a B step waited to start: one per step without anticipation
+    waited = [
+        sum(1 for _, end in a_ops if submitted < end <= start) for submitted, (start, _) in zip(steps, b_forwards)
+    ]
+    assert sum(waited) <= 5, waited
     a.stop()
     b.stop()
 

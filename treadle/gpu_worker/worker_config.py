@@ -131,6 +131,12 @@ class WorkerConfig(BaseModel):
         le=10000.0,
         description="After running a session's ops, wait this long for the next op of any session this worker owns before going back to Celery: a loop that submits its next step right after reading a result then costs no Celery message (treadle.gpu_worker.executor.linger). A sample request or session creation arriving meanwhile ends the wait within 5 ms (0: off).",
     )
+    anticipate_ms: float = Field(
+        default=20.0,
+        ge=0.0,
+        le=10000.0,
+        description="When the session that has just run an op is owed the device and has no next op yet while others have ops ready, wait this long for its next op before giving the turn away, and charge the wait to it: a light loop beside a tenant that pipelines heavy ops then runs its steps back to back instead of waiting for a heavy op before each (treadle.gpu_worker.executor.linger; 0: off).",
+    )
     task_events: bool = Field(
         default=False,
         description="Send Celery task events (received, started, succeeded, failed) so that Flower lists and times ops; off by default: they cost about a third of the worker's CPU per op.",

@@ -89,7 +89,7 @@ class WorkerService:
             self.host, checkpoint_every=config.checkpoint_every, checkpoint_interval_s=config.checkpoint_interval_s
         )
         usage = UsageRecorder(self.redis)
-        self.linger = Linger(self.redis, self.hostname, config.linger_ms / 1000)
+        self.linger = Linger(self.redis, self.hostname, config.linger_ms / 1000, config.anticipate_ms / 1000)
         sequencer = Sequencer(
             self.host,
             self.app,

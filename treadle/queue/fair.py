@@ -110,10 +110,19 @@ class FairShare:
             seconds / units if before is None else before + COST_SMOOTHING * (seconds / units - before)
         )
         cost = rate * units
-        self._owners.charge(owner, cost / self.weight(owner), self._turns)
-        self._level(owner).charge(key, cost, self._turns)
+        self._book(key, owner, cost)
         before = self.cost.get(key)
         self.cost[key] = cost if before is None else before + COST_SMOOTHING * (cost - before)
+
+    def hold(self, key: Hashable, owner: str, seconds: float) -> None:
+        """The device stood idle `seconds` for `key` (waiting for its next op): charged as they are, not at a rate,
+        and not counted in its average turn cost."""
+        self._turns += 1
+        self._book(key, owner, seconds)
+
+    def _book(self, key: Hashable, owner: str, cost: float) -> None:
+        self._owners.charge(owner, cost / self.weight(owner), self._turns)
+        self._level(owner).charge(key, cost, self._turns)
 
     def forget(self, keep: set) -> None:
         """Drop the state of keys not in `keep` (sessions this worker no longer owns)."""

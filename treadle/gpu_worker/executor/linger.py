@@ -23,6 +23,13 @@ below 1 ms it becomes 0, which blocks for ever. So every pop asks for `POLL_S`, 
 remainder (the key's slack covers the overshoot), and the stacks treadle starts run Redis at hz 100,
 where a control message waits about 10 ms at most.
 
+The same wait, shorter, runs while other sessions have ops ready (`expect`: anticipation). A session in a closed
+loop (submit, read the result, submit the next step) has no op journaled for the few milliseconds its client
+takes between two steps. Were the turn given to a tenant with a heavy op ready meanwhile, each of its light steps
+would wait for one heavy op. So when the session that just ran is still owed the device, the sequencer waits up
+to `anticipate_s` for its next op first, and charges the wait to it as device time: a client that takes long
+to answer pays for the idle device out of its own share (treadle.gpu_worker.executor.sequencer).
+
 The key expires `KEY_SLACK_MS` after its window, so one left by a worker that died lets submits ring
 again; an op pushed to a dead worker runs when its session is adopted, from the journal, and one
 pushed while an op failed is rung on (`abandon`).
@@ -69,12 +76,15 @@ return redis.call('LPOP', KEYS[2])
 KEY_SLACK_MS = 500
 # How often a wait looks at the journals and the control queues.
 POLL_S = 0.005
+# How often an anticipation looks (a client's next step comes a few ms after its result).
+ANTICIPATION_POLL_S = 0.001
 
 
 class Linger:
-    def __init__(self, redis, hostname: str, window_s: float):
+    def __init__(self, redis, hostname: str, window_s: float, anticipate_s: float = 0.0):
         self.redis = redis
         self.window_s = window_s
+        self.anticipate_s = anticipate_s
         self.idle_key, self.wake_key = names.idle_key(hostname), names.wake_key(hostname)
         self._check = redis.register_script(_CHECK)
         self._end = redis.register_script(_END)
@@ -114,6 +124,22 @@ class Linger:
             log.warning("hand-off wait failed; back to Celery", exc_info=True)
             return self.abandon()  # what was handed over meanwhile runs now
         return None if raw is None else _parse(raw)
+
+    def expect(self, control_queues: list[str], session_id: str, seq: int) -> str | None:
+        """Wait up to `anticipate_s` for the session's op `seq` to be journaled: "op" once it is, "control" when a
+        control queue holds a message first (it must be delivered: the wait ends), None when neither came."""
+        keys = [self.idle_key, self.wake_key, *control_queues, names.journal_key(session_id)]
+        args = [len(control_queues), seq, session_id]
+        deadline = time.monotonic() + self.anticipate_s
+        while not self._closed:
+            raw = self._check(keys=keys, args=args)  # drops the op's wake, if its submit pushed one: it runs now
+            if raw is not None:
+                return "control" if raw == b"celery" else "op"
+            if time.monotonic() >= deadline:
+                return None
+            # Polled, not popped: the wake list may hold another session's wake, which the hand-off wait needs.
+            time.sleep(ANTICIPATION_POLL_S)
+        return None
 
     def abandon(self) -> tuple[str, int] | None:
         """End the wait after a failure, so that submits ring again at once: what was handed over meanwhile.

@@ -158,13 +158,36 @@ class Sequencer:
                 continue
             past_doorbell, following, others, control_waiting = turn
             past_doorbells += past_doorbell
-            if following is None or following[0] is not None:  # None: unknown (a checkpoint ran), read it at its turn
-                ready[session_id] = following
             for other in others:
                 ready.setdefault(other, None)
+            if following is None or following[0] is not None:  # None: unknown (a checkpoint ran), read it at its turn
+                ready[session_id] = following
+            elif ready and not control_waiting and self._anticipate(owned, ready, held) == "op":
+                ready[session_id] = None
+                continue
             if control_waiting and ready:  # a sample request or a create waits: let Celery deliver it
                 self._ring_on(next(iter(ready)), None)
                 return
+
+    def _anticipate(self, owned: OwnedSession, ready: dict, held: turns.HeldDevice) -> str | None:
+        """The session has just run its last journaled op while `ready` wait: if it is still owed the device, wait a
+        moment for its next op (treadle.gpu_worker.executor.linger), with the device free for the sampler, and charge
+        the wait to it. "op" when its next op came, "control" when a control message ended the wait, else None.
+        A session whose last wait found nothing is not waited for at its next chance (a client that thinks long
+        would cost the device a window per op)."""
+        sid = owned.session_id
+        if self.linger.anticipate_s <= 0 or not owned.anticipate:
+            owned.anticipate = True
+            return None
+        owners = {key: turns.owner_of(self.sessions.owned, key) for key in (sid, *ready)}
+        if self.fair.order(owners)[0] != sid:
+            return None
+        held.release()
+        started = time.monotonic()
+        came = self.linger.expect([names.model_queue(m) for m in self.sessions.engines], sid, owned.applied + 1)
+        self.fair.hold(sid, owners[sid], time.monotonic() - started)
+        owned.anticipate = came is not None
+        return came
 
     def _turn(self, owned: OwnedSession, prefetched, handoff: bool):
         """Run the session's next op, if it has one. Returns (1 if it ran past the doorbells seen, else 0; the next

@@ -43,6 +43,7 @@ class OwnedSession:
     # session's backlog does not run inside a single Celery task while other sessions wait.
     max_seen: int = 0
     stalled_at: int | None = None  # `applied` when the caretaker last saw an op waiting (Sequencer.nudge_stalled)
+    anticipate: bool = True  # wait for its next op while others wait, when owed (False after a wait found none)
     last_checkpoint_at: float = field(default_factory=time.monotonic)
     pending_upload: Future | None = None
 
