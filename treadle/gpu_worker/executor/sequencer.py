@@ -171,8 +171,8 @@ class Sequencer:
 
     def _anticipate(self, owned: OwnedSession, ready: dict, held: turns.HeldDevice) -> str | None:
         """The session has just run its last journaled op while `ready` wait: if it is still owed the device, wait a
-        moment for its next op (treadle.gpu_worker.executor.linger), with the device free for the sampler, and charge
-        the wait to it. "op" when its next op came, "control" when a control message ended the wait, else None.
+        moment for its next op (treadle.gpu_worker.executor.linger), holding the device for it unless a forward
+        waiting for the device is owed more, and charge the wait to it. "op" when its next op came, "control" when a control message ended the wait, else None.
         A session whose last wait found nothing is not waited for at its next chance (a client that thinks long
         would cost the device a window per op)."""
         sid = owned.session_id
@@ -182,7 +182,7 @@ class Sequencer:
         owners = {key: turns.owner_of(self.sessions.owned, key) for key in (sid, *ready)}
         if self.fair.order(owners)[0] != sid:
             return None
-        held.release()
+        held.keep_for(sid)  # else a decode step of the other tenant's starts, and the next op waits for it
         started = time.monotonic()
         came = self.linger.expect([names.model_queue(m) for m in self.sessions.engines], sid, owned.applied + 1)
         self.fair.hold(sid, owners[sid], time.monotonic() - started)

@@ -97,6 +97,12 @@ class HeldDevice:
             lock.acquire(tenants)
             self.lock = lock
 
+    def keep_for(self, session_id: str) -> None:
+        """Go on holding the device for the session (while the sequencer waits for its next op), unless a waiter is
+        owed it more; the hold is charged to the session."""
+        if self.lock is not None and not self.lock.keep({session_id: 1.0}):
+            self.release()
+
     def release(self) -> None:
         if self.lock is not None:
             self.lock.release()
