@@ -162,9 +162,13 @@ class Sequencer:
                 ready.setdefault(other, None)
             if following is None or following[0] is not None:  # None: unknown (a checkpoint ran), read it at its turn
                 ready[session_id] = following
-            elif ready and not control_waiting and self._anticipate(owned, ready, held) == "op":
-                ready[session_id] = None
-                continue
+            elif ready and not control_waiting:  # its last op so far, while others wait
+                came = self._anticipate(owned, ready, held)
+                if came == "op":  # as if handed over (linger): not a read-ahead past the doorbells
+                    owned.max_seen = max(owned.max_seen, owned.applied + 1)
+                    ready[session_id] = None
+                    continue
+                control_waiting = came == "control"
             if control_waiting and ready:  # a sample request or a create waits: let Celery deliver it
                 self._ring_on(next(iter(ready)), None)
                 return
@@ -172,9 +176,9 @@ class Sequencer:
     def _anticipate(self, owned: OwnedSession, ready: dict, held: turns.HeldDevice) -> str | None:
         """The session has just run its last journaled op while `ready` wait: if it is still owed the device, wait a
         moment for its next op (treadle.gpu_worker.executor.linger), holding the device for it unless a forward
-        waiting for the device is owed more, and charge the wait to it. "op" when its next op came, "control" when a control message ended the wait, else None.
-        A session whose last wait found nothing is not waited for at its next chance (a client that thinks long
-        would cost the device a window per op)."""
+        waiting for the device is owed more, and charge the wait to it. "op" when its next op came, "control" when a
+        control message ended the wait, else None. A session whose last wait found nothing is not waited for at its
+        next chance (a client that thinks long would cost the device a window per op)."""
         sid = owned.session_id
         if self.linger.anticipate_s <= 0 or not owned.anticipate:
             owned.anticipate = True
