@@ -10,10 +10,11 @@ loop of `--steps` steps alone, A's burst alone, then the same loop of B started 
 - B's p95 step beside A in units of A's heavy op (its median compute time on the worker);
 - A's throughput (heavy ops per second of wall time) alone and beside B, and their ratio;
 - where B's loop ended in A's burst (it must run beside it);
+- with `--rounds N` (default 3) the phases run N times in turn, the latencies pooled, and each round's ratios;
 - with `--saturate`, a fourth phase: B loops for as long as A's burst lasts. The device is then shared by
   fair turns, and A keeps only its share, whatever the scheduler does.
 
-    .venv/bin/python benchmarks/fairness.py [--heavy 200] [--steps 60] [--saturate] [--json]
+    .venv/bin/python benchmarks/fairness.py [--heavy 200] [--steps 60] [--rounds 3] [--saturate] [--json]
 """
 
 from __future__ import annotations
@@ -105,7 +106,10 @@ def beside(a, a_sampler, b, b_sampler, heavy: int, steps: int) -> tuple[tuple[li
     return out["b"], a_s, out["ended"] - started
 
 
-def run(heavy: int, steps: int, saturate: bool) -> dict:
+def run(heavy: int, steps: int, saturate: bool, rounds: int) -> dict:
+    """`rounds` rounds of the phases, one after another on one stack (this VM's speed drifts by a third within
+    minutes: each round's alone and beside phases are minutes apart at most); latencies pooled over the rounds."""
+    b_alone, b_beside, a_alone_s, a_beside_s, ended, per_round, saturated = ([], []), ([], []), 0.0, 0.0, [], [], []
     with tempfile.TemporaryDirectory() as tmp:
         model = build_tiny_model(f"{tmp}/tiny", arch="llama", seed=0)
         with LocalStack([f"tiny={model}"], home=f"{tmp}/stack") as stack:
@@ -116,43 +120,51 @@ def run(heavy: int, steps: int, saturate: bool) -> dict:
             b_sampler = b.save_weights_and_get_sampling_client("b")
             light_loop(b, b_sampler, None, 10)  # warm-up: first ops, first samples
             heavy_burst(a, a_sampler, 8)
-
-            b_alone = light_loop(b, b_sampler, None, steps)
-            a_alone_s = heavy_burst(a, a_sampler, heavy)
-            heavy_ms = [
-                o.compute_s * 1000 for o in Meter(sc.ops.redis).session_ops(a.session_id) if o.op == "forward_backward"
-            ][-heavy:]
-            b_ops = Meter(sc.ops.redis).session_ops(b.session_id)
+            for _ in range(rounds):
+                alone = light_loop(b, b_sampler, None, steps)
+                a_alone = heavy_burst(a, a_sampler, heavy)
+                together, a_together, b_ended = beside(a, a_sampler, b, b_sampler, heavy, steps)
+                for pooled, loop in ((b_alone, alone), (b_beside, together)):
+                    pooled[0].extend(loop[0])
+                    pooled[1].extend(loop[1])
+                a_alone_s, a_beside_s = a_alone_s + a_alone, a_beside_s + a_together
+                ended.append((b_ended, a_together))
+                per_round.append((pct(together[0], 0.5) / pct(alone[0], 0.5), a_alone / a_together))
+                if saturate:
+                    (step_sat, _), a_sat, _ = beside(a, a_sampler, b, b_sampler, heavy, 0)
+                    saturated.append((step_sat, a_alone / a_sat))
+            meter = Meter(sc.ops.redis)
+            heavy_ms = [o.compute_s * 1000 for o in meter.session_ops(a.session_id) if o.op == "forward_backward"]
+            b_ops = meter.session_ops(b.session_id)
             b_device_ms = sum(
                 statistics.median(o.compute_s * 1000 for o in b_ops if o.op == op)
                 for op in ("forward_backward", "optim_step")
             )
-            b_beside, a_beside_s, b_ended_s = beside(a, a_sampler, b, b_sampler, heavy, steps)
-            saturated = beside(a, a_sampler, b, b_sampler, heavy, 0) if saturate else None
             a.stop()
             b.stop()
-    heavy_op = statistics.median(heavy_ms)
+    heavy_op = statistics.median(heavy_ms[8:])
     figures = {
+        "rounds": rounds,
         "heavy_ops": heavy,
         "heavy_op_ms_p50": heavy_op,
         "b_step_device_ms": b_device_ms,
-        "a_heavy_ops_per_s_alone": heavy / a_alone_s,
+        "a_heavy_ops_per_s_alone": rounds * heavy / a_alone_s,
         **latencies("alone", b_alone),
         **latencies("beside_a", b_beside),
         "b_step_p95_beside_a_in_heavy_ops": pct(b_beside[0], 0.95) / heavy_op,
         "b_step_p50_beside_over_alone": pct(b_beside[0], 0.5) / pct(b_alone[0], 0.5),
-        "a_heavy_ops_per_s_beside_b": heavy / a_beside_s,
+        "a_heavy_ops_per_s_beside_b": rounds * heavy / a_beside_s,
         "a_throughput_beside_over_alone": a_alone_s / a_beside_s,
-        "b_loop_ended_s": b_ended_s,
-        "a_burst_beside_b_s": a_beside_s,
+        "per_round_b_p50_ratio_and_a_ratio": per_round,
+        "b_loop_ended_s_of_a_burst_s": ended,
     }
-    if saturated is not None:
-        (step_sat, _), a_sat_s, _ = saturated
+    if saturated:
+        steps_sat = [ms for loop, _ in saturated for ms in loop]
         figures["saturated"] = {
-            "b_steps": len(step_sat),
-            "b_step_p50_over_alone": pct(step_sat, 0.5) / pct(b_alone[0], 0.5),
-            "b_step_p95_in_heavy_ops": pct(step_sat, 0.95) / heavy_op,
-            "a_throughput_over_alone": a_alone_s / a_sat_s,
+            "b_steps": len(steps_sat),
+            "b_step_p50_over_alone": pct(steps_sat, 0.5) / pct(b_alone[0], 0.5),
+            "b_step_p95_in_heavy_ops": pct(steps_sat, 0.95) / heavy_op,
+            "a_throughput_over_alone": statistics.median(ratio for _, ratio in saturated),
         }
     return figures
 
@@ -170,9 +182,10 @@ def main() -> None:
     parser.add_argument("--heavy", type=int, default=200, help="A's heavy forward_backwards per burst")
     parser.add_argument("--steps", type=int, default=60, help="B's steps, alone and beside A")
     parser.add_argument("--saturate", action="store_true", help="also: B loops for as long as A's burst lasts")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of the phases (latencies pooled)")
     parser.add_argument("--json", action="store_true", help="print the figures as JSON")
     args = parser.parse_args()
-    figures = run(args.heavy, args.steps, args.saturate)
+    figures = run(args.heavy, args.steps, args.saturate, args.rounds)
     if args.json:
         print(json.dumps(figures, indent=2))
         return
@@ -192,7 +205,10 @@ def main() -> None:
         f"A's throughput: alone {figures['a_heavy_ops_per_s_alone']:.2f} ops/s, beside B "
         f"{figures['a_heavy_ops_per_s_beside_b']:.2f} ops/s ({figures['a_throughput_beside_over_alone']:.2f}x)"
     )
-    print(f"B's loop ended {figures['b_loop_ended_s']:.1f} s into A's {figures['a_burst_beside_b_s']:.1f} s burst")
+    rounds = ", ".join(f"{b:.2f}x / {a:.2f}x" for b, a in figures["per_round_b_p50_ratio_and_a_ratio"])
+    print(f"per round, B's p50 beside / alone and A's throughput beside / alone: {rounds}")
+    ended = ", ".join(f"{b:.1f} of {a:.1f} s" for b, a in figures["b_loop_ended_s_of_a_burst_s"])
+    print(f"B's loop ended (per round, into A's burst): {ended}")
     if "saturated" in figures:
         sat = figures["saturated"]
         print(

@@ -75,6 +75,20 @@ def test_an_idle_tenant_banks_no_credit():
     assert served == {"busy": 10, "back": 10}
 
 
+def test_a_wait_held_for_a_session_is_charged_to_it_as_it_was():
+    """The device idled 30 ms for `light`'s next op (anticipation): `light` pays those 30 ms, so `heavy`, charged 20,
+    goes next; the wait is no turn, so it leaves `light`'s average turn cost as it was."""
+    fair = FairShare()
+    ready = {"light": "o", "heavy": "o"}
+    fair.charge("light", "o", 0.001, kind="forward_backward", units=10)
+    fair.charge("heavy", "o", 0.02, kind="forward_backward", units=200)
+    cost = fair.cost["light"]
+    assert fair.pick(ready) == "light"
+    fair.hold("light", "o", 0.03)
+    assert fair.pick(ready) == "heavy"
+    assert fair.cost["light"] == cost
+
+
 def test_the_order_of_turns_estimates_each_ones_wait():
     fair = FairShare()
     for key, owner, tokens in [("a", "x", 300), ("b", "y", 100), ("c", "z", 200)]:

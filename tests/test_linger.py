@@ -61,3 +61,19 @@ def test_an_op_found_in_the_journal_takes_its_wake_with_it(client):
     client.rpush(names.wake_key(HOST), "known 1")
     assert _wait(linger, client, [("known", 1)]) == ("known", 1)
     assert client.llen(names.wake_key(HOST)) == 0
+
+
+def test_anticipation_finds_the_sessions_next_op_ends_on_a_control_message_and_gives_up_after_its_window(client):
+    """`expect` (the wait for one session's next op while others have ops ready): "op" once that op is journaled,
+    taking its wake with it; "control" when a control queue holds a message; None when its window passes."""
+    linger = Linger(client, HOST, 0.2, anticipate_s=0.05)
+    client.delete(names.journal_key("light"), names.wake_key(HOST), "control-queue")
+    assert linger.expect(["control-queue"], "light", 3) is None
+    client.hset(names.journal_key("light"), "3", b"noop\n0\n{}")
+    client.rpush(names.wake_key(HOST), "light 3", "other 7")
+    assert linger.expect(["control-queue"], "light", 3) == "op"
+    assert client.lrange(names.wake_key(HOST), 0, -1) == [b"other 7"]  # another session's wake stays
+    client.rpush("control-queue", b"a sample request")
+    assert linger.expect(["control-queue"], "light", 4) == "control"
+    linger.close()
+    assert linger.expect([], "light", 4) is None  # a warm shutdown ends it at once

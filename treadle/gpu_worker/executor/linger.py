@@ -127,18 +127,22 @@ class Linger:
 
     def expect(self, control_queues: list[str], session_id: str, seq: int) -> str | None:
         """Wait up to `anticipate_s` for the session's op `seq` to be journaled: "op" once it is, "control" when a
-        control queue holds a message first (it must be delivered: the wait ends), None when neither came."""
+        control queue holds a message first (it must be delivered: the wait ends), None when neither came (or Redis
+        failed: the turns go on, and the next write meets the outage where it is handled)."""
         keys = [self.idle_key, self.wake_key, *control_queues, names.journal_key(session_id)]
         args = [len(control_queues), seq, session_id]
         deadline = time.monotonic() + self.anticipate_s
-        while not self._closed:
-            raw = self._check(keys=keys, args=args)  # drops the op's wake, if its submit pushed one: it runs now
-            if raw is not None:
-                return "control" if raw == b"celery" else "op"
-            if time.monotonic() >= deadline:
-                return None
-            # Polled, not popped: the wake list may hold another session's wake, which the hand-off wait needs.
-            time.sleep(ANTICIPATION_POLL_S)
+        try:
+            while not self._closed:
+                raw = self._check(keys=keys, args=args)  # drops the op's wake, if its submit pushed one: it runs now
+                if raw is not None:
+                    return "control" if raw == b"celery" else "op"
+                if time.monotonic() >= deadline:
+                    return None
+                # Polled, not popped: the wake list may hold another session's wake, which the hand-off wait needs.
+                time.sleep(ANTICIPATION_POLL_S)
+        except (redis_lib.ConnectionError, redis_lib.TimeoutError, OSError):
+            log.warning("anticipation wait failed; giving the turn on", exc_info=True)
         return None
 
     def abandon(self) -> tuple[str, int] | None:

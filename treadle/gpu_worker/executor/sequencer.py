@@ -186,7 +186,7 @@ class Sequencer:
         owners = {key: turns.owner_of(self.sessions.owned, key) for key in (sid, *ready)}
         if self.fair.order(owners)[0] != sid:
             return None
-        held.keep_for(sid)  # else a decode step of the other tenant's starts, and the next op waits for it
+        held.keep_for(sid)
         started = time.monotonic()
         came = self.linger.expect([names.model_queue(m) for m in self.sessions.engines], sid, owned.applied + 1)
         self.fair.hold(sid, owners[sid], time.monotonic() - started)

@@ -98,8 +98,9 @@ class HeldDevice:
             self.lock = lock
 
     def keep_for(self, session_id: str) -> None:
-        """Go on holding the device for the session (while the sequencer waits for its next op), unless a waiter is
-        owed it more; the hold is charged to the session."""
+        """Go on holding the device for the session while the sequencer waits for its next op (else a decode step of
+        another tenant starts meanwhile, and the op waits for it), unless a waiter is owed it more; the hold is
+        charged to the session."""
         if self.lock is not None and not self.lock.keep({session_id: 1.0}):
             self.release()
 
