@@ -145,6 +145,22 @@ def _spans(sc: ServiceClient, session_id: str, op: str | None = None) -> list[tu
     return [(o.at - o.compute_s, o.at) for o in Meter(sc.ops.redis).session_ops(session_id) if op in (None, o.op)]
 
 
+def _light_steps_beside(
+    sc: ServiceClient, a, b, heavy: list, steps: int
+) -> tuple[list[float], list[tuple[float, float]]]:
+    """A submits the `heavy` batches without waiting; B runs `steps` light steps one at a time (forward_backward of
+    2 x 16 tokens, then optim_step). Once A's backlog is done: when each B step was submitted, and A's op spans."""
+    futures = [a.forward_backward(batch, "cross_entropy") for batch in heavy]
+    submitted = []
+    for i in range(steps):
+        submitted.append(time.time())
+        b.forward_backward(sft_batch(100 + i, n=2, length=16), "cross_entropy")
+        b.optim_step(ADAM).result(timeout=120)
+    for future in futures:
+        future.result(timeout=300)
+    return submitted, _spans(sc, a.session_id)
+
+
 def test_a_light_loop_waits_for_at_most_two_heavy_ops_of_a_tenant_that_pipelines(fair_stack):
     """Tenant A pipelines heavy forward_backwards without waiting; tenant B runs step after step of a light
     loop beside it. Each B step (its forward_backward and optim_step) waits for at most two of A's ops: the
@@ -152,16 +168,7 @@ def test_a_light_loop_waits_for_at_most_two_heavy_ops_of_a_tenant_that_pipelines
     Before fair turns a drain read up to 8 ops of A ahead before B got a turn."""
     sc, _, _ = fair_stack
     a, b = _session(sc, seed=0), _session(sc, seed=1)
-    heavy = [a.forward_backward(sft_batch(i, n=8, length=96), "cross_entropy") for i in range(30)]
-    steps = []
-    for i in range(6):
-        submitted = time.time()
-        b.forward_backward(sft_batch(100 + i, n=2, length=16), "cross_entropy")
-        b.optim_step(ADAM).result(timeout=120)
-        steps.append(submitted)
-    for future in heavy:
-        future.result(timeout=300)
-    a_ops = _spans(sc, a.session_id)
+    steps, a_ops = _light_steps_beside(sc, a, b, [sft_batch(i, n=8, length=96) for i in range(30)], steps=6)
     b_optims = _spans(sc, b.session_id, "optim_step")
     assert b_optims[-1][1] < a_ops[-1][0], "B's loop ran beside A's backlog, not after it"
     waited = [
@@ -181,16 +188,7 @@ def test_a_light_loop_beside_a_pipelining_tenant_runs_its_steps_back_to_back_whi
     a, b = _session(sc, seed=0), _session(sc, seed=1)
     b.forward_backward(sft_batch(99, n=2, length=16), "cross_entropy")
     b.optim_step(ADAM).result(timeout=120)  # B's first ops: its turn costs are known
-    heavy = [a.forward_backward(sft_batch(i, n=16, length=128), "cross_entropy") for i in range(30)]
-    steps = []
-    for i in range(10):
-        submitted = time.time()
-        b.forward_backward(sft_batch(100 + i, n=2, length=16), "cross_entropy")
-        b.optim_step(ADAM).result(timeout=120)
-        steps.append(submitted)
-    for future in heavy:
-        future.result(timeout=300)
-    a_ops = _spans(sc, a.session_id)
+    steps, a_ops = _light_steps_beside(sc, a, b, [sft_batch(i, n=16, length=128) for i in range(30)], steps=10)
     b_forwards = _spans(sc, b.session_id, "forward_backward")[-10:]
     assert b_forwards[-1][1] < a_ops[-1][0], "B's loop ran beside A's backlog, not after it"
     # A's ops that ended while a B step waited to start: one per step without anticipation
