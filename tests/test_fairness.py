@@ -184,10 +184,12 @@ def test_a_light_loop_beside_a_pipelining_tenant_runs_its_steps_back_to_back_whi
     """B's next step comes a moment after its result. While B is owed the device, the worker waits for that step
     (anticipation) instead of starting one of A's heavy ops, so B runs several steps per heavy op of A. Without the
     wait, each B step waited for the heavy op that had started while B's client was busy."""
-    sc, _, _ = fair_stack
+    sc, _, port = fair_stack
     a, b = _session(sc, seed=0), _session(sc, seed=1)
     b.forward_backward(sft_batch(99, n=2, length=16), "cross_entropy")
     b.optim_step(ADAM).result(timeout=120)  # B's first ops: its turn costs are known
+    came = 'treadle_anticipation_waits_total{base_model="tiny",outcome="op"}'
+    came_before = _metric(_scrape(port), came)
     steps, a_ops = _light_steps_beside(sc, a, b, [sft_batch(i, n=16, length=128) for i in range(30)], steps=10)
     b_forwards = _spans(sc, b.session_id, "forward_backward")[-10:]
     assert b_forwards[-1][1] < a_ops[-1][0], "B's loop ran beside A's backlog, not after it"
@@ -196,6 +198,10 @@ def test_a_light_loop_beside_a_pipelining_tenant_runs_its_steps_back_to_back_whi
         sum(1 for _, end in a_ops if submitted < end <= start) for submitted, (start, _) in zip(steps, b_forwards)
     ]
     assert sum(waited) <= 5, waited
+    # a step that waited for none of A's ops found the worker waiting for it: the metric counts those waits
+    metrics = _scrape(port)
+    assert _metric(metrics, came) - came_before >= max(1, waited.count(0) - 1)  # (the first may find A not started)
+    assert _metric(metrics, 'treadle_anticipation_seconds_total{base_model="tiny"}') > 0
     a.stop()
     b.stop()
 

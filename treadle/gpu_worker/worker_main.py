@@ -100,6 +100,7 @@ class WorkerService:
             linger=self.linger,
             fair=FairShare(config.owner_weights),
             observe_wait=metrics.observe_queue_wait,
+            observe_anticipation=metrics.observe_anticipation,
         )
         self.sequencer = sequencer
         self.failover = Failover(

@@ -61,6 +61,19 @@ QUEUE_WAIT_SECONDS = Histogram(
     buckets=_OP_BUCKETS,
     registry=REGISTRY,
 )
+ANTICIPATIONS = Counter(
+    "treadle_anticipation_waits",
+    "Waits for a session's next op while others had ops ready, by outcome "
+    "(op: it came | control: a sample or a create ended it | none: the window passed).",
+    ["base_model", "outcome"],
+    registry=REGISTRY,
+)
+ANTICIPATION_SECONDS = Counter(
+    "treadle_anticipation_seconds",
+    "Seconds the device was held idle for those waits (charged to the awaited sessions).",
+    ["base_model"],
+    registry=REGISTRY,
+)
 LOGPROB_GAP = Histogram(
     "treadle_sampler_logprob_gap",
     "Mean absolute gap (nats per token) between the sampler's logprobs "
@@ -105,6 +118,11 @@ def observe_op(op: str, base_model: str, seconds: float, outcome: str = "ok", us
 
 def observe_queue_wait(owner: str, base_model: str, seconds: float) -> None:
     QUEUE_WAIT_SECONDS.labels(owner, base_model).observe(seconds)
+
+
+def observe_anticipation(base_model: str, outcome: str | None, seconds: float) -> None:
+    ANTICIPATIONS.labels(base_model, outcome or "none").inc()
+    ANTICIPATION_SECONDS.labels(base_model).inc(seconds)
 
 
 def observe_checkpoint(kind: str, seconds: float, size_bytes: int) -> None:

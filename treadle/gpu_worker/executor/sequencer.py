@@ -66,6 +66,7 @@ class Sequencer:
         linger: Linger,
         fair: FairShare | None = None,
         observe_wait: Callable[[str, str, float], None] | None = None,
+        observe_anticipation: Callable[[str, str | None, float], None] | None = None,
     ):
         self.sessions = sessions  # the owned sessions and their life (release, finish)
         self.redis, self.registry, self.journal, self.lease = (
@@ -78,6 +79,7 @@ class Sequencer:
         self.linger = linger
         self.fair = fair or FairShare()
         self._observe_wait = observe_wait  # (owner, base_model, seconds from submit to start): the queue-wait histogram
+        self._observe_anticipation = observe_anticipation  # (base_model, outcome, seconds): the anticipation counters
         self._waiting: dict = {}  # the sessions with an op ready, besides the one running (see _turns)
         self._rotation = 0
         self.app = app
@@ -189,7 +191,10 @@ class Sequencer:
         held.keep_for(sid)
         started = time.monotonic()
         came = self.linger.expect([names.model_queue(m) for m in self.sessions.engines], sid, owned.applied + 1)
-        self.fair.hold(sid, owners[sid], time.monotonic() - started)
+        waited = time.monotonic() - started
+        self.fair.hold(sid, owners[sid], waited)
+        if self._observe_anticipation is not None:
+            self._observe_anticipation(owned.record.base_model, came, waited)
         owned.anticipate = came is not None
         return came
 
