@@ -25,6 +25,7 @@ import statistics
 import tempfile
 import threading
 import time
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -106,10 +107,27 @@ def beside(a, a_sampler, b, b_sampler, heavy: int, steps: int) -> tuple[tuple[li
     return out["b"], a_s, out["ended"] - started
 
 
+WARM_UP_HEAVY = 8  # A's heavy ops before the rounds, left out of its median
+
+
+@dataclass
+class Round:
+    """One round's phases: B's (step, sample) latencies alone and beside A, A's burst alone and beside B (s), when
+    B's loop ended in A's burst (s), and with `--saturate` B's step latencies looping through A's whole burst and
+    A's throughput then / alone."""
+
+    alone: tuple[list[float], list[float]]
+    beside: tuple[list[float], list[float]]
+    a_alone_s: float
+    a_beside_s: float
+    b_ended_s: float
+    saturated: tuple[list[float], float] | None
+
+
 def run(heavy: int, steps: int, saturate: bool, rounds: int) -> dict:
     """`rounds` rounds of the phases, one after another on one stack (this VM's speed drifts by a third within
     minutes: each round's alone and beside phases are minutes apart at most); latencies pooled over the rounds."""
-    b_alone, b_beside, a_alone_s, a_beside_s, ended, per_round, saturated = ([], []), ([], []), 0.0, 0.0, [], [], []
+    done: list[Round] = []
     with tempfile.TemporaryDirectory() as tmp:
         model = build_tiny_model(f"{tmp}/tiny", arch="llama", seed=0)
         with LocalStack([f"tiny={model}"], home=f"{tmp}/stack") as stack:
@@ -119,20 +137,16 @@ def run(heavy: int, steps: int, saturate: bool, rounds: int) -> dict:
             a_sampler = a.save_weights_and_get_sampling_client("a")
             b_sampler = b.save_weights_and_get_sampling_client("b")
             light_loop(b, b_sampler, None, 10)  # warm-up: first ops, first samples
-            heavy_burst(a, a_sampler, 8)
+            heavy_burst(a, a_sampler, WARM_UP_HEAVY)
             for _ in range(rounds):
                 alone = light_loop(b, b_sampler, None, steps)
-                a_alone = heavy_burst(a, a_sampler, heavy)
-                together, a_together, b_ended = beside(a, a_sampler, b, b_sampler, heavy, steps)
-                for pooled, loop in ((b_alone, alone), (b_beside, together)):
-                    pooled[0].extend(loop[0])
-                    pooled[1].extend(loop[1])
-                a_alone_s, a_beside_s = a_alone_s + a_alone, a_beside_s + a_together
-                ended.append((b_ended, a_together))
-                per_round.append((pct(together[0], 0.5) / pct(alone[0], 0.5), a_alone / a_together))
+                a_alone_s = heavy_burst(a, a_sampler, heavy)
+                together, a_beside_s, b_ended_s = beside(a, a_sampler, b, b_sampler, heavy, steps)
+                saturated = None
                 if saturate:
-                    (step_sat, _), a_sat, _ = beside(a, a_sampler, b, b_sampler, heavy, 0)
-                    saturated.append((step_sat, a_alone / a_sat))
+                    (step_sat, _), a_sat_s, _ = beside(a, a_sampler, b, b_sampler, heavy, 0)
+                    saturated = (step_sat, a_alone_s / a_sat_s)
+                done.append(Round(alone, together, a_alone_s, a_beside_s, b_ended_s, saturated))
             meter = Meter(sc.ops.redis)
             heavy_ms = [o.compute_s * 1000 for o in meter.session_ops(a.session_id) if o.op == "forward_backward"]
             b_ops = meter.session_ops(b.session_id)
@@ -142,7 +156,10 @@ def run(heavy: int, steps: int, saturate: bool, rounds: int) -> dict:
             )
             a.stop()
             b.stop()
-    heavy_op = statistics.median(heavy_ms[8:])
+    heavy_op = statistics.median(heavy_ms[WARM_UP_HEAVY:])
+    b_alone = ([ms for r in done for ms in r.alone[0]], [ms for r in done for ms in r.alone[1]])
+    b_beside = ([ms for r in done for ms in r.beside[0]], [ms for r in done for ms in r.beside[1]])
+    a_alone_s, a_beside_s = sum(r.a_alone_s for r in done), sum(r.a_beside_s for r in done)
     figures = {
         "rounds": rounds,
         "heavy_ops": heavy,
@@ -155,9 +172,12 @@ def run(heavy: int, steps: int, saturate: bool, rounds: int) -> dict:
         "b_step_p50_beside_over_alone": pct(b_beside[0], 0.5) / pct(b_alone[0], 0.5),
         "a_heavy_ops_per_s_beside_b": rounds * heavy / a_beside_s,
         "a_throughput_beside_over_alone": a_alone_s / a_beside_s,
-        "per_round_b_p50_ratio_and_a_ratio": per_round,
-        "b_loop_ended_s_of_a_burst_s": ended,
+        "per_round_b_p50_ratio_and_a_ratio": [
+            (pct(r.beside[0], 0.5) / pct(r.alone[0], 0.5), r.a_alone_s / r.a_beside_s) for r in done
+        ],
+        "b_loop_ended_s_of_a_burst_s": [(r.b_ended_s, r.a_beside_s) for r in done],
     }
+    saturated = [r.saturated for r in done if r.saturated is not None]
     if saturated:
         steps_sat = [ms for loop, _ in saturated for ms in loop]
         figures["saturated"] = {
