@@ -113,7 +113,7 @@ def test_decode_attention_alone_equals_batched_bitwise_and_the_grouped_path(
         generator = torch.Generator().manual_seed(0)
         if variant.get("s_aux") == "sink":
             variant = {"s_aux": torch.randn(heads, generator=generator)}
-        lengths = [1, 7, 64, 65, 130, 3, 300]
+        lengths = [1, 7, 64, 65, 130, 3, 300, 700]
         width = max(lengths)
         query = torch.randn(len(lengths), heads, 1, dim, generator=generator)
         keys = [torch.randn(1, kv_heads, n, dim, generator=generator) for n in lengths]

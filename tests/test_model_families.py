@@ -18,8 +18,13 @@ Then one stack run per family (SDK -> queue -> one worker serving every family),
 and a worker started on a model treadle cannot serve (subprocesses), and the table in docs/models.md.
 
 Tolerances: fp32 agrees to rounding (1e-4; the merged export folds B @ A into the weight, another
-rounding order: 1e-3). bf16 rounds every matmul to 8 mantissa bits, and these peaked tiny models amplify
-it: measured here, max |diff| up to 0.39 nats and mean up to 0.04; asserted: max 0.5, mean 0.06.
+rounding order: 1e-3), and catches a mistake confined to a few tokens. bf16 rounds every matmul to 8
+mantissa bits, and these peaked tiny models amplify it: measured, median |diff| up to 0.04 nats and max
+up to 0.39; asserted: median 0.06 (a wrong mask, window or cache moves most tokens by whole nats) and
+max 0.5. On MoE families two routed experts whose router logits are 1-2 bf16 ulps apart are chosen
+differently by two equally correct forwards, and that token (and the ones attending to it) moves by up
+to a nat: seen on CPUs with AMX (0.92 nats where a layer's top-2 margin was 0.0078), so there the max
+is 2.0.
 Nemotron-H: HF's own cached decode differs from its own full forward by 3e-3 nats in fp32 (the Mamba-2
 step recurrence against the chunked scan, measured with plain transformers), so its fp32 bound is 1e-2
 (`model_check.tolerance`).
@@ -51,7 +56,8 @@ FAMILY_NAMES = list(FAMILIES)
 DTYPES = ["float32", "bfloat16"]
 LOSSES = typing.get_args(LossFnType)
 MERGED_FP32_MAX = 1e-3
-BF16_MAX, BF16_MEAN = 0.5, 0.06
+BF16_MAX, BF16_MEDIAN = 0.5, 0.06
+BF16_ROUTED_MAX = 2.0  # a routing near-tie resolved differently (module docstring)
 LONG = 3 * SLIDING_WINDOW + 6  # tokens scored by compute_logprobs: well past every sliding window
 REPORT = Path(__file__).resolve().parents[1] / "docs" / "models.md"
 ROWS: dict[tuple[str, str], dict] = {}  # (family, dtype) -> figures for docs/models.md
@@ -64,15 +70,16 @@ def family_dirs(tmp_path_factory) -> dict[str, str]:
     return {family: build_tiny_model(root / family, arch=family, initializer_range=0.2) for family in FAMILY_NAMES}
 
 
-def agree(actual, expected, family: str, dtype: str, *, fp32_max: float | None = None) -> float:
-    """Assert two logprob arrays agree within the dtype's tolerance; returns max |diff|."""
+def agree(actual, expected, family: str, dtype: str, *, fp32_max: float | None = None, routed: bool = False) -> float:
+    """Assert two logprob arrays agree within the dtype's tolerance (`routed`: a MoE family); returns max |diff|."""
     diff = np.abs(np.asarray(actual, dtype=np.float64) - np.asarray(expected, dtype=np.float64))
     if dtype == "float32":
         bound = max(fp32_max or 0.0, tolerance(family, dtype))
         assert diff.max() <= bound, f"{family} fp32: max |diff| {diff.max():.3g} > {bound}"
     else:
-        assert diff.max() <= BF16_MAX and diff.mean() <= BF16_MEAN, (
-            f"{family} {dtype}: max |diff| {diff.max():.3g} (<= {BF16_MAX}), mean {diff.mean():.3g} (<= {BF16_MEAN})"
+        bound = BF16_ROUTED_MAX if routed else BF16_MAX
+        assert diff.max() <= bound and np.median(diff) <= BF16_MEDIAN, (
+            f"{family} {dtype}: max |diff| {diff.max():.3g} (<= {bound}), median {np.median(diff):.3g} (<= {BF16_MEDIAN})"
         )
     return float(diff.max())
 
@@ -122,6 +129,7 @@ def test_family_through_the_engine(family, dtype, family_dirs, tmp_path):
     engine = Engine(directory, dtype=dtype)
     try:
         profile = engine.profile
+        routed = profile.experts > 0
         assert profile.lora_attention, f"{family}: no attention targets"
         assert profile.lora_mlp or profile.lora_experts, f"{family}: no MLP targets"
         engine.create_session("s", LoraConfig(rank=8, alpha=16, seed=1))
@@ -166,8 +174,8 @@ def test_family_through_the_engine(family, dtype, family_dirs, tmp_path):
         sample_gap = 0.0
         for seq in response.sequences:
             trained = forward_logprobs(engine, "s", prompt + seq.tokens)
-            sample_gap = max(sample_gap, agree(seq.logprobs, trained[len(prompt) - 1 :], family, dtype))
-        agree(response.prompt_logprobs[1:], forward_logprobs(engine, "s", prompt), family, dtype)
+            sample_gap = max(sample_gap, agree(seq.logprobs, trained[len(prompt) - 1 :], family, dtype, routed=routed))
+        agree(response.prompt_logprobs[1:], forward_logprobs(engine, "s", prompt), family, dtype, routed=routed)
         # The same rows under two adapters at once (the snapshot and the base model): the mixed-step path.
         t0 = time.monotonic()
         mixed = [
@@ -185,7 +193,7 @@ def test_family_through_the_engine(family, dtype, family_dirs, tmp_path):
         future = engine.sampler.compute_logprobs(None, np.asarray(long[:9]))
         computed = engine.compute_logprobs("snap", ModelInput.from_ints(long))
         future.result(timeout=120)
-        compute_gap = agree(computed[1:], trained_long, family, dtype)
+        compute_gap = agree(computed[1:], trained_long, family, dtype, routed=routed)
 
         # save_state -> load_state reproduces the session exactly.
         engine.save_state("s", str(tmp_path / "state"))
@@ -198,10 +206,12 @@ def test_family_through_the_engine(family, dtype, family_dirs, tmp_path):
         peft_model = PeftModel.from_pretrained(
             AutoModelForCausalLM.from_pretrained(directory, dtype=torch_dtype), str(tmp_path / "adapter")
         ).eval()
-        peft_gap = agree(plain_logprobs(peft_model, long), trained_long, family, dtype)
+        peft_gap = agree(plain_logprobs(peft_model, long), trained_long, family, dtype, routed=routed)
         export_merged(directory, str(tmp_path / "adapter"), str(tmp_path / "merged"))
         merged = AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged"), dtype=torch_dtype).eval()
-        merged_gap = agree(plain_logprobs(merged, long), trained_long, family, dtype, fp32_max=MERGED_FP32_MAX)
+        merged_gap = agree(
+            plain_logprobs(merged, long), trained_long, family, dtype, fp32_max=MERGED_FP32_MAX, routed=routed
+        )
     finally:
         engine.close()
     ROWS[(family, dtype)] = dict(
@@ -347,8 +357,9 @@ def render() -> str:
         "export and the merged export reproduce the training forward, and one SDK -> queue -> worker run.",
         "",
         "Tolerances (max |sampler - trainer| logprob, nats): fp32 1e-4 (merged export 1e-3; Nemotron-H 1e-2, the",
-        "gap between HF's own cached decode and its full forward); bf16 max 0.5 and mean 0.06 (bf16 rounds every",
-        "matmul to 8 mantissa bits; these tiny models' weights are drawn at std 0.2, so their logits are large).",
+        "gap between HF's own cached decode and its full forward); bf16 median 0.06 and max 0.5 (bf16 rounds every",
+        "matmul to 8 mantissa bits; these tiny models' weights are drawn at std 0.2, so their logits are large),",
+        "max 2.0 on MoE families (a router near-tie, 1-2 bf16 ulps, resolved differently by two correct forwards).",
         "",
         "| family | attention | experts | LoRA attn targets | LoRA mlp targets | expert tensors | params at r32 (attn / mlp / experts) | sampler | vLLM | fp32 gap: sample / compute / PEFT / merged | bf16 gap: sample / compute / PEFT / merged | sampled tok/s, one adapter / two mixed (fp32, tiny) |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",

@@ -15,11 +15,16 @@ two things make a row depend on its neighbours, and both are removed here:
    wherever the key sits); the softmax, which sums in 8-lane vectors from the first column, runs
    on scores padded on the left with -inf to a multiple of `KEY_MULTIPLE` columns, so a key's column
    modulo 64 is fixed by its distance from the end, the same alone and batched, and masked keys add
-   exact zeros; the values are taken as w @ v, or, with 4 or more query heads per KV head, where
-   MKL's w @ v orders its reduction over keys by the width, as v^T @ w^T (which does not, and is
-   several times slower at these shapes). A cache shorter than
+   exact zeros; the values are taken as w @ v in blocks of `KEY_MULTIPLE` keys aligned from the end
+   (each block one product of the same shape alone and batched), and the blocks' products are added
+   in order from the left in fp32, so the blocks of padding before a row's keys add exact zeros.
+   (One w @ v over the whole cache orders its reduction over keys by the cache's width on AVX-512:
+   always with one query head per KV head, past a few hundred keys with more.) A cache shorter than
    `KEY_MULTIPLE` is padded, so that no product falls under torch's own small-matmul loop (another
-   summation order). Measured on this CPU (MKL, AVX2); `tests/test_grouped_sampling.py` checks it. Prefills
+   summation order). Measured with MKL on AVX-512 with AMX (Sapphire Rapids), and before the blocks on AVX2;
+   `tests/test_grouped_sampling.py` checks it. (MKL, oneDNN and ATen held to AVX2 on the latter,
+   `MKL_ENABLE_INSTRUCTIONS=AVX2 ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2`, keep the attention
+   invariant up to ~1500 keys but not whole forwards: no stand-in for an AVX2 host.) Prefills
    (many queries per row; alone the row has fewer) group rows by their left padding (runs of
    consecutive rows with the same first real column) and each group attends over its own unpadded
    keys.
@@ -44,7 +49,6 @@ from transformers import AttentionInterface
 
 ROW_MULTIPLE = 8
 KEY_MULTIPLE = 64  # see 1. above
-WIDE_GROUPS = 4  # query heads per KV head from which w @ v's reduction depends on the width (1. above)
 IMPLEMENTATION = "treadle_rows"
 
 _original_linear = F.linear
@@ -166,11 +170,20 @@ def _decode_attention(query, key, value, row_starts, scaling, sliding_window, s_
         weights = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1, dtype=torch.float32)[..., :-1]
     else:
         weights = torch.softmax(scores, dim=-1, dtype=torch.float32)
-    weights = weights[..., width - lk :].to(query.dtype)
-    if groups < WIDE_GROUPS:
-        return torch.matmul(weights, value).reshape(batch, 1, heads, value.shape[-1])
-    out = torch.matmul(value.transpose(2, 3), weights.transpose(2, 3))  # (B, Hkv, Dv, groups): slower, invariant
-    return out.transpose(2, 3).reshape(batch, 1, heads, value.shape[-1])
+    # w @ v in blocks of `KEY_MULTIPLE` keys aligned from the end (1. in the module docstring), added
+    # in order from the left in fp32; each block is a view of the cache but the first, partial one.
+    weights = weights.to(query.dtype)  # (B, Hkv, groups, width); column width - lk holds key 0
+    first = lk % KEY_MULTIPLE
+    out = None
+    if first:
+        head = F.pad(value[:, :, :first], (0, 0, KEY_MULTIPLE - first, 0))
+        out = torch.matmul(weights[..., :KEY_MULTIPLE], head).float()
+    for key in range(first, lk, KEY_MULTIPLE):
+        column = width - lk + key
+        part = torch.matmul(weights[..., column : column + KEY_MULTIPLE], value[:, :, key : key + KEY_MULTIPLE])
+        out = part.float() if out is None else out.add_(part)
+    assert out is not None  # lk >= KEY_MULTIPLE
+    return out.to(query.dtype).reshape(batch, 1, heads, value.shape[-1])
 
 
 AttentionInterface.register(IMPLEMENTATION, _rows_attention)
