@@ -37,6 +37,7 @@ one call, each followed by optim_step, in-process (an `Engine` in this process) 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import statistics
@@ -405,6 +406,11 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as tmp, LocalStack([f"bench={args.model_dir}"], home=f"{tmp}/s") as stack:
             return training_calls(args, stack)
     modes = args.modes.split(",")
+    unknown = sorted(set(modes) - set(MODES))
+    if unknown:
+        raise SystemExit(f"--modes: unknown {', '.join(unknown)}; expected some of {', '.join(MODES)}")
+    if "trl" in modes and importlib.util.find_spec("trl") is None:
+        raise SystemExit("--modes includes trl, but TRL is not installed: pip install -e '.[bench]' (or drop trl)")
     argv = [f"--{k}={getattr(args, k)}" for k in ("prompts", "samples", "tokens", "rank", "threads", "rounds")]
     children = {m: Child(m, [*argv, f"--model_dir={args.model_dir}"]) for m in modes if m in ("hand", "trl")}
     os.environ["OMP_NUM_THREADS"] = str(args.threads)  # read by the worker process at start
