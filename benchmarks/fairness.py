@@ -8,7 +8,8 @@ loop of `--steps` steps alone, A's burst alone, then the same loop of B started 
 
 - B's step and small-sample latency (p50 / p95), alone and beside A;
 - B's p95 step beside A in units of A's heavy op (its median compute time on the worker);
-- A's throughput (heavy ops per second of wall time) alone and beside B, and their ratio;
+- A's throughput (heavy ops per second of wall time) alone and beside B, and their ratio; how much longer
+  A's burst took beside B, against the device time B's loop needs (what no scheduler can give A back);
 - where B's loop ended in A's burst (it must run beside it);
 - with `--rounds N` (default 3) the phases run N times in turn, the latencies pooled, and each round's ratios;
 - with `--saturate`, a fourth phase: B loops for as long as A's burst lasts. The device is then shared by
@@ -172,6 +173,11 @@ def run(heavy: int, steps: int, saturate: bool, rounds: int) -> dict:
         "b_step_p50_beside_over_alone": pct(b_beside[0], 0.5) / pct(b_alone[0], 0.5),
         "a_heavy_ops_per_s_beside_b": rounds * heavy / a_beside_s,
         "a_throughput_beside_over_alone": a_alone_s / a_beside_s,
+        # What A must give up for B's loop to run at all: B's training ops on the device, and B's samples at most
+        # their latency alone (they decode on their own when A is not sampling).
+        "a_burst_longer_beside_b_s": (a_beside_s - a_alone_s) / rounds,
+        "b_loop_training_device_s": steps * b_device_ms / 1000,
+        "b_loop_samples_alone_s": sum(b_alone[1]) / rounds / 1000,
         "per_round_b_p50_ratio_and_a_ratio": [
             (pct(r.beside[0], 0.5) / pct(r.alone[0], 0.5), r.a_alone_s / r.a_beside_s) for r in done
         ],
@@ -224,6 +230,11 @@ def main() -> None:
     print(
         f"A's throughput: alone {figures['a_heavy_ops_per_s_alone']:.2f} ops/s, beside B "
         f"{figures['a_heavy_ops_per_s_beside_b']:.2f} ops/s ({figures['a_throughput_beside_over_alone']:.2f}x)"
+    )
+    print(
+        f"A's burst took {figures['a_burst_longer_beside_b_s']:.2f} s longer beside B; B's loop holds the device "
+        f"{figures['b_loop_training_device_s']:.2f} s for its training ops and at most "
+        f"{figures['b_loop_samples_alone_s']:.2f} s for its samples (their latency alone)"
     )
     rounds = ", ".join(f"{b:.2f}x / {a:.2f}x" for b, a in figures["per_round_b_p50_ratio_and_a_ratio"])
     print(f"per round, B's p50 beside / alone and A's throughput beside / alone: {rounds}")
