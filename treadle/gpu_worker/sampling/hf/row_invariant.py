@@ -21,7 +21,7 @@ two things make a row depend on its neighbours, and both are removed here:
    (One w @ v over the whole cache orders its reduction over keys by the cache's width on AVX-512:
    always with one query head per KV head, past a few hundred keys with more.) A cache shorter than
    `KEY_MULTIPLE` is padded, so that no product falls under torch's own small-matmul loop (another
-   summation order). Measured with MKL on AVX-512 with AMX (Sapphire Rapids), and before the blocks on AVX2;
+   summation order). Measured with MKL on AVX-512 with AMX (Sapphire Rapids);
    `tests/test_grouped_sampling.py` checks it. (MKL, oneDNN and ATen held to AVX2 on the latter,
    `MKL_ENABLE_INSTRUCTIONS=AVX2 ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2`, keep the attention
    invariant up to ~1500 keys but not whole forwards: no stand-in for an AVX2 host.) Prefills
@@ -173,16 +173,13 @@ def _decode_attention(query, key, value, row_starts, scaling, sliding_window, s_
     # w @ v in blocks of `KEY_MULTIPLE` keys aligned from the end (1. in the module docstring), added
     # in order from the left in fp32; each block is a view of the cache but the first, partial one.
     weights = weights.to(query.dtype)  # (B, Hkv, groups, width); column width - lk holds key 0
+    out = query.new_zeros((batch, kv_heads, groups, value.shape[-1]), dtype=torch.float32)
     first = lk % KEY_MULTIPLE
-    out = None
     if first:
-        head = F.pad(value[:, :, :first], (0, 0, KEY_MULTIPLE - first, 0))
-        out = torch.matmul(weights[..., :KEY_MULTIPLE], head).float()
+        out += torch.matmul(weights[..., :KEY_MULTIPLE], F.pad(value[:, :, :first], (0, 0, KEY_MULTIPLE - first, 0)))
     for key in range(first, lk, KEY_MULTIPLE):
         column = width - lk + key
-        part = torch.matmul(weights[..., column : column + KEY_MULTIPLE], value[:, :, key : key + KEY_MULTIPLE])
-        out = part.float() if out is None else out.add_(part)
-    assert out is not None  # lk >= KEY_MULTIPLE
+        out += torch.matmul(weights[..., column : column + KEY_MULTIPLE], value[:, :, key : key + KEY_MULTIPLE])
     return out.to(query.dtype).reshape(batch, 1, heads, value.shape[-1])
 
 
