@@ -64,13 +64,42 @@ def _filter(scores: torch.Tensor, ks: list[int], ps: list[float]) -> torch.Tenso
 
 
 def draw(logprobs: torch.Tensor, groups: list[tuple[torch.Generator, list[int]]]) -> torch.Tensor:
-    """One token per row; `groups` pairs each request's generator with its rows (in row order)."""
-    tokens = torch.empty(logprobs.shape[0], dtype=torch.long, device=logprobs.device)
+    """One token per row; `groups` pairs each request's generator with its rows (in row order).
+
+    Inverse-CDF sampling, one uniform per row from its request's generator: the token is the first whose running
+    probability exceeds u times the row's total. `torch.multinomial` draws one exponential per vocabulary entry (8 rows
+    of a 49k vocabulary took 7 ms of a decode step on one core, one call per request); here the RNG draws one number
+    per row, and the running sums are taken in two levels, for all rows at once: the sums of `DRAW_BLOCK`-token blocks
+    (float32, each over its own block), their running sum in float64, then the running sum within the chosen block.
+    Every step reads one row alone (sums along it, a binary search), so a row's token depends on its logits and its
+    request's stream only, never on the rows batched beside it."""
+    rows, vocab = logprobs.shape
+    device = logprobs.device
     probs = logprobs.exp()
-    for generator, rows in groups:
-        index = torch.tensor(rows, device=logprobs.device)
-        tokens[index] = torch.multinomial(probs[index], 1, generator=generator).squeeze(1)
-    return tokens
+    members = [i for _, rows_of in groups for i in rows_of]
+    uniforms = torch.empty(rows, dtype=torch.float64, device=device)
+    uniforms[torch.tensor(members, device=device)] = torch.cat(
+        [torch.rand(len(rows_of), generator=g, dtype=torch.float64, device=device) for g, rows_of in groups]
+    )
+    full = vocab - vocab % DRAW_BLOCK
+    blocks = probs[:, :full].reshape(rows, -1, DRAW_BLOCK).sum(-1)
+    if full < vocab:
+        blocks = torch.cat([blocks, probs[:, full:].sum(-1, keepdim=True)], dim=1)
+    running = torch.cat([blocks.new_zeros((rows, 1), dtype=torch.float64), blocks.double().cumsum(-1)], dim=1)
+    total = running[:, -1:]
+    # u < 1, but u * total may round up to the total: stay below it, so that the search lands on a block with mass.
+    target = torch.minimum(uniforms.unsqueeze(1) * total, torch.nextafter(total, torch.zeros_like(total)))
+    block = torch.searchsorted(running, target, right=True) - 1
+    index = block * DRAW_BLOCK + torch.arange(DRAW_BLOCK, device=device)
+    inside = probs.gather(1, index.clamp(max=vocab - 1)).masked_fill_(index >= vocab, 0.0).double().cumsum(-1)
+    # The block's running sum may end a rounding below its float32 sum: stay below its own end, for the same reason.
+    rest = torch.minimum(target - running.gather(1, block), torch.nextafter(inside[:, -1:], torch.zeros_like(total)))
+    return (block * DRAW_BLOCK + torch.searchsorted(inside, rest.clamp(min=0), right=True)).squeeze(1)
+
+
+# Tokens per block of `draw`'s two-level search: the first level is a few hundred sums for a 100k vocabulary, the
+# second a running sum of one block.
+DRAW_BLOCK = 256
 
 
 def finished(
