@@ -10,7 +10,9 @@ loop of `--steps` steps alone, A's burst alone, then the same loop of B started 
 - B's p95 step beside A in units of A's heavy op (its median compute time on the worker);
 - A's throughput (heavy ops per second of wall time) alone and beside B, and their ratio; how much longer
   A's burst took beside B, against the device time B's loop needs (what no scheduler can give A back);
-- the device time the worker held idle for B's next ops (anticipation, from its Prometheus counters);
+- the device time the worker charged to B's loop beside A (training ops, its samples' share of the decode steps,
+  the device's idle waits for B's next ops: `treadle_session_device_seconds`), and those idle waits alone
+  (`treadle_anticipation_seconds`), read from the worker's metrics port;
 - where B's loop ended in A's burst (it must run beside it);
 - with `--rounds N` (default 3) the phases run N times in turn, the latencies pooled, and each round's ratios;
 - with `--saturate`, a fourth phase: B loops for as long as A's burst lasts. The device is then shared by
@@ -115,23 +117,36 @@ def beside(a, a_sampler, b, b_sampler, heavy: int, steps: int) -> tuple[tuple[li
 WARM_UP_HEAVY = 8  # A's heavy ops before the rounds, left out of its median
 
 
-def anticipation_s(metrics_url: str) -> float:
-    """Seconds the worker has held the device idle waiting for a session's next op (its own counter)."""
+@dataclass
+class DeviceTime:
+    """The worker's own counts, read from its metrics port: the device held idle waiting for a session's next op
+    (all sessions), and the device time charged to B's session (its training ops, its samples' share of the decode
+    steps, those idle waits)."""
+
+    idle_s: float
+    b_s: float
+
+
+def device_time(metrics_url: str, b_session: str) -> DeviceTime:
     with urllib.request.urlopen(metrics_url, timeout=30) as response:
-        text = response.read().decode()
-    return sum(
-        sample.value
-        for family in text_string_to_metric_families(text)
-        if family.name == "treadle_anticipation_seconds"
-        for sample in family.samples
-        if sample.name.endswith("_total")
+        families = list(text_string_to_metric_families(response.read().decode()))
+    samples = [(family.name, sample) for family in families for sample in family.samples]
+    return DeviceTime(
+        idle_s=sum(
+            s.value for name, s in samples if name == "treadle_anticipation_seconds" and s.name.endswith("_total")
+        ),
+        b_s=sum(
+            s.value
+            for name, s in samples
+            if name == "treadle_session_device_seconds" and s.labels["session"] == b_session
+        ),
     )
 
 
 @dataclass
 class Round:
     """One round's phases: B's (step, sample) latencies alone and beside A, A's burst alone and beside B (s), when
-    B's loop ended in A's burst (s), the device's idle wait for B's ops meanwhile (s), and with `--saturate` B's step latencies looping through A's whole burst and
+    B's loop ended in A's burst (s), the worker's device time counts meanwhile, and with `--saturate` B's step latencies looping through A's whole burst and
     A's throughput then / alone."""
 
     alone: tuple[list[float], list[float]]
@@ -139,7 +154,7 @@ class Round:
     a_alone_s: float
     a_beside_s: float
     b_ended_s: float
-    anticipation_s: float
+    device: DeviceTime
     saturated: tuple[list[float], float] | None
 
 
@@ -162,14 +177,15 @@ def run(heavy: int, steps: int, saturate: bool, rounds: int) -> dict:
             for _ in range(rounds):
                 alone = light_loop(b, b_sampler, None, steps)
                 a_alone_s = heavy_burst(a, a_sampler, heavy)
-                idle_before = anticipation_s(metrics_url)
+                before = device_time(metrics_url, b.session_id)
                 together, a_beside_s, b_ended_s = beside(a, a_sampler, b, b_sampler, heavy, steps)
-                idle = anticipation_s(metrics_url) - idle_before
+                after = device_time(metrics_url, b.session_id)
+                used = DeviceTime(after.idle_s - before.idle_s, after.b_s - before.b_s)
                 saturated = None
                 if saturate:
                     (step_sat, _), a_sat_s, _ = beside(a, a_sampler, b, b_sampler, heavy, 0)
                     saturated = (step_sat, a_alone_s / a_sat_s)
-                done.append(Round(alone, together, a_alone_s, a_beside_s, b_ended_s, idle, saturated))
+                done.append(Round(alone, together, a_alone_s, a_beside_s, b_ended_s, used, saturated))
             meter = Meter(sc.ops.redis)
             heavy_ms = [o.compute_s * 1000 for o in meter.session_ops(a.session_id) if o.op == "forward_backward"]
             b_ops = meter.session_ops(b.session_id)
@@ -200,7 +216,8 @@ def run(heavy: int, steps: int, saturate: bool, rounds: int) -> dict:
         "a_burst_longer_beside_b_s": (a_beside_s - a_alone_s) / rounds,
         "b_loop_training_device_s": steps * b_device_ms / 1000,
         "b_loop_samples_alone_s": sum(b_alone[1]) / rounds / 1000,
-        "idle_for_b_s": sum(r.anticipation_s for r in done) / rounds,
+        "idle_for_b_s": sum(r.device.idle_s for r in done) / rounds,
+        "b_loop_device_s": sum(r.device.b_s for r in done) / rounds,
         "per_round_b_p50_ratio_and_a_ratio": [
             (pct(r.beside[0], 0.5) / pct(r.alone[0], 0.5), r.a_alone_s / r.a_beside_s) for r in done
         ],
@@ -257,8 +274,11 @@ def main() -> None:
     print(
         f"A's burst took {figures['a_burst_longer_beside_b_s']:.2f} s longer beside B; B's loop holds the device "
         f"{figures['b_loop_training_device_s']:.2f} s for its training ops and at most "
-        f"{figures['b_loop_samples_alone_s']:.2f} s for its samples (their latency alone); the device stood idle "
-        f"{figures['idle_for_b_s']:.2f} s waiting for B's next ops (anticipation)"
+        f"{figures['b_loop_samples_alone_s']:.2f} s for its samples (their latency alone)"
+    )
+    print(
+        f"the worker charged B's loop beside A {figures['b_loop_device_s']:.2f} s of device time (training, samples, "
+        f"idle waits); the device stood idle {figures['idle_for_b_s']:.2f} s waiting for B's next ops (anticipation)"
     )
     rounds = ", ".join(f"{b:.2f}x / {a:.2f}x" for b, a in figures["per_round_b_p50_ratio_and_a_ratio"])
     print(f"per round, B's p50 beside / alone and A's throughput beside / alone: {rounds}")

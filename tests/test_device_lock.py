@@ -114,3 +114,16 @@ def test_a_holder_keeps_the_device_between_forwards_while_it_serves_the_least_se
     waiter.join(WAIT_S)
     assert kept == [True, False]
     assert not waiter.is_alive()
+
+
+def test_each_tenants_device_seconds_add_up_over_holds_until_it_is_forgotten():
+    lock = DeviceLock()
+    with lock.hold({"a": 3, "b": 1}):
+        time.sleep(0.01)
+    first = dict(lock.seconds)
+    assert first["a"] == pytest.approx(3 * first["b"]) and first["b"] > 0
+    with lock.hold({"a": 1}):
+        time.sleep(0.01)
+    assert lock.seconds["a"] > first["a"] and lock.seconds["b"] == first["b"]
+    lock.forget("a")
+    assert "a" not in lock.seconds and lock.seconds["b"] == first["b"]

@@ -366,3 +366,27 @@ def test_status_and_metrics_show_each_sessions_place_in_line_and_its_estimated_w
     assert 'treadle_op_queue_seconds_count{base_model="tiny",owner="sdk"}' in _scrape(port)
     a.stop()
     b.stop()
+
+
+def test_the_worker_exports_each_sessions_device_time_for_its_training_and_its_samples(fair_stack):
+    """`treadle_session_device_seconds` moves with a session's training ops and with the samples of its snapshots
+    (decode steps are charged to the sessions whose rows they carry), and with nothing run for another session."""
+    sc, _, port = fair_stack
+    trainer, sampler = _session(sc, seed=0), _session(sc, seed=1)
+    snapshot = sampler.save_weights_and_get_sampling_client("device-time")
+    trainer.forward_backward(sft_batch(0, n=8, length=96), "cross_entropy").result(timeout=300)
+
+    def series(session) -> str:
+        return f'treadle_session_device_seconds{{base_model="tiny",owner="sdk",session="{session.session_id}"}}'
+
+    before = _scrape(port)
+    assert series(sampler) in before and _metric(before, series(trainer)) > 0
+    snapshot.sample(ModelInput.from_ints([5, 6, 7, 8]), 4, SamplingParams(max_tokens=16, seed=0)).result(timeout=300)
+    after = _scrape(port)
+    assert _metric(after, series(sampler)) > _metric(before, series(sampler))
+    assert _metric(after, series(trainer)) == _metric(before, series(trainer))
+    trainer.optim_step(ADAM).result(timeout=300)
+    assert _metric(_scrape(port), series(trainer)) > _metric(after, series(trainer))
+    trainer.stop()
+    sampler.stop()
+    assert series(trainer) not in _scrape(port)  # released: its series ends with it

@@ -182,6 +182,10 @@ class WorkerService:
                 pipe.hset(key, mapping=files)
                 pipe.execute()
 
+    def _device_seconds(self, session_id: str, base_model: str) -> float:
+        engine = self.engines.get(base_model)
+        return 0.0 if engine is None else engine.device.seconds.get(session_id, 0.0)
+
     def run(self) -> None:
         if self.config.metrics_port:
             self.metrics.start_metrics_server(
@@ -190,6 +194,7 @@ class WorkerService:
                 redis=self.redis,
                 models=self.engines,
                 owned=lambda: list(self.host.owned),
+                device_seconds=self._device_seconds,
             )
         self._publish_tokenizers()
         self.redis.hset(

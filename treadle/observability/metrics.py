@@ -168,16 +168,32 @@ def _session_queues(redis, session_ids: Iterable[str]) -> list[GaugeMetricFamily
 
 class QueueDepthCollector:
     """`treadle_queue_depth{base_model}` of the models a worker serves, and the queues of the sessions it owns
-    (`owned()`: their ids), read from Redis at each scrape."""
+    (`owned()`: their ids), read from Redis at each scrape; with `device_seconds(session_id, base_model)`, the
+    device time each owned session has had on this worker."""
 
-    def __init__(self, redis, models: Iterable[str], owned=lambda: ()):
+    def __init__(self, redis, models: Iterable[str], owned=lambda: (), device_seconds=None):
         self.redis = redis
         self.models = list(models)
         self.owned = owned
+        self.device_seconds = device_seconds
 
     def collect(self):
         yield _queue_depths(self.redis, self.models)
-        yield from _session_queues(self.redis, self.owned())
+        families = _session_queues(self.redis, self.owned())
+        yield from families
+        device = GaugeMetricFamily(
+            "treadle_session_device_seconds",
+            "Seconds of device time this worker has charged to a session it owns: its training ops, its rows' "
+            "share of the decode steps they ran in, and the device's idle waits for its next op.",
+            labels=["session", "owner", "base_model"],
+        )
+        for sample in families[0].samples if self.device_seconds is not None else ():
+            labels = sample.labels  # the active owned sessions, labelled as their queue gauges
+            device.add_metric(
+                [labels["session"], labels["owner"], labels["base_model"]],
+                self.device_seconds(labels["session"], labels["base_model"]),
+            )
+        yield device
 
 
 class DeploymentCollector:
@@ -210,9 +226,17 @@ class DeploymentCollector:
         yield sessions
 
 
-def start_metrics_server(port: int, addr: str = "0.0.0.0", *, redis=None, models: Iterable[str] = (), owned=lambda: ()):
-    """Serve REGISTRY (plus the queue depths of `models` and of the sessions `owned()` names, when a Redis client
-    is given) on addr:port."""
+def start_metrics_server(
+    port: int,
+    addr: str = "0.0.0.0",
+    *,
+    redis=None,
+    models: Iterable[str] = (),
+    owned=lambda: (),
+    device_seconds=None,
+):
+    """Serve REGISTRY (plus the queue depths of `models` and the queues and device time of the sessions `owned()`
+    names, when a Redis client is given; see `QueueDepthCollector`) on addr:port."""
     if redis is not None:
-        REGISTRY.register(QueueDepthCollector(redis, models, owned))
+        REGISTRY.register(QueueDepthCollector(redis, models, owned, device_seconds))
     return start_http_server(port, addr, registry=REGISTRY)

@@ -82,7 +82,8 @@ class DeviceLock:
         self._holding: Mapping[str, float] = {}
         self._held_since = 0.0
         self._turns = 0
-        self.tags = ServiceTags()  # device seconds per tenant
+        self.tags = ServiceTags()  # device seconds per tenant, as fair tags (relative to the clock)
+        self.seconds: dict[str, float] = {}  # device seconds charged to each tenant so far (`forget` drops one)
 
     def acquire(self, tenants: Mapping[str, float] | None = None) -> None:
         """Wait for the device. `tenants`: whom the hold serves, with their shares of it (rows); None: this thread's
@@ -138,6 +139,11 @@ class DeviceLock:
             self._holding = tenants
             return True
 
+    def forget(self, tenant: str) -> None:
+        """Drop a tenant's total (a session this worker released)."""
+        with self._cond:
+            self.seconds.pop(tenant, None)
+
     def run(self, fn: Callable[..., T], /, *args, **kwargs) -> T:
         """`fn(*args, **kwargs)`, computed on the compute thread if there is one; the caller holds the lock."""
         if self._compute is None:
@@ -183,3 +189,4 @@ class DeviceLock:
         self._turns += 1
         for tenant, share in self._holding.items():
             self.tags.charge(tenant, seconds * share / total, self._turns)
+            self.seconds[tenant] = self.seconds.get(tenant, 0.0) + seconds * share / total

@@ -241,6 +241,7 @@ class SessionHost:
         engine = self.engine(owned.record.base_model)
         if engine.has_session(session_id):
             engine.drop_session(session_id)
+        engine.device.forget(session_id)
         if drop_lease:
             self.lease.release(session_id, owned.epoch)
 
