@@ -33,10 +33,9 @@ import urllib.request
 from dataclasses import dataclass
 
 import numpy as np
-
-from treadle import AdamParams, Datum, ModelInput, SamplingParams, ServiceClient
 from prometheus_client.parser import text_string_to_metric_families
 
+from treadle import AdamParams, Datum, ModelInput, SamplingParams, ServiceClient
 from treadle.local_stack import LocalStack, free_port
 from treadle.metering import Meter
 from treadle.testing.tiny_model import build_tiny_model
@@ -146,8 +145,8 @@ def device_time(metrics_url: str, b_session: str) -> DeviceTime:
 @dataclass
 class Round:
     """One round's phases: B's (step, sample) latencies alone and beside A, A's burst alone and beside B (s), when
-    B's loop ended in A's burst (s), the worker's device time counts meanwhile, and with `--saturate` B's step latencies looping through A's whole burst and
-    A's throughput then / alone."""
+    B's loop ended in A's burst (s), the worker's device-time counts over B's loop beside A, and with `--saturate`
+    B's step latencies looping through A's whole burst and A's throughput then / alone."""
 
     alone: tuple[list[float], list[float]]
     beside: tuple[list[float], list[float]]

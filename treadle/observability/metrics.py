@@ -179,20 +179,21 @@ class QueueDepthCollector:
 
     def collect(self):
         yield _queue_depths(self.redis, self.models)
-        families = _session_queues(self.redis, self.owned())
-        yield from families
+        queued, waits = _session_queues(self.redis, self.owned())
+        yield from (queued, waits)
         device = GaugeMetricFamily(
             "treadle_session_device_seconds",
             "Seconds of device time this worker has charged to a session it owns: its training ops, its rows' "
             "share of the decode steps they ran in, and the device's idle waits for its next op.",
             labels=["session", "owner", "base_model"],
         )
-        for sample in families[0].samples if self.device_seconds is not None else ():
-            labels = sample.labels  # the active owned sessions, labelled as their queue gauges
-            device.add_metric(
-                [labels["session"], labels["owner"], labels["base_model"]],
-                self.device_seconds(labels["session"], labels["base_model"]),
-            )
+        if self.device_seconds is not None:
+            for sample in queued.samples:  # the active owned sessions, labelled as their queue gauges
+                labels = sample.labels
+                device.add_metric(
+                    [labels["session"], labels["owner"], labels["base_model"]],
+                    self.device_seconds(labels["session"], labels["base_model"]),
+                )
         yield device
 
 

@@ -188,5 +188,6 @@ class DeviceLock:
             return
         self._turns += 1
         for tenant, share in self._holding.items():
-            self.tags.charge(tenant, seconds * share / total, self._turns)
-            self.seconds[tenant] = self.seconds.get(tenant, 0.0) + seconds * share / total
+            cost = seconds * share / total
+            self.tags.charge(tenant, cost, self._turns)
+            self.seconds[tenant] = self.seconds.get(tenant, 0.0) + cost
