@@ -2,9 +2,10 @@
 
 It loads each base model once, consumes the control queue of each, and subscribes itself to the
 queue of every session it owns. Besides Celery's own thread pool (one thread: one op at a time on the
-accelerator) it runs two background threads: a heartbeat that announces the worker and renews its
-session leases (never blocked by a long op), and a caretaker that adopts sessions whose owner died,
-expires sessions idle past `session_idle_ttl_s` and unloads idle ones. With `--metrics_port` it
+accelerator) it runs three background threads: a heartbeat that announces the worker and renews its
+session leases (never blocked by a long op), a caretaker that adopts sessions whose owner died,
+expires sessions idle past `session_idle_ttl_s` and unloads idle ones, and one that stores sample
+answers off the decode loop. With `--metrics_port` it
 serves Prometheus metrics (treadle.observability.metrics). SIGTERM is a warm shutdown: the running op
 finishes, owned sessions are checkpointed and their leases released so another worker can adopt them.
 """
@@ -17,6 +18,7 @@ import socket
 import threading
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 
 from celery.signals import worker_ready, worker_shutting_down
 
@@ -110,7 +112,9 @@ class WorkerService:
             idle_unload_s=config.idle_unload_s,
             session_idle_ttl_s=config.session_idle_ttl_s,
         )
-        register_tasks(self.app, sequencer, self.host, Sampling(samplers, self.host.op_lock), usage)
+        # Stores the answers of sample requests off the decode loop's thread (treadle.gpu_worker.executor.celery_tasks).
+        self.deliver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="treadle-deliver")
+        register_tasks(self.app, sequencer, self.host, Sampling(samplers, self.host.op_lock), usage, self.deliver)
         self.registry = WorkerRegistry(self.redis)
         self._stop = threading.Event()
         self._started_at = time.time()
@@ -226,6 +230,7 @@ class WorkerService:
             self._hand_over()
             for engine in self.engines.values():  # sample requests still waiting fail (and say so to their clients)
                 engine.close()
+            self.deliver.shutdown(wait=True)  # ...once their answers are stored
             self.registry.withdraw(self.hostname)
 
     def _hand_over(self) -> None:
