@@ -13,6 +13,10 @@ loop of `--steps` steps alone, A's burst alone, then the same loop of B started 
 - the device time the worker charged to B's loop beside A (training ops, its samples' share of the decode steps,
   the device's idle waits for B's next ops: `treadle_session_device_seconds`), and those idle waits alone
   (`treadle_anticipation_seconds`), read from the worker's metrics port;
+- A's share of the wall time (the device time charged to A over the burst's wall time) alone and beside B, and
+  their ratio: A's throughput beside B / alone with the speed of A's own ops taken out. This VM's speed drifts by
+  a few percent between two bursts a few seconds apart, which the ratio of wall times carries and this one does
+  not; with a steady machine the two agree;
 - where B's loop ended in A's burst (it must run beside it);
 - with `--rounds N` (default 3) the phases run N times in turn, the latencies pooled, and each round's ratios;
 - with `--saturate`, a fourth phase: B loops for as long as A's burst lasts. The device is then shared by
@@ -119,20 +123,29 @@ WARM_UP_HEAVY = 8  # A's heavy ops before the rounds, left out of its median
 @dataclass
 class DeviceTime:
     """The worker's own counts, read from its metrics port: the device held idle waiting for a session's next op
-    (all sessions), and the device time charged to B's session (its training ops, its samples' share of the decode
-    steps, those idle waits)."""
+    (all sessions), and the device time charged to A's and to B's session (their training ops, their samples'
+    share of the decode steps, those idle waits)."""
 
     idle_s: float
+    a_s: float
     b_s: float
 
+    def __sub__(self, before: DeviceTime) -> DeviceTime:
+        return DeviceTime(self.idle_s - before.idle_s, self.a_s - before.a_s, self.b_s - before.b_s)
 
-def device_time(metrics_url: str, b_session: str) -> DeviceTime:
+
+def device_time(metrics_url: str, a_session: str, b_session: str) -> DeviceTime:
     with urllib.request.urlopen(metrics_url, timeout=30) as response:
         families = list(text_string_to_metric_families(response.read().decode()))
     samples = [(family.name, sample) for family in families for sample in family.samples]
     return DeviceTime(
         idle_s=sum(
             s.value for name, s in samples if name == "treadle_anticipation_seconds" and s.name.endswith("_total")
+        ),
+        a_s=sum(
+            s.value
+            for name, s in samples
+            if name == "treadle_session_device_seconds" and s.labels["session"] == a_session
         ),
         b_s=sum(
             s.value
@@ -145,14 +158,15 @@ def device_time(metrics_url: str, b_session: str) -> DeviceTime:
 @dataclass
 class Round:
     """One round's phases: B's (step, sample) latencies alone and beside A, A's burst alone and beside B (s), when
-    B's loop ended in A's burst (s), the worker's device-time counts over B's loop beside A, and with `--saturate`
-    B's step latencies looping through A's whole burst and A's throughput then / alone."""
+    B's loop ended in A's burst (s), the worker's device-time counts over A's burst alone and beside B, and with
+    `--saturate` B's step latencies looping through A's whole burst and A's throughput then / alone."""
 
     alone: tuple[list[float], list[float]]
     beside: tuple[list[float], list[float]]
     a_alone_s: float
     a_beside_s: float
     b_ended_s: float
+    device_alone: DeviceTime
     device: DeviceTime
     saturated: tuple[list[float], float] | None
 
@@ -175,16 +189,27 @@ def run(heavy: int, steps: int, saturate: bool, rounds: int) -> dict:
             heavy_burst(a, a_sampler, WARM_UP_HEAVY)
             for _ in range(rounds):
                 alone = light_loop(b, b_sampler, None, steps)
+                counts = [device_time(metrics_url, a.session_id, b.session_id)]
                 a_alone_s = heavy_burst(a, a_sampler, heavy)
-                before = device_time(metrics_url, b.session_id)
+                counts.append(device_time(metrics_url, a.session_id, b.session_id))
                 together, a_beside_s, b_ended_s = beside(a, a_sampler, b, b_sampler, heavy, steps)
-                after = device_time(metrics_url, b.session_id)
-                used = DeviceTime(after.idle_s - before.idle_s, after.b_s - before.b_s)
+                counts.append(device_time(metrics_url, a.session_id, b.session_id))
                 saturated = None
                 if saturate:
                     (step_sat, _), a_sat_s, _ = beside(a, a_sampler, b, b_sampler, heavy, 0)
                     saturated = (step_sat, a_alone_s / a_sat_s)
-                done.append(Round(alone, together, a_alone_s, a_beside_s, b_ended_s, used, saturated))
+                done.append(
+                    Round(
+                        alone,
+                        together,
+                        a_alone_s,
+                        a_beside_s,
+                        b_ended_s,
+                        counts[1] - counts[0],
+                        counts[2] - counts[1],
+                        saturated,
+                    )
+                )
             meter = Meter(sc.ops.redis)
             heavy_ms = [o.compute_s * 1000 for o in meter.session_ops(a.session_id) if o.op == "forward_backward"]
             b_ops = meter.session_ops(b.session_id)
@@ -210,6 +235,8 @@ def run(heavy: int, steps: int, saturate: bool, rounds: int) -> dict:
         "b_step_p50_beside_over_alone": pct(b_beside[0], 0.5) / pct(b_alone[0], 0.5),
         "a_heavy_ops_per_s_beside_b": rounds * heavy / a_beside_s,
         "a_throughput_beside_over_alone": a_alone_s / a_beside_s,
+        "a_share_of_wall_alone": sum(r.device_alone.a_s for r in done) / a_alone_s,
+        "a_share_of_wall_beside_b": sum(r.device.a_s for r in done) / a_beside_s,
         # What A must give up for B's loop to run at all: B's training ops on the device, and B's samples at most
         # their latency alone (they decode on their own when A is not sampling).
         "a_burst_longer_beside_b_s": (a_beside_s - a_alone_s) / rounds,
@@ -269,6 +296,11 @@ def main() -> None:
     print(
         f"A's throughput: alone {figures['a_heavy_ops_per_s_alone']:.2f} ops/s, beside B "
         f"{figures['a_heavy_ops_per_s_beside_b']:.2f} ops/s ({figures['a_throughput_beside_over_alone']:.2f}x)"
+    )
+    alone_share, beside_share = figures["a_share_of_wall_alone"], figures["a_share_of_wall_beside_b"]
+    print(
+        f"A's share of the wall time (device time charged to A / wall): alone {alone_share:.4f}, beside B "
+        f"{beside_share:.4f} ({beside_share / alone_share:.3f}x: A's throughput with its ops' speed taken out)"
     )
     print(
         f"A's burst took {figures['a_burst_longer_beside_b_s']:.2f} s longer beside B; B's loop holds the device "
