@@ -183,12 +183,12 @@ def test_two_ranks_train_like_one_device(stack, sc, ref):
     assert min(ref_norms) > ADAM.grad_clip_norm  # every step was clipped, on the norm of both shards
     assert all(close(a, b) for a, b in zip(norms, ref_norms)), list(zip(norms, ref_norms))
     assert_close_adapter(adapter_of(sc, tc.save_state("final").result(timeout=60).path), ref.adapter("same"))
-    # Prompt logprobs come from rank 0's replica alone: the same numbers as one device's, bitwise.
+    # Prompt logprobs come from rank 0's replica alone: one device's numbers, to the losses' tolerance (`close`).
     sampler = tc.save_weights_and_get_sampling_client("s")
     prompt = ModelInput.from_ints(list(range(5, 25)))
     ref.engine.snapshot_sampler("same", "s")
     assert sampler.compute_logprobs(prompt).result(timeout=60)[1:] == pytest.approx(
-        ref.engine.compute_logprobs("s", prompt)[1:], abs=TOL
+        ref.engine.compute_logprobs("s", prompt)[1:], rel=TOL, abs=TOL
     )
 
 

@@ -19,6 +19,13 @@ from treadle.types import AdamParams
 _MOMENT_KEYS = ("exp_avg", "exp_avg_sq", "step")
 
 
+# Devices with torch's fused AdamW kernel: one pass per tensor, where the default implementation runs a dozen
+# elementwise ops per parameter (CPU) or per group of parameters (CUDA). Measured on one CPU thread: 0.59 -> 0.10
+# ms a step for the tiny model's adapter, 25.7 -> 8.2 ms for a SmolLM2-sized one (r32 on every linear). It
+# rounds differently from the default by about an ulp; a session's steps stay bitwise reproducible.
+FUSED_ADAMW_DEVICES = ("cpu", "cuda")
+
+
 class SessionOptimizer:
     def __init__(self, params: dict[str, nn.Parameter]):
         self.params = params
@@ -29,6 +36,7 @@ class SessionOptimizer:
             betas=(defaults.beta1, defaults.beta2),
             eps=defaults.eps,
             weight_decay=defaults.weight_decay,
+            fused=all(p.device.type in FUSED_ADAMW_DEVICES and p.is_floating_point() for p in params.values()),
         )
         self.size = sum(p.numel() for p in params.values())  # trainable parameters
 
