@@ -195,12 +195,7 @@ class Engine:
         """`fn(*args, **kwargs)` for a holder of the device lock, on threads sized to its `work`: toy-sized work on
         one thread of this one (it starts no OpenMP team, so it needs no hand-off) unless large work has just run,
         the rest where the lock computes (treadle.gpu_worker.model.cpu_threads)."""
-        if self._threads.small(work):
-            with self._threads.one():
-                return fn(*args, **kwargs)
-        result = self.device.run(fn, *args, **kwargs)
-        self._threads.ran(work)
-        return result
+        return self._threads.compute(work, self.device.run, fn, *args, **kwargs)
 
     def _run(
         self,

@@ -18,8 +18,8 @@ Except while larger work is under way: a toy op that comes within `TEAM_IN_USE_S
 the compute thread's team, with all threads. Run on one thread of its caller, it leaves the team idle for its few
 milliseconds, the team's threads fall asleep, and the next large op pays to wake them. That is the case of two
 tenants on one worker, a light loop's steps between a heavy tenant's ops: measured in-process on the tiny model,
-a 16 x 256 forward_backward took 1-2 ms (2-4 %) longer after a 4 x 32 step run on one thread than after one run
-on the team, which cost it nothing. Only large ops mark the team in use, so a loop of toy ops alone stays on
+a 16 x 256 forward_backward of about 50 ms took 1-4 ms longer after one to three 4 x 32 steps run on one thread
+than after them run on the team, which cost it nothing and the steps no more. Only large ops mark the team in use, so a loop of toy ops alone stays on
 its caller's thread.
 """
 
@@ -27,9 +27,11 @@ from __future__ import annotations
 
 import time
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Callable, Iterator, TypeVar
 
 import torch
+
+T = TypeVar("T")
 
 # Between the tiny model's 512 tokens (5.9e7: one thread as fast) and 2048 (2.4e8: two threads 1.2x faster).
 MIN_PARALLEL_WORK = 1e8
@@ -48,11 +50,17 @@ class CpuThreads:
         """True when `work` should run on one thread (`one`): toy-sized, and no large op has just run."""
         return self.enabled and work < MIN_PARALLEL_WORK and time.monotonic() - _large_ended > TEAM_IN_USE_S
 
-    def ran(self, work: float) -> None:
-        """`work` has just run on the team: large work marks the team in use."""
+    def compute(self, work: float, on_team: Callable[..., T], fn: Callable[..., T], /, *args, **kwargs) -> T:
+        """`fn(*args, **kwargs)`: on one thread of this one when `work` is `small`, else through `on_team` (the
+        device lock's `run`); large work marks the team in use."""
         global _large_ended
+        if self.small(work):
+            with self.one():
+                return fn(*args, **kwargs)
+        result = on_team(fn, *args, **kwargs)
         if self.enabled and work >= MIN_PARALLEL_WORK:
             _large_ended = time.monotonic()
+        return result
 
     @contextmanager
     def one(self) -> Iterator[None]:
