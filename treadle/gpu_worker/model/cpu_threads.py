@@ -19,8 +19,8 @@ the compute thread's team, with all threads. Run on one thread of its caller, it
 milliseconds, the team's threads fall asleep, and the next large op pays to wake them. That is the case of two
 tenants on one worker, a light loop's steps between a heavy tenant's ops: measured in-process on the tiny model,
 a 16 x 256 forward_backward of about 50 ms took 1-4 ms longer after one to three 4 x 32 steps run on one thread
-than after them run on the team, which cost it nothing and the steps no more. Only large ops mark the team in use, so a loop of toy ops alone stays on
-its caller's thread.
+than after them run on the team, which cost it nothing and the steps no more. Only large ops mark the team in
+use, so a loop of toy ops alone stays on its caller's thread.
 """
 
 from __future__ import annotations
