@@ -27,8 +27,10 @@ from treadle.runs.runner import RunnerConfig, live_runners
 from treadle.storage import CheckpointStore
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# Short lease, poll and flush intervals so that adoption and log streaming happen within seconds.
-RUNNER_ARGS = ["--poll_s", "0.1", "--lease_ttl_s", "2", "--log_flush_s", "0.2", "--stop_grace_s", "5"]
+# Short poll and flush intervals and a short lease, so that adoption and log streaming happen within seconds. The
+# lease is renewed every third of it: 6 s leaves a renewal 4 s of slack on a loaded CI machine, where a runner that
+# misses it gives up the run (kills its command) and the tests below would see a run they did not kill restart.
+RUNNER_ARGS = ["--poll_s", "0.1", "--lease_ttl_s", "6", "--log_flush_s", "0.2", "--stop_grace_s", "5"]
 
 
 def wait_for(predicate, timeout: float, what: str, poll: float = 0.05):
@@ -364,7 +366,11 @@ def test_math_rl_run_survives_three_loop_kills_and_a_runner_kill_bit_identically
         if attempt == 3:  # the runner that supervises the run: the loop dies with it, the other runner adopts
             by_id[record.status.runner].send_signal(signal.SIGKILL)
         else:
-            os.kill(record.status.pid, signal.SIGKILL)
+            try:
+                os.kill(record.status.pid, signal.SIGKILL)
+            except ProcessLookupError:  # its runner reaped it: it exited on its own, or the runner gave it up
+                log = treadle(env, "runs", "logs", name, check=False).stdout
+                pytest.fail(f"attempt {attempt} ended before the kill: {store.get(name).status}\n{log[-3000:]}")
 
     done = wait_for(lambda: finished(store, name), 600, "the killed run to finish")
     assert reference.wait(timeout=600) == 0, (tmp_path / "reference.log").read_text()[-3000:]
