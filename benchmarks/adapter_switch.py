@@ -68,9 +68,7 @@ def main() -> None:
 
                 ours_ms = median_switch_ms(ours, names[0], names[1], args.switches)
                 theirs_ms = median_switch_ms(peft_own, names[0], names[1], args.switches)  # after: it bypasses the bank
-                print(
-                    f"| {layers} | {adapters} | {theirs_ms:.3f} ms | {ours_ms:.3f} ms | {theirs_ms / ours_ms:.0f}x |"
-                )
+                print(f"| {layers} | {adapters} | {theirs_ms:.3f} ms | {ours_ms:.3f} ms | {theirs_ms / ours_ms:.0f}x |")
 
 
 if __name__ == "__main__":
