@@ -230,3 +230,43 @@ def test_an_op_handed_to_an_owner_that_died_waiting_runs_after_adoption(make_sta
     second = tc.forward_backward(batch(1), "cross_entropy").result(timeout=120).metrics["loss:sum"]
     assert [fb.result().metrics["loss:sum"], second] == reference(tiny_model_dir, 2)[0]
     tc.stop()
+
+
+def test_a_loop_without_optimizer_steps_is_checkpointed_and_a_crash_loses_nothing(make_stack, tiny_model_dir):
+    """Forward_backwards and no optimizer step: only `--checkpoint_journal_ops` checkpoints the session. The
+    checkpoint holds the gradients accumulated so far, the journal is trimmed to it, and a crash after it loses
+    none of them."""
+    from treadle.gpu_worker.engine import Engine
+    from treadle.queue.journal import Journal
+    from treadle.types import LoraConfig
+
+    accumulated = 10
+    stack = make_stack(workers=2, extra=["--checkpoint_journal_ops", "4"])
+    sc = ServiceClient(broker_url=stack.broker_url, storage_url=stack.storage_url)
+    tc = sc.create_lora_training_client("tiny", rank=8, seed=SEED)
+    losses = [
+        tc.forward_backward(batch(step), "cross_entropy").result(timeout=120).metrics["loss:sum"]
+        for step in range(accumulated)
+    ]
+    deadline = time.monotonic() + 120
+    while (covered := sc.ops.session_info(tc.session_id).checkpoint_seq) < accumulated - 2:
+        assert time.monotonic() < deadline, f"no checkpoint past seq {covered}"
+        time.sleep(0.2)
+    left = Journal(sc.ops.redis).seqs(tc.session_id)
+    assert left and min(left) > covered and len(left) < 4  # trimmed to the checkpoint, not holding every op
+    kill_owner(stack, sc, tc.session_id)
+    assert tc.optim_step(ADAM).result(timeout=120).metrics["step:max"] == 1
+
+    torch.set_num_threads(1)
+    engine = Engine(tiny_model_dir)
+    engine.create_session("ref", LoraConfig(rank=8, seed=SEED))
+    ref_losses = [
+        engine.forward_backward("ref", batch(step), "cross_entropy").metrics["loss:sum"] for step in range(accumulated)
+    ]
+    engine.optim_step("ref", ADAM)
+    with tempfile.TemporaryDirectory() as tmp:
+        engine.save_state("ref", tmp)
+        ref_weights = load_file(os.path.join(tmp, "adapter_model.safetensors"))
+    assert losses == ref_losses
+    assert_same_adapter(adapter_of(sc, tc.save_state("end").result(timeout=120).path), ref_weights)
+    assert sc.ops.session_info(tc.session_id).epoch == 2  # taken over once

@@ -27,6 +27,11 @@ class WorkerConfig(BaseModel):
     checkpoint_every: int = Field(
         default=10, ge=0, description="Checkpoint each session every N optimizer steps (0: never)."
     )
+    checkpoint_journal_ops: int = Field(
+        default=1000,
+        ge=0,
+        description="Also checkpoint a session once this many of its ops ran since its last checkpoint, whatever they are: only a checkpoint trims the op journal in Redis, and a loop that runs forward or forward_backward ops without optimizer steps would keep every request there (0: off).",
+    )
     checkpoint_interval_s: float = Field(
         default=0.0,
         ge=0.0,

@@ -88,7 +88,10 @@ class WorkerService:
             unsubscribe=self._unsubscribe,
         )
         self.autosaver = Autosaver(
-            self.host, checkpoint_every=config.checkpoint_every, checkpoint_interval_s=config.checkpoint_interval_s
+            self.host,
+            checkpoint_every=config.checkpoint_every,
+            checkpoint_interval_s=config.checkpoint_interval_s,
+            journal_ops=config.checkpoint_journal_ops,
         )
         usage = UsageRecorder(self.redis)
         self.linger = Linger(self.redis, self.hostname, config.linger_ms / 1000, config.anticipate_ms / 1000)

@@ -74,7 +74,9 @@ class Failover:
             record = host.registry.get(session_id)
             # Owned before the rebuild, so the heartbeat renews the lease while a long replay runs
             # (a replay longer than the lease TTL would otherwise lose the session it is rebuilding).
-            host.owned[session_id] = OwnedSession(record=record, epoch=epoch, applied=record.applied)
+            host.owned[session_id] = OwnedSession(
+                record=record, epoch=epoch, applied=record.applied, checkpointed=record.checkpoint_seq
+            )
             try:
                 timings = host.rebuild(record)
             except SessionLostError as exc:

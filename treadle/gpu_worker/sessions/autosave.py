@@ -1,8 +1,8 @@
 """Automatic checkpoints and idle unloading: what makes a crash cheap and an idle session free.
 
-Every N optimizer steps (or T seconds) a session's full state is written to a local directory in the
-op loop (fast), then uploaded on a background thread, which points the registry at it and trims the
-journal it covers. A session nobody used for a while is checkpointed and dropped from the engine;
+Every N optimizer steps (or T seconds), and after M ops of any kind since the last one, a session's full
+state (gradients accumulated so far included) is written to a local directory in the op loop (fast), then
+uploaded on a background thread, which points the registry at it and trims the journal it covers. A session nobody used for a while is checkpointed and dropped from the engine;
 its next op rebuilds it from that checkpoint.
 """
 
@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from treadle.errors import TreadleError
 from treadle.gpu_worker.sessions.hosting import OwnedSession, SessionHost
 from treadle.observability import metrics
-from treadle.queue.ops import OptimStepRequest
+from treadle.queue.ops import OptimStepRequest, StopRequest
 from treadle.storage.paths import CheckpointPath
 
 log = logging.getLogger("treadle.worker")
@@ -26,19 +26,27 @@ AUTO_CHECKPOINT_TTL_S = 7 * 24 * 3600
 
 
 class Autosaver:
-    def __init__(self, host: SessionHost, *, checkpoint_every: int, checkpoint_interval_s: float):
+    def __init__(self, host: SessionHost, *, checkpoint_every: int, checkpoint_interval_s: float, journal_ops: int = 0):
         self.host = host
         self.checkpoint_every = checkpoint_every
         self.checkpoint_interval_s = checkpoint_interval_s
+        self.journal_ops = journal_ops
         # Uploads run here, off the op loop; one at a time keeps them ordered.
         self._uploads = ThreadPoolExecutor(max_workers=1, thread_name_prefix="treadle-ckpt")
 
     def after_op(self, owned: OwnedSession, op: str) -> bool:
         """Checkpoint the session if one is due after this op; True when it did."""
-        if op == OptimStepRequest.op and self._due(owned):
+        if (op == OptimStepRequest.op and self._due(owned)) or self._journal_full(owned, op):
             self.checkpoint(owned, background=True)
             return True
         return False
+
+    def _journal_full(self, owned: OwnedSession, op: str) -> bool:
+        """Whether `journal_ops` ops ran since the checkpoint the journal was last trimmed to (a stopping session's
+        journal goes with it)."""
+        return (
+            bool(self.journal_ops) and op != StopRequest.op and owned.applied - owned.checkpointed >= self.journal_ops
+        )
 
     def _due(self, owned: OwnedSession) -> bool:
         every = owned.record.checkpoint_every if owned.record.checkpoint_every is not None else self.checkpoint_every
@@ -62,7 +70,7 @@ class Autosaver:
         tmp = tempfile.mkdtemp(prefix="treadle-ckpt-")
         engine.save_state(sid, tmp, include_optimizer=True)
         step, applied = engine.step(sid), owned.applied
-        owned.last_checkpoint_at = time.monotonic()
+        owned.last_checkpoint_at, owned.checkpointed = time.monotonic(), applied
 
         def upload() -> str | None:
             try:

@@ -45,6 +45,7 @@ class OwnedSession:
     stalled_at: int | None = None  # `applied` when the caretaker last saw an op waiting (Sequencer.nudge_stalled)
     anticipate: bool = True  # wait for its next op while others wait, when owed (False after a wait found none)
     last_checkpoint_at: float = field(default_factory=time.monotonic)
+    checkpointed: int = 0  # the seq its last checkpoint covers (taken by this worker, or the one it was rebuilt from)
     pending_upload: Future | None = None
 
     @property
