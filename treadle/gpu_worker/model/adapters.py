@@ -17,13 +17,12 @@ import secrets
 import warnings
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Iterator
 
 import peft
 import torch
 from peft.tuners.lora import LoraLayer
-from peft.utils import AuxiliaryTrainingWrapper
-from peft.utils import get_peft_model_state_dict, load_peft_weights
+from peft.utils import AuxiliaryTrainingWrapper, get_peft_model_state_dict, load_peft_weights
 from safetensors.torch import save_file
 from torch import nn
 
@@ -89,20 +88,14 @@ class AdapterBank:
                 self.peft_model.eval()
             else:
                 self.peft_model.add_adapter(name, config)
-        self._lora_layers = self._switchable = None  # an adapter may target modules no other adapter has
-        self._tensors = {}
-        self.version += 1
-        self._active = None  # PEFT leaves a new adapter's tensors trainable: the next activation sets every flag
+        self._adapters_changed()  # PEFT leaves a new adapter's tensors trainable: the activation sets every flag
         self._activate(name, trainable=False)  # frozen until a training op activates it
 
     def remove(self, name: str) -> None:
         with warnings.catch_warnings():  # peft warns when the active adapter goes; every op re-activates its own
             warnings.simplefilter("ignore", UserWarning)
             self.peft_model.delete_adapter(name)
-        self._lora_layers = self._switchable = None
-        self._tensors = {}
-        self.version += 1
-        self._active = None  # PEFT may have made another adapter active
+        self._adapters_changed()  # PEFT may have made another adapter active
 
     def config(self, name: str) -> peft.LoraConfig:
         return self.peft_model.peft_config[name]
@@ -201,6 +194,13 @@ class AdapterBank:
             for layer in layers:
                 layer._disable_adapters = False
 
+    def _adapters_changed(self) -> None:
+        """Forget what was found for the old set of adapters (an adapter may target modules no other adapter has),
+        and which one is active: the next activation goes through PEFT's set_adapter."""
+        self._lora_layers = self._switchable = self._active = None
+        self._tensors = {}
+        self.version += 1
+
     def _tensors_of(self, name: str) -> list[torch.Tensor]:
         if name not in self._tensors:
             self._tensors[name] = adapter_tensors(self.lora_layers(), name)
@@ -220,9 +220,8 @@ class AdapterBank:
         if self._active is None or not self._switchable:
             self.peft_model.set_adapter(name, inference_mode=not trainable)
         else:
-            switch_adapter(
-                self.peft_model, self.lora_layers(), self._tensors_of, self._active[0], name, trainable=trainable
-            )
+            previous = self._tensors_of(self._active[0])
+            switch_adapter(self.peft_model, self.lora_layers(), previous, name, self._tensors_of(name), trainable)
         self._active = (name, trainable)
 
 
@@ -250,19 +249,18 @@ def adapter_tensors(layers: list[LoraLayer], name: str) -> list[torch.Tensor]:
 def switch_adapter(
     model: peft.PeftModel,
     layers: list[LoraLayer],
-    tensors: Callable[[str], list[torch.Tensor]],
-    previous: str,
+    previous: list[torch.Tensor],
     name: str,
-    *,
+    tensors: list[torch.Tensor],
     trainable: bool,
 ) -> None:
-    """What `model.set_adapter(name, inference_mode=not trainable)` does to a `switchable` model whose adapters
-    are all frozen but `previous` (`tensors(adapter)`: its `adapter_tensors`): `previous`'s tensors frozen, `name`'s
-    trainable or not (those PEFT keeps frozen, e.g. LoRA-FA's A, kept frozen), `name` active in every LoRA layer
-    (BaseTunerLayer.set_adapter), in the tuner and in the model. `tests/test_adapter_switch.py` holds it to PEFT's
-    result."""
-    for adapter, flag in ((previous, False), (name, trainable)):
-        for tensor in tensors(adapter):
+    """What `model.set_adapter(name, inference_mode=not trainable)` does to a `switchable` model whose adapters are
+    all frozen but the one that was active (`previous`: its `adapter_tensors`; `tensors`: `name`'s): `previous`
+    frozen, `tensors` trainable or not (those PEFT keeps frozen, e.g. LoRA-FA's A, kept frozen), `name` active in
+    every LoRA layer (BaseTunerLayer.set_adapter), in the tuner and in the model. `tests/test_adapter_switch.py`
+    holds it to PEFT's result."""
+    for group, flag in ((previous, False), (tensors, trainable)):
+        for tensor in group:
             if tensor.is_leaf:
                 tensor.requires_grad_(flag)
     for layer in layers:

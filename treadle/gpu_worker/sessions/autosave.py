@@ -2,8 +2,9 @@
 
 Every N optimizer steps (or T seconds), and after M ops of any kind since the last one, a session's full
 state (gradients accumulated so far included) is written to a local directory in the op loop (fast), then
-uploaded on a background thread, which points the registry at it and trims the journal it covers. A session nobody used for a while is checkpointed and dropped from the engine;
-its next op rebuilds it from that checkpoint.
+uploaded on a background thread, which points the registry at it and trims the journal it covers. A
+session nobody used for a while is checkpointed and dropped from the engine; its next op rebuilds it
+from that checkpoint.
 """
 
 from __future__ import annotations
