@@ -206,6 +206,40 @@ def test_a_light_loop_beside_a_pipelining_tenant_runs_its_steps_back_to_back_whi
     b.stop()
 
 
+def test_a_sample_request_right_after_a_checkpointed_step_takes_none_of_the_heavy_tenants_ops(fair_stack):
+    """B checkpoints after each optimizer step and samples after each step, beside A's backlog. A checkpoint takes a
+    while, so the sequencer reads B's next entry afresh after it; finding none, it waits for B (anticipation), and
+    B's sample request ends that wait and reaches the sampler at once. When it left that entry to be read at B's
+    next turn, B had no op there (a sample is not a session op), A's next heavy op started, and each request
+    waited for it."""
+    sc, _, _ = fair_stack
+    a = _session(sc, seed=0)
+    b = sc._create(base_model="tiny", lora=LoraConfig(rank=4, seed=1), checkpoint_every=1)
+    b_sampler = b.save_weights_and_get_sampling_client("after-checkpoints")
+    prompt, params = ModelInput.from_ints([5, 6, 7, 8]), SamplingParams(max_tokens=2, seed=0)
+    b_sampler.sample(prompt, 1, params).result(timeout=120)  # warm
+    heavy = [a.forward_backward(sft_batch(i, n=16, length=128), "cross_entropy") for i in range(30)]
+    heavy[1].result(timeout=300)  # A's backlog is running
+    windows = []
+    for i in range(6):
+        b.forward_backward(sft_batch(100 + i, n=2, length=16), "cross_entropy")
+        b.optim_step(ADAM).result(timeout=120)
+        submitted = time.time()
+        b_sampler.sample(prompt, 1, params).result(timeout=300)
+        windows.append((submitted, time.time()))
+    for future in heavy:
+        future.result(timeout=300)
+    a_ops = _spans(sc, a.session_id, "forward_backward")
+    assert a_ops[-1][1] > windows[-1][1], "B's loop ran beside A's backlog, not after it"
+    assert sc.ops.session_info(b.session_id).checkpoint_seq >= 6, "B's steps were not checkpointed"
+    waited = [
+        sum(1 for start, end in a_ops if submitted <= start and end <= answered) for submitted, answered in windows
+    ]
+    assert sum(waited) <= 2, waited
+    a.stop()
+    b.stop()
+
+
 def test_a_small_sample_beside_a_heavy_training_backlog_gets_a_fair_share_of_the_device(fair_stack):
     """Tenant A pipelines heavy forward_backwards; tenant B samples 16 tokens beside them (17 forwards: a prefill
     and 16 decode steps). The device goes to the forward serving the tenant with less device time
@@ -229,6 +263,35 @@ def test_a_small_sample_beside_a_heavy_training_backlog_gets_a_fair_share_of_the
     assert a_ops[-1][1] > answered, "B's sample ran beside A's backlog, not after it"
     waited = sum(1 for start, end in a_ops if start >= submitted and end <= answered)
     assert waited <= 5, f"B's 16-token sample waited for {waited} of A's ops"
+    a.stop()
+    b.stop()
+
+
+def test_a_sample_request_reaches_the_sampler_before_the_doorbells_of_a_pipelining_tenant(fair_stack):
+    """A's backlog of heavy forward_backwards is running when A sends 6 small sample requests and then B sends one.
+    The sequencer's pass ends as soon as a control message waits, and rings the doorbell of the sessions it left;
+    the worker takes every waiting control message before that doorbell (treadle.queue.redis_transport), so B's
+    request reaches the sampler after the op that was running, and its 4 tokens take none of A's ops. With kombu's
+    round robin over the queues, a doorbell went first after each control message: each of A's requests ahead of
+    B's cost another of A's ops."""
+    sc, _, _ = fair_stack
+    a, b = _session(sc, owner="dave", seed=0), _session(sc, seed=1)
+    a_sampler = a.save_weights_and_get_sampling_client("a-requests")
+    b_sampler = b.save_weights_and_get_sampling_client("b-request")
+    prompt, params = ModelInput.from_ints([5, 6, 7, 8]), SamplingParams(max_tokens=4, seed=0)
+    b_sampler.sample(prompt, 1, params).result(timeout=120)  # warm
+    heavy = [a.forward_backward(sft_batch(i, n=8, length=96), "cross_entropy") for i in range(30)]
+    heavy[1].result(timeout=300)  # A's backlog is running
+    a_samples = [a_sampler.sample(prompt, 1, params) for _ in range(6)]
+    submitted = time.time()
+    b_sampler.sample(prompt, 1, params).result(timeout=300)
+    answered = time.time()
+    for future in [*heavy, *a_samples]:
+        future.result(timeout=300)
+    a_ops = _spans(sc, a.session_id, "forward_backward")
+    assert a_ops[-1][1] > answered, "B's sample ran beside A's backlog, not after it"
+    waited = sum(1 for start, end in a_ops if start >= submitted and end <= answered)
+    assert waited <= 2, f"B's sample request waited for {waited} of A's ops"
     a.stop()
     b.stop()
 

@@ -13,6 +13,7 @@ publish for which kombu builds a Redis client, and with them on they took a thir
 per op (py-spy, a stream of noops). Publishers never send `task-sent` (Flower lists an op from `received`).
 A plain redis:// broker goes through `treadle.queue.redis_transport` (kombu's, without a client object
 per command); rediss:// and sentinel:// keep kombu's own, whose TLS and discovery come from the scheme.
+Every scheme reads control queues before session queues (`redis_transport.SessionsLast`).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ def make_app(broker_url: str, result_url: str | None = None, *, task_events: boo
         "socket_timeout": 30,
         "retry_on_timeout": True,
         "health_check_interval": 25,
+        "queue_order_strategy": redis_transport.QUEUE_ORDER,
     }
     if broker_url.startswith("redis://"):
         app.conf.broker_transport = redis_transport.TRANSPORT

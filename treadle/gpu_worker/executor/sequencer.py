@@ -162,7 +162,9 @@ class Sequencer:
             past_doorbells += past_doorbell
             for other in others:
                 ready.setdefault(other, None)
-            if following is None or following[0] is not None:  # None: unknown (a checkpoint ran), read it at its turn
+            if following is None:  # a checkpoint ran, which takes a while: what the record read may be stale by now
+                following = self.journal.get_with(session_id, owned.applied + 1, names.lease_key(session_id))
+            if following[0] is not None:
                 ready[session_id] = following
             elif ready and not control_waiting:  # its last op so far, while others wait
                 came = self._anticipate(owned, ready, held)
