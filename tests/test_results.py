@@ -3,20 +3,25 @@
 from __future__ import annotations
 
 import threading
+import time
 from types import SimpleNamespace
 
 import pytest
 
-from treadle.errors import InvalidRequestError
+from treadle import ServiceClient
+from treadle.errors import InvalidRequestError, NotFoundError
 from treadle.gpu_worker.executor.linger import Linger
 from treadle.gpu_worker.executor.sequencer import Sequencer
 from treadle.gpu_worker.executor.usage import UsageRecorder
 from treadle.gpu_worker.sessions.hosting import SessionStores
+from treadle.local_stack import LocalStack
 from treadle.metering import Meter, OpUsage, Usage
 from treadle.queue.celery_app import make_app
 from treadle.queue import names
 from treadle.queue.journal import JournalEntry
 from treadle.queue.results import ResultStore
+from treadle.types import ModelInput, SamplingParams
+from tests.test_sessions import sft_batch
 
 
 def test_a_pipelined_store_reads_back_like_celerys_own(redis_client, redis_url):
@@ -88,3 +93,34 @@ def test_an_ops_usage_result_and_applied_seq_are_all_written(redis_client, redis
     assert redis_client.hget(names.session_key("s1"), "applied") == b"4"
     assert redis_client.hget(names.session_key("s1"), "step") == b"3"  # the engine's step, in the same write
     assert Meter(redis_client).session_usage("s1") == Usage(ops=1, trained_tokens=12, compute_s=0.5)
+
+
+def test_a_worker_keeps_results_for_its_result_ttl_and_a_wait_after_that_fails_as_expired(tiny_model_dir, tmp_path):
+    """`--result_ttl_s` bounds how long results stay in Redis. Once an op's result is gone, a wait on its future fails
+    at once with NotFoundError (the session's record says the op ran); a sample's submission record expires with its
+    result, so a wait on it fails too. Neither waits for a result that will never come."""
+    stack = LocalStack([f"tiny={tiny_model_dir}"], home=str(tmp_path / "stack"), worker_args=["--result_ttl_s", "2"])
+    with stack:
+        sc = ServiceClient(broker_url=stack.broker_url, storage_url=stack.storage_url)
+        tc = sc.create_lora_training_client("tiny", rank=4, seed=0)
+        op = tc.forward_backward(sft_batch(0, n=2, length=16), "cross_entropy")
+        assert op.result(timeout=120).loss_fn_outputs
+        sample = tc.save_weights_and_get_sampling_client("ttl").sample(
+            ModelInput.from_ints([5, 6, 7]), 1, SamplingParams(max_tokens=2, seed=0)
+        )
+        assert len(sample.result(timeout=120).sequences) == 1
+        redis, backend = sc.ops.redis, sc.ops.results.backend
+        keys = [backend.get_key_for_task(op.id), backend.get_key_for_task(sample.id), names.submitted_key(sample.id)]
+        assert 0 < redis.ttl(keys[0]) <= 2 and 0 < redis.ttl(keys[1]) <= 2 and 0 < redis.ttl(keys[2]) <= 2
+        for _ in range(300):  # Redis drops an expired key on access, or within a second or so
+            if not redis.exists(*keys):
+                break
+            time.sleep(0.1)
+        assert not redis.exists(*keys)
+        with pytest.raises(NotFoundError, match=f"op 1 of session {tc.session_id} ran, but its result has expired"):
+            sc.ops.wait(op.id, timeout=120)
+        with pytest.raises(
+            InvalidRequestError, match="no sample was submitted under this id .or its result has expired"
+        ):
+            sc.ops.wait(sample.id, timeout=120)
+        assert tc.forward_backward(sft_batch(1, n=2, length=16), "cross_entropy").result(timeout=120)  # session fine

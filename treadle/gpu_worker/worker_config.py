@@ -7,6 +7,8 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
+from treadle.queue.celery_app import RESULT_EXPIRES_S
+
 
 class WorkerConfig(BaseModel):
     model: list[str] = Field(description="Base models to serve: a hub id, a local dir, or NAME=DIR (served as NAME).")
@@ -141,6 +143,12 @@ class WorkerConfig(BaseModel):
         ge=0.0,
         le=10000.0,
         description="When the session that has just run an op is owed the device and has no next op yet while others have ops ready, wait this long for its next op before giving the turn away, and charge the wait to it: a light loop beside a tenant that pipelines heavy ops then runs its steps back to back instead of waiting for a heavy op before each (treadle.gpu_worker.executor.linger; 0: off).",
+    )
+    result_ttl_s: int = Field(
+        default=RESULT_EXPIRES_S,
+        ge=1,
+        le=365 * 24 * 3600,
+        description="How long each op's result stays in Redis for its future to read (the SDK, the gateway's re-polls). Every forward_backward's logprobs are kept that long whether or not anyone reads them, so this bounds the results' share of Redis memory; a future read after it fails with NotFoundError (default: 7 days).",
     )
     task_events: bool = Field(
         default=False,

@@ -69,7 +69,7 @@ class WorkerService:
             observe=lambda model, gap: metrics.LOGPROB_GAP.labels(served_as.get(model, model)).observe(gap),
         )
         self.engines, self.served = load_engines(config)
-        self.app = make_app(broker, result, task_events=config.task_events)
+        self.app = make_app(broker, result, task_events=config.task_events, result_expires_s=config.result_ttl_s)
         self.lease = LeaseManager(self.redis, self.hostname, ttl_ms=int(config.lease_ttl_s * 1000))
         samplers = SamplerCache(lambda model: self.host.engine(model), self.store)
         stores = SessionStores.on(self.redis, self.lease)

@@ -1,7 +1,8 @@
 """The Celery app and its configuration, shared by the SDK (which only publishes) and the worker.
 
 Why each setting: JSON only, never pickle; one message at a time per worker (acks_late + prefetch 1),
-so a worker busy with an op leaves the next ones to the queue; results live 7 days. No ack emulation:
+so a worker busy with an op leaves the next ones to the queue; results live 7 days (a worker's
+`--result_ttl_s`). No ack emulation:
 kombu's Redis transport would copy every delivered message into an `unacked` hash and delete it again
 on ack (two transactions per message, on the critical path of every op) to redeliver it after a
 visibility timeout. treadle needs neither: a session message is a doorbell for an op the journal
@@ -25,7 +26,14 @@ from treadle.queue import redis_transport
 RESULT_EXPIRES_S = 7 * 24 * 3600
 
 
-def make_app(broker_url: str, result_url: str | None = None, *, task_events: bool = False) -> Celery:
+def make_app(
+    broker_url: str,
+    result_url: str | None = None,
+    *,
+    task_events: bool = False,
+    result_expires_s: int = RESULT_EXPIRES_S,
+) -> Celery:
+    """`result_expires_s`: how long the results this app stores stay (a worker's `--result_ttl_s`)."""
     app = Celery("treadle", broker=broker_url, backend=result_url or broker_url, set_as_current=False)
     transport = {
         "ack_emulation": False,
@@ -47,7 +55,7 @@ def make_app(broker_url: str, result_url: str | None = None, *, task_events: boo
         task_reject_on_worker_lost=False,
         task_track_started=False,
         result_extended=True,
-        result_expires=RESULT_EXPIRES_S,
+        result_expires=result_expires_s,
         task_send_sent_event=False,
         worker_send_task_events=task_events,
         broker_transport_options=transport,

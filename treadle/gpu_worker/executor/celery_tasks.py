@@ -54,15 +54,22 @@ def register_tasks(
             app.task(name=task_name(cls.op), ignore_result=True, acks_late=True)(sequencer.on_doorbell)
         elif cls in control:
             app.task(name=task_name(cls.op), bind=True, ignore_result=True, acks_late=True)(
-                _control_task(cls, control[cls], results, lambda *a: _finished(host, usage, *a), deliver)
+                _control_task(cls, control[cls], results, lambda *a: _finished(host, usage, results, *a), deliver)
             )
 
 
-def _finished(host: SessionHost, usage: UsageRecorder, future_id: str, request: OpRequest, *rest) -> None:
-    """Meter a control op; an answered sample's rows stop counting against its owner's bound (treadle.queue.ops_client)."""
+def _finished(
+    host: SessionHost, usage: UsageRecorder, results: ResultStore, future_id: str, request: OpRequest, *rest
+) -> None:
+    """Meter a control op. An answered sample's rows stop counting against its owner's bound, and the record of its
+    submission lives only as long as its result will (treadle.queue.ops_client): a wait on it once both are gone
+    fails as expired instead of waiting for a sample still in flight."""
     usage.control_op_finished(host.registry, future_id, request, *rest)
     if isinstance(request, SampleRequest):
-        host.registry.redis.hdel(names.owner_sample_rows_key(request.owner or SDK_OWNER), future_id)
+        with host.registry.redis.pipeline(transaction=False) as pipe:
+            pipe.hdel(names.owner_sample_rows_key(request.owner or SDK_OWNER), future_id)
+            pipe.expire(names.submitted_key(future_id), results.backend.expires)
+            pipe.execute()
 
 
 def _control_task(
