@@ -221,14 +221,16 @@ class OpsClient:
             )
         try:
             record = self.sessions.get(session_id)
-            if self.done(future_id):  # stored meanwhile
-                return
-            if record is not None and record.applied >= int(tail):  # applied with its result, which is gone
+            if record is not None and record.applied >= int(tail):  # it ran: its result was stored before this mark
+                if self.done(future_id):
+                    return
                 raise NotFoundError(
                     f"future {future_id}: op {tail} of session {session_id} ran, but its result has expired: workers "
                     "keep results for --result_ttl_s seconds (7 days unless set)"
                 )
             if record is not None and record.status == "active" and int(tail) <= self.next_seq(session_id):
+                return
+            if self.done(future_id):  # stored meanwhile
                 return
         except (redis_lib.ConnectionError, redis_lib.TimeoutError, OSError):
             return  # an outage is the result poll's to report
