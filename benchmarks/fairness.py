@@ -22,7 +22,7 @@ loop of `--steps` steps alone, A's burst alone, then the same loop of B started 
 - with `--saturate`, a fourth phase: B loops for as long as A's burst lasts. The device is then shared by
   fair turns, and A keeps only its share, whatever the scheduler does.
 
-    .venv/bin/python benchmarks/fairness.py [--heavy 200] [--steps 60] [--rounds 3] [--saturate] [--json]
+    .venv/bin/python benchmarks/fairness.py [--heavy 200] [--steps 60] [--rounds 3] [--saturate] [--json] [--model DIR]
 """
 
 from __future__ import annotations
@@ -171,12 +171,12 @@ class Round:
     saturated: tuple[list[float], float] | None
 
 
-def run(heavy: int, steps: int, saturate: bool, rounds: int) -> dict:
+def run(heavy: int, steps: int, saturate: bool, rounds: int, model_dir: str | None = None) -> dict:
     """`rounds` rounds of the phases, one after another on one stack (this VM's speed drifts by a third within
     minutes: each round's alone and beside phases are minutes apart at most); latencies pooled over the rounds."""
     done: list[Round] = []
     with tempfile.TemporaryDirectory() as tmp:
-        model = build_tiny_model(f"{tmp}/tiny", arch="llama", seed=0)
+        model = model_dir or build_tiny_model(f"{tmp}/tiny", arch="llama", seed=0)
         port = free_port()
         metrics_url = f"http://127.0.0.1:{port}/metrics"
         with LocalStack([f"tiny={model}"], home=f"{tmp}/stack", worker_args=["--metrics_port", str(port)]) as stack:
@@ -276,8 +276,9 @@ def main() -> None:
     parser.add_argument("--saturate", action="store_true", help="also: B loops for as long as A's burst lasts")
     parser.add_argument("--rounds", type=int, default=3, help="rounds of the phases (latencies pooled)")
     parser.add_argument("--json", action="store_true", help="print the figures as JSON")
+    parser.add_argument("--model", help="model directory (default: the tiny random Llama; its token ids are 5..249)")
     args = parser.parse_args()
-    figures = run(args.heavy, args.steps, args.saturate, args.rounds)
+    figures = run(args.heavy, args.steps, args.saturate, args.rounds, args.model)
     if args.json:
         print(json.dumps(figures, indent=2))
         return

@@ -11,9 +11,13 @@
 # 2. tests/test_model_families.py on CUDA: every family in fp32 and bf16 through the engine and through the stack;
 # 3. benchmarks/moe_check.py: gpt-oss-20b's layer shapes (4 of its 24 layers) through the stack in bf16;
 # 4. benchmarks/sampling.py through the stack (HF scheduler);
-# 5. benchmarks/fairness.py: two tenants on one worker (issue #33's scenario, tiny model), one round.
-# Budget: under 10 minutes.
-#   bash scripts/gpu_check.sh
+# 5. benchmarks/step_profile.py: where a training step and a sampling round spend their time (GPU busy share,
+#    kernels launched, the costliest kernels);
+# 6. benchmarks/fairness.py: two tenants on one worker (issue #33's scenario) on the SmolLM2-shaped model, whose
+#    16 x 256-token forward_backward takes about as long on an H200 as the tiny model's does on two CPU cores.
+# Budget: about 8 minutes on an H200 (each part under its own limit).
+#   bash scripts/gpu_check.sh                      # every part
+#   PARTS="families fairness" bash scripts/gpu_check.sh   # some of them
 set -uo pipefail
 cd "$(dirname "$0")/.."
 START=$SECONDS
@@ -50,9 +54,11 @@ fi
 "$PY" -c "import torch, transformers, peft; print('torch', torch.__version__, 'transformers', transformers.__version__, 'peft', peft.__version__)"
 echo "setup took $((SECONDS - START)) s"
 
-part() {  # part NAME SECONDS COMMAND...: runs one part under its limit, its output also in $LOGS/NAME.log
+PARTS=${PARTS:-gpu_check families moe_check sampling profile fairness}
+part() {  # part NAME SECONDS COMMAND...: runs one part of $PARTS under its limit, its output also in $LOGS/NAME.log
   local name=$1 limit=$2
   shift 2
+  [[ " $PARTS " == *" $name "* ]] || return 0
   local t0=$SECONDS
   echo "=== $name (limit $limit s)"
   timeout "$limit" "$@" 2>&1 | tee "$LOGS/$name.log"
@@ -60,10 +66,11 @@ part() {  # part NAME SECONDS COMMAND...: runs one part under its limit, its out
 }
 
 part gpu_check 100 "$PY" benchmarks/gpu_check.py --model "$MODEL" --samplers "$SAMPLERS"
-part families 120 "$PY" -m pytest -q -p no:cacheprovider --noconftest -n 4 tests/test_model_families.py \
+part families 130 "$PY" -m pytest -q -p no:cacheprovider --noconftest -n 4 tests/test_model_families.py \
   -k "not models_md and not vllm"
 part moe_check 160 "$PY" benchmarks/moe_check.py --layers 4 --steps 3
 part sampling 80 "$PY" benchmarks/sampling.py --model_dir "$MODEL" --prompts 8 --samples 8 --tokens 64 --rounds 2 \
   --threads 4 --backends "" --worker_args "--sampler hf"
-part fairness 80 "$PY" benchmarks/fairness.py --heavy 100 --steps 40 --rounds 1
+part profile 60 "$PY" benchmarks/step_profile.py --model "$MODEL"
+part fairness 110 "$PY" benchmarks/fairness.py --model "$MODEL" --heavy 60 --steps 40 --rounds 1
 echo "gpu_check took $((SECONDS - START)) s in all"

@@ -111,10 +111,11 @@ def expert_output(engine: Engine, adapter: str) -> torch.Tensor:
         experts = next(m for name, m in layer.named_modules() if name.endswith("experts") and "shared" not in name)
         width = engine.profile.experts
         generator = torch.Generator().manual_seed(0)
-        hidden = torch.randn(6, model.config.get_text_config().hidden_size, generator=generator).to(engine._host.dtype)
+        hidden = torch.randn(6, model.config.get_text_config().hidden_size, generator=generator)
         indices = torch.stack([torch.arange(6) % width, (torch.arange(6) + 1) % width], dim=1)
-        weights = torch.full((6, 2), 0.5, dtype=engine._host.dtype)
-        return experts(hidden, indices, weights).float()
+        weights = torch.full((6, 2), 0.5)
+        device, dtype = engine._host.device, engine._host.dtype
+        return experts(hidden.to(device, dtype), indices.to(device), weights.to(device, dtype)).float().cpu()
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -234,7 +235,7 @@ def family_stack(family_dirs, tmp_path_factory):
     stack = LocalStack(
         [f"{family}={path}" for family, path in family_dirs.items()],
         home=str(tmp_path_factory.mktemp("family-stack")),
-        worker_args=["--lease_ttl_s", "5"],
+        worker_args=["--lease_ttl_s", "5", "--dtype", "float32"],  # the tests below hold it to fp32's tolerance
     )
     stack.start(wait_for_workers=600)
     yield stack
@@ -280,7 +281,7 @@ def _run(*args: str, timeout: float = 900) -> subprocess.CompletedProcess:
 
 
 def test_models_check_on_every_family(family_dirs):
-    result = _run("models", "check", *family_dirs.values(), "--as_json")
+    result = _run("models", "check", *family_dirs.values(), "--dtype", "float32", "--as_json")
     assert result.returncode == 0, result.stderr[-3000:]
     reports = [json.loads(block) for block in result.stdout.split("\n\n") if block.strip()]
     assert [r["family"] for r in reports] == [ROWS_FAMILY.get(f, f) for f in family_dirs]
