@@ -24,8 +24,9 @@ import torch
 
 from treadle.demo.model import prepare_smollm2
 from treadle.gpu_worker.engine import Engine
+from treadle.gpu_worker.model_check import cross_entropy_datum
 from treadle.gpu_worker.sampling.vllm.sampler import VllmOptions
-from treadle.types import AdamParams, Datum, LoraConfig, ModelInput, SamplingParams
+from treadle.types import AdamParams, LoraConfig, ModelInput, SamplingParams
 
 # Dense bf16 peaks (TFLOP/s, no sparsity) by device name fragment.
 BF16_PEAK_TFLOPS = {
@@ -45,13 +46,6 @@ def peak_tflops(name: str) -> float | None:
     return next((v for k, v in sorted(BF16_PEAK_TFLOPS.items(), key=lambda kv: -len(kv[0])) if k in name), None)
 
 
-def datum(tokens: list[int]) -> Datum:
-    return Datum(
-        model_input=ModelInput.from_ints(tokens[:-1]),
-        loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * (len(tokens) - 1)},
-    )
-
-
 def synchronize() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -60,7 +54,7 @@ def synchronize() -> None:
 def train(engine: Engine, steps: int, batch: int, length: int) -> float:
     """Training tokens/s over `steps` steps (after one warm-up step)."""
     rng = np.random.default_rng(0)
-    data = [datum(rng.integers(100, 20000, size=length).tolist()) for _ in range(batch)]
+    data = [cross_entropy_datum(rng.integers(100, 20000, size=length).tolist()) for _ in range(batch)]
     engine.forward_backward("s", data, "cross_entropy")
     engine.optim_step("s", AdamParams(learning_rate=1e-4))
     synchronize()
@@ -87,7 +81,11 @@ def logprob_gap(engine: Engine, sampler: str, prompt: list[int]) -> float:
     worst = 0.0
     for seq in engine.sample(sampler, ModelInput.from_ints(prompt), 4, SamplingParams(max_tokens=32, seed=1)).sequences:
         tokens = prompt + seq.tokens
-        expected = engine.forward("s", [datum(tokens)], "cross_entropy").loss_fn_outputs[0]["logprobs"].to_numpy()
+        expected = (
+            engine.forward("s", [cross_entropy_datum(tokens)], "cross_entropy")
+            .loss_fn_outputs[0]["logprobs"]
+            .to_numpy()
+        )
         worst = max(worst, float(np.abs(np.asarray(seq.logprobs) - expected[len(prompt) - 1 :]).max()))
     return worst
 

@@ -17,13 +17,10 @@ import numpy as np
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from gpu_check import synchronize  # this folder's gpu_check.py (a script's folder is on its path)
 from treadle.gpu_worker.engine import Engine
-from treadle.types import AdamParams, Datum, LoraConfig, ModelInput, SamplingParams
-
-
-def synchronize() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
+from treadle.gpu_worker.model_check import cross_entropy_datum
+from treadle.types import AdamParams, LoraConfig, ModelInput, SamplingParams
 
 
 def report(name: str, fn) -> None:
@@ -58,11 +55,7 @@ def main() -> None:
     engine = Engine(args.model, device=device, dtype="bfloat16", sampler="hf")
     engine.create_session("s", LoraConfig(rank=32, alpha=32, seed=0))
     rng = np.random.default_rng(0)
-    data = []
-    for _ in range(args.batch):
-        tokens = rng.integers(100, 20000, size=args.length).tolist()
-        inputs = {"target_tokens": tokens[1:], "weights": [1.0] * (args.length - 1)}
-        data.append(Datum(model_input=ModelInput.from_ints(tokens[:-1]), loss_fn_inputs=inputs))
+    data = [cross_entropy_datum(rng.integers(100, 20000, size=args.length).tolist()) for _ in range(args.batch)]
 
     def step() -> None:
         engine.forward_backward("s", data, "cross_entropy")
