@@ -3,12 +3,15 @@
 It prints, on one CUDA device:
 1. training tokens/s of forward_backward + optim_step on one LoRA session (bf16), and the MFU that
    means against the device's bf16 dense peak (6 x parameters x tokens/s: the usual count, though a
-   LoRA step skips the base weights' gradients, so the true share of the peak is lower);
+   LoRA step skips the base weights' gradients, so the true share of the peak is lower). The worker's
+   defaults (its micro-batch budget, TF32 for the fp32 LoRA products: treadle/gpu_worker/model/host.py)
+   run beside 4096-token micro-batches and IEEE fp32 products, alternating rounds, with each one's peak memory;
 2. sampling tokens/s of the HF and the vLLM backends, base model and a LoRA snapshot, same requests;
 3. the largest |sampled logprob - trainer forward logprob| at T=1 for each backend (bf16), which
    must stay under --tolerance.
 
     .venv/bin/python benchmarks/gpu_check.py [--steps 20 --rows 64 --tokens 128] [--model DIR] [--samplers hf,vllm]
+    .venv/bin/python benchmarks/gpu_check.py --model DIR --samplers ""    # training only
 
 On a machine that reaches no hub, `--model` names a directory of SmolLM2's shapes with random weights
 (benchmarks/random_weights.py; scripts/gpu_check.sh makes one). `--device cpu` is a smoke run of this script.
@@ -66,6 +69,40 @@ def train(engine: Engine, steps: int, batch: int, length: int) -> float:
     return steps * batch * (length - 1) / (time.perf_counter() - started)
 
 
+def compare_training(engine: Engine, steps: int, batch: int, length: int, rounds: int = 2) -> float:
+    """Training tokens/s of each setting of (micro-batch tokens, fp32 matmul precision), the worker's defaults
+    last, alternating rounds of steps/rounds steps; prints each median, its ratio to 4096 tokens in IEEE fp32 and
+    its peak memory. Returns the defaults' rate. On a CPU only the budget changes (TF32 is CUDA's)."""
+    cuda = engine._host.device.type == "cuda"
+    budget, precision = engine.max_tokens_per_microbatch, torch.backends.cuda.matmul.fp32_precision
+    settings = [(4096, "none"), (budget, "none"), (4096, "tf32"), (budget, precision)] if cuda else [(4096, "none")]
+    settings = list(dict.fromkeys(settings))  # on a budget of 4096 the pairs repeat
+    rates: dict[tuple, list[float]] = {s: [] for s in settings}
+    peaks: dict[tuple, int] = {}
+    for _ in range(rounds):
+        for setting in settings:
+            engine.max_tokens_per_microbatch = setting[0]
+            if cuda:
+                torch.backends.cuda.matmul.fp32_precision = setting[1]
+                torch.cuda.reset_peak_memory_stats()
+            rates[setting].append(train(engine, max(1, steps // rounds), batch, length))
+            peaks[setting] = torch.cuda.max_memory_allocated() if cuda else 0
+    base = float(np.median(rates[settings[0]]))
+    for (tokens, fp32), rate in rates.items():
+        default = " (the worker's default)" if (tokens, fp32) == (budget, precision) else ""
+        print(
+            f"  {tokens:>6} tokens a micro-batch, fp32 matmuls {'TF32' if fp32 == 'tf32' else 'IEEE'}: "
+            f"{np.median(rate):,.0f} tokens/s, {np.median(rate) / base:.2f}x"
+            + (f", peak memory {peaks[tokens, fp32] / 2**30:.1f} GiB" if cuda else "")
+            + default,
+            flush=True,
+        )
+    engine.max_tokens_per_microbatch = budget
+    if cuda:
+        torch.backends.cuda.matmul.fp32_precision = precision
+    return float(np.median(rates[settings[-1]]))
+
+
 def sample_rate(engine: Engine, sampler: str | None, prompts: list[list[int]], samples: int, tokens: int) -> float:
     """Tokens/s of every prompt's request submitted at once (after a small warm-up)."""
     params = lambda i: SamplingParams(max_tokens=tokens, seed=i)  # noqa: E731
@@ -111,12 +148,16 @@ def main() -> None:
     for kind in args.samplers.split(","):
         t0 = time.perf_counter()
         engine = Engine(
-            model_dir, device=args.device, dtype="bfloat16", sampler=kind, vllm=VllmOptions(gpu_memory_share=0.3)
+            model_dir,
+            device=args.device,
+            dtype="bfloat16",
+            sampler=kind or "hf",
+            vllm=VllmOptions(gpu_memory_share=0.3),
         )
-        print(f"[{kind}] engine up in {time.perf_counter() - t0:.0f} s on {name}", flush=True)
+        print(f"[{kind or 'training only'}] engine up in {time.perf_counter() - t0:.0f} s on {name}", flush=True)
         engine.create_session("s", LoraConfig(rank=32, alpha=32, seed=0))
-        if kind == "hf":
-            rate = train(engine, args.steps, args.batch, args.length)
+        if kind in ("hf", ""):
+            rate = compare_training(engine, args.steps, args.batch, args.length)
             params = sum(p.numel() for p in engine._host.model.parameters())
             peak = peak_tflops(name)
             mfu = f"{6 * params * rate / (peak * 1e12):.1%} of {peak:.0f} TFLOP/s" if peak else "n/a (unknown peak)"
@@ -126,6 +167,9 @@ def main() -> None:
             )
         else:
             train(engine, 2, 4, 128)  # the snapshot below is of a trained adapter here too
+        if not kind:  # training only
+            engine.close()
+            continue
         engine.snapshot_sampler("s", "snap")
         base = sample_rate(engine, None, prompts, args.rows // len(prompts), args.tokens)
         lora = sample_rate(engine, "snap", prompts, args.rows // len(prompts), args.tokens)

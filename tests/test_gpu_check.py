@@ -14,7 +14,7 @@ import tomllib
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from treadle.testing.tiny_model import build_tiny_model
 
@@ -62,3 +62,21 @@ def test_random_weights_keep_the_shapes_and_the_tokenizer(tmp_path):
     }
     assert next(model.parameters()).dtype == torch.bfloat16
     assert (out / "tokenizer.json").exists()
+
+
+def test_random_weights_take_another_size_of_the_same_architecture(tmp_path):
+    """From a model directory with weights (not only a config): those weights must not come along."""
+    source = build_tiny_model(tmp_path / "source", arch="llama", seed=0)
+    (tmp_path / "source/model.safetensors").rename(tmp_path / "source/consolidated.safetensors")  # as Mistral ships
+    out = tmp_path / "deeper"
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks/random_weights.py"), source, str(out), "--set", "num_hidden_layers=3"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    model = AutoModelForCausalLM.from_pretrained(out)
+    assert model.config.num_hidden_layers == len(model.model.layers) == 3
+    assert sorted(p.name for p in out.glob("*.safetensors")) == ["model.safetensors"]
+    assert model.config.hidden_size == AutoConfig.from_pretrained(source).hidden_size

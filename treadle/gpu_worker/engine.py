@@ -30,7 +30,7 @@ from treadle.gpu_worker.model.compute_thread import compute_thread
 from treadle.gpu_worker.model.device_lock import DeviceLock, on_device
 from treadle.gpu_worker.training.logprobs import micro_batches, target_logprobs
 from treadle.gpu_worker.training.losses import LOSSES
-from treadle.gpu_worker.model.host import ModelHost, pick_device
+from treadle.gpu_worker.model.host import ModelHost, microbatch_budget, pick_device
 from treadle.gpu_worker.model_profile import profile
 from treadle.gpu_worker.training.optimizer import SessionOptimizer
 from treadle.gpu_worker.sampling.extras import SampleExtras
@@ -86,7 +86,7 @@ class Engine:
         *,
         device: str | None = None,
         dtype: str | None = None,
-        max_tokens_per_microbatch: int = 4096,
+        max_tokens_per_microbatch: int | None = None,
         sampling_max_batch_tokens: int = 16384,
         sampler: SamplerKind = "hf",
         vllm: VllmOptions | None = None,
@@ -105,7 +105,9 @@ class Engine:
         self.max_seq_len = self._host.max_seq_len
         self.vocab_size = self._host.vocab_size
         self.tokenizer = self._host.tokenizer
-        self.max_tokens_per_microbatch = max_tokens_per_microbatch
+        self.max_tokens_per_microbatch = max_tokens_per_microbatch or microbatch_budget(
+            self._host.model, self._host.dtype, self._host.device_memory
+        )
         # Family, LoRA targets, sampler path; a model treadle cannot serve is refused here (`model_profile`).
         self.profile = profile(self._host.model, self._host.targets, str(self._host.dtype).removeprefix("torch."))
         self.sampler = make_sampler(
@@ -114,7 +116,7 @@ class Engine:
             self._host,
             self._lock,
             max_batch_tokens=sampling_max_batch_tokens,
-            max_forward_tokens=max_tokens_per_microbatch,
+            max_forward_tokens=self.max_tokens_per_microbatch,
             vllm=vllm,
             vllm_serves=self.profile.vllm,
             path=self.profile.sampler,
@@ -209,7 +211,7 @@ class Engine:
         spec = LOSSES[loss_fn]
         device = self._host.device
         outputs: list[dict[str, TensorData]] = [{} for _ in prepared]
-        total_loss = 0.0
+        micro_losses = []  # read back once, after the last micro-batch: each read waits for the device
         with self._bank.using(session.adapter, trainable=backward) as model, torch.set_grad_enabled(backward):
             for group in micro_batches([d.length for d in prepared], self.max_tokens_per_microbatch):
                 batch = [prepared[i] for i in group]
@@ -233,13 +235,18 @@ class Engine:
                         torch.arange(len(batch), device=device),
                         torch.tensor([len(lp) for lp in logprobs], device=device),
                     )
-                loss = spec.fn(torch.cat([lp.reshape(-1) for lp in logprobs]), inputs, config)
+                flat = torch.cat([lp.reshape(-1) for lp in logprobs])
+                loss = spec.fn(flat, inputs, config)
                 if backward:
                     loss.backward()
-                total_loss += loss.item()
-                for i, lp in zip(group, logprobs):
-                    outputs[i] = {"logprobs": TensorData.from_numpy(lp.detach().cpu().numpy())}
-        return ForwardBackwardOutput(loss_fn_outputs=outputs, metrics={"loss:sum": total_loss})
+                micro_losses.append(loss.detach())
+                flat = flat.detach().cpu().numpy()  # one copy to the host per micro-batch, not one per datum
+                ends = np.cumsum([lp.numel() for lp in logprobs])[:-1]
+                for i, lp, values in zip(group, logprobs, np.split(flat, ends)):
+                    outputs[i] = {"logprobs": TensorData.from_numpy(values.reshape(lp.shape))}
+        return ForwardBackwardOutput(
+            loss_fn_outputs=outputs, metrics={"loss:sum": sum(torch.stack(micro_losses).cpu().tolist())}
+        )
 
     def optim_step(self, session_id: str, params: AdamParams) -> OptimStepResponse:
         """Apply the accumulated gradients with AdamW(params) and clear them."""

@@ -47,10 +47,12 @@ class WorkerConfig(BaseModel):
     lease_ttl_s: float = Field(
         default=15.0, gt=0.5, description="Session lease TTL: how soon another worker adopts a dead worker's sessions."
     )
-    max_tokens_per_microbatch: int = Field(
-        default=4096,
+    max_tokens_per_microbatch: int | None = Field(
+        default=None,
         ge=64,
-        description="Token budget of one forward/backward micro-batch (also of one sampling prefill).",
+        description="Token budget of one forward/backward micro-batch (also of one sampling prefill). Default: 4096 "
+        "on a CPU; on CUDA the largest power of two up to 32768 whose activations fit a quarter of the memory the "
+        "weights leave (docs/scaling.md).",
     )
     sampling_max_batch_tokens: int = Field(
         default=16384,

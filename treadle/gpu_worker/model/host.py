@@ -2,6 +2,9 @@
 
 Accelerate picks the device (CUDA, MPS or CPU); the dtype is bf16 on CUDA and fp32 elsewhere unless
 asked otherwise. The base weights are frozen here and never change: only adapters are trained.
+
+On CUDA the host also sets how the worker computes there: fp32 matmuls in TF32 under a bf16 or fp16 base
+(`matmul_precision`), and how many tokens one forward/backward micro-batch may hold (`microbatch_budget`).
 """
 
 from __future__ import annotations
@@ -29,6 +32,45 @@ def pick_dtype(dtype: str | None, device: torch.device) -> torch.dtype:
     return _DTYPES[dtype]
 
 
+def matmul_precision(dtype: torch.dtype) -> str:
+    """cuBLAS's precision for fp32 matmuls: TF32 under a half-precision base, IEEE fp32 under an fp32 one.
+
+    PEFT keeps LoRA weights in fp32 over a bf16 base, so the adapters' products are fp32 matmuls; in IEEE
+    fp32 they run on CUDA cores, not tensor cores, and were the largest kernels of a bf16 training step on an
+    H200 (benchmarks/step_profile.py). Their bf16 inputs are exact in TF32 (10 mantissa bits against bf16's
+    7), and the optimizer's master weights stay fp32. An fp32 base asked for fp32 results: no TF32.
+    """
+    return "tf32" if dtype in (torch.bfloat16, torch.float16) else "none"
+
+
+CPU_MICROBATCH_TOKENS = 4096  # the budget on a CPU, and the least one on CUDA
+MAX_MICROBATCH_TOKENS = 32768
+ACTIVATION_SHARE = 0.25  # of the device memory left after the base weights; the rest holds sessions and the KV cache
+
+
+def microbatch_budget(model: torch.nn.Module, dtype: torch.dtype, device_memory: int | None) -> int:
+    """Tokens of one forward/backward micro-batch when the worker is not told: 4096 on a CPU
+    (`device_memory` None); on CUDA the largest power of two up to 32768 whose activations and logits fit
+    `ACTIVATION_SHARE` of the memory the weights leave. A step of a small model then runs in fewer, larger
+    passes: on a GPU each pass costs its kernel launches whatever its size. Estimated from the config as in
+    docs/scaling.md (34 bytes per token, layer and unit of hidden size in bf16 with SDPA; the fp32
+    log-softmax and the logits per vocabulary entry) and the device's total memory, so the same model on the
+    same GPU always splits a batch the same way (recovery replays a step bit for bit)."""
+    if device_memory is None:
+        return CPU_MICROBATCH_TOKENS
+    config = model.config.get_text_config(decoder=True)
+    per_token = (
+        34 * config.hidden_size * config.num_hidden_layers * dtype.itemsize / 2
+        + (4 + dtype.itemsize) * model.get_input_embeddings().num_embeddings
+    )
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    room = ACTIVATION_SHARE * (device_memory - weights)
+    budget = CPU_MICROBATCH_TOKENS
+    while budget * 2 <= MAX_MICROBATCH_TOKENS and budget * 2 * per_token <= room:
+        budget *= 2
+    return budget
+
+
 class ModelHost:
     """A causal LM (hub id or local directory) and its tokenizer, on one device, frozen, in eval mode."""
 
@@ -39,6 +81,10 @@ class ModelHost:
         self.tokenizer = AutoTokenizer.from_pretrained(model)
         self.model = AutoModelForCausalLM.from_pretrained(model, dtype=self.dtype).to(self.device)
         self.model.eval()  # no dropout anywhere: training steps must be deterministic
+        self.device_memory: int | None = None  # bytes; None on a CPU
+        if self.device.type == "cuda":
+            self.device_memory = torch.cuda.get_device_properties(self.device).total_memory
+            torch.backends.cuda.matmul.fp32_precision = matmul_precision(self.dtype)  # process-wide: one dtype a worker
         self.model.requires_grad_(False)
         config = self.model.config.get_text_config(decoder=True)
         self.max_seq_len: int = int(config.max_position_embeddings)
