@@ -66,7 +66,7 @@ part() {  # part NAME SECONDS COMMAND...: runs one part of $PARTS under its limi
   echo "=== $name: exit ${PIPESTATUS[0]} after $((SECONDS - t0)) s"
 }
 
-part gpu_check 150 "$PY" benchmarks/gpu_check.py --model "$MODEL" --samplers "$SAMPLERS"
+part gpu_check 150 "$PY" benchmarks/gpu_check.py --model "$MODEL" --samplers "$SAMPLERS" --steps 12
 part families 130 "$PY" -m pytest -q -p no:cacheprovider --noconftest -n 4 tests/test_model_families.py \
   -k "not models_md and not vllm"
 part moe_check 160 "$PY" benchmarks/moe_check.py --layers 4 --steps 3
