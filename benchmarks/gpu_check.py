@@ -179,6 +179,15 @@ def main() -> None:
             f"({args.rows} rows x {args.tokens} tokens); max |sampled - trainer| logprob {gap:.3f}",
             flush=True,
         )
+        if kind == "hf" and args.device == "cuda":  # the LoRA products in IEEE fp32 beside the default's
+            precision = torch.backends.cuda.matmul.fp32_precision
+            rates: dict[str, list[float]] = {precision: [lora], "ieee": []}
+            for setting in ["ieee", precision, "ieee"]:
+                torch.backends.cuda.matmul.fp32_precision = setting
+                rates[setting].append(sample_rate(engine, "snap", prompts, args.rows // len(prompts), args.tokens))
+            torch.backends.cuda.matmul.fp32_precision = precision
+            ratio = np.median(rates[precision]) / np.median(rates["ieee"])
+            print(f"  LoRA sampling, fp32 matmuls {precision} / IEEE: {ratio:.2f}x (two rounds each)", flush=True)
         if gap > args.tolerance:
             failed.append(f"{kind}: logprob gap {gap:.3f} > {args.tolerance}")
         engine.close()

@@ -43,6 +43,7 @@ def llama(layers: int, hidden: int, intermediate: int, vocab: int, heads: int, k
 
 
 SMOLLM2_135M = dict(layers=30, hidden=576, intermediate=1536, vocab=49152, heads=9, kv_heads=3)
+SMOLLM2_1_7B = dict(layers=24, hidden=2048, intermediate=8192, vocab=49152, heads=32, kv_heads=32)
 LLAMA_8B = dict(layers=32, hidden=4096, intermediate=14336, vocab=128256, heads=32, kv_heads=8)
 
 
@@ -53,11 +54,12 @@ def test_a_cpu_keeps_the_fixed_budget():
 @pytest.mark.parametrize(
     ("shape", "memory", "expected"),
     [
-        # 34 x 576 x 30 + 6 x 49152 = 0.88 MB a token: a quarter of what the 0.27 GB of weights leave
-        (SMOLLM2_135M, H200, 32768),  # 35.9 GB: 40.7k tokens, capped
-        (SMOLLM2_135M, H100, 16384),  # 19.9 GB: 22.5k
-        (SMOLLM2_135M, L4, 4096),  # 5.9 GB: 6.7k
-        # 34 x 4096 x 32 + 6 x 128256 = 5.2 MB a token, 16 GB of weights: never more than the CPU's budget
+        # 2.1 MB a token (activation_bytes_per_token), 0.3 GB of weights; half of what they leave:
+        (SMOLLM2_135M, H200, 32768),  # 75 GB: 35k tokens, capped
+        (SMOLLM2_135M, H100, 16384),  # 40 GB: 18.7k
+        (SMOLLM2_135M, L4, 4096),  # 11.8 GB: 5.6k
+        (SMOLLM2_1_7B, H200, 8192),  # 6.3 MB a token, 73.6 GB: 11.7k
+        # 16 MB a token, 16 GB of weights: never more than the CPU's budget
         (LLAMA_8B, H200, 4096),
         (LLAMA_8B, H100, 4096),
     ],

@@ -51,8 +51,8 @@ class WorkerConfig(BaseModel):
         default=None,
         ge=64,
         description="Token budget of one forward/backward micro-batch (also of one sampling prefill). Default: 4096 "
-        "on a CPU; on CUDA the largest power of two up to 32768 whose activations fit a quarter of the memory the "
-        "weights leave (docs/scaling.md).",
+        "on a CPU; on CUDA the largest power of two up to 32768 (and at least 4096) whose estimated activations fit "
+        "half the memory the weights leave (docs/scaling.md).",
     )
     sampling_max_batch_tokens: int = Field(
         default=16384,

@@ -45,26 +45,38 @@ def matmul_precision(dtype: torch.dtype) -> str:
 
 CPU_MICROBATCH_TOKENS = 4096  # the budget on a CPU, and the least one on CUDA
 MAX_MICROBATCH_TOKENS = 32768
-ACTIVATION_SHARE = 0.25  # of the device memory left after the base weights; the rest holds sessions and the KV cache
+ACTIVATION_SHARE = 0.5  # of the device memory left after the base weights; the rest holds sessions and the KV cache
+
+
+def activation_bytes_per_token(model: torch.nn.Module, dtype: torch.dtype) -> float:
+    """What one token of a LoRA forward/backward keeps on the device, estimated from the config: per layer 34
+    bytes per unit of hidden size in bf16 with SDPA (docs/scaling.md), plus the fp32 copies PEFT's LoRA
+    layers keep (their inputs and their B products: about 10 hidden sizes and 3 MLP widths of fp32); then
+    the logits and their fp32 log-softmax. On an H200 a 16 x 1024 step of SmolLM2-1.7B's shapes took 4.5 MB
+    a token (6.3 estimated), of SmolLM2-135M's 0.7 MB (2.1 estimated)."""
+    config = model.config.get_text_config(decoder=True)
+    hidden = config.hidden_size
+    # MoE: the widths of the experts one token runs, when the config names them.
+    mlp = max(
+        getattr(config, "intermediate_size", None) or 4 * hidden,
+        (getattr(config, "moe_intermediate_size", None) or 0) * (getattr(config, "num_experts_per_tok", None) or 1),
+    )
+    per_layer = 34 * hidden * dtype.itemsize / 2 + 4 * (10 * hidden + 3 * mlp)
+    return config.num_hidden_layers * per_layer + (4 + dtype.itemsize) * model.get_input_embeddings().num_embeddings
 
 
 def microbatch_budget(model: torch.nn.Module, dtype: torch.dtype, device_memory: int | None) -> int:
     """Tokens of one forward/backward micro-batch when the worker is not told: 4096 on a CPU
-    (`device_memory` None); on CUDA the largest power of two up to 32768 whose activations and logits fit
-    `ACTIVATION_SHARE` of the memory the weights leave. A step of a small model then runs in fewer, larger
-    passes: on a GPU each pass costs its kernel launches whatever its size. Estimated from the config as in
-    docs/scaling.md (34 bytes per token, layer and unit of hidden size in bf16 with SDPA; the fp32
-    log-softmax and the logits per vocabulary entry) and the device's total memory, so the same model on the
-    same GPU always splits a batch the same way (recovery replays a step bit for bit)."""
+    (`device_memory` None); on CUDA the largest power of two up to 32768 whose activations
+    (`activation_bytes_per_token`) fit `ACTIVATION_SHARE` of the memory the weights leave, and never less
+    than 4096. A step of a small model then runs in fewer, larger passes: on a GPU each pass costs its
+    kernel launches whatever its size. From the device's total memory, not its free memory, so the same
+    model on the same GPU always splits a batch the same way (recovery replays a step bit for bit)."""
     if device_memory is None:
         return CPU_MICROBATCH_TOKENS
-    config = model.config.get_text_config(decoder=True)
-    per_token = (
-        34 * config.hidden_size * config.num_hidden_layers * dtype.itemsize / 2
-        + (4 + dtype.itemsize) * model.get_input_embeddings().num_embeddings
-    )
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     room = ACTIVATION_SHARE * (device_memory - weights)
+    per_token = activation_bytes_per_token(model, dtype)
     budget = CPU_MICROBATCH_TOKENS
     while budget * 2 <= MAX_MICROBATCH_TOKENS and budget * 2 * per_token <= room:
         budget *= 2
