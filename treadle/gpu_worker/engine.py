@@ -240,9 +240,9 @@ class Engine:
                 if backward:
                     loss.backward()
                 micro_losses.append(loss.detach())
-                flat = flat.detach().cpu().numpy()  # one copy to the host per micro-batch, not one per datum
+                on_host = flat.detach().cpu().numpy()  # one copy to the host per micro-batch, not one per datum
                 ends = np.cumsum([lp.numel() for lp in logprobs])[:-1]
-                for i, lp, values in zip(group, logprobs, np.split(flat, ends)):
+                for i, lp, values in zip(group, logprobs, np.split(on_host, ends)):
                     outputs[i] = {"logprobs": TensorData.from_numpy(values.reshape(lp.shape))}
         return ForwardBackwardOutput(
             loss_fn_outputs=outputs, metrics={"loss:sum": sum(torch.stack(micro_losses).cpu().tolist())}
