@@ -28,7 +28,7 @@ from treadle.gpu_worker.sampling.hf.batch_decode import SampleJob
 from treadle.gpu_worker.model.cpu_threads import CpuThreads
 from treadle.gpu_worker.model.compute_thread import compute_thread
 from treadle.gpu_worker.model.device_lock import DeviceLock, on_device
-from treadle.gpu_worker.training.logprobs import micro_batches, target_logprobs
+from treadle.gpu_worker.training.logprobs import micro_batches, on_host, target_logprobs
 from treadle.gpu_worker.training.losses import LOSSES
 from treadle.gpu_worker.model.host import ModelHost, microbatch_budget, pick_device
 from treadle.gpu_worker.model_profile import profile
@@ -98,9 +98,7 @@ class Engine:
         self._bank = AdapterBank(self._host)
         self._sessions: dict[str, _Session] = {}
         self._samplers: dict[str, str] = {}  # sampler id -> adapter name
-        self._catalog = (
-            threading.Lock()
-        )  # sampler ids; not the device lock, held by every decode step (see sample_async)
+        self._catalog = threading.Lock()  # sampler ids; not the device lock, held by every decode step (sample_async)
         self.base_model = model
         self.max_seq_len = self._host.max_seq_len
         self.vocab_size = self._host.vocab_size
@@ -240,13 +238,10 @@ class Engine:
                 if backward:
                     loss.backward()
                 micro_losses.append(loss.detach())
-                on_host = flat.detach().cpu().numpy()  # one copy to the host per micro-batch, not one per datum
-                ends = np.cumsum([lp.numel() for lp in logprobs])[:-1]
-                for i, lp, values in zip(group, logprobs, np.split(on_host, ends)):
-                    outputs[i] = {"logprobs": TensorData.from_numpy(values.reshape(lp.shape))}
-        return ForwardBackwardOutput(
-            loss_fn_outputs=outputs, metrics={"loss:sum": sum(torch.stack(micro_losses).cpu().tolist())}
-        )
+                for i, values in zip(group, on_host(flat, logprobs)):
+                    outputs[i] = {"logprobs": TensorData.from_numpy(values)}
+        loss_sum = sum(torch.stack(micro_losses).cpu().tolist())
+        return ForwardBackwardOutput(loss_fn_outputs=outputs, metrics={"loss:sum": loss_sum})
 
     def optim_step(self, session_id: str, params: AdamParams) -> OptimStepResponse:
         """Apply the accumulated gradients with AdamW(params) and clear them."""

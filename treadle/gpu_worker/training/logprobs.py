@@ -35,6 +35,14 @@ def micro_batches(lengths: list[int], budget: int) -> list[list[int]]:
     return groups
 
 
+def on_host(flat: Tensor, logprobs: list[Tensor]) -> list[np.ndarray]:
+    """`logprobs` as numpy arrays of their shapes, from `flat` (their concatenation, flattened) in one copy off
+    the device rather than one a sequence: each copy from a GPU waits for it."""
+    values = flat.detach().cpu().numpy()
+    parts = np.split(values, np.cumsum([lp.numel() for lp in logprobs])[:-1])
+    return [part.reshape(lp.shape) for lp, part in zip(logprobs, parts)]
+
+
 def target_logprobs(
     model: nn.Module,
     tokens: list[np.ndarray],
