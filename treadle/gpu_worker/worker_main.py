@@ -297,7 +297,14 @@ def load_engines(config: WorkerConfig) -> tuple[dict, list[ServedModel]]:
                 sampler=engine.sampler_path,
             )
         )
-        log.info("loaded %s from %s in %.1f s", name, path, time.monotonic() - t0)
+        log.info(
+            "loaded %s from %s in %.1f s (%s, micro-batches of %d tokens)",
+            name,
+            path,
+            time.monotonic() - t0,
+            engine.profile.dtype,
+            engine.max_tokens_per_microbatch,
+        )
     return (group.join(engines) if group else engines), served
 
 
