@@ -16,7 +16,7 @@
 #    kernels launched, the costliest kernels);
 # 6. benchmarks/fairness.py: two tenants on one worker (issue #33's scenario) on the tiny model. On the SmolLM2-shaped
 #    model A's 16 sample requests alone outlast the part's limit (110 s were not enough).
-# Budget: about 8 minutes on an H200 (each part under its own limit).
+# Budget: about 9 minutes on an H200 (each part under its own limit).
 #   bash scripts/gpu_check.sh                      # every part
 #   PARTS="families fairness" bash scripts/gpu_check.sh   # some of them
 set -uo pipefail
