@@ -4,17 +4,17 @@ The rows: `--prompts` chat prompts of different lengths x `--samples` samples (3
 decoding with no stop, T=1. Median milliseconds per decode step, rounds alternating the rows:
 
 1. treadle, base model: the batch-invariant decode step (`row_invariant`: one attention call per layer);
-2. the same, with attention run per group of rows with the same padding (how the sampler attended
-   before: one call per distinct prompt length);
-3. the model's own SDPA attention on the same rows and cache (a plain transformers forward: not
+2. the model's own SDPA attention on the same rows and cache (a plain transformers forward: not
    batch-invariant);
-4. HF `generate` on the same rows, per step ((time of N tokens - time of 1) / (N - 1));
-5. treadle with one LoRA adapter on every row, and with `--sessions` adapters on as many runs of rows
+3. HF `generate` on the same rows, per step ((time of N tokens - time of 1) / (N - 1));
+4. treadle with one LoRA adapter on every row, and with `--sessions` adapters on as many runs of rows
    (`mixed_lora`'s grouped products);
-6. the ceiling of many sessions: `--sessions` steps of (rows / sessions) rows against one step of all
+5. the ceiling of many sessions: `--sessions` steps of (rows / sessions) rows against one step of all
    the rows, base model: what batching the sessions can gain at most.
 
-Treadle's steps include drawing the tokens; 3 is the bare forward.
+Treadle's steps include drawing the tokens; 2 is the bare forward. For 1, 2 and 4 it also counts the torch
+operators one step dispatches (top-level aten calls, torch.profiler): on a GPU each is about one kernel launch, and
+a small model's decode step is bound by launches, so the count is that cost, the same on any machine.
 
     .venv/bin/python benchmarks/decode_step.py [--prompts 8 --samples 4 --steps 16 --threads 2 --rounds 2]
 """
@@ -108,6 +108,20 @@ def generate_step(host, prompts, samples, steps) -> float:
     return (run(steps + 1) - run(1)) / steps
 
 
+def operators(step) -> int:
+    """Top-level aten operators dispatched by `step()` (views and metadata calls included)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        step()
+    return sum(
+        1
+        for event in prof.events()
+        if event.name.startswith("aten::")
+        and (event.cpu_parent is None or not event.cpu_parent.name.startswith("aten::"))
+    )
+
+
 def timed(fn) -> float:
     started = time.perf_counter()
     fn()
@@ -129,7 +143,6 @@ def main() -> None:
     from treadle.demo.model import prepare_smollm2
     from treadle.gpu_worker.model.adapters import AdapterBank
     from treadle.gpu_worker.model.host import ModelHost
-    from treadle.gpu_worker.sampling.hf import batch_decode
     from treadle.types import LoraConfig
 
     torch.set_num_threads(args.threads)
@@ -140,18 +153,8 @@ def main() -> None:
         bank.add(name, bank.lora_config(LoraConfig(rank=args.rank, alpha=args.rank)), seed=k)
     prompts = chat_prompts(host.tokenizer, args.prompts)
     n, per = args.prompts, args.prompts // args.sessions
-    grouped_rows = batch_decode.first_columns
-
-    def per_group(*a, **kw):
-        batch_decode.first_columns = lambda mask: None  # no row_starts: `row_invariant` attends per group
-        try:
-            return treadle_steps(*a, **kw)
-        finally:
-            batch_decode.first_columns = grouped_rows
-
     rows = {
         "treadle, base, one attention call": lambda s: treadle_steps(bank, prompts, [None] * n, args.samples, s),
-        "treadle, base, attention per group": lambda s: per_group(bank, prompts, [None] * n, args.samples, s),
         "model's own SDPA forward": lambda s: sdpa_steps(host, prompts, args.samples, s),
         "HF generate, per step": lambda s: [generate_step(host, prompts, args.samples, s)],
         "treadle, one adapter": lambda s: treadle_steps(bank, prompts, [names[0]] * n, args.samples, s),
@@ -180,13 +183,23 @@ def main() -> None:
     for name, value in ms.items():
         print(f"{name:<40}{value:>9.1f}")
     names_ = list(ms)
-    print(f"\none attention call / per group:        {ms[names_[0]] / ms[names_[1]]:.2f}x the time")
-    print(f"invariant step / the model's own SDPA:  {ms[names_[0]] / ms[names_[2]]:.2f}x the time")
-    print(f"invariant step / HF generate's step:    {ms[names_[0]] / ms[names_[3]]:.2f}x the time")
-    print(f"{args.sessions} adapters / one adapter:            {ms[names_[5]] / ms[names_[4]]:.2f}x the time")
-    ceiling = ms[names_[6]] / ms[names_[0]]
+    print(f"\ninvariant step / the model's own SDPA:  {ms[names_[0]] / ms[names_[1]]:.2f}x the time")
+    print(f"invariant step / HF generate's step:    {ms[names_[0]] / ms[names_[2]]:.2f}x the time")
+    print(f"{args.sessions} adapters / one adapter:            {ms[names_[4]] / ms[names_[3]]:.2f}x the time")
+    ceiling = ms[names_[5]] / ms[names_[0]]
     print(f"ceiling of {args.sessions} sessions at once (their steps apart / together): {ceiling:.2f}x")
-    print(f"{args.sessions} adapters / the base model, same rows:      {ms[names_[5]] / ms[names_[0]]:.2f}x the time")
+    print(f"{args.sessions} adapters / the base model, same rows:      {ms[names_[4]] / ms[names_[0]]:.2f}x the time")
+    print("\noperators dispatched per step (about one kernel launch each on a GPU):")
+    counted = {
+        "treadle, base": lambda s: treadle_steps(bank, prompts, [None] * n, args.samples, s),
+        "treadle, one adapter": lambda s: treadle_steps(bank, prompts, [names[0]] * n, args.samples, s),
+        f"treadle, {args.sessions} adapters": lambda s: treadle_steps(
+            bank, prompts, [names[i // per] for i in range(n)], args.samples, s
+        ),
+        "model's own SDPA forward": lambda s: sdpa_steps(host, prompts, args.samples, s),
+    }
+    for name, fn in counted.items():  # one step more, the rest the same: the difference is one step's
+        print(f"{name:<40}{operators(lambda: fn(3)) - operators(lambda: fn(2)):>9}")
 
 
 if __name__ == "__main__":

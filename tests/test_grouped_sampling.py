@@ -4,6 +4,8 @@ any padding (`row_invariant`), and every adapter's LoRA delta in one grouped pro
 Each row of a mixed batch must equal the same row alone, bit for bit: the property that makes a seeded
 request reproduce whatever shares its batch (`tests/test_batch_sampling.py` checks it end to end)."""
 
+import functools
+
 import pytest
 import torch
 
@@ -80,10 +82,10 @@ def test_stacks_are_kept_per_adapter_set_until_the_bank_changes(bank):
     first = mixed_lora.stacks_for(bank, ("x", "y"))
     assert mixed_lora.stacks_for(bank, ("x", "y")) is first
     layer, stacks = next(iter(first.items()))
-    assert [s.names for s in stacks] == [("x", "y")] and stacks[0].a.shape[0] == 2
+    assert [s.names for s in stacks] == [("x", "y")] and stacks[0].a_t.shape[0] == 2
     # One adapter: its own weights, not a copy.
     alone = mixed_lora.stacks_for(bank, ("w",))[layer][0]
-    assert alone.a.data_ptr() == layer.lora_A["w"].weight.data_ptr()
+    assert alone.a_t.data_ptr() == layer.lora_A["w"].weight.data_ptr()
     # Two ranks: two stacks.
     assert [s.names for s in mixed_lora.stacks_for(bank, ("w", "x"))[layer]] == [("w",), ("x",)]
     bank.add("extra", bank.lora_config(LoraConfig(rank=4, alpha=8)), seed=9)
@@ -91,6 +93,25 @@ def test_stacks_are_kept_per_adapter_set_until_the_bank_changes(bank):
         assert mixed_lora.stacks_for(bank, ("x", "y")) is not first
     finally:
         bank.remove("extra")
+
+
+def test_grouped_adapters_puts_each_layers_own_forward_back(bank):
+    # The block replaces the LoRA layers' forwards on the shared model: training forwards after it, or after a
+    # forward that failed inside it, must find the layers as they were.
+    layers = mixed_lora.stacks_for(bank, ("x",))
+    with pytest.raises(RuntimeError, match="inside"):
+        with mixed_lora.grouped_adapters(bank, ["x"], layers):
+            assert all("forward" in layer.__dict__ for layer in layers)
+            raise RuntimeError("failed inside")
+    assert not any("forward" in layer.__dict__ for layer in layers)
+    layer = next(iter(layers))
+    layer.forward = own = functools.partial(type(layer).forward, layer)  # as a wrapper (accelerate's) would be
+    try:
+        with mixed_lora.grouped_adapters(bank, ["x"], layers):
+            assert layer.forward is not own
+        assert layer.forward is own
+    finally:
+        del layer.forward
 
 
 @pytest.mark.parametrize("threads", [1, 2])

@@ -84,9 +84,10 @@ def forward_rows(bank: AdapterBank, adapters: list[str | None], **inputs):
     `adapters[i]` (None: base); batch-invariant (`row_invariant`): each row's numbers are those it
     would get alone."""
     mask = inputs["attention_mask"]
-    inputs["row_runs"] = row_runs(mask)
     if inputs["input_ids"].shape[1] == 1 and mask.shape[1] > 1:  # a decode step: one attention call per layer
-        inputs["row_starts"] = first_columns(mask)
+        inputs["row_starts"], inputs["decode_masks"] = first_columns(mask), {}
+    else:  # read on the host (on a GPU, a sync): only prefills need it
+        inputs["row_runs"] = row_runs(mask)
     names = tuple(sorted({a for a in adapters if a is not None}))
     with torch.no_grad(), invariant_forward(bank.host.model):
         if not names:
@@ -115,6 +116,7 @@ def _split_forward(bank: AdapterBank, adapters: list[str | None], inputs: dict) 
         part = {key: value[begin:end] for key, value in inputs.items() if isinstance(value, torch.Tensor)}
         part |= {key: value for key, value in inputs.items() if key not in part and key not in ("cache", "row_runs")}
         part.pop("row_starts", None)
+        part.pop("decode_masks", None)
         if cache is not None:
             part["cache"] = cache_rows.slice_rows(cache, begin, end, config)
         outputs.append(forward_rows(bank, adapters[begin:end], **part))

@@ -1,7 +1,7 @@
 """Sampling forwards whose rows use LoRA adapters, one or many: every adapter's delta in one grouped product.
 
-Each LoRA layer runs its base layer on the whole batch (adapters switched off) and a forward hook adds
-the deltas. Per layer, the A and B matrices of the batch's adapters are stacked, (n, r, in) and
+Each LoRA layer runs its base layer on the whole batch and adds the deltas (its forward is replaced
+for the call). Per layer, the A and B matrices of the batch's adapters are stacked, (n, r, in) and
 (n, out, r); each adapter's rows are gathered into one slot of an (n, m, in) block (a view, no copy,
 when the rows already tile it); and two `torch.bmm` compute every adapter's `B(A(x)) * scaling` at
 once. So a layer costs the same two products whether the batch holds one adapter or eight: 4 sessions
@@ -62,8 +62,8 @@ class Stack:
     """The A and B matrices of some adapters of one rank on one layer, stacked: one slot per adapter."""
 
     names: tuple[str, ...]
-    a: torch.Tensor  # (n, r, in)
-    b: torch.Tensor  # (n, out, r)
+    a_t: torch.Tensor  # A transposed, (n, in, r): a view, as the products take it
+    b_t: torch.Tensor  # B transposed, (n, r, out)
     scale: torch.Tensor  # (n, 1, 1)
     min_rows: int  # fewest rows per slot for which both products take MKL's path
 
@@ -75,7 +75,8 @@ class Stack:
         a, b = (a[0].unsqueeze(0), b[0].unsqueeze(0)) if len(names) == 1 else (torch.stack(a), torch.stack(b))
         scale = torch.tensor([layer.scaling[name] for name in names], dtype=a.dtype, device=a.device)
         rank, fan_in, fan_out = a.shape[1], a.shape[2], b.shape[1]
-        return cls(names, a, b, scale.reshape(-1, 1, 1), -(-SMALL_BMM // (rank * min(fan_in, fan_out))))
+        min_rows = -(-SMALL_BMM // (rank * min(fan_in, fan_out)))
+        return cls(names, a.transpose(1, 2), b.transpose(1, 2), scale.reshape(-1, 1, 1), min_rows)
 
 
 class AdapterStacks:
@@ -144,27 +145,54 @@ def _slots(adapters: list[str | None], names: tuple[str, ...], per_row: int, min
     return _Slots(rows, source.to(device), slot.to(device), prefix, prefix and len(slot) == len(names) * rows)
 
 
+def _delta(block: torch.Tensor, stack: Stack, dtype: torch.dtype) -> torch.Tensor:
+    """Every slot's LoRA delta, `B(A(x)) * scaling` of its own adapter: (n, rows, in) -> (n * rows, out)."""
+    block = block if block.dtype == stack.a_t.dtype else block.to(stack.a_t.dtype)
+    delta = torch.bmm(torch.bmm(block, stack.a_t), stack.b_t) * stack.scale
+    delta = delta if delta.dtype == dtype else delta.to(dtype)
+    return delta.view(-1, delta.shape[-1])
+
+
 def _add_deltas(x: torch.Tensor, output: torch.Tensor, stacks: list[Stack], slots_of) -> None:
     """output += every stack's LoRA deltas of x, each row by its own adapter; in place."""
     flat_out = output.view(-1, output.shape[-1])
     for stack in stacks:
         slots = slots_of(stack.names, x.shape[-2] if x.dim() == 3 else 1, stack.min_rows)
-        flat = x.reshape(-1, x.shape[-1]).to(stack.a.dtype)
+        flat = x.reshape(-1, x.shape[-1])
         n = len(stack.names)
-        if slots.prefix:  # the usual case: one adapter on every row, or adapters' runs of equal length
+        if slots.prefix:  # adapters' runs of equal length
             block = flat if slots.tiled else F.pad(flat, (0, 0, 0, n * slots.rows - flat.shape[0]))
-            block = block.view(n, slots.rows, flat.shape[-1])
+            flat_out += _delta(block.view(n, slots.rows, flat.shape[-1]), stack, output.dtype)[: flat_out.shape[0]]
         else:
             block = flat.new_zeros(n * slots.rows, flat.shape[-1]).index_copy_(
                 0, slots.slot, flat.index_select(0, slots.source)
             )
-            block = block.view(n, slots.rows, flat.shape[-1])
-        delta = torch.bmm(torch.bmm(block, stack.a.transpose(1, 2)), stack.b.transpose(1, 2)) * stack.scale
-        delta = delta.to(output.dtype).view(-1, output.shape[-1])
-        if slots.prefix:
-            flat_out += delta[: flat_out.shape[0]]
-        else:
+            delta = _delta(block.view(n, slots.rows, flat.shape[-1]), stack, output.dtype)
             flat_out.index_add_(0, slots.source, delta.index_select(0, slots.slot))
+
+
+def _lora_forward(layer: LoraLinear, stacks: list[Stack], slots_of):
+    """The layer's forward for the block: its base layer, plus the deltas. With one stack whose rows are the
+    block's first ones (one adapter on every row: the usual case), the input is padded once, to the block, and
+    the base layer and both products run on it: `_padded_linear` would pad it to the same multiple of
+    `ROW_MULTIPLE` again, and each of a row's products is the same on any such number of rows."""
+    base_layer = layer.base_layer
+
+    def forward(x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        if len(stacks) == 1 and not args and not kwargs:
+            stack = stacks[0]
+            slots = slots_of(stack.names, x.shape[-2] if x.dim() == 3 else 1, stack.min_rows)
+            if slots.prefix:
+                flat, n = x.reshape(-1, x.shape[-1]), len(stack.names)
+                block = flat if slots.tiled else F.pad(flat, (0, 0, 0, n * slots.rows - flat.shape[0]))
+                output = base_layer(block)
+                output += _delta(block.view(n, slots.rows, flat.shape[-1]), stack, output.dtype)
+                return output[: flat.shape[0]].view(*x.shape[:-1], output.shape[-1])
+        output = base_layer(x, *args, **kwargs)
+        _add_deltas(x, output, stacks, slots_of)
+        return output
+
+    return forward
 
 
 @contextmanager
@@ -172,8 +200,8 @@ def grouped_adapters(
     bank: AdapterBank, adapters: list[str | None], layers: dict[LoraLinear, list[Stack]]
 ) -> Iterator[torch.nn.Module]:
     """The model to call for a batch whose row i runs with adapter `adapters[i]` (None: base), given the
-    stacks of its adapters (`stacks_for`). Callers hold the device lock (the hooks sit on the shared
-    model while the block runs) and disable grad."""
+    stacks of its adapters (`stacks_for`). Callers hold the device lock (each LoRA layer's forward is
+    replaced on the shared model while the block runs) and disable grad."""
     device = bank.host.device
     planned: dict[tuple, _Slots] = {}  # the same slots serve every layer with the same adapters and shape
 
@@ -183,17 +211,17 @@ def grouped_adapters(
             planned[key] = _slots(adapters, names, per_row, min_rows, device)
         return planned[key]
 
-    def hook_for(stacks: list[Stack]):
-        def add(module: LoraLinear, args: tuple, output: torch.Tensor) -> torch.Tensor:
-            _add_deltas(args[0], output, stacks, slots_of)
-            return output
-
-        return add
-
-    handles = [layer.register_forward_hook(hook_for(stacks)) for layer, stacks in layers.items()]
+    # An instance attribute shadows the class's forward for nn.Module.__call__; a forward hook would also do,
+    # but it sends every call through the module's slow path and computes the base layer on its own.
+    replaced = [(layer, layer.__dict__.get("forward")) for layer in layers]
+    for layer, stacks in layers.items():
+        layer.forward = _lora_forward(layer, stacks, slots_of)
     try:
-        with bank.adapters_off():  # each layer runs its base layer alone; the hooks add the deltas
+        with bank.adapters_off():  # the other LoRA layers (other adapters' targets) run their base layer alone
             yield bank.host.model
     finally:
-        for handle in handles:
-            handle.remove()
+        for layer, previous in replaced:
+            if previous is None:
+                del layer.forward
+            else:
+                layer.forward = previous

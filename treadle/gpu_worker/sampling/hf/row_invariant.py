@@ -95,6 +95,7 @@ def _rows_attention(
     dropout: float = 0.0,
     row_runs: list[tuple[int, int, int]] | None = None,
     row_starts: torch.Tensor | None = None,
+    decode_masks: dict | None = None,
     sliding_window: int | None = None,
     s_aux: torch.Tensor | None = None,
     softcap: float | None = None,
@@ -109,7 +110,8 @@ def _rows_attention(
     latent attention). The cache always holds every position (`cache_rows`), so the window is a mask.
     """
     if row_starts is not None and query.shape[2] == 1:
-        return _decode_attention(query, key, value, row_starts, scaling, sliding_window, s_aux, softcap), None
+        masks = {} if decode_masks is None else decode_masks
+        return _decode_attention(query, key, value, row_starts, scaling, sliding_window, s_aux, softcap, masks), None
     if row_runs is None:
         raise RuntimeError(f"{IMPLEMENTATION} attention needs row_runs (only sampling forwards use it)")
     groups = query.shape[1] // key.shape[1]
@@ -144,12 +146,14 @@ def _rows_attention(
     return out.transpose(1, 2).contiguous(), None
 
 
-def _decode_attention(query, key, value, row_starts, scaling, sliding_window, s_aux, softcap) -> torch.Tensor:
+def _decode_attention(query, key, value, row_starts, scaling, sliding_window, s_aux, softcap, masks) -> torch.Tensor:
     """One query per row, every row in one call: `_rows_attention`'s arithmetic for a decode step, over
-    the left-padded cache whose row b starts at column `row_starts[b]` (see 1. in the module docstring)."""
+    the left-padded cache whose row b starts at column `row_starts[b]` (see 1. in the module docstring).
+    `masks` holds the step's masked columns, the same for every layer with the same cache and window."""
     batch, heads, _, dim = query.shape
     kv_heads, lk = key.shape[1], key.shape[2]
     groups = heads // kv_heads
+    mask_key = (lk, sliding_window)  # before a short cache is padded: row_starts moves with it
     if lk < KEY_MULTIPLE:  # a short cache is padded (a small copy): products under 400 multiply-adds take torch's loop
         key, value = F.pad(key, (0, 0, KEY_MULTIPLE - lk, 0)), F.pad(value, (0, 0, KEY_MULTIPLE - lk, 0))
         row_starts, lk = row_starts + KEY_MULTIPLE - lk, KEY_MULTIPLE
@@ -160,11 +164,13 @@ def _decode_attention(query, key, value, row_starts, scaling, sliding_window, s_
     scores = F.pad(scores * scaling, (width - lk, 0), value=float("-inf"))  # (B, Hkv, groups, width)
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
-    columns = torch.arange(width, device=query.device)
-    visible = columns >= (width - lk + row_starts)[:, None]
-    if sliding_window is not None:  # the query sits on the last column: it sees the window's last keys
-        visible &= columns >= width - sliding_window
-    scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
+    if mask_key not in masks:
+        columns = torch.arange(width, device=query.device)
+        visible = columns >= (width - lk + row_starts)[:, None]
+        if sliding_window is not None:  # the query sits on the last column: it sees the window's last keys
+            visible &= columns >= width - sliding_window
+        masks[mask_key] = ~visible[:, None, None, :]
+    scores = scores.masked_fill(masks[mask_key], float("-inf"))
     if s_aux is not None:  # the sink, in the softmax, not in the output; last, on a column fixed alone and batched
         sink = s_aux.reshape(1, kv_heads, groups, 1).expand(batch, -1, -1, 1).to(scores.dtype)
         weights = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1, dtype=torch.float32)[..., :-1]
@@ -189,8 +195,9 @@ AttentionInterface.register(IMPLEMENTATION, _rows_attention)
 @contextmanager
 def invariant_forward(model: torch.nn.Module) -> Iterator[None]:
     """Within the block, this thread's forwards of `model` are batch-invariant; the caller passes
-    `row_runs=row_runs(attention_mask)` to the model call, and in a decode step (one new token per row)
-    `row_starts=first_columns(attention_mask)` too. Callers hold the device lock."""
+    `row_runs=row_runs(attention_mask)` to the model call, or in a decode step (one new token per row)
+    `row_starts=first_columns(attention_mask)` and `decode_masks={}` (filled by the first layer, read by the
+    others). Callers hold the device lock."""
     config = model.config
     previous = config._attn_implementation
     config._attn_implementation = IMPLEMENTATION

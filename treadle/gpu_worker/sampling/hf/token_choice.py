@@ -27,16 +27,16 @@ def processed_logprobs(
     logits: torch.Tensor, temperature: list[float], top_k: list[int], top_p: list[float]
 ) -> torch.Tensor:
     """(rows, vocab) float32 log-probabilities after each row's temperature, top-k and top-p."""
+    # The parameters are Python numbers: deciding on them never waits for the device (on a GPU, a sync per step).
     scores = logits.float()
-    device = scores.device
-    greedy = torch.tensor([t == 0 for t in temperature], device=device)
-    temps = torch.tensor([t if t > 0 else 1.0 for t in temperature], device=device, dtype=scores.dtype)
-    if bool((temps != 1.0).any()):
-        scores = scores / temps.unsqueeze(1)
+    greedy = [t == 0 for t in temperature]
+    temps = [t if t > 0 else 1.0 for t in temperature]
+    if any(t != 1.0 for t in temps):
+        scores = scores / torch.tensor(temps, device=scores.device, dtype=scores.dtype).unsqueeze(1)
     vocab = scores.shape[-1]
     # Greedy is top-k 1 (the most likely token); -1 keeps everything.
-    ks = [1 if g else (vocab if k < 0 else min(k, vocab)) for g, k in zip(greedy.tolist(), top_k)]
-    ps = [1.0 if g else p for g, p in zip(greedy.tolist(), top_p)]
+    ks = [1 if g else (vocab if k < 0 else min(k, vocab)) for g, k in zip(greedy, top_k)]
+    ps = [1.0 if g else p for g, p in zip(greedy, top_p)]
     filtered = [i for i, (k, p) in enumerate(zip(ks, ps)) if k < vocab or p < 1.0]
     if filtered:
         scores = scores.clone()
