@@ -14,7 +14,8 @@ decoding with no stop, T=1. Median milliseconds per decode step, rounds alternat
 
 Treadle's steps include drawing the tokens; 2 is the bare forward. For 1, 2 and 4 it also counts the torch
 operators one step dispatches (top-level aten calls, torch.profiler): on a GPU each is about one kernel launch, and
-a small model's decode step is bound by launches, so the count is that cost, the same on any machine.
+a small model's decode step is bound by launches, so the count is that cost, the same on any machine. The
+accelerator rows count the step as a GPU runs it (`row_invariant.invariant_layouts`: no CPU-only layouts).
 
     .venv/bin/python benchmarks/decode_step.py [--prompts 8 --samples 4 --steps 16 --threads 2 --rounds 2]
 """
@@ -143,6 +144,7 @@ def main() -> None:
     from treadle.demo.model import prepare_smollm2
     from treadle.gpu_worker.model.adapters import AdapterBank
     from treadle.gpu_worker.model.host import ModelHost
+    from treadle.gpu_worker.sampling.hf import row_invariant
     from treadle.types import LoraConfig
 
     torch.set_num_threads(args.threads)
@@ -200,6 +202,15 @@ def main() -> None:
     }
     for name, fn in counted.items():  # one step more, the rest the same: the difference is one step's
         print(f"{name:<40}{operators(lambda: fn(3)) - operators(lambda: fn(2)):>9}")
+    invariant_layouts = row_invariant.invariant_layouts
+    row_invariant.invariant_layouts = lambda device: False  # what a step dispatches on an accelerator
+    try:
+        for name in ("treadle, base", "treadle, one adapter"):
+            fn = counted[name]
+            label = f"{name}, accelerator layouts"
+            print(f"{label:<40}{operators(lambda: fn(3)) - operators(lambda: fn(2)):>9}")
+    finally:
+        row_invariant.invariant_layouts = invariant_layouts
 
 
 if __name__ == "__main__":

@@ -114,39 +114,46 @@ def test_grouped_adapters_puts_each_layers_own_forward_back(bank):
         del layer.forward
 
 
+ATTENTION_VARIANTS = [  # heads, kv_heads, dim, value_dim, variant
+    (4, 4, 16, 16, {}),
+    (9, 3, 64, 64, {}),
+    (8, 1, 32, 32, {"sliding_window": 8}),
+    (16, 2, 64, 32, {"s_aux": "sink"}),
+    (8, 2, 24, 16, {"softcap": 30.0}),
+]
+LENGTHS = [1, 7, 64, 65, 130, 3, 300, 700]
+
+
+def attention_case(heads, kv_heads, dim, value_dim, variant):
+    """Rows of LENGTHS keys, one query each: (attend(q, k, v, starts, **kw), query, keys, values, left_pad)."""
+    generator = torch.Generator().manual_seed(0)
+    if variant.get("s_aux") == "sink":
+        variant = {"s_aux": torch.randn(heads, generator=generator)}
+    width = max(LENGTHS)
+    query = torch.randn(len(LENGTHS), heads, 1, dim, generator=generator)
+    keys = [torch.randn(1, kv_heads, n, dim, generator=generator) for n in LENGTHS]
+    values = [torch.randn(1, kv_heads, n, value_dim, generator=generator) for n in LENGTHS]
+
+    def attend(q, k, v, starts, **kw):
+        runs = [(row, row + 1, int(start)) for row, start in enumerate(starts)]
+        return row_invariant._rows_attention(None, q, k, v, None, 0.125, row_runs=runs, **kw, **variant)[0]
+
+    def left_pad(tensors):
+        return torch.cat([torch.nn.functional.pad(t, (0, 0, width - t.shape[2], 0)) for t in tensors])
+
+    return attend, query, keys, values, left_pad
+
+
 @pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize(
-    "heads, kv_heads, dim, value_dim, variant",
-    [
-        (4, 4, 16, 16, {}),
-        (9, 3, 64, 64, {}),
-        (8, 1, 32, 32, {"sliding_window": 8}),
-        (16, 2, 64, 32, {"s_aux": "sink"}),
-        (8, 2, 24, 16, {"softcap": 30.0}),
-    ],
-)
+@pytest.mark.parametrize("heads, kv_heads, dim, value_dim, variant", ATTENTION_VARIANTS)
 def test_decode_attention_alone_equals_batched_bitwise_and_the_grouped_path(
     heads, kv_heads, dim, value_dim, variant, threads
 ):
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        generator = torch.Generator().manual_seed(0)
-        if variant.get("s_aux") == "sink":
-            variant = {"s_aux": torch.randn(heads, generator=generator)}
-        lengths = [1, 7, 64, 65, 130, 3, 300, 700]
-        width = max(lengths)
-        query = torch.randn(len(lengths), heads, 1, dim, generator=generator)
-        keys = [torch.randn(1, kv_heads, n, dim, generator=generator) for n in lengths]
-        values = [torch.randn(1, kv_heads, n, value_dim, generator=generator) for n in lengths]
-
-        def attend(q, k, v, starts, **kw):
-            runs = [(row, row + 1, int(start)) for row, start in enumerate(starts)]
-            return row_invariant._rows_attention(None, q, k, v, None, 0.125, row_runs=runs, **kw, **variant)[0]
-
-        def left_pad(tensors):
-            return torch.cat([torch.nn.functional.pad(t, (0, 0, width - t.shape[2], 0)) for t in tensors])
-
+        attend, query, keys, values, left_pad = attention_case(heads, kv_heads, dim, value_dim, variant)
+        lengths, width = LENGTHS, max(LENGTHS)
         starts = torch.tensor([width - n for n in lengths])
         batched = attend(query, left_pad(keys), left_pad(values), starts, row_starts=starts)
         by_groups = attend(query, left_pad(keys), left_pad(values), starts)
@@ -163,3 +170,31 @@ def test_decode_attention_alone_equals_batched_bitwise_and_the_grouped_path(
             assert torch.equal(alone[0], batched[row]), f"row of {n} keys differs alone and batched"
     finally:
         torch.set_num_threads(previous)
+
+
+@pytest.mark.parametrize("heads, kv_heads, dim, value_dim, variant", ATTENTION_VARIANTS)
+def test_accelerator_decode_attention_equals_the_grouped_path(heads, kv_heads, dim, value_dim, variant, monkeypatch):
+    # On an accelerator a decode step attends in one product over the unpadded cache: the same masks, window,
+    # sink and soft-cap as the batch-invariant layout, to floating-point tolerance.
+    attend, query, keys, values, left_pad = attention_case(heads, kv_heads, dim, value_dim, variant)
+    starts = torch.tensor([max(LENGTHS) - n for n in LENGTHS])
+    by_groups = attend(query, left_pad(keys), left_pad(values), starts)
+    monkeypatch.setattr(row_invariant, "invariant_layouts", lambda device: False)
+    plain = attend(query, left_pad(keys), left_pad(values), starts, row_starts=starts)
+    torch.testing.assert_close(plain, by_groups, rtol=1e-5, atol=1e-5)
+
+
+def test_accelerator_layouts_leave_linears_unpadded_and_rows_equal(bank, monkeypatch):
+    # Without the CPU's layouts (an accelerator's): no F.linear patch, slots of exactly the rows they hold, and the
+    # same numbers as the invariant forwards to fp32 tolerance, mixed adapters and the base model included.
+    adapters = ["x", "w", "y", None, "x"]
+    invariant = prefill_and_steps(bank, PROMPTS, adapters)
+    monkeypatch.setattr(row_invariant, "invariant_layouts", lambda device: False)
+    linears = []
+    with row_invariant.invariant_forward(bank.host.model):
+        linears.append(torch.nn.functional.linear)
+    assert linears == [row_invariant._original_linear]
+    assert mixed_lora._slots(["x"], ("x",), 1, 50, "cpu").rows == 1
+    plain = prefill_and_steps(bank, PROMPTS, adapters)
+    for row, (a, b) in enumerate(zip(invariant, plain)):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4, msg=f"row {row}")

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from peft.tuners.lora import Linear as LoraLinear
 
 from treadle.gpu_worker.model.adapters import AdapterBank
-from treadle.gpu_worker.sampling.hf.row_invariant import ROW_MULTIPLE
+from treadle.gpu_worker.sampling.hf import row_invariant
 
 SMALL_BMM = 400  # torch's CPU bmm computes products of fewer multiply-adds with its own loop, not MKL
 KEPT_SETS = 4  # sets of adapters whose stacks are kept (each multi-adapter set holds a copy of its weights)
@@ -133,10 +133,13 @@ class _Slots:
 
 
 def _slots(adapters: list[str | None], names: tuple[str, ...], per_row: int, min_rows: int, device) -> _Slots:
-    """Slot k holds the tokens of adapter names[k]'s rows (each row `per_row` tokens), in order."""
+    """Slot k holds the tokens of adapter names[k]'s rows (each row `per_row` tokens), in order. On a CPU a slot
+    has at least `min_rows` rows, a multiple of `ROW_MULTIPLE` (the module docstring); an accelerator's kernels
+    have no such layouts to keep to (`invariant_layouts`)."""
     rows_of = [[row for row, name in enumerate(adapters) if name == wanted] for wanted in names]
-    rows = max(max(len(r) for r in rows_of) * per_row, min_rows)
-    rows = -(-rows // ROW_MULTIPLE) * ROW_MULTIPLE
+    rows = max(len(r) for r in rows_of) * per_row
+    if row_invariant.invariant_layouts(torch.device(device)):
+        rows = -(-max(rows, min_rows) // row_invariant.ROW_MULTIPLE) * row_invariant.ROW_MULTIPLE
     tokens = torch.arange(per_row)
     source = torch.cat([(torch.tensor(r, dtype=torch.long)[:, None] * per_row + tokens).flatten() for r in rows_of])
     slot = torch.cat([k * rows + torch.arange(len(r) * per_row) for k, r in enumerate(rows_of)])

@@ -33,8 +33,10 @@ two things make a row depend on its neighbours, and both are removed here:
    zero rows to a multiple of `ROW_MULTIPLE` (8; 4 already sufficed on the AVX2 machine measured).
 
 `tests/test_batch_sampling.py` checks the result: a request alone and the same request batched with
-others give bit-identical logprobs. Accelerators (cuBLAS, flash kernels) make no such promise; there
-rows agree to floating-point tolerance only.
+others give bit-identical logprobs. Accelerators (cuBLAS, flash kernels) make no such promise whatever the
+layout; there rows agree to floating-point tolerance only, and the layouts of 1. and 2. are not taken
+(`invariant_layouts`): they would only add operators, each a kernel launch, to a decode step that launches
+bound. There a decode step attends in one product over the unpadded cache, and linears are not padded.
 """
 
 from __future__ import annotations
@@ -54,6 +56,12 @@ IMPLEMENTATION = "treadle_rows"
 _original_linear = F.linear
 _sampler_threads: set[int] = set()  # threads inside `invariant_forward`; others get the plain F.linear
 _patch_lock = threading.Lock()
+
+
+def invariant_layouts(device: torch.device) -> bool:
+    """Whether sampling forwards on `device` take the layouts of 1. and 2. above: on CPUs, where they make a row's
+    numbers its own (measured with MKL); not on accelerators, where no layout does."""
+    return device.type == "cpu"
 
 
 def _padded_linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -111,7 +119,11 @@ def _rows_attention(
     """
     if row_starts is not None and query.shape[2] == 1:
         masks = {} if decode_masks is None else decode_masks
-        return _decode_attention(query, key, value, row_starts, scaling, sliding_window, s_aux, softcap, masks), None
+        invariant = invariant_layouts(query.device)
+        out = _decode_attention(
+            query, key, value, row_starts, scaling, sliding_window, s_aux, softcap, masks, invariant
+        )
+        return out, None
     if row_runs is None:
         raise RuntimeError(f"{IMPLEMENTATION} attention needs row_runs (only sampling forwards use it)")
     groups = query.shape[1] // key.shape[1]
@@ -146,22 +158,28 @@ def _rows_attention(
     return out.transpose(1, 2).contiguous(), None
 
 
-def _decode_attention(query, key, value, row_starts, scaling, sliding_window, s_aux, softcap, masks) -> torch.Tensor:
+def _decode_attention(
+    query, key, value, row_starts, scaling, sliding_window, s_aux, softcap, masks, invariant=True
+) -> torch.Tensor:
     """One query per row, every row in one call: `_rows_attention`'s arithmetic for a decode step, over
     the left-padded cache whose row b starts at column `row_starts[b]` (see 1. in the module docstring).
-    `masks` holds the step's masked columns, the same for every layer with the same cache and window."""
+    `masks` holds the step's masked columns, the same for every layer with the same cache and window.
+    Not `invariant` (an accelerator): no padding, and w @ v in one product."""
     batch, heads, _, dim = query.shape
     kv_heads, lk = key.shape[1], key.shape[2]
     groups = heads // kv_heads
     mask_key = (lk, sliding_window)  # before a short cache is padded: row_starts moves with it
-    if lk < KEY_MULTIPLE:  # a short cache is padded (a small copy): products under 400 multiply-adds take torch's loop
+    # A short cache is padded (a small copy): products under 400 multiply-adds take torch's loop.
+    if invariant and lk < KEY_MULTIPLE:
         key, value = F.pad(key, (0, 0, KEY_MULTIPLE - lk, 0)), F.pad(value, (0, 0, KEY_MULTIPLE - lk, 0))
         row_starts, lk = row_starts + KEY_MULTIPLE - lk, KEY_MULTIPLE
-    width = -(-lk // KEY_MULTIPLE) * KEY_MULTIPLE
+    width = -(-lk // KEY_MULTIPLE) * KEY_MULTIPLE if invariant else lk
     # k @ q^T: the query heads that share a KV head are one product's columns (no repeated copy of the
     # cache), and each key's score comes out the same wherever the key sits in the cache.
     scores = torch.matmul(key, query.reshape(batch, kv_heads, groups, dim).transpose(2, 3)).transpose(2, 3)
-    scores = F.pad(scores * scaling, (width - lk, 0), value=float("-inf"))  # (B, Hkv, groups, width)
+    scores = scores * scaling
+    if width > lk:
+        scores = F.pad(scores, (width - lk, 0), value=float("-inf"))  # (B, Hkv, groups, width)
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
     if mask_key not in masks:
@@ -176,9 +194,11 @@ def _decode_attention(query, key, value, row_starts, scaling, sliding_window, s_
         weights = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1, dtype=torch.float32)[..., :-1]
     else:
         weights = torch.softmax(scores, dim=-1, dtype=torch.float32)
+    weights = weights.to(query.dtype)  # (B, Hkv, groups, width); column width - lk holds key 0
+    if not invariant:
+        return torch.matmul(weights, value).reshape(batch, 1, heads, value.shape[-1])
     # w @ v in blocks of `KEY_MULTIPLE` keys aligned from the end (1. in the module docstring), added
     # in order from the left in fp32; each block is a view of the cache but the first, partial one.
-    weights = weights.to(query.dtype)  # (B, Hkv, groups, width); column width - lk holds key 0
     out = query.new_zeros((batch, kv_heads, groups, value.shape[-1]), dtype=torch.float32)
     first = lk % KEY_MULTIPLE
     if first:
@@ -201,6 +221,12 @@ def invariant_forward(model: torch.nn.Module) -> Iterator[None]:
     config = model.config
     previous = config._attn_implementation
     config._attn_implementation = IMPLEMENTATION
+    if not invariant_layouts(model.device):
+        try:
+            yield
+        finally:
+            config._attn_implementation = previous
+        return
     with _patch_lock:
         # nn.Linear looks F.linear up at call time; other threads pass straight through, and the
         # plain function is back once no sampling forward runs.
