@@ -12,7 +12,8 @@ Per family and dtype, through the engine:
   `compute_logprobs` and prompt logprobs equal the training forward, on sequences longer than the
   sliding windows (8 tokens);
 - save_state -> load_state, the PEFT adapter export read by plain `PeftModel.from_pretrained`, and the
-  merged export read by `AutoModelForCausalLM` alone each reproduce the training forward.
+  merged export read by `AutoModelForCausalLM` alone each reproduce the training forward;
+- the same sampler checks with the layouts a GPU runs (no CPU-only batch-invariant layouts).
 
 Then one stack run per family (SDK -> queue -> one worker serving every family), `treadle models check`
 and a worker started on a model treadle cannot serve (subprocesses), and the table in docs/models.md.
@@ -225,6 +226,40 @@ def test_family_through_the_engine(family, dtype, family_dirs, tmp_path):
         tokens_per_s=tokens_per_s,
         mixed_per_s=mixed_per_s,
     )
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+def test_family_sampling_with_accelerator_layouts(family, dtype, family_dirs, monkeypatch):
+    # What a GPU runs: the sampler without the CPU's batch-invariant layouts (`row_invariant.invariant_layouts`;
+    # one w @ v product over the unpadded cache, unpadded linears and LoRA slots). Sampled tokens' logprobs, mixed
+    # with the base model's rows, and compute_logprobs past the sliding windows equal the training forward.
+    from treadle.gpu_worker.sampling.hf import row_invariant
+
+    engine = Engine(family_dirs[family], dtype=dtype)
+    try:
+        routed = engine.profile.experts > 0
+        engine.create_session("s", LoraConfig(rank=8, alpha=16, seed=1))
+        rng = np.random.default_rng(1)
+        batch = [cross_entropy_datum(rng.integers(5, 500, 24).tolist()) for _ in range(4)]
+        engine.forward_backward("s", batch, "cross_entropy")
+        engine.optim_step("s", AdamParams(learning_rate=1e-2))  # B is no longer zero: the LoRA deltas count
+        engine.snapshot_sampler("s", "snap")
+        monkeypatch.setattr(row_invariant, "invariant_layouts", lambda device: False)
+        prompt = rng.integers(5, 500, 12).tolist()
+        mixed = [
+            engine.sample_async(adapter, ModelInput.from_ints(prompt), 3, SamplingParams(max_tokens=16, seed=3))
+            for adapter in ("snap", None)
+        ]
+        for seq in mixed[0].result(timeout=300).sequences:
+            trained = forward_logprobs(engine, "s", prompt + seq.tokens)
+            agree(seq.logprobs, trained[len(prompt) - 1 :], family, dtype, routed=routed)
+        assert all(len(seq.tokens) for seq in mixed[1].result(timeout=300).sequences)
+        long = rng.integers(5, 500, LONG).tolist()
+        computed = engine.compute_logprobs("snap", ModelInput.from_ints(long))
+        agree(computed[1:], forward_logprobs(engine, "s", long), family, dtype, routed=routed)
+    finally:
+        engine.close()
 
 
 @pytest.fixture(scope="module")
