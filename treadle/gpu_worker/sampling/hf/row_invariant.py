@@ -35,8 +35,8 @@ two things make a row depend on its neighbours, and both are removed here:
 `tests/test_batch_sampling.py` checks the result: a request alone and the same request batched with
 others give bit-identical logprobs. Accelerators (cuBLAS, flash kernels) make no such promise whatever the
 layout; there rows agree to floating-point tolerance only, and the layouts of 1. and 2. are not taken
-(`invariant_layouts`): they would only add operators, each a kernel launch, to a decode step that launches
-bound. There a decode step attends in one product over the unpadded cache, and linears are not padded.
+(`invariant_layouts`): they would only add operators, each a kernel launch, to a decode step bound by
+launches. There a decode step attends in one product over the unpadded cache, and linears are not padded.
 """
 
 from __future__ import annotations
