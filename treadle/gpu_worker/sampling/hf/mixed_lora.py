@@ -156,6 +156,12 @@ def _delta(block: torch.Tensor, stack: Stack, dtype: torch.dtype) -> torch.Tenso
     return delta.view(-1, delta.shape[-1])
 
 
+def _prefix_block(flat: torch.Tensor, slots: _Slots, n: int) -> torch.Tensor:
+    """The (n * rows, in) block whose first rows are `flat` (`slots.prefix`): `flat` itself when it tiles the
+    block, else `flat` padded with zero rows."""
+    return flat if slots.tiled else F.pad(flat, (0, 0, 0, n * slots.rows - flat.shape[0]))
+
+
 def _add_deltas(x: torch.Tensor, output: torch.Tensor, stacks: list[Stack], slots_of) -> None:
     """output += every stack's LoRA deltas of x, each row by its own adapter; in place."""
     flat_out = output.view(-1, output.shape[-1])
@@ -164,7 +170,7 @@ def _add_deltas(x: torch.Tensor, output: torch.Tensor, stacks: list[Stack], slot
         flat = x.reshape(-1, x.shape[-1])
         n = len(stack.names)
         if slots.prefix:  # adapters' runs of equal length
-            block = flat if slots.tiled else F.pad(flat, (0, 0, 0, n * slots.rows - flat.shape[0]))
+            block = _prefix_block(flat, slots, n)
             flat_out += _delta(block.view(n, slots.rows, flat.shape[-1]), stack, output.dtype)[: flat_out.shape[0]]
         else:
             block = flat.new_zeros(n * slots.rows, flat.shape[-1]).index_copy_(
@@ -187,7 +193,7 @@ def _lora_forward(layer: LoraLinear, stacks: list[Stack], slots_of):
             slots = slots_of(stack.names, x.shape[-2] if x.dim() == 3 else 1, stack.min_rows)
             if slots.prefix:
                 flat, n = x.reshape(-1, x.shape[-1]), len(stack.names)
-                block = flat if slots.tiled else F.pad(flat, (0, 0, 0, n * slots.rows - flat.shape[0]))
+                block = _prefix_block(flat, slots, n)
                 output = base_layer(block)
                 output += _delta(block.view(n, slots.rows, flat.shape[-1]), stack, output.dtype)
                 return output[: flat.shape[0]].view(*x.shape[:-1], output.shape[-1])

@@ -159,7 +159,7 @@ def _rows_attention(
 
 
 def _decode_attention(
-    query, key, value, row_starts, scaling, sliding_window, s_aux, softcap, masks, invariant=True
+    query, key, value, row_starts, scaling, sliding_window, s_aux, softcap, masks, invariant
 ) -> torch.Tensor:
     """One query per row, every row in one call: `_rows_attention`'s arithmetic for a decode step, over
     the left-padded cache whose row b starts at column `row_starts[b]` (see 1. in the module docstring).
