@@ -9,9 +9,9 @@ of 8 rows cost about what one session of 32 rows costs. The stacks are built onc
 (`AdapterStacks`) and kept until the bank's adapters change (snapshots are frozen, so their tensors
 never do). Adapters of different ranks go into different stacks (one pair of products per rank).
 
-Before this, each adapter's delta was added over its own runs of rows (two products per run per
-layer); before that, PEFT's mixed batches (`adapter_names=[...]`) gathered and scattered rows with
-Python lists, 38 % of a mixed step.
+Why not the alternatives: adding each adapter's delta over its own runs of rows costs two products per run per
+layer, and PEFT's mixed batches (`adapter_names=[...]`) gather and scatter rows with Python lists, 38 % of a mixed
+step (docs/benchmarks.md, "Tried and not kept").
 
 Bit for bit: every slot is one product of m rows, m a multiple of `ROW_MULTIPLE` and large enough that
 torch takes MKL's path (its own loop, another summation order, below 400 multiply-adds), and MKL
