@@ -1,11 +1,13 @@
-"""Queue overhead of treadle: latency of a minimal op, pipelined throughput, and a tiny training step.
+"""Queue overhead of treadle: latency of a minimal op, pipelined throughput, a tiny training step and a small sample.
 
 Each measurement starts its own local stack (redis + one worker) on a tiny random model, so the
 figures are the overhead of SDK -> Redis/Celery -> worker -> result backend -> SDK, not of the model.
 The tiny step (4 datums x 32 tokens, forward_backward + optim_step) is also run on an engine in the
 benchmark's own process as the baseline, alternating with the step through treadle in blocks of 10; and
 on a second engine that gives every op all of torch's threads (as engines did before they ran toy-sized
-ops on one thread), so that the thread sizing is not what makes treadle's ratio look good.
+ops on one thread), so that the thread sizing is not what makes treadle's ratio look good. A 1 x 8-token sample
+of a LoRA snapshot (a control op: through Celery, the sampler's scheduler and the delivery thread) alternates
+the same way with the same sample on an in-process engine.
 
     .venv/bin/python benchmarks/op_latency.py [--n 300]
     .venv/bin/python benchmarks/op_latency.py --compare /path/to/other/checkout [--rounds 3]
@@ -30,7 +32,7 @@ import time
 
 import numpy as np
 
-from treadle import AdamParams, Datum, ModelInput, ServiceClient
+from treadle import AdamParams, Datum, ModelInput, SamplingParams, ServiceClient
 from treadle.local_stack import LocalStack
 from treadle.testing.tiny_model import build_tiny_model
 
@@ -70,6 +72,7 @@ def measure(n: int) -> dict[str, float]:
     with tempfile.TemporaryDirectory() as tmp:
         model = build_tiny_model(f"{tmp}/tiny", arch="llama", seed=0)
         inprocess_step, default_threads_step = inprocess_stepper(model), inprocess_stepper(model, sized_threads=False)
+        inprocess_sample = inprocess_sampler(model)
         with LocalStack([f"tiny={model}"], home=f"{tmp}/stack") as stack:
             sc = ServiceClient(broker_url=stack.broker_url, storage_url=stack.storage_url)
             tc = sc.create_lora_training_client("tiny", rank=8, seed=0)
@@ -90,11 +93,25 @@ def measure(n: int) -> dict[str, float]:
                 tc.forward_backward(batch, "cross_entropy")
                 tc.optim_step(ADAM).result()
 
+            sampler = tc.save_weights_and_get_sampling_client("op-latency")
+
+            def sample():
+                sampler.sample(SAMPLE_PROMPT, 1, SamplingParams(max_tokens=8, seed=0)).result()
+
             for _ in range(20):  # warm-up, left out of the figures
-                noop(), forward(), train_step(), inprocess_step(), default_threads_step()
+                noop(), forward(), train_step(), sample(), inprocess_step(), default_threads_step(), inprocess_sample()
             for name, fn in [("noop", noop), ("forward", forward)]:
                 lat = [timed(fn) for _ in range(n)]
                 out[f"{name}_p50_ms"], out[f"{name}_p99_ms"] = statistics.median(lat), pct(lat, 0.99)
+            through, inprocess = [], []
+            for _ in range(max(2, n // 50)):
+                for fn, times in ((sample, through), (inprocess_sample, inprocess)):
+                    times += [timed(fn) for _ in range(STEP_BLOCK)]
+                    time.sleep(QUIET_S)
+            out["sample_p50_ms"], out["inprocess_sample_p50_ms"] = (
+                statistics.median(through),
+                statistics.median(inprocess),
+            )
             through, inprocess, default_threads = [], [], []
             for _ in range(max(2, n // 50)):
                 for fn, times in (
@@ -149,6 +166,20 @@ def inprocess_stepper(model_dir: str, sized_threads: bool = True):
     return step
 
 
+SAMPLE_PROMPT = ModelInput.from_ints(list(range(5, 13)))
+
+
+def inprocess_sampler(model_dir: str):
+    """The same 1 x 8-token sample of a LoRA snapshot on an engine in this process."""
+    from treadle.gpu_worker.engine import Engine
+    from treadle.types import LoraConfig
+
+    engine = Engine(model_dir)
+    engine.create_session("s", LoraConfig(rank=8, seed=0))
+    engine.snapshot_sampler("s", "snapshot")
+    return lambda: engine.sample("snapshot", SAMPLE_PROMPT, 1, SamplingParams(max_tokens=8, seed=0))
+
+
 def run_child(checkout: str, n: int, threads: int | None) -> dict[str, float]:
     """One round in a fresh process whose `treadle` (and its workers') comes from `checkout`."""
     env = {**os.environ, "PYTHONPATH": os.path.abspath(checkout)}
@@ -176,6 +207,8 @@ ROWS = [
     ("4x32 step p50 ms", "step_p50_ms"),
     ("same step in-process p50 ms", "inprocess_step_p50_ms"),
     ("  in-process, all threads p50 ms", "default_threads_step_p50_ms"),
+    ("sample 1 x 8 tokens p50 ms", "sample_p50_ms"),
+    ("same sample in-process p50 ms", "inprocess_sample_p50_ms"),
 ]
 
 
@@ -206,6 +239,7 @@ def main() -> None:
         for x in rs:
             x["step_ratio"] = x["step_p50_ms"] / x["inprocess_step_p50_ms"]
             x["step_ratio_default_threads"] = x["step_p50_ms"] / x["default_threads_step_p50_ms"]
+            x["sample_ratio"] = x["sample_p50_ms"] / x["inprocess_sample_p50_ms"]
     med = {side: {k: statistics.median(x[k] for x in rs) for k in rs[0]} for side, rs in results.items()}
     print(
         f"\nop latency through treadle (one session, {args.n} ops each, loopback Redis, 1 worker, "
@@ -227,6 +261,11 @@ def main() -> None:
         rounds = ", ".join(f"{x['step_ratio_default_threads']:.2f}x" for x in results[side])
         print(
             f"{side}: ... / in-process with all threads on every op = {med[side]['step_ratio_default_threads']:.2f}x "
+            f"(median of the rounds: {rounds})"
+        )
+        rounds = ", ".join(f"{x['sample_ratio']:.2f}x" for x in results[side])
+        print(
+            f"{side}: 1 x 8 sample through treadle / in-process (alternating) = {med[side]['sample_ratio']:.2f}x "
             f"(median of the rounds: {rounds})"
         )
 

@@ -24,6 +24,20 @@ from celery import Celery, states
 from treadle.errors import ServerError, TreadleError
 
 
+# KEYS: the result's key. ARGV: the encoded meta, its lifetime in seconds (0: none). Stores and publishes it
+# unless an answer is stored already.
+_STORE_FIRST = """
+local stored
+if tonumber(ARGV[2]) > 0 then
+  stored = redis.call('SET', KEYS[1], ARGV[1], 'NX', 'EX', ARGV[2])
+else
+  stored = redis.call('SET', KEYS[1], ARGV[1], 'NX')
+end
+if stored then redis.call('PUBLISH', KEYS[1], ARGV[1]) end
+return stored and 1 or 0
+"""
+
+
 class ResultStore:
     def __init__(self, app: Celery):
         self.backend = app.backend
@@ -39,10 +53,14 @@ class ResultStore:
         """Whether results live in the Redis at `url` (so a pipeline there can carry their writes)."""
         return isinstance(getattr(self.backend, "client", None), redis_lib.Redis) and self.backend.url == url
 
-    def queue_store(self, pipe, future_id: str, value: dict | None, error: TreadleError | None) -> None:
+    def queue_store(
+        self, pipe, future_id: str, value: dict | None, error: TreadleError | None, *, first_only: bool = False
+    ) -> None:
         """Queue on `pipe` (a pipeline on the results' Redis, see `in_redis`) what `store_ok`/`store_error`
         write: the result's meta under its key, and its publication to waiters. Celery's own store first
-        reads the key to never overwrite a SUCCESS; the sequencer stores each seq once, so it need not."""
+        reads the key to never overwrite a SUCCESS; the sequencer stores each seq once, so it need not.
+        `first_only`: an answer already stored stays, and this one is neither written nor published (a control
+        task redelivered after a crash answers again)."""
         state = states.SUCCESS if error is None else states.FAILURE
         result = self.backend.encode_result(value if error is None else error, state)
         # The meta Celery's result backend stores for a finished task with no request (its own
@@ -56,6 +74,9 @@ class ResultStore:
             "task_id": future_id,
         }
         key, encoded = self.backend.get_key_for_task(future_id), self.backend.encode(meta)
+        if first_only:
+            pipe.eval(_STORE_FIRST, 1, key, encoded, int(self.backend.expires or 0))
+            return
         pipe.set(key, encoded, ex=self.backend.expires or None)
         pipe.publish(key, encoded)
 

@@ -8,8 +8,14 @@ and the task returns at once, so the pool thread is free for the next message me
 in progress when the worker dies is then lost rather than redelivered; the client's wait on it
 is bounded by its own timeout.) The future resolves on the thread that computed it, holding the device
 (the sampler's decode loop): the answer is encoded, metered and stored on the `deliver` executor
-instead, so its Redis round trips (about 4 ms a request) never keep the device, and the other rows'
-decode steps, waiting.
+instead, so its Redis writes never keep the device, and the other rows' decode steps, waiting.
+
+A control op's meter record, the release of a sample's rows from its owner's bound and its answer are one
+MULTI/EXEC when results live in the broker's Redis (the default), as a session op's are
+(treadle.gpu_worker.executor.sequencer): one round trip instead of five (two when a sample's request names no
+owner: its session's record is read first). An answer already stored stays: a
+task redelivered after a crash (between its answer and its acknowledgement) answers again, and the first answer,
+which a client may have read, is the one that counts, as Celery's own store would keep it.
 """
 
 from __future__ import annotations
@@ -45,6 +51,7 @@ def register_tasks(
 ) -> None:
     """`deliver` stores the answers of control ops that answer with a future (see the module's docstring)."""
     results = ResultStore(app)
+    one_write = results.in_redis(app.conf.broker_url)
     control: dict[type[OpRequest], Callable[[OpRequest], BaseModel | Future]] = {
         CreateSessionRequest: host.create,
         SampleRequest: sampling.sample,
@@ -54,35 +61,62 @@ def register_tasks(
             app.task(name=task_name(cls.op), ignore_result=True, acks_late=True)(sequencer.on_doorbell)
         elif cls in control:
             app.task(name=task_name(cls.op), bind=True, ignore_result=True, acks_late=True)(
-                _control_task(cls, control[cls], results, lambda *a: _finished(host, usage, results, *a), deliver)
+                _control_task(
+                    cls,
+                    control[cls],
+                    results,
+                    lambda *a: _answer(host, usage, results, one_write, *a),
+                    deliver,
+                )
             )
 
 
-def _finished(
-    host: SessionHost, usage: UsageRecorder, results: ResultStore, future_id: str, request: OpRequest, *rest
+def _answer(
+    host: SessionHost,
+    usage: UsageRecorder,
+    results: ResultStore,
+    one_write: bool,
+    future_id: str,
+    request: OpRequest,
+    response: BaseModel | None,
+    payload: dict | None,
+    error: TreadleError | None,
+    seconds: float,
 ) -> None:
-    """Meter a control op. An answered sample's rows stop counting against its owner's bound, and the record of its
-    submission lives only as long as its result will (treadle.queue.ops_client): a wait on it once both are gone
-    fails as expired instead of waiting for a sample still in flight."""
-    usage.control_op_finished(host.registry, future_id, request, *rest)
-    if isinstance(request, SampleRequest):
-        with host.registry.redis.pipeline(transaction=False) as pipe:
+    """Meter a control op and store its answer (see the module's docstring). An answered sample's rows stop counting
+    against its owner's bound, and the record of its submission lives only as long as its result will
+    (treadle.queue.ops_client): a wait on it once both are gone fails as expired instead of waiting for a sample
+    still in flight."""
+    outcome = "ok" if error is None else f"{error.category}_error"
+    metered = usage.control_op_finished(host.registry, future_id, request, response, seconds, outcome)
+    with host.registry.redis.pipeline(transaction=True) as pipe:
+        if metered is not None:  # a successful op: metered before its answer shows
+            usage.record(metered, client=pipe)
+        if isinstance(request, SampleRequest):
             pipe.hdel(names.owner_sample_rows_key(request.owner or SDK_OWNER), future_id)
             pipe.expire(names.submitted_key(future_id), results.backend.expires)
-            pipe.execute()
+        if one_write:
+            results.queue_store(pipe, future_id, payload, error, first_only=True)
+        pipe.execute()
+    if one_write:
+        return
+    if error is None:
+        results.store_ok(future_id, payload)
+    else:
+        results.store_error(future_id, error)
 
 
 def _control_task(
     cls: type[OpRequest],
     run: Callable[[OpRequest], BaseModel | Future],
     results: ResultStore,
-    finished: Callable[[str, OpRequest, BaseModel | None, float, str], None],
+    answer_with: Callable[[str, OpRequest, BaseModel | None, dict | None, TreadleError | None, float], None],
     deliver: Executor,
 ):
-    """`finished(future_id, request, response, seconds, outcome)` meters the op before its result is stored."""
+    """`answer_with(future_id, request, response, payload, error, seconds)` meters the op and stores its answer."""
 
     def store(future_id: str, request: OpRequest, started: float, answer: Callable[[], BaseModel]) -> None:
-        response, error = None, None
+        response, payload, error = None, None, None
         try:
             response = answer()
             payload = encode_result(cls.op, response)
@@ -91,17 +125,7 @@ def _control_task(
         except Exception as exc:  # a bug or a broken model must still answer the client
             log.exception("%s failed", cls.op)
             error = ServerError(f"{cls.op} failed: {type(exc).__name__}: {exc}")
-        finished(
-            future_id,
-            request,
-            response,
-            time.monotonic() - started,
-            "ok" if error is None else f"{error.category}_error",
-        )
-        if error is None:
-            results.store_ok(future_id, payload)
-        else:
-            results.store_error(future_id, error)
+        answer_with(future_id, request, response, payload, error, time.monotonic() - started)
 
     def task(celery_task, payload: dict) -> None:
         future_id, started = celery_task.request.id, time.monotonic()

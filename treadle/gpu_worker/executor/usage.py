@@ -87,17 +87,18 @@ class UsageRecorder:
         response: BaseModel | None,
         seconds: float,
         outcome: str,
-    ) -> None:
-        """Observe an op of a base model's control queue (create_session, sample), and meter it if it succeeded."""
+    ) -> OpUsage | None:
+        """Observe an op of a base model's control queue (create_session, sample); returns the usage to meter (`record`)
+        if it succeeded. A sample's owner is read from its session's record only when the request names none."""
         if isinstance(request, CreateSessionRequest):
             session_id, owner = request.session_id, request.owner
         elif isinstance(request, SampleRequest) and request.model_path is not None:
-            session_id = CheckpointPath.parse(request.model_path).run_id
-            record = sessions.get(session_id)
-            owner = request.owner or (record.owner if record is not None else None)
+            session_id, owner = CheckpointPath.parse(request.model_path).run_id, request.owner
+            if owner is None and (record := sessions.get(session_id)) is not None:
+                owner = record.owner
         else:
             session_id, owner = f"base:{request.base_model}", getattr(request, "owner", None)
-        usage = self.observe(
+        return self.observe(
             session_id=session_id,
             op_id=future_id,
             request=request,
@@ -107,5 +108,3 @@ class UsageRecorder:
             seconds=seconds,
             outcome=outcome,
         )
-        if usage is not None:  # a successful op: meter it
-            self.record(usage)
