@@ -15,7 +15,7 @@ MULTI/EXEC when results live in the broker's Redis (the default), as a session o
 (treadle.gpu_worker.executor.sequencer): one round trip instead of five (two when a sample's request names no
 owner: its session's record is read first). An answer already stored stays: a
 task redelivered after a crash (between its answer and its acknowledgement) answers again, and the first answer,
-which a client may have read, is the one that counts, as Celery's own store would keep it.
+which a client may have read, is the one that counts (Celery's own store keeps a first success the same way).
 """
 
 from __future__ import annotations
