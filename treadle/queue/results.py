@@ -49,6 +49,13 @@ class ResultStore:
     def store_error(self, future_id: str, error: TreadleError) -> None:
         self.backend.store_result(future_id, error, states.FAILURE)
 
+    def store(self, future_id: str, value: dict | None, error: TreadleError | None) -> None:
+        """An op's answer: its error if it failed, else its value (`queue_store`'s arguments)."""
+        if error is None:
+            self.backend.store_result(future_id, value, states.SUCCESS)
+        else:
+            self.store_error(future_id, error)
+
     def in_redis(self, url: str) -> bool:
         """Whether results live in the Redis at `url` (so a pipeline there can carry their writes)."""
         return isinstance(getattr(self.backend, "client", None), redis_lib.Redis) and self.backend.url == url

@@ -98,12 +98,8 @@ def _answer(
         if one_write:
             results.queue_store(pipe, future_id, payload, error, first_only=True)
         pipe.execute()
-    if one_write:
-        return
-    if error is None:
-        results.store_ok(future_id, payload)
-    else:
-        results.store_error(future_id, error)
+    if not one_write:
+        results.store(future_id, payload, error)
 
 
 def _control_task(

@@ -309,10 +309,7 @@ class Sequencer:
                 self.results.queue_store(pipe, entry.future_id, payload, error)
             else:
                 pipe.execute()
-                if error is None:
-                    self.results.store_ok(entry.future_id, payload)
-                else:
-                    self.results.store_error(entry.future_id, error)
+                self.results.store(entry.future_id, payload, error)
             stepped = {} if step is None else {"step": step}
             cost = self.fair.cost.get(session_id)
             self.registry.update(
