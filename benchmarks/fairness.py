@@ -24,8 +24,8 @@ loop of `--steps` steps alone, A's burst alone, then the same loop of B started 
 
 Whatever the scheduler, A's burst beside B takes at least as long as alone plus the device time B's loop needs,
 so A's throughput beside B / alone is at most A's burst / (A's burst + B's device time): the shorter A's heavy
-ops, the lower that bound. `--heavy_rows` sets their size; the scenario was written for heavy ops of about
-200 ms, which 16 x 256 tokens took on the tiny model then and 48 x 256 take on the dev CPU now.
+ops, the lower that bound. `--heavy_rows` sets their size: the scenario is meant for heavy ops of about 200 ms,
+which 48 x 256 tokens take on the dev CPU (16 x 256 take 55-70 ms).
 
     .venv/bin/python benchmarks/fairness.py [--heavy 200] [--heavy_rows 16] [--steps 60] [--rounds 3] [--saturate]
                                             [--json] [--model DIR]
