@@ -292,6 +292,8 @@ def main() -> None:
     parser.add_argument("--json", action="store_true", help="print the figures as JSON")
     parser.add_argument("--model", help="model directory (default: the tiny random Llama; its token ids are 5..249)")
     args = parser.parse_args()
+    if args.heavy_rows < 1:
+        parser.error(f"--heavy_rows must be at least 1, got {args.heavy_rows}")
     figures = run(args.heavy, args.steps, args.saturate, args.rounds, args.model, args.heavy_rows)
     if args.json:
         print(json.dumps(figures, indent=2))
