@@ -103,26 +103,10 @@ def measure(n: int) -> dict[str, float]:
             for name, fn in [("noop", noop), ("forward", forward)]:
                 lat = [timed(fn) for _ in range(n)]
                 out[f"{name}_p50_ms"], out[f"{name}_p99_ms"] = statistics.median(lat), pct(lat, 0.99)
-            through, inprocess = [], []
-            for _ in range(max(2, n // 50)):
-                for fn, times in ((sample, through), (inprocess_sample, inprocess)):
-                    times += [timed(fn) for _ in range(STEP_BLOCK)]
-                    time.sleep(QUIET_S)
-            out["sample_p50_ms"], out["inprocess_sample_p50_ms"] = (
-                statistics.median(through),
-                statistics.median(inprocess),
+            out["sample_p50_ms"], out["inprocess_sample_p50_ms"] = alternated([sample, inprocess_sample], n)
+            out["step_p50_ms"], out["inprocess_step_p50_ms"], out["default_threads_step_p50_ms"] = alternated(
+                [train_step, inprocess_step, default_threads_step], n
             )
-            through, inprocess, default_threads = [], [], []
-            for _ in range(max(2, n // 50)):
-                for fn, times in (
-                    (train_step, through),
-                    (inprocess_step, inprocess),
-                    (default_threads_step, default_threads),
-                ):
-                    times += [timed(fn) for _ in range(STEP_BLOCK)]
-                    time.sleep(QUIET_S)
-            out["step_p50_ms"], out["inprocess_step_p50_ms"] = statistics.median(through), statistics.median(inprocess)
-            out["default_threads_step_p50_ms"] = statistics.median(default_threads)
             t0 = time.perf_counter()
             for fid in [submit_noop() for _ in range(n)]:
                 sc.ops.wait(fid)
@@ -138,6 +122,16 @@ def measure(n: int) -> dict[str, float]:
 # The two steps alternate in blocks, with a pause after each: steps in turn made the in-process one 1.4x
 # slower (torch's idle worker threads of one process spin on the cores the other one needs).
 STEP_BLOCK, QUIET_S = 10, 0.2
+
+
+def alternated(fns, n: int) -> list[float]:
+    """Each of `fns` timed in turn, in blocks of `STEP_BLOCK` with a pause after each: their p50s in ms."""
+    times: list[list[float]] = [[] for _ in fns]
+    for _ in range(max(2, n // 50)):
+        for fn, block in zip(fns, times):
+            block += [timed(fn) for _ in range(STEP_BLOCK)]
+            time.sleep(QUIET_S)
+    return [statistics.median(block) for block in times]
 
 
 def timed(fn) -> float:

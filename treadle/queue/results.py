@@ -42,8 +42,9 @@ class ResultStore:
     def __init__(self, app: Celery):
         self.backend = app.backend
         self._local = threading.local()  # each thread's own subscription (a PubSub is not thread-safe)
+        self._store_first = None  # `_STORE_FIRST`, registered on the results' Redis at its first use
 
-    def store_ok(self, future_id: str, value: dict) -> None:
+    def store_ok(self, future_id: str, value: dict | None) -> None:
         self.backend.store_result(future_id, value, states.SUCCESS)
 
     def store_error(self, future_id: str, error: TreadleError) -> None:
@@ -52,7 +53,7 @@ class ResultStore:
     def store(self, future_id: str, value: dict | None, error: TreadleError | None) -> None:
         """An op's answer: its error if it failed, else its value (`queue_store`'s arguments)."""
         if error is None:
-            self.backend.store_result(future_id, value, states.SUCCESS)
+            self.store_ok(future_id, value)
         else:
             self.store_error(future_id, error)
 
@@ -82,7 +83,9 @@ class ResultStore:
         }
         key, encoded = self.backend.get_key_for_task(future_id), self.backend.encode(meta)
         if first_only:
-            pipe.eval(_STORE_FIRST, 1, key, encoded, int(self.backend.expires or 0))
+            if self._store_first is None:
+                self._store_first = self.backend.client.register_script(_STORE_FIRST)
+            self._store_first(keys=[key], args=[encoded, int(self.backend.expires or 0)], client=pipe)
             return
         pipe.set(key, encoded, ex=self.backend.expires or None)
         pipe.publish(key, encoded)
