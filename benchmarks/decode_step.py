@@ -33,7 +33,8 @@ from sampling import chat_prompts  # this directory's benchmarks/sampling.py
 
 def treadle_steps(bank, prompts, adapters, samples, steps) -> list[float]:
     """Seconds of each of `steps` decode steps of a fresh batch (the prefill and first step untimed)."""
-    from treadle.gpu_worker.sampling.hf.batch_decode import DecodeBatch, SampleJob
+    from treadle.gpu_worker.sampling.backend import SampleJob
+    from treadle.gpu_worker.sampling.hf.batch_decode import DecodeBatch
     from treadle.gpu_worker.training.validation import prepare_sample
     from treadle.types import ModelInput, SamplingParams
 

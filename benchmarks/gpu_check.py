@@ -28,6 +28,7 @@ import torch
 from treadle.demo.model import prepare_smollm2
 from treadle.gpu_worker.engine import Engine
 from treadle.gpu_worker.model_check import cross_entropy_datum
+from treadle.gpu_worker.sampling.registry import SamplerOptions
 from treadle.gpu_worker.sampling.vllm.sampler import VllmOptions
 from treadle.types import AdamParams, LoraConfig, ModelInput, SamplingParams
 
@@ -152,7 +153,7 @@ def main() -> None:
             device=args.device,
             dtype="bfloat16",
             sampler=kind or "hf",
-            vllm=VllmOptions(gpu_memory_share=0.3),
+            sampler_options=SamplerOptions(vllm=VllmOptions(gpu_memory_share=0.3)),
         )
         print(f"[{kind or 'training only'}] engine up in {time.perf_counter() - t0:.0f} s on {name}", flush=True)
         engine.create_session("s", LoraConfig(rank=32, alpha=32, seed=0))

@@ -11,7 +11,7 @@ from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWa
 
 from treadle.gpu_worker.model.adapters import AdapterBank
 from treadle.gpu_worker.sampling.hf import batch_decode
-from treadle.gpu_worker.sampling.hf.batch_decode import SampleJob
+from treadle.gpu_worker.sampling.backend import LogprobJob, SampleJob
 from treadle.gpu_worker.model.device_lock import DeviceLock
 from treadle.gpu_worker.model.host import ModelHost
 from treadle.gpu_worker.sampling.extras import SampleExtras
@@ -241,9 +241,9 @@ def test_batched_compute_logprobs_equal_unbatched(bank, scheduler):
         (PROMPTS[3], "two", 2),
         ([9], "one", 2),
     ]
-    alone = [scheduler.compute_logprobs(a, np.array(p), k).result(timeout=WAIT) for p, a, k in cases]
+    alone = [scheduler.compute_logprobs(LogprobJob(a, np.array(p), k)).result(timeout=WAIT) for p, a, k in cases]
     with scheduler.device_lock:
-        futures = [scheduler.compute_logprobs(a, np.array(p), k) for p, a, k in cases]
+        futures = [scheduler.compute_logprobs(LogprobJob(a, np.array(p), k)) for p, a, k in cases]
     together = [f.result(timeout=WAIT) for f in futures]
     for (prompt, adapter, topk), (lp1, top1), (lp2, top2) in zip(cases, alone, together):
         assert lp1[0] is None and lp2[0] is None and len(lp1) == len(prompt)
@@ -263,7 +263,7 @@ def test_prompt_logprobs_with_a_sample_come_from_its_prefill(bank, scheduler):
     j = job(bank, PROMPTS[1], "three", num_samples=2, max_tokens=4, seed=0)
     j.include_prompt_logprobs, j.topk_prompt_logprobs = True, 2
     response = scheduler.sample(j).result(timeout=WAIT)
-    expected, topk = scheduler.compute_logprobs("three", np.array(PROMPTS[1]), 2).result(timeout=WAIT)
+    expected, topk = scheduler.compute_logprobs(LogprobJob("three", np.array(PROMPTS[1]), 2)).result(timeout=WAIT)
     np.testing.assert_allclose(response.prompt_logprobs[1:], expected[1:], atol=1e-5)
     assert [[i for i, _ in t] for t in response.topk_prompt_logprobs[1:]] == [[i for i, _ in t] for t in topk[1:]]
 

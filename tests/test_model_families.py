@@ -48,6 +48,7 @@ import torch
 from treadle.gpu_worker.engine import Engine
 from treadle.gpu_worker.model.lora_targets import decoder_layers
 from treadle.gpu_worker.model_check import cross_entropy_datum, forward_logprobs, tolerance
+from treadle.gpu_worker.sampling.backend import LogprobJob
 from treadle.gpu_worker.model_profile import VLLM_FAMILIES
 from treadle.testing.families import FAMILIES, SLIDING_WINDOW
 from treadle.testing.tiny_model import build_tiny_model
@@ -192,7 +193,7 @@ def test_family_through_the_engine(family, dtype, family_dirs, tmp_path):
         # compute_logprobs past the sliding windows, batched with a shorter request of another adapter.
         long = rng.integers(5, 500, LONG).tolist()
         trained_long = forward_logprobs(engine, "s", long)
-        future = engine.sampler.compute_logprobs(None, np.asarray(long[:9]))
+        future = engine.sampler.compute_logprobs(LogprobJob(None, np.asarray(long[:9])))
         computed = engine.compute_logprobs("snap", ModelInput.from_ints(long))
         future.result(timeout=120)
         compute_gap = agree(computed[1:], trained_long, family, dtype, routed=routed)

@@ -14,6 +14,8 @@ import pytest
 import torch
 
 from treadle.gpu_worker.engine import Engine
+from treadle.gpu_worker.sampling.backend import LogprobJob
+from treadle.gpu_worker.sampling.registry import SamplerOptions
 from treadle.gpu_worker.sampling.vllm.sampler import VllmOptions, vllm_python
 from treadle.testing.tiny_model import build_tiny_model
 from treadle.types import AdamParams, Datum, LoraConfig, ModelInput, SamplingParams
@@ -47,7 +49,8 @@ def model_dir(tmp_path_factory) -> str:
     ],
 )
 def engine(request, model_dir):
-    engine = Engine(model_dir, sampler=request.param, vllm=VllmOptions(max_lora_rank=8, max_loras=2, max_cpu_loras=4))
+    options = SamplerOptions(vllm=VllmOptions(max_lora_rank=8, max_loras=2, max_cpu_loras=4))
+    engine = Engine(model_dir, sampler=request.param, sampler_options=options)
     engine.kind = request.param
     yield engine
     engine.close()
@@ -225,9 +228,8 @@ def test_compute_logprobs_with_topk(trained, sampler_of):
     sampler = snapshot(engine, sampler_of, f"{sampler_of}-logprobs") if sampler_of else None
     tokens = [5, *PROMPT, 7, 300, 12]
     chosen, top_ids, top_values = reference_prompt_logprobs(engine, sampler, tokens, 3)
-    logprobs, top = engine.sampler.compute_logprobs(
-        engine._samplers[sampler] if sampler else None, np.array(tokens), 3
-    ).result(timeout=WAIT)
+    job = LogprobJob(engine._samplers[sampler] if sampler else None, np.array(tokens), 3)
+    logprobs, top = engine.sampler.compute_logprobs(job).result(timeout=WAIT)
     assert logprobs[0] is None and top[0] is None and len(logprobs) == len(top) == len(tokens)
     np.testing.assert_allclose(logprobs[1:], chosen, atol=TOLERANCE[engine.kind])
     assert [[t for t, _ in row] for row in top[1:]] == top_ids  # the same top 3, in order
@@ -245,7 +247,7 @@ def test_compute_logprobs_with_topk(trained, sampler_of):
     np.testing.assert_allclose(with_sample.prompt_logprobs[1:], chosen, atol=TOLERANCE[engine.kind])
     assert [[t for t, _ in row] for row in with_sample.topk_prompt_logprobs[1:]] == [ids[:2] for ids in top_ids]
     # A one-token prompt has no logprobs to give.
-    assert engine.sampler.compute_logprobs(None, np.array([9]), 2).result(timeout=WAIT) == ([None], [None])
+    assert engine.sampler.compute_logprobs(LogprobJob(None, np.array([9]), 2)).result(timeout=WAIT) == ([None], [None])
 
 
 def test_dropped_snapshot_stops_being_served(trained):

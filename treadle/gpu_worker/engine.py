@@ -5,8 +5,8 @@ a frozen adapter snapshot (or the bare base model). The engine knows nothing of 
 storage: the Celery worker calls these methods in each session's `seq` order, and the checkpoint
 store moves the directories that `save_state` / `save_sampler_weights` write.
 
-Every public method but queueing a sample takes the fair `DeviceLock` (the active adapter is PeftModel-wide
-state). The HF `SampleScheduler` batches every pending sample request into one decode loop and takes the lock
+Every public method but queueing a sample or a `compute_logprobs` request takes the fair `DeviceLock` (the
+active adapter is PeftModel-wide state; the sampler takes it for each forward of its own). The HF `SampleScheduler` batches every pending sample request into one decode loop and takes the lock
 once per forward (a training op waits at most one decode step); vLLM samples in a child process, lock-free.
 Every request is validated completely before any tensor is touched.
 """
@@ -24,7 +24,6 @@ from peft.utils import load_peft_weights
 
 from treadle.errors import InvalidRequestError, SessionNotFoundError
 from treadle.gpu_worker.model.adapters import AdapterBank
-from treadle.gpu_worker.sampling.hf.batch_decode import SampleJob
 from treadle.gpu_worker.model.cpu_threads import CpuThreads
 from treadle.gpu_worker.model.compute_thread import compute_thread
 from treadle.gpu_worker.model.device_lock import DeviceLock, on_device
@@ -34,7 +33,8 @@ from treadle.gpu_worker.model.host import ModelHost, microbatch_budget, pick_dev
 from treadle.gpu_worker.model_profile import profile
 from treadle.gpu_worker.training.optimizer import SessionOptimizer
 from treadle.gpu_worker.sampling.extras import SampleExtras
-from treadle.gpu_worker.sampling.backend import SamplerKind, VllmOptions, make_sampler
+from treadle.gpu_worker.sampling.backend import LogprobJob, SampleJob, SamplerSetup
+from treadle.gpu_worker.sampling.registry import SamplerKind, SamplerOptions, make_sampler
 from treadle.gpu_worker.training.state import TrainingState, capture_rng, read_state, restore_rng, write_state
 from treadle.gpu_worker.training.validation import (
     PreparedDatum,
@@ -44,7 +44,6 @@ from treadle.gpu_worker.training.validation import (
     prepare_data,
     prepare_sample,
 )
-from treadle.gpu_worker.sampling.vllm.sampler import VllmSampler
 from treadle.types import (
     AdamParams,
     Datum,
@@ -89,7 +88,7 @@ class Engine:
         max_tokens_per_microbatch: int | None = None,
         sampling_max_batch_tokens: int = 16384,
         sampler: SamplerKind = "hf",
-        vllm: VllmOptions | None = None,
+        sampler_options: SamplerOptions | None = None,
     ):
         self._lock = DeviceLock(compute_thread(pick_device(device)))
         # Loaded where it will compute: a load's parallel copies on this thread would give it a thread pool of its own.
@@ -108,18 +107,15 @@ class Engine:
         )
         # Family, LoRA targets, sampler path; a model treadle cannot serve is refused here (`model_profile`).
         self.profile = profile(self._host.model, self._host.targets, str(self._host.dtype).removeprefix("torch."))
-        self.sampler = make_sampler(
-            sampler,
+        setup = SamplerSetup(
             self._bank,
             self._host,
             self._lock,
+            self.profile,
             max_batch_tokens=sampling_max_batch_tokens,
             max_forward_tokens=self.max_tokens_per_microbatch,
-            vllm=vllm,
-            vllm_serves=self.profile.vllm,
-            path=self.profile.sampler,
         )
-        self.sampler_path = "vllm" if isinstance(self.sampler, VllmSampler) else self.profile.sampler
+        self.sampler = make_sampler(sampler, setup, sampler_options)
         self._threads = CpuThreads(self._host.device)
         self._base_params = sum(p.numel() for p in self._host.model.parameters())
 
@@ -301,8 +297,8 @@ class Engine:
         tenant: str = "",
     ) -> Future:
         """Queue a sample request on a frozen sampler (None: the base model); the future resolves to its
-        `SampleResponse`. Logprobs are those of the distribution actually sampled from (see
-        `treadle.gpu_worker.sampling.hf.token_choice`). A rejected request raises here, before it is queued. Queueing
+        `SampleResponse`. Logprobs are those of the distribution actually sampled from (the
+        sampler contract, `treadle/gpu_worker/sampling/backend.py`). A rejected request raises here, before it is queued. Queueing
         never waits for the device: a burst would enter the batch one decode step apart. `tenant`: whom its
         device time counts for (the session the snapshot came from; treadle.gpu_worker.model.device_lock)."""
         with self._catalog:
@@ -340,7 +336,7 @@ class Engine:
         with self._catalog:
             adapter = self._sampler(sampler_id) if sampler_id is not None else None
             tokens = check_tokens("prompt", prompt.to_ints(), max_seq_len=self.max_seq_len, vocab_size=self.vocab_size)
-            future = self.sampler.compute_logprobs(adapter, tokens)
+            future = self.sampler.compute_logprobs(LogprobJob(adapter, tokens))
         return future.result(timeout=LOCAL_WAIT_S)[0]
 
     def close(self) -> None:

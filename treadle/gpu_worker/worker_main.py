@@ -253,6 +253,7 @@ def load_engines(config: WorkerConfig) -> tuple[dict, list[ServedModel]]:
     """Every model of `config`, loaded (across the device group when --devices > 1) and described for the
     announcement; a model treadle cannot serve stops the worker, naming what is missing."""
     from treadle.gpu_worker.engine import Engine
+    from treadle.gpu_worker.sampling.registry import SamplerOptions
     from treadle.gpu_worker.sampling.vllm.sampler import VllmOptions
 
     engines, served = {}, []
@@ -281,7 +282,7 @@ def load_engines(config: WorkerConfig) -> tuple[dict, list[ServedModel]]:
                 max_tokens_per_microbatch=config.max_tokens_per_microbatch,
                 sampling_max_batch_tokens=config.sampling_max_batch_tokens,
                 sampler=config.sampler,
-                vllm=options,
+                sampler_options=SamplerOptions(vllm=options),
             )
         except (InvalidRequestError, ValueError) as exc:  # a model treadle cannot serve: say what, and stop
             raise SystemExit(f"treadle worker: cannot serve {name} ({path}): {exc}") from exc
@@ -294,7 +295,7 @@ def load_engines(config: WorkerConfig) -> tuple[dict, list[ServedModel]]:
                 vocab_size=engine.vocab_size,
                 family=engine.profile.family,
                 dtype=engine.profile.dtype,
-                sampler=engine.sampler_path,
+                sampler=engine.sampler.path,
             )
         )
         log.info(

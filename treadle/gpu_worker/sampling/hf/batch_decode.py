@@ -32,42 +32,10 @@ from treadle.gpu_worker.model.adapters import AdapterBank
 from treadle.gpu_worker.sampling.hf.mixed_lora import grouped_adapters, stacks_for
 from treadle.gpu_worker.model.host import ModelHost
 from treadle.gpu_worker.sampling.hf.row_invariant import first_columns, invariant_forward, row_runs
-from treadle.gpu_worker.sampling.extras import SampleExtras, score_prompt, top_of_rows
+from treadle.gpu_worker.sampling.backend import SampleJob
+from treadle.gpu_worker.sampling.extras import score_prompt, top_of_rows
 from treadle.gpu_worker.sampling.hf.token_choice import draw, finished, processed_logprobs
-from treadle.gpu_worker.training.validation import PreparedSample
-from treadle.types import SampledSequence, SampleResponse, SamplingParams
-
-
-@dataclass
-class SampleJob:
-    """One `sample` request: `num_samples` rows sharing a prompt, an adapter (None: base) and an RNG."""
-
-    adapter: str | None
-    request: PreparedSample
-    num_samples: int
-    params: SamplingParams
-    stop_ids: frozenset[int]
-    include_prompt_logprobs: bool = False
-    topk_prompt_logprobs: int = 0
-    extras: SampleExtras = field(default_factory=SampleExtras)
-    tenant: str = ""  # whom its device time is charged to (treadle.gpu_worker.model.device_lock); "": the adapter
-    generator: torch.Generator | None = None
-    sequences: list[SampledSequence | None] = field(default_factory=list)
-    prompt_logprobs: list[float | None] | None = None
-    topk: list[list[tuple[int, float]] | None] | None = None
-    prompt_extras: dict = field(default_factory=dict)  # target_prompt_logprobs / prompt_alt_tokens, from the prefill
-
-    @property
-    def done(self) -> bool:
-        return all(s is not None for s in self.sequences)
-
-    def response(self) -> SampleResponse:
-        return SampleResponse(
-            sequences=list(self.sequences),
-            prompt_logprobs=self.prompt_logprobs if self.include_prompt_logprobs else None,
-            topk_prompt_logprobs=self.topk,
-            **self.prompt_extras,
-        )
+from treadle.types import SampledSequence
 
 
 @dataclass

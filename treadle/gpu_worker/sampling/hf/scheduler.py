@@ -27,20 +27,14 @@ import logging
 import threading
 from collections import deque
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 from typing import Callable
 
-import numpy as np
 import torch
 
 from treadle.errors import ServerError, TreadleError
 from treadle.gpu_worker.model.adapters import AdapterBank
-from treadle.gpu_worker.sampling.hf.batch_decode import (
-    DecodeBatch,
-    SampleJob,
-    forward_rows,
-    prompt_logprobs_from_logits,
-)
+from treadle.gpu_worker.sampling.backend import LogprobJob, SampleJob, SamplerSetup
+from treadle.gpu_worker.sampling.hf.batch_decode import DecodeBatch, forward_rows, prompt_logprobs_from_logits
 from treadle.gpu_worker.model.device_lock import DeviceLock
 from treadle.queue.fair import FairShare
 from treadle.gpu_worker.sampling.logprob_audit import LogprobAudit
@@ -55,16 +49,6 @@ ROOM_FOR_OTHERS = 0.25
 PromptLogprobs = tuple[list[float | None], list[list[tuple[int, float]] | None] | None]
 
 
-@dataclass
-class LogprobJob:
-    """One `compute_logprobs` request: the prompt's token logprobs under an adapter (None: base)."""
-
-    adapter: str | None
-    tokens: np.ndarray
-    topk: int = 0
-    future: Future = field(default_factory=Future)
-
-
 class SampleScheduler:
     """A queue of sample and logprob requests on one base model, served by one decode-loop thread."""
 
@@ -76,7 +60,9 @@ class SampleScheduler:
         *,
         max_batch_tokens: int = 16384,
         max_forward_tokens: int = 4096,
+        path: str = "hf",
     ):
+        self.path = path
         self.bank = bank
         self.host = host
         self.device_lock = device_lock
@@ -94,6 +80,17 @@ class SampleScheduler:
         self._thread = threading.Thread(target=self._loop, name=f"treadle-sampler-{host.name}", daemon=True)
         self._thread.start()
 
+    @classmethod
+    def from_setup(cls, setup: SamplerSetup) -> SampleScheduler:
+        return cls(
+            setup.bank,
+            setup.host,
+            setup.device_lock,
+            max_batch_tokens=setup.max_batch_tokens,
+            max_forward_tokens=setup.max_forward_tokens,
+            path=setup.profile.sampler,
+        )
+
     # ------------------------------------------------------------ public
 
     def sample(self, job: SampleJob) -> Future:
@@ -105,9 +102,8 @@ class SampleScheduler:
             self._cond.notify()
         return future
 
-    def compute_logprobs(self, adapter: str | None, tokens: np.ndarray, topk: int = 0) -> Future:
+    def compute_logprobs(self, job: LogprobJob) -> Future:
         """Queue a prompt-logprobs request; the future resolves to (logprobs, top-k or None)."""
-        job = LogprobJob(adapter, np.asarray(tokens, dtype=np.int64), topk)
         with self._cond:
             self._check_open()
             self._logprobs.append(job)

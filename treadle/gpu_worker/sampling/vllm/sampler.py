@@ -44,7 +44,7 @@ from pydantic import BaseModel, Field
 
 from treadle.errors import InvalidRequestError, ServerError
 from treadle.gpu_worker.model.adapters import AdapterBank
-from treadle.gpu_worker.sampling.hf.batch_decode import SampleJob
+from treadle.gpu_worker.sampling.backend import LogprobJob, SampleJob
 from treadle.gpu_worker.model.host import ModelHost
 from treadle.types import SampledSequence, SampleResponse
 
@@ -102,6 +102,8 @@ def vllm_python(options: VllmOptions) -> str | None:
 
 class VllmSampler:
     """`SamplerBackend` over a vLLM engine in a child process (see the module docstring)."""
+
+    path = "vllm"
 
     def __init__(self, bank: AdapterBank, host: ModelHost, options: VllmOptions):
         python = vllm_python(options)
@@ -180,7 +182,7 @@ class VllmSampler:
         # them for a request of n > 1, and they do not depend on what is sampled.
         prompt_part = None
         if job.include_prompt_logprobs or job.topk_prompt_logprobs > 0:
-            prompt_part = self.compute_logprobs(job.adapter, job.request.prompt, job.topk_prompt_logprobs)
+            prompt_part = self.compute_logprobs(LogprobJob(job.adapter, job.request.prompt, job.topk_prompt_logprobs))
         request = {
             "n": job.num_samples,
             "max_tokens": job.request.max_tokens,
@@ -230,10 +232,11 @@ class VllmSampler:
         samples.add_done_callback(lambda _: prompt_part.add_done_callback(finish))
         return combined
 
-    def compute_logprobs(self, adapter: str | None, tokens: np.ndarray, topk: int = 0) -> Future:
+    def compute_logprobs(self, job: LogprobJob) -> Future:
         """Queue a prompt-logprobs request; the future resolves to (logprobs, top-k or None)."""
+        topk, adapter = job.topk, job.adapter
         self._check_topk(topk)
-        prompt = np.asarray(tokens, dtype=np.int64).tolist()
+        prompt = np.asarray(job.tokens, dtype=np.int64).tolist()
         if len(prompt) >= self.host.max_seq_len:
             raise InvalidRequestError(
                 f"prompt: length {len(prompt)}; the vLLM sampler scores at most "
