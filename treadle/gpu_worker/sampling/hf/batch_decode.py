@@ -39,7 +39,9 @@ from treadle.types import SampledSequence
 
 
 @dataclass
-class _Row:
+class Row:
+    """One sample being drawn: the job it belongs to, which of its samples, what it has drawn so far."""
+
     job: SampleJob
     index: int  # which of the job's num_samples
     tokens: list[int] = field(default_factory=list)
@@ -110,13 +112,117 @@ def prompt_logprobs_from_logits(
     return [None, *chosen], [None, *[list(zip(i.tolist(), v.tolist())) for i, v in zip(ids, values)]]
 
 
+@dataclass
+class Prefilled:
+    """Admitted jobs after their prompts' forward: the rows that go on (one per sample that did not end on its
+    first token), their cache and left-padded mask (one row each), and the first token each row drew."""
+
+    rows: list[Row]
+    cache: object  # a DynamicCache (`cache_rows`), rows as `rows`
+    mask: torch.Tensor  # (rows, width)
+    last: torch.Tensor  # (rows,)
+    completed: list[SampleJob]  # jobs whose every row ended on its first token
+
+
+def prefill(bank: AdapterBank, host: ModelHost, jobs: list[SampleJob]) -> Prefilled:
+    """Prefill the jobs' prompts in one left-padded forward (one row per prompt, each with its own adapter), score
+    what the jobs ask of their prompts, and draw each sample's first token."""
+    device = host.device
+    lengths = [len(job.request.prompt) for job in jobs]
+    width = max(lengths)
+    ids = torch.full((len(jobs), width), host.pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(jobs), width), dtype=torch.long)
+    for i, job in enumerate(jobs):
+        if job.generator is None:
+            job.generator = torch.Generator(device=device)
+            job.generator.manual_seed(job.params.seed if job.params.seed is not None else secrets.randbits(63))
+        job.sequences = [None] * job.num_samples
+        ids[i, width - lengths[i] :] = torch.from_numpy(np.ascontiguousarray(job.request.prompt))
+        mask[i, width - lengths[i] :] = 1
+    ids, mask = ids.to(device), mask.to(device)
+    wants_prompt = [job.include_prompt_logprobs or job.topk_prompt_logprobs > 0 for job in jobs]
+    wants_logits = [w or job.extras.from_prompt for w, job in zip(wants_prompt, jobs)]
+    out = forward_rows(
+        bank,
+        [job.adapter for job in jobs],
+        input_ids=ids,
+        attention_mask=mask,
+        position_ids=(mask.cumsum(dim=1) - 1).clamp(min=0),
+        use_cache=True,
+        logits_to_keep=0 if any(wants_logits) else 1,
+        cache=cache_rows.new_cache(host.model.config),
+    )
+    for i, job in enumerate(jobs):
+        job.prompt_extras = score_prompt(
+            out.logits[i, width - lengths[i] :], job.extras, job.params.temperature, job.generator.initial_seed()
+        )
+        if wants_prompt[i]:
+            job.prompt_logprobs, job.topk = prompt_logprobs_from_logits(
+                out.logits[i, width - lengths[i] :], ids[i, width - lengths[i] :], job.topk_prompt_logprobs
+            )
+    # The num_samples rows of a job all start from its one prefilled row.
+    rows = [Row(job, k) for job in jobs for k in range(job.num_samples)]
+    source = torch.tensor([i for i, job in enumerate(jobs) for _ in range(job.num_samples)], device=device)
+    first = choose(out.logits[:, -1][source], rows)
+    going = record(rows, first, host.tokenizer)
+    completed = [job for job in jobs if job.done]
+    keep = torch.tensor(going, dtype=torch.long, device=device)
+    cache = out.cache
+    if going:
+        cache_rows.select_rows(cache, source[keep])
+    return Prefilled([rows[g] for g in going], cache, mask[source[keep]], first[keep], completed)
+
+
+def choose(logits: torch.Tensor, rows: list[Row]) -> torch.Tensor:
+    """Draw each row's next token; its logprob (under the processed distribution) goes on the row."""
+    params = [row.job.params for row in rows]
+    logprobs = processed_logprobs(
+        logits, [p.temperature for p in params], [p.top_k for p in params], [p.top_p for p in params]
+    )
+    groups: dict[int, tuple[torch.Generator, list[int]]] = {}
+    for i, row in enumerate(rows):
+        groups.setdefault(id(row.job), (row.job.generator, []))[1].append(i)
+    tokens = draw(logprobs, list(groups.values()))
+    chosen = logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1).tolist()
+    for row, lp, top in zip(rows, chosen, top_of_rows(logprobs, [row.job.extras.topk_sample_logprobs for row in rows])):
+        row.logprobs.append(lp)
+        if top is not None:
+            row.topk.append(top)
+    return tokens
+
+
+def record(rows: list[Row], tokens: torch.Tensor, tokenizer) -> list[int]:
+    """Append each row's token; rows that ended become sequences. Returns the indices that go on."""
+    going = []
+    for i, (row, token) in enumerate(zip(rows, tokens.tolist())):
+        row.tokens.append(token)
+        job = row.job
+        reason = finished(
+            row.tokens,
+            stop_ids=job.stop_ids,
+            stop_strings=job.request.stop_strings,
+            max_tokens=job.request.max_tokens,
+            tokenizer=tokenizer,
+        )
+        if reason is None:
+            going.append(i)
+        else:
+            job.sequences[row.index] = SampledSequence(
+                tokens=row.tokens,
+                logprobs=row.logprobs,
+                stop_reason=reason,
+                topk_logprobs=row.topk if job.extras.topk_sample_logprobs else None,
+            )
+    return going
+
+
 class DecodeBatch:
     """The rows being decoded, their shared (left-padded) KV cache, attention mask and positions."""
 
     def __init__(self, bank: AdapterBank, host: ModelHost):
         self.bank = bank
         self.host = host
-        self.rows: list[_Row] = []
+        self.rows: list[Row] = []
         self._cache = None  # DynamicCache over every row, or None when empty
         self._mask = torch.zeros((0, 0), dtype=torch.long, device=host.device)
         self._positions = torch.zeros(0, dtype=torch.long, device=host.device)  # next position id per row
@@ -135,53 +241,14 @@ class DecodeBatch:
         return [row.job.request.max_tokens - len(row.tokens) for row in self.rows]
 
     def admit(self, jobs: list[SampleJob]) -> list[SampleJob]:
-        """Prefill the jobs' prompts in one left-padded forward (one row per prompt, each with its own
-        adapter), draw each sample's first token, add the rows that go on to the batch.
+        """Prefill the jobs' prompts (`prefill`) and add the rows that go on to the batch.
 
         Returns the jobs that are already complete (every row ended on its first token).
         """
-        device = self.host.device
-        lengths = [len(job.request.prompt) for job in jobs]
-        width = max(lengths)
-        ids = torch.full((len(jobs), width), self.host.pad_token_id, dtype=torch.long)
-        mask = torch.zeros((len(jobs), width), dtype=torch.long)
-        for i, job in enumerate(jobs):
-            if job.generator is None:
-                job.generator = torch.Generator(device=device)
-                job.generator.manual_seed(job.params.seed if job.params.seed is not None else secrets.randbits(63))
-            job.sequences = [None] * job.num_samples
-            ids[i, width - lengths[i] :] = torch.from_numpy(np.ascontiguousarray(job.request.prompt))
-            mask[i, width - lengths[i] :] = 1
-        ids, mask = ids.to(device), mask.to(device)
-        wants_prompt = [job.include_prompt_logprobs or job.topk_prompt_logprobs > 0 for job in jobs]
-        wants_logits = [w or job.extras.from_prompt for w, job in zip(wants_prompt, jobs)]
-        out = forward_rows(
-            self.bank,
-            [job.adapter for job in jobs],
-            input_ids=ids,
-            attention_mask=mask,
-            position_ids=(mask.cumsum(dim=1) - 1).clamp(min=0),
-            use_cache=True,
-            logits_to_keep=0 if any(wants_logits) else 1,
-            cache=cache_rows.new_cache(self.host.model.config),
-        )
-        for i, job in enumerate(jobs):
-            job.prompt_extras = score_prompt(
-                out.logits[i, width - lengths[i] :], job.extras, job.params.temperature, job.generator.initial_seed()
-            )
-            if wants_prompt[i]:
-                job.prompt_logprobs, job.topk = prompt_logprobs_from_logits(
-                    out.logits[i, width - lengths[i] :], ids[i, width - lengths[i] :], job.topk_prompt_logprobs
-                )
-        # The num_samples rows of a job all start from its one prefilled row.
-        rows = [_Row(job, k) for job in jobs for k in range(job.num_samples)]
-        source = torch.tensor([i for i, job in enumerate(jobs) for _ in range(job.num_samples)], device=device)
-        first = self._choose(out.logits[:, -1][source], rows)
-        going = self._record(rows, first)
-        if going:
-            keep = torch.tensor(going, device=device)
-            self._join([rows[g] for g in going], out.cache, mask, source[keep], first[keep])
-        return [job for job in jobs if job.done]
+        done = prefill(self.bank, self.host, jobs)
+        if done.rows:
+            self._join(done.rows, done.cache, done.mask, done.last)
+        return done.completed
 
     def step(self) -> list[SampleJob]:
         """One decode step for every row; returns the jobs that completed in it."""
@@ -198,9 +265,9 @@ class DecodeBatch:
             use_cache=True,
         )
         self._cache, self._mask, self._positions = out.cache, mask, self._positions + 1
-        tokens = self._choose(out.logits[:, -1], self.rows)
+        tokens = choose(out.logits[:, -1], self.rows)
         rows = self.rows
-        going = self._record(rows, tokens)
+        going = record(rows, tokens, self.host.tokenizer)
         completed = list({id(r.job): r.job for r in rows if r.job.done}.values())
         if len(going) < len(rows):
             self._keep(going)
@@ -216,58 +283,13 @@ class DecodeBatch:
 
     # ------------------------------------------------------------ internals
 
-    def _choose(self, logits: torch.Tensor, rows: list[_Row]) -> torch.Tensor:
-        """Draw each row's next token; its logprob (under the processed distribution) goes on the row."""
-        params = [row.job.params for row in rows]
-        logprobs = processed_logprobs(
-            logits, [p.temperature for p in params], [p.top_k for p in params], [p.top_p for p in params]
-        )
-        groups: dict[int, tuple[torch.Generator, list[int]]] = {}
-        for i, row in enumerate(rows):
-            groups.setdefault(id(row.job), (row.job.generator, []))[1].append(i)
-        tokens = draw(logprobs, list(groups.values()))
-        chosen = logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1).tolist()
-        for row, lp, top in zip(
-            rows, chosen, top_of_rows(logprobs, [row.job.extras.topk_sample_logprobs for row in rows])
-        ):
-            row.logprobs.append(lp)
-            if top is not None:
-                row.topk.append(top)
-        return tokens
-
-    def _record(self, rows: list[_Row], tokens: torch.Tensor) -> list[int]:
-        """Append each row's token; rows that ended become sequences. Returns the indices that go on."""
-        going = []
-        for i, (row, token) in enumerate(zip(rows, tokens.tolist())):
-            row.tokens.append(token)
-            job = row.job
-            reason = finished(
-                row.tokens,
-                stop_ids=job.stop_ids,
-                stop_strings=job.request.stop_strings,
-                max_tokens=job.request.max_tokens,
-                tokenizer=self.host.tokenizer,
-            )
-            if reason is None:
-                going.append(i)
-            else:
-                job.sequences[row.index] = SampledSequence(
-                    tokens=row.tokens,
-                    logprobs=row.logprobs,
-                    stop_reason=reason,
-                    topk_logprobs=row.topk if job.extras.topk_sample_logprobs else None,
-                )
-        return going
-
-    def _join(self, rows: list[_Row], cache, mask: torch.Tensor, source: torch.Tensor, last: torch.Tensor) -> None:
-        """Add rows whose cache and mask are rows `source` of a prefill's (left-padded) cache and mask."""
+    def _join(self, rows: list[Row], cache, mask: torch.Tensor, last: torch.Tensor) -> None:
+        """Add rows with their (left-padded) prefill cache and mask."""
         width = max(self.width, mask.shape[1])
-        cache_rows.select_rows(cache, source)
         if self._cache is None:
             self._cache = cache
         else:
             cache_rows.join(self._cache, cache, width)
-        mask = mask[source]
         self._mask = torch.cat([F.pad(self._mask, (width - self.width, 0)), F.pad(mask, (width - mask.shape[1], 0))])
         self._positions = torch.cat([self._positions, mask.sum(dim=1)])
         self._last = torch.cat([self._last, last])

@@ -1,0 +1,144 @@
+"""A KV cache of fixed shape for the static-shape decode path: one slot of `capacity` positions per row.
+
+Why fixed: a decode step that a GPU replays as a captured CUDA graph must see the same tensors, of the
+same shapes, at every step. The dynamic path (`batch_decode`) left-pads rows to one width, concatenates
+newcomers and cuts columns; here every attention layer holds K and V of shape (rows, kv_heads,
+capacity, head_dim), allocated once per bucket, and a row is a slot:
+
+- its positions are the slot's first columns, from 0 (no left padding: a row's key `j` sits in column
+  `j`, whatever the other rows hold);
+- a decode step writes each row's new key and value at its own length (`slot_lengths`, a device
+  tensor: one scatter per layer, no host arithmetic), and the attention masks every column past it;
+- a row joins by copying its prefilled K and V into its slot's first columns, and leaves by being
+  marked free (a free slot keeps computing garbage that nothing reads; zeroing is not needed because
+  a masked weight is an exact 0 times a finite value).
+
+The attention (`slot_attention`, registered with HF's attention interface as `treadle_slots`) scores every column, masks those past the row's length (and before its sliding window), and reads the
+values. On a CPU it keeps the sampler's batch invariance (`row_invariant`): every row's products have the
+same shapes whatever the other rows are, and columns past a row's end add exact zeros at the end of its
+sums, so a row's numbers depend on neither the bucket's row count nor its capacity: w @ v is taken in
+blocks of `KEY_MULTIPLE` keys from column 0, added in order in fp32 (one product over the whole
+capacity would order its reduction by the capacity). On an accelerator w @ v is one product.
+
+Only attention layers have slots: a model with recurrent-state layers takes the dynamic path
+(`static_path` in `treadle/gpu_worker/sampling/hf/slot_batch.py` says which families take this one).
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import AttentionInterface
+
+from treadle.gpu_worker.sampling.hf.row_invariant import KEY_MULTIPLE, invariant_layouts
+
+IMPLEMENTATION = "treadle_slots"
+
+
+class SlotCache:
+    """Per attention layer, K and V of shape (rows, kv_heads, capacity, dim), made on the first `fill`.
+
+    HF's attention modules call `update` with each step's new key and value; it writes them at each row's
+    `slot_lengths` (passed to the model call, which hands its keyword arguments to the cache) and returns the
+    whole buffers."""
+
+    def __init__(self, rows: int, capacity: int):
+        self.rows = rows
+        self.capacity = capacity
+        self.keys: dict[int, torch.Tensor] = {}
+        self.values: dict[int, torch.Tensor] = {}
+
+    def fill(self, layer: int, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Copy rows of a prefill's K and V, (n, kv_heads, length, dim), into the first `length` columns of
+        `slots` (n,)."""
+        if layer not in self.keys:
+            self.keys[layer] = keys.new_zeros((self.rows, keys.shape[1], self.capacity, keys.shape[3]))
+            self.values[layer] = values.new_zeros((self.rows, values.shape[1], self.capacity, values.shape[3]))
+        length = keys.shape[2]
+        self.keys[layer][slots, :, :length] = keys
+        self.values[layer][slots, :, :length] = values
+
+    def move(self, other: SlotCache) -> None:
+        """Copy every slot of `other` (a smaller bucket) into the same slots here."""
+        for layer, keys in other.keys.items():
+            rows, _, capacity, _ = keys.shape
+            if layer not in self.keys:
+                self.keys[layer] = keys.new_zeros((self.rows, keys.shape[1], self.capacity, keys.shape[3]))
+                shape = other.values[layer].shape
+                self.values[layer] = keys.new_zeros((self.rows, shape[1], self.capacity, shape[3]))
+            self.keys[layer][:rows, :, :capacity] = keys
+            self.values[layer][:rows, :, :capacity] = other.values[layer]
+
+    def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, kwargs: dict | None = None, **_):
+        """Write one step's (rows, kv_heads, 1, dim) key and value at each row's length; returns the buffers."""
+        lengths = (kwargs or {})["slot_lengths"]
+        keys, values = self.keys[layer_idx], self.values[layer_idx]
+        keys.scatter_(2, lengths.view(-1, 1, 1, 1).expand(-1, keys.shape[1], 1, keys.shape[3]), key.to(keys.dtype))
+        values.scatter_(
+            2, lengths.view(-1, 1, 1, 1).expand(-1, values.shape[1], 1, values.shape[3]), value.to(values.dtype)
+        )
+        return keys, values
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.capacity
+
+
+def slot_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    lengths: torch.Tensor,
+    scaling: float,
+    sliding_window: int | None,
+    s_aux: torch.Tensor | None,
+    softcap: float | None,
+) -> torch.Tensor:
+    """One query per row over its slot: query (R, H, 1, D), key (R, Hkv, C, D), value (R, Hkv, C, Dv), the query
+    at position `lengths[r]` (its key already written there) -> (R, 1, H, Dv). Sliding windows, sinks and
+    soft-capping as `row_invariant._rows_attention` applies them."""
+    rows, heads, _, dim = query.shape
+    kv_heads, capacity = key.shape[1], key.shape[2]
+    groups = heads // kv_heads
+    # k @ q^T: the query heads sharing a KV head are one product's columns (as `row_invariant._decode_attention`).
+    scores = torch.matmul(key, query.reshape(rows, kv_heads, groups, dim).transpose(2, 3)).transpose(2, 3) * scaling
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    columns = torch.arange(capacity, device=query.device)
+    visible = columns <= lengths[:, None]
+    if sliding_window is not None:  # a query at position p sees keys p - window < k <= p
+        visible = visible & (columns > lengths[:, None] - sliding_window)
+    scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
+    if s_aux is not None:  # the sink: in the softmax, not in the output
+        sink = s_aux.reshape(1, kv_heads, groups, 1).expand(rows, -1, -1, 1).to(scores.dtype)
+        weights = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1, dtype=torch.float32)[..., :-1]
+    else:
+        weights = torch.softmax(scores, dim=-1, dtype=torch.float32)
+    weights = weights.to(query.dtype)
+    if not invariant_layouts(query.device):
+        return torch.matmul(weights, value).reshape(rows, 1, heads, value.shape[-1])
+    out = query.new_zeros((rows, kv_heads, groups, value.shape[-1]), dtype=torch.float32)
+    for begin in range(0, capacity, KEY_MULTIPLE):  # capacity is a multiple of KEY_MULTIPLE (`slot_batch`)
+        out += torch.matmul(weights[..., begin : begin + KEY_MULTIPLE], value[:, :, begin : begin + KEY_MULTIPLE])
+    return out.to(query.dtype).reshape(rows, 1, heads, value.shape[-1])
+
+
+def _slots_attention(
+    module,
+    query,
+    key,
+    value,
+    attention_mask,
+    scaling: float,
+    dropout: float = 0.0,
+    slot_lengths: torch.Tensor | None = None,
+    sliding_window: int | None = None,
+    s_aux: torch.Tensor | None = None,
+    softcap: float | None = None,
+    **kwargs,
+):
+    """HF attention interface for a static-shape decode step (the model call passes `slot_lengths`)."""
+    if slot_lengths is None or query.shape[2] != 1:
+        raise RuntimeError(f"{IMPLEMENTATION} attention runs decode steps given slot_lengths only")
+    return slot_attention(query, key, value, slot_lengths, scaling, sliding_window, s_aux, softcap), None
+
+
+AttentionInterface.register(IMPLEMENTATION, _slots_attention)
