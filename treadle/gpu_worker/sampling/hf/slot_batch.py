@@ -1,0 +1,232 @@
+"""The static-shape decode path: a decode step of fixed shapes that a GPU runs as a captured CUDA graph.
+
+Why: on a GPU a decode step of the dynamic path (`batch_decode`) launches thousands of small kernels
+from Python, and the GPU waits on the launches (docs/benchmarks.md, "On a GPU"). A step whose tensors
+keep their shapes and addresses from one step to the next can be captured once and replayed: here
+`torch.compile(mode="reduce-overhead", fullgraph=True)`, which fuses the step's elementwise work with
+Inductor and replays it through CUDA graph trees, one graph per bucket. (A hand-made `torch.cuda.graph`
+capture of the eager step would replay the same thousands of unfused kernels, and would need its own
+memory pool and warm-up per bucket, which graph trees keep.)
+
+What stays fixed within a bucket of (rows, capacity), rows in 8, 16, 32, ... and capacity a power of
+two of at least `KEY_MULTIPLE` positions:
+
+- the KV cache (`slot_cache.SlotCache`): one slot per row, rows join and leave without reshaping it;
+- the step's inputs, device tensors updated in place: each slot's last token, its length (the position
+  of that token, where its key is written) and its adapter slot;
+- the adapters (`lora_table.LoraTable`): stacked static weights, indexed per row by the adapter slots,
+  one pair of products per LoRA layer whatever the mix.
+
+A step runs the whole bucket (free slots compute garbage that nothing reads) and returns the last
+logits of every slot; the token draw (per-request generators, `token_choice`) and its logprobs run
+right after, eagerly, on the running rows, and one host transfer reads the tokens for the stop checks.
+Prefill stays eager (`batch_decode.prefill`), and its K and V are copied into the rows' slots.
+
+Requests this path cannot take run beside it in a dynamic batch (`DecodeBatch`), stepped in the same
+round: an adapter that is not a plain LoRA linear (`LoraTable.can_hold`), or a step whose rows would use
+more adapters than the table's slots. Which families take the path at all is `static_path`.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Callable, Iterator
+
+import torch
+
+from treadle.gpu_worker.model.adapters import AdapterBank
+from treadle.gpu_worker.model.host import ModelHost
+from treadle.gpu_worker.sampling.backend import SampleJob
+from treadle.gpu_worker.sampling.hf import cache_rows
+from treadle.gpu_worker.sampling.hf.batch_decode import DecodeBatch, Row, choose, prefill, record
+from treadle.gpu_worker.sampling.hf.lora_table import LoraTable, static_address
+from treadle.gpu_worker.sampling.hf.row_invariant import KEY_MULTIPLE, ROW_MULTIPLE
+from treadle.gpu_worker.sampling.hf.slot_cache import IMPLEMENTATION, SlotCache
+
+
+def static_path(model: torch.nn.Module, expert_targets: list[str]) -> str | None:
+    """None if the model's decode steps can take the static-shape path, else why not (shown by `treadle models
+    check` and docs/models.md)."""
+    cache = cache_rows.new_cache(model.config)
+    if any(cache_rows._has_states(layer) for layer in cache.layers):
+        return "recurrent-state layers (linear attention, Mamba) have no fixed-shape slots yet"
+    if expert_targets:
+        return "expert adapters (LoRA on 3-D expert tensors) cannot be stacked per row"
+    return None
+
+
+def bucket(needed: int, least: int) -> int:
+    """The smallest power of two times `least` that holds `needed`."""
+    size = least
+    while size < needed:
+        size *= 2
+    return size
+
+
+class SlotBatch:
+    """The rows being decoded on the static-shape path, their slots, and the rows beside them on the dynamic path.
+
+    `compile`: how the step runs: None (eagerly), "graphs" (`torch.compile(mode="reduce-overhead")`: CUDA graphs), or
+    a `torch.compile` backend name (tests trace the step with backend "eager" to check it is one graph)."""
+
+    def __init__(self, bank: AdapterBank, host: ModelHost, *, compile: str | None = None):
+        self.bank = bank
+        self.host = host
+        self.table = LoraTable(bank)
+        self.rows: list[Row] = []
+        self.slots: list[int] = []  # each row's slot
+        self.dynamic = DecodeBatch(bank, host)
+        self._cache: SlotCache | None = None
+        self._tokens = self._lengths = self._adapters = torch.zeros(0, dtype=torch.long, device=host.device)
+        self._run: Callable[..., torch.Tensor] = _compiled(self._forward, compile)
+        self._limit = bucket(host.max_seq_len, KEY_MULTIPLE)
+
+    def __len__(self) -> int:
+        return len(self.rows) + len(self.dynamic)
+
+    @property
+    def width(self) -> int:
+        """The longest row, in positions (the scheduler projects the batch's KV cache from it)."""
+        return max([self.dynamic.width, *(len(r.job.request.prompt) + len(r.tokens) for r in self.rows)])
+
+    def remaining(self) -> list[int]:
+        return [*(row.job.request.max_tokens - len(row.tokens) for row in self.rows), *self.dynamic.remaining()]
+
+    def admit(self, jobs: list[SampleJob]) -> list[SampleJob]:
+        """Prefill the jobs and place their rows in slots (or in the dynamic batch); returns the jobs already
+        complete."""
+        busy = {row.job.adapter for row in self.rows if row.job.adapter is not None}
+        mine = []
+        for job in jobs:  # in order: a job's adapter slot is kept from the jobs admitted after it
+            if self._takes(job, busy):
+                mine.append(job)
+                busy.add(job.adapter)
+        completed = self.dynamic.admit(others) if (others := [j for j in jobs if j not in mine]) else []
+        if not mine:
+            return completed
+        done = prefill(self.bank, self.host, mine)
+        if done.rows:
+            self._place(done.rows, done.cache, done.mask, done.last)
+        return [*completed, *done.completed]
+
+    def step(self) -> list[SampleJob]:
+        """One decode step of every row; returns the jobs that completed in it."""
+        completed = self.dynamic.step() if len(self.dynamic) else []
+        if not self.rows:
+            return completed
+        assert self._cache is not None
+        with torch.no_grad(), _attention(self.host.model), self.table.installed():
+            logits = self._run(self._cache, self._tokens, self._lengths, self._adapters)
+        active = torch.tensor(self.slots, device=self.host.device)
+        tokens = choose(logits[active], self.rows)
+        going = record(self.rows, tokens, self.host.tokenizer)
+        self._tokens.index_copy_(0, active, tokens)
+        self._lengths.index_add_(0, active, torch.ones_like(active))
+        rows = self.rows
+        completed += list({id(r.job): r.job for r in rows if r.job.done}.values())
+        if len(going) < len(rows):
+            kept = set(going)
+            self._free([self.slots[i] for i in range(len(rows)) if i not in kept])
+            self.rows, self.slots = [rows[i] for i in going], [self.slots[i] for i in going]
+        if not self.rows:
+            self._cache = None  # the memory goes back to training; the next batch makes its bucket again
+        return completed
+
+    def fail_all(self) -> list[SampleJob]:
+        """Drop every row (after a failed step); returns their jobs."""
+        jobs = list({id(r.job): r.job for r in self.rows}.values()) + self.dynamic.fail_all()
+        self.rows, self.slots, self._cache = [], [], None
+        return jobs
+
+    # ------------------------------------------------------------ internals
+
+    def _forward(self, cache: SlotCache, tokens: torch.Tensor, lengths: torch.Tensor, adapters: torch.Tensor):
+        """The step that is captured: every slot's next-token logits, (rows, vocab)."""
+        self.table.select(adapters)
+        out = self.host.model(
+            input_ids=tokens[:, None],
+            position_ids=lengths[:, None],
+            cache=cache,
+            use_cache=True,
+            slot_lengths=lengths,
+            logits_to_keep=1,
+        )
+        return out.logits[:, -1]
+
+    def _takes(self, job: SampleJob, busy: set) -> bool:
+        """Whether the job's rows can run here: its adapter stacks, and a slot for it is free or already its
+        (`busy`: adapters whose slots are not to be taken)."""
+        if not self.table.can_hold(job.adapter):
+            return False
+        try:
+            self.table.slot(job.adapter, busy)
+        except LookupError:
+            return False
+        return True
+
+    def _place(self, rows: list[Row], cache, mask: torch.Tensor, last: torch.Tensor) -> None:
+        """Give the prefilled rows slots, their K and V, first tokens, lengths and adapter slots."""
+        lengths = mask.sum(dim=1).tolist()  # the prompts' lengths: one read at admission
+        needed = max(length + row.job.request.max_tokens for row, length in zip(rows, lengths))
+        self._fit(len(self.rows) + len(rows), needed)
+        assert self._cache is not None
+        free = sorted(set(range(self._cache.rows)) - set(self.slots))[: len(rows)]
+        slots = torch.tensor(free, device=self.host.device)
+        width = mask.shape[1]
+        for layer, kv in enumerate(cache.layers):
+            if not cache_rows._kv_ready(kv):
+                continue
+            for length in set(lengths):
+                which = [i for i, n in enumerate(lengths) if n == length]
+                index = torch.tensor(which, device=self.host.device)
+                self._cache.fill(
+                    layer, slots[index], kv.keys[index, :, width - length :], kv.values[index, :, width - length :]
+                )
+        busy = {r.job.adapter for r in [*self.rows, *rows] if r.job.adapter is not None}
+        adapter_slots = [self.table.slot(row.job.adapter, busy) for row in rows]
+        self._tokens[slots] = last
+        self._lengths[slots] = torch.tensor(lengths, device=self.host.device)
+        self._adapters[slots] = torch.tensor(adapter_slots, device=self.host.device)
+        self.rows += rows
+        self.slots += free
+
+    def _fit(self, rows: int, capacity: int) -> None:
+        """Make the bucket hold `rows` rows of `capacity` positions, moving the slots held so far."""
+        now = self._cache
+        want_rows = bucket(max(rows, now.rows if now else 0), ROW_MULTIPLE)
+        want_capacity = min(bucket(max(capacity, now.capacity if now else 0), KEY_MULTIPLE), self._limit)
+        if now is not None and (now.rows, now.capacity) == (want_rows, want_capacity):
+            return
+        cache = SlotCache(want_rows, want_capacity)
+        tokens, lengths, adapters = (self._buffer(want_rows, fill) for fill in (self.host.pad_token_id, 0, -1))
+        if now is not None:
+            cache.move(now)
+            tokens[: now.rows], lengths[: now.rows], adapters[: now.rows] = self._tokens, self._lengths, self._adapters
+        self._cache, self._tokens, self._lengths, self._adapters = cache, tokens, lengths, adapters
+
+    def _buffer(self, rows: int, fill: int) -> torch.Tensor:
+        return static_address(torch.full((rows,), fill, dtype=torch.long, device=self.host.device))
+
+    def _free(self, slots: list[int]) -> None:
+        index = torch.tensor(slots, device=self.host.device)
+        self._lengths[index], self._adapters[index], self._tokens[index] = 0, -1, self.host.pad_token_id
+
+
+def _compiled(forward: Callable[..., torch.Tensor], how: str | None) -> Callable[..., torch.Tensor]:
+    if how is None:
+        return forward
+    if how == "graphs":
+        return torch.compile(forward, mode="reduce-overhead", fullgraph=True, dynamic=False)
+    return torch.compile(forward, backend=how, fullgraph=True, dynamic=False)
+
+
+@contextmanager
+def _attention(model: torch.nn.Module) -> Iterator[None]:
+    """The model's attention layers call the slots' attention (`slot_cache`) within the block."""
+    config = model.config
+    previous = config._attn_implementation
+    config._attn_implementation = IMPLEMENTATION
+    try:
+        yield
+    finally:
+        config._attn_implementation = previous
