@@ -1,4 +1,5 @@
-"""The sampler contract, one suite run against every `SamplerBackend` (hf and vllm), through the engine.
+"""The sampler contract, one suite run against every `SamplerBackend` (hf and vllm), through the engine; hf twice,
+with its dynamic decode steps and with its static-shape ones (run eagerly here, captured as CUDA graphs on a GPU).
 
 Each case trains real LoRA sessions on a tiny model (head size 32: vLLM's CPU attention takes no less)
 and samples their snapshots and the base model: sampled-token logprobs at T=1 against the trainer's
@@ -25,7 +26,7 @@ PROMPT = [40, 41, 42, 43, 44, 45, 46, 47, 48]
 # |sampled logprob - trainer forward logprob| at T=1, fp32 on CPU. HF samples with the trainer's own
 # kernels (batch-invariant forwards); vLLM with its own (fused QKV, its attention, the punica LoRA
 # path). Measured here: 1.4e-6 (hf) and 1.2e-6 (vllm) at most; the test prints it.
-TOLERANCE = {"hf": 1e-4, "vllm": 1e-4}
+TOLERANCE = {"hf": 1e-4, "hf-static": 1e-4, "vllm": 1e-4}
 
 HAVE_VLLM = vllm_python(VllmOptions()) is not None
 
@@ -39,6 +40,7 @@ def model_dir(tmp_path_factory) -> str:
     scope="module",
     params=[
         "hf",
+        "hf-static",
         pytest.param(
             "vllm",
             marks=pytest.mark.skipif(
@@ -49,8 +51,12 @@ def model_dir(tmp_path_factory) -> str:
     ],
 )
 def engine(request, model_dir):
-    options = SamplerOptions(vllm=VllmOptions(max_lora_rank=8, max_loras=2, max_cpu_loras=4))
-    engine = Engine(model_dir, sampler=request.param, sampler_options=options)
+    kind, _, decode = request.param.partition("-")
+    options = SamplerOptions(
+        vllm=VllmOptions(max_lora_rank=8, max_loras=2, max_cpu_loras=4), hf_decode=decode or "dynamic"
+    )
+    engine = Engine(model_dir, sampler=kind, sampler_options=options)
+    assert ("static-shape" in engine.sampler.path) == (decode == "static")
     engine.kind = request.param
     yield engine
     engine.close()

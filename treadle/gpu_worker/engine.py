@@ -111,9 +111,11 @@ class Engine:
             self._bank,
             self._host,
             self._lock,
-            self.profile,
             max_batch_tokens=sampling_max_batch_tokens,
             max_forward_tokens=self.max_tokens_per_microbatch,
+            hf_batching=self.profile.sampler,
+            static_decode=self.profile.static_decode,
+            vllm_serves=self.profile.vllm,
         )
         self.sampler = make_sampler(sampler, setup, sampler_options)
         self._threads = CpuThreads(self._host.device)

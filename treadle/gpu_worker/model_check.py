@@ -98,6 +98,7 @@ def render(profile, result: SmokeResult | None) -> str:
         f"lora experts  {', '.join(profile.lora_experts) or '-'} ({counts['experts']:,} params at rank 32)",
         f"lora unembed  {', '.join(profile.lora_unembed) or '-'} ({counts['unembed']:,} params at rank 32)",
         f"sampler       {profile.sampler}",
+        f"static decode {profile.static_decode}",
         f"vllm          {profile.vllm}",
     ]
     if result is not None:

@@ -12,6 +12,7 @@ from torch import nn
 
 from treadle.gpu_worker.sampling.hf import cache_rows
 from treadle.gpu_worker.model.lora_targets import LoraTargets, decoder_layers
+from treadle.gpu_worker.sampling.hf.slot_cache import static_path
 
 PROFILE_RANK = 32  # the rank trainable-parameter counts are given at (Tinker's default)
 
@@ -42,6 +43,10 @@ class ModelProfile(BaseModel):
         description="Adapter parameters at rank 32: attn, mlp, experts, unembed."
     )
     sampler: str = Field(description="How the hf sampler batches this model.")
+    static_decode: str = Field(
+        description="Whether the hf sampler's static-shape decode steps (CUDA graphs on a GPU) serve this family, and if "
+        "not why."
+    )
     vllm: str = Field(description="Whether the vllm sampler backend serves this family, and if not why.")
 
 
@@ -76,6 +81,7 @@ def profile(model: nn.Module, targets: LoraTargets, dtype: str) -> ModelProfile:
         lora_unembed=list(targets.unembed),
         trainable_at_rank_32=counts,
         sampler=SAMPLER_SPLIT if targets.experts else SAMPLER_MIXED,
+        static_decode=static_path(model, list(targets.experts)),
         vllm=vllm,
     )
 

@@ -67,6 +67,12 @@ class WorkerConfig(BaseModel):
         "model in a child process with its own venv: scripts/setup_vllm.sh). auto: vllm when CUDA and vLLM "
         "are both there, hf otherwise; the log says which.",
     )
+    sampler_decode: Literal["auto", "static", "dynamic"] = Field(
+        default="auto",
+        description="How the hf sampler runs decode steps: static (fixed-shape steps, captured as CUDA graphs on a GPU; "
+        "the families that take it are listed by `treadle models check`) or dynamic (eager steps over a growing "
+        "cache). auto: static on CUDA where the family takes it, dynamic otherwise (on a CPU the dynamic path is faster).",
+    )
     vllm_python: str | None = Field(
         default=None,
         description="Interpreter of vLLM's venv (default: $TREADLE_VLLM_PYTHON, else .venv-vllm/bin/python of the checkout).",

@@ -282,7 +282,7 @@ def load_engines(config: WorkerConfig) -> tuple[dict, list[ServedModel]]:
                 max_tokens_per_microbatch=config.max_tokens_per_microbatch,
                 sampling_max_batch_tokens=config.sampling_max_batch_tokens,
                 sampler=config.sampler,
-                sampler_options=SamplerOptions(vllm=options),
+                sampler_options=SamplerOptions(vllm=options, hf_decode=config.sampler_decode),
             )
         except (InvalidRequestError, ValueError) as exc:  # a model treadle cannot serve: say what, and stop
             raise SystemExit(f"treadle worker: cannot serve {name} ({path}): {exc}") from exc

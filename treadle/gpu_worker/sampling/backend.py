@@ -19,7 +19,6 @@ import torch
 from treadle.gpu_worker.model.adapters import AdapterBank
 from treadle.gpu_worker.model.device_lock import DeviceLock
 from treadle.gpu_worker.model.host import ModelHost
-from treadle.gpu_worker.model_profile import ModelProfile
 from treadle.gpu_worker.sampling.extras import SampleExtras
 from treadle.gpu_worker.training.validation import PreparedSample
 from treadle.types import SampledSequence, SampleResponse, SamplingParams
@@ -73,15 +72,17 @@ class LogprobJob:
 
 @dataclass(frozen=True)
 class SamplerSetup:
-    """What a backend is built from: the engine's model, its adapters, the device it shares with training,
-    the batch budgets, and the model's profile (family, what it can serve)."""
+    """What a backend is built from: the engine's model, its adapters, the device it shares with training, the batch
+    budgets, and what the model's profile (`treadle/gpu_worker/model_profile.py`) says each backend can do with it."""
 
     bank: AdapterBank
     host: ModelHost
     device_lock: DeviceLock
-    profile: ModelProfile
     max_batch_tokens: int
     max_forward_tokens: int
+    hf_batching: str  # how the hf backend batches the model's adapters
+    static_decode: str  # "yes..." if the hf backend's static-shape decode steps serve the model, else "no: why"
+    vllm_serves: str  # "yes" if the vllm backend serves the model's family, else why not
 
 
 class SamplerBackend(Protocol):

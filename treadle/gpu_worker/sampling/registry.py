@@ -17,7 +17,7 @@ import torch
 from pydantic import BaseModel, Field
 
 from treadle.gpu_worker.sampling.backend import SamplerBackend, SamplerSetup
-from treadle.gpu_worker.sampling.hf.scheduler import SampleScheduler
+from treadle.gpu_worker.sampling.hf.scheduler import DecodePath, SampleScheduler
 from treadle.gpu_worker.sampling.vllm.sampler import VllmOptions, VllmSampler, vllm_python
 
 log = logging.getLogger("treadle.sampler")
@@ -29,21 +29,24 @@ class SamplerOptions(BaseModel):
     """The options of each backend that has some (the worker's flags fill them in)."""
 
     vllm: VllmOptions = Field(default_factory=VllmOptions, description="The vllm backend's engine options.")
+    hf_decode: DecodePath = Field(
+        default="auto", description="The hf backend's decode steps (WorkerConfig.sampler_decode)."
+    )
 
 
 BACKENDS: dict[str, Callable[[SamplerSetup, SamplerOptions], SamplerBackend]] = {
-    "hf": lambda setup, options: SampleScheduler.from_setup(setup),
+    "hf": lambda setup, options: SampleScheduler.from_setup(setup, options.hf_decode),
     "vllm": lambda setup, options: VllmSampler(setup.bank, setup.host, options.vllm),
 }
 
 
 def resolve_kind(kind: SamplerKind, options: SamplerOptions, setup: SamplerSetup) -> str:
     """`auto` is vllm when CUDA and a vLLM installation are both there and vLLM serves the model's family
-    (the profile's `vllm` is "yes", else why not), hf otherwise. `vllm` asked for a family it does not
+    (`setup.vllm_serves` is "yes", else why not), hf otherwise. `vllm` asked for a family it does not
     serve is refused, naming the family."""
-    serves = setup.profile.vllm == "yes"
+    serves = setup.vllm_serves == "yes"
     if kind == "vllm" and not serves:
-        raise ValueError(f"sampler vllm: {setup.host.name} ({setup.host.model_type}): {setup.profile.vllm}")
+        raise ValueError(f"sampler vllm: {setup.host.name} ({setup.host.model_type}): {setup.vllm_serves}")
     if kind != "auto":
         return kind
     return "vllm" if serves and torch.cuda.is_available() and vllm_python(options.vllm) else "hf"

@@ -27,7 +27,7 @@ import logging
 import threading
 from collections import deque
 from concurrent.futures import Future
-from typing import Callable
+from typing import Callable, Literal
 
 import torch
 
@@ -35,6 +35,7 @@ from treadle.errors import ServerError, TreadleError
 from treadle.gpu_worker.model.adapters import AdapterBank
 from treadle.gpu_worker.sampling.backend import LogprobJob, SampleJob, SamplerSetup
 from treadle.gpu_worker.sampling.hf.batch_decode import DecodeBatch, forward_rows, prompt_logprobs_from_logits
+from treadle.gpu_worker.sampling.hf.slot_batch import SlotBatch
 from treadle.gpu_worker.model.device_lock import DeviceLock
 from treadle.queue.fair import FairShare
 from treadle.gpu_worker.sampling.logprob_audit import LogprobAudit
@@ -42,6 +43,22 @@ from treadle.gpu_worker.training.logprobs import micro_batches
 from treadle.gpu_worker.model.host import ModelHost
 
 log = logging.getLogger("treadle.sampler")
+
+DecodePath = Literal["auto", "static", "dynamic"]
+
+
+def decode_batch(bank: AdapterBank, host: ModelHost, decode: DecodePath, static_decode: str) -> DecodeBatch | SlotBatch:
+    """The batch that runs the decode steps: static-shape (`slot_batch`) or dynamic (`batch_decode`). `auto` is
+    static on CUDA where the model takes it (`static_decode` is "yes", else why not), dynamic otherwise: on a CPU the
+    dynamic path, which attends over the rows' own lengths only, is the faster. `static` asked for a model that does
+    not take it is refused, naming why."""
+    cuda, takes = host.device.type == "cuda", static_decode.startswith("yes")
+    if decode == "static" and not takes:
+        raise ValueError(f"sampler_decode static: {host.name} ({host.model_type}): {static_decode}")
+    if decode == "static" or (decode == "auto" and cuda and takes):
+        return SlotBatch(bank, host, compile="graphs" if cuda else None)
+    return DecodeBatch(bank, host)
+
 
 # The share of the batch's KV budget that a snapshot with rows in the batch leaves to the others (_take_admissible).
 ROOM_FOR_OTHERS = 0.25
@@ -61,14 +78,18 @@ class SampleScheduler:
         max_batch_tokens: int = 16384,
         max_forward_tokens: int = 4096,
         path: str = "hf",
+        decode: DecodePath = "dynamic",
+        static_decode: str = "yes",
     ):
-        self.path = path
         self.bank = bank
         self.host = host
         self.device_lock = device_lock
         self.max_batch_tokens = max_batch_tokens
         self.max_forward_tokens = max_forward_tokens
-        self._batch = DecodeBatch(bank, host)
+        self._batch = decode_batch(bank, host, decode, static_decode)
+        steps = {DecodeBatch: "dynamic decode steps", SlotBatch: "static-shape decode steps"}[type(self._batch)]
+        graphs = " (CUDA graphs)" if isinstance(self._batch, SlotBatch) and self._batch.compiled else ""
+        self.path = f"{path}; {steps}{graphs}"
         self._fair = FairShare()  # admission turns between snapshots (_take_admissible)
         self._audit = LogprobAudit(bank, host, device_lock)  # a fraction of answers against the training forward
         self._samples: deque[tuple[SampleJob, Future]] = deque()
@@ -81,14 +102,16 @@ class SampleScheduler:
         self._thread.start()
 
     @classmethod
-    def from_setup(cls, setup: SamplerSetup) -> SampleScheduler:
+    def from_setup(cls, setup: SamplerSetup, decode: DecodePath = "auto") -> SampleScheduler:
         return cls(
             setup.bank,
             setup.host,
             setup.device_lock,
             max_batch_tokens=setup.max_batch_tokens,
             max_forward_tokens=setup.max_forward_tokens,
-            path=setup.profile.sampler,
+            path=setup.hf_batching,
+            decode=decode,
+            static_decode=setup.static_decode,
         )
 
     # ------------------------------------------------------------ public

@@ -24,7 +24,7 @@ Prefill stays eager (`batch_decode.prefill`), and its K and V are copied into th
 
 Requests this path cannot take run beside it in a dynamic batch (`DecodeBatch`), stepped in the same
 round: an adapter that is not a plain LoRA linear (`LoraTable.can_hold`), or a step whose rows would use
-more adapters than the table's slots. Which families take the path at all is `static_path`.
+more adapters than the table's slots. Which families take the path at all is `slot_cache.static_path`.
 """
 
 from __future__ import annotations
@@ -39,20 +39,9 @@ from treadle.gpu_worker.model.host import ModelHost
 from treadle.gpu_worker.sampling.backend import SampleJob
 from treadle.gpu_worker.sampling.hf import cache_rows
 from treadle.gpu_worker.sampling.hf.batch_decode import DecodeBatch, Row, choose, prefill, record
-from treadle.gpu_worker.sampling.hf.lora_table import LoraTable, static_address
+from treadle.gpu_worker.sampling.hf.lora_table import SLOTS, LoraTable, static_address
 from treadle.gpu_worker.sampling.hf.row_invariant import KEY_MULTIPLE, ROW_MULTIPLE
 from treadle.gpu_worker.sampling.hf.slot_cache import IMPLEMENTATION, SlotCache
-
-
-def static_path(model: torch.nn.Module, expert_targets: list[str]) -> str | None:
-    """None if the model's decode steps can take the static-shape path, else why not (shown by `treadle models
-    check` and docs/models.md)."""
-    cache = cache_rows.new_cache(model.config)
-    if any(cache_rows._has_states(layer) for layer in cache.layers):
-        return "recurrent-state layers (linear attention, Mamba) have no fixed-shape slots yet"
-    if expert_targets:
-        return "expert adapters (LoRA on 3-D expert tensors) cannot be stacked per row"
-    return None
 
 
 def bucket(needed: int, least: int) -> int:
@@ -69,15 +58,16 @@ class SlotBatch:
     `compile`: how the step runs: None (eagerly), "graphs" (`torch.compile(mode="reduce-overhead")`: CUDA graphs), or
     a `torch.compile` backend name (tests trace the step with backend "eager" to check it is one graph)."""
 
-    def __init__(self, bank: AdapterBank, host: ModelHost, *, compile: str | None = None):
+    def __init__(self, bank: AdapterBank, host: ModelHost, *, compile: str | None = None, slots: int = SLOTS):
         self.bank = bank
         self.host = host
-        self.table = LoraTable(bank)
+        self.table = LoraTable(bank, slots)
         self.rows: list[Row] = []
         self.slots: list[int] = []  # each row's slot
         self.dynamic = DecodeBatch(bank, host)
         self._cache: SlotCache | None = None
         self._tokens = self._lengths = self._adapters = torch.zeros(0, dtype=torch.long, device=host.device)
+        self.compiled = compile is not None
         self._run: Callable[..., torch.Tensor] = _compiled(self._forward, compile)
         self._limit = bucket(host.max_seq_len, KEY_MULTIPLE)
 
@@ -96,12 +86,14 @@ class SlotBatch:
         """Prefill the jobs and place their rows in slots (or in the dynamic batch); returns the jobs already
         complete."""
         busy = {row.job.adapter for row in self.rows if row.job.adapter is not None}
-        mine = []
+        mine, others = [], []
         for job in jobs:  # in order: a job's adapter slot is kept from the jobs admitted after it
             if self._takes(job, busy):
                 mine.append(job)
                 busy.add(job.adapter)
-        completed = self.dynamic.admit(others) if (others := [j for j in jobs if j not in mine]) else []
+            else:
+                others.append(job)
+        completed = self.dynamic.admit(others) if others else []
         if not mine:
             return completed
         done = prefill(self.bank, self.host, mine)

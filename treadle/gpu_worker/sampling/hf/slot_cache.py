@@ -21,7 +21,7 @@ blocks of `KEY_MULTIPLE` keys from column 0, added in order in fp32 (one product
 capacity would order its reduction by the capacity). On an accelerator w @ v is one product.
 
 Only attention layers have slots: a model with recurrent-state layers takes the dynamic path
-(`static_path` in `treadle/gpu_worker/sampling/hf/slot_batch.py` says which families take this one).
+(`static_path` says which families take this one).
 """
 
 from __future__ import annotations
@@ -29,9 +29,23 @@ from __future__ import annotations
 import torch
 from transformers import AttentionInterface
 
-from treadle.gpu_worker.sampling.hf.row_invariant import KEY_MULTIPLE, invariant_layouts
+from treadle.gpu_worker.sampling.hf import cache_rows
+from treadle.gpu_worker.sampling.hf import row_invariant
+from treadle.gpu_worker.sampling.hf.row_invariant import KEY_MULTIPLE
 
 IMPLEMENTATION = "treadle_slots"
+
+
+def static_path(model: torch.nn.Module, expert_targets: list[str]) -> str:
+    """ "yes" if the model's decode steps take the static-shape path, else "no: " and why not; shown by `treadle
+    models check` and docs/models.md. A MoE model takes it for the base model and for adapters without expert
+    weights; rows of an expert adapter decode beside them on the dynamic path (`LoraTable.can_hold`)."""
+    cache = cache_rows.new_cache(model.config)
+    if any(cache_rows._has_states(layer) for layer in cache.layers):
+        return "no: recurrent-state layers (linear attention, Mamba) have no fixed-shape slots"
+    if expert_targets:
+        return "yes, but rows of adapters on expert weights (3-D tensors, not stacked per row) decode dynamically"
+    return "yes"
 
 
 class SlotCache:
@@ -113,7 +127,7 @@ def slot_attention(
     else:
         weights = torch.softmax(scores, dim=-1, dtype=torch.float32)
     weights = weights.to(query.dtype)
-    if not invariant_layouts(query.device):
+    if not row_invariant.invariant_layouts(query.device):
         return torch.matmul(weights, value).reshape(rows, 1, heads, value.shape[-1])
     out = query.new_zeros((rows, kv_heads, groups, value.shape[-1]), dtype=torch.float32)
     for begin in range(0, capacity, KEY_MULTIPLE):  # capacity is a multiple of KEY_MULTIPLE (`slot_batch`)

@@ -1,0 +1,146 @@
+"""The static-shape decode path (`treadle/gpu_worker/sampling/hf/slot_batch.py`), on CPU.
+
+A GPU replays its decode step as a captured CUDA graph; what makes that possible is that the step traces as
+one graph and keeps tracing to the same graph while rows join and leave. That is checked here for every
+family that takes the path, in fp32 and bf16: `torch.compile(fullgraph=True)` (no graph break) with the
+"eager" backend, staggered requests of two snapshots and the base model in one bucket, exactly one graph.
+The traced step computes what the eager one does, and in fp32 the same tokens as the dynamic path with
+logprobs to rounding. Families that do not take it are refused by name; rows the table cannot hold decode
+beside on the dynamic path; a row's numbers do not depend on its batch (CPU batch invariance).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from treadle.gpu_worker.engine import Engine
+from treadle.gpu_worker.model_check import cross_entropy_datum
+from treadle.gpu_worker.sampling.backend import SampleJob
+from treadle.gpu_worker.sampling.hf.batch_decode import DecodeBatch
+from treadle.gpu_worker.sampling.hf.scheduler import decode_batch
+from treadle.gpu_worker.sampling.hf.slot_batch import SlotBatch
+from treadle.gpu_worker.training.validation import prepare_sample
+from treadle.testing.families import FAMILIES
+from treadle.testing.tiny_model import build_tiny_model
+from treadle.types import AdamParams, LoraConfig, ModelInput, SamplingParams
+
+# (snapshot or None, samples, max_tokens, prompt length): the first two start together, the last two join at the
+# third step; rows of 12-20 tokens leave at different steps. Every row fits one bucket (8 rows, 64 positions).
+REQUESTS = [("a", 2, 12, 6), (None, 1, 7, 9), ("b", 2, 20, 12), ("a", 1, 5, 15)]
+
+
+@pytest.fixture(scope="module")
+def family_dirs(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("static")
+    return {family: build_tiny_model(root / family, family, initializer_range=0.2) for family in FAMILIES}
+
+
+def trained_engine(directory: str, dtype: str) -> Engine:
+    engine = Engine(directory, dtype=dtype)
+    rng = np.random.default_rng(0)
+    for name in ("a", "b"):
+        engine.create_session(name, LoraConfig(rank=8, alpha=16, seed=len(name)))
+        batch = [cross_entropy_datum(rng.integers(5, 500, 24).tolist()) for _ in range(2)]
+        engine.forward_backward(name, batch, "cross_entropy")
+        engine.optim_step(name, AdamParams(learning_rate=1e-2))  # B is no longer zero: the deltas count
+        engine.snapshot_sampler(name, name)
+    return engine
+
+
+def jobs(engine: Engine, requests=REQUESTS) -> list[SampleJob]:
+    made = []
+    for seed, (snapshot, samples, max_tokens, length) in enumerate(requests):
+        params = SamplingParams(max_tokens=max_tokens, seed=seed)
+        prompt = ModelInput.from_ints([(7 * seed + 3 * j) % 400 + 5 for j in range(length)])
+        request = prepare_sample(
+            prompt, samples, params, 0, max_seq_len=engine.max_seq_len, vocab_size=engine.vocab_size
+        )
+        adapter = engine._samplers[snapshot] if snapshot else None
+        made.append(SampleJob(adapter, request, samples, params, frozenset({engine._host.eos_token_id})))
+    return made
+
+
+def decode(engine: Engine, batch, requests=REQUESTS, join_at: int = 3) -> list[list[tuple[list[int], list[float]]]]:
+    """Run the requests through `batch` (the last two joining at step `join_at`); each row's tokens and logprobs."""
+    made = jobs(engine, requests)
+    with engine.device, torch.no_grad():
+        batch.admit(made[:2])
+        steps = 0
+        while len(batch):
+            batch.step()
+            steps += 1
+            if steps == join_at:
+                batch.admit(made[2:])
+    return [[(s.tokens, s.logprobs) for s in job.sequences] for job in made]
+
+
+def takes_static(engine: Engine) -> bool:
+    return engine.profile.static_decode.startswith("yes")
+
+
+STATIC = [f for f in FAMILIES if f not in ("qwen3_5", "falcon_h1", "nemotron_h")]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("family", STATIC)
+def test_the_decode_step_traces_as_one_graph_while_rows_join_and_leave(family, dtype, family_dirs):
+    engine = trained_engine(family_dirs[family], dtype)
+    try:
+        assert takes_static(engine), engine.profile.static_decode
+        eager = decode(engine, SlotBatch(engine._bank, engine._host))
+        torch._dynamo.reset()
+        counters.clear()
+        traced_batch = SlotBatch(engine._bank, engine._host, compile="eager")
+        traced = decode(engine, traced_batch)
+        assert dict(counters["graph_break"]) == {}
+        assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+        assert (traced_batch._cache is None) and all(len(rows) for rows in traced)  # every row ended, slots freed
+        assert traced == eager
+        if dtype == "float32":  # the dynamic path draws the same tokens; logprobs agree to rounding
+            dynamic = decode(engine, DecodeBatch(engine._bank, engine._host))
+            for static_rows, dynamic_rows in zip(eager, dynamic):
+                for (tokens, logprobs), (want_tokens, want_logprobs) in zip(static_rows, dynamic_rows):
+                    assert tokens == want_tokens
+                    np.testing.assert_allclose(logprobs, want_logprobs, atol=1e-4)
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "falcon_h1", "nemotron_h"])
+def test_a_family_without_slots_is_refused_by_name_and_auto_takes_the_dynamic_path(family, family_dirs):
+    engine = Engine(family_dirs[family])
+    try:
+        assert engine.profile.static_decode.startswith("no: recurrent-state layers")
+        with pytest.raises(ValueError, match=f"sampler_decode static: .*{family}.*recurrent-state"):
+            decode_batch(engine._bank, engine._host, "static", engine.profile.static_decode)
+        assert isinstance(decode_batch(engine._bank, engine._host, "auto", engine.profile.static_decode), DecodeBatch)
+    finally:
+        engine.close()
+
+
+def test_a_row_computes_the_same_numbers_alone_and_in_any_bucket(family_dirs):
+    # CPU batch invariance on the static path: the same seeded request alone (8-row bucket, 64 positions) and beside
+    # 12 other rows and a long prompt (16 rows, 128 positions) gives bit-identical tokens and logprobs.
+    engine = trained_engine(family_dirs["llama"], "float32")
+    try:
+        alone = decode(engine, SlotBatch(engine._bank, engine._host), [REQUESTS[2]] + [("a", 1, 1, 3)], join_at=99)
+        crowd = [REQUESTS[2], ("a", 1, 1, 3), ("b", 6, 30, 40), (None, 6, 9, 80)]
+        batched = decode(engine, SlotBatch(engine._bank, engine._host), crowd, join_at=1)
+        assert batched[0] == alone[0]
+    finally:
+        engine.close()
+
+
+def test_rows_beyond_the_adapter_slots_decode_beside_on_the_dynamic_path(family_dirs):
+    engine = trained_engine(family_dirs["llama"], "float32")
+    try:
+        batch = SlotBatch(engine._bank, engine._host, slots=1)  # "a" takes the one slot; "b" cannot join the table
+        both = decode(engine, batch, join_at=1)
+        assert set(batch.table.names) == {engine._samplers["a"]}
+        dynamic = decode(engine, DecodeBatch(engine._bank, engine._host), join_at=1)
+        assert [[t for t, _ in rows] for rows in both] == [[t for t, _ in rows] for rows in dynamic]
+    finally:
+        engine.close()
