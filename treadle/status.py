@@ -14,7 +14,7 @@ from pydantic import BaseModel, Field
 
 from treadle.metering import Meter, Usage
 from treadle.queue import names
-from treadle.queue.sessions import SessionRegistry
+from treadle.queue.sessions import SessionRecord, SessionRegistry
 from treadle.queue.workers import WorkerRegistry
 
 # kombu's Redis transport keeps one list per priority step; priority 0 is the queue's own name.
@@ -99,49 +99,14 @@ def queue_depth(redis, queue: str) -> int:
 def collect_status(redis, include_stopped: bool = False) -> StatusReport:
     now = time.time()
     meter = Meter(redis)
-    workers = {
-        w.hostname: WorkerStatus(
-            hostname=w.hostname,
-            alive=True,
-            pid=w.pid,
-            models=[m.name for m in w.models],
-            sessions=w.sessions,
-            unloaded=w.unloaded,
-            uptime_s=now - w.started_at,
-            memory=w.memory,
-        )
-        for w in WorkerRegistry(redis).live_workers()
-    }
+    workers = _live_workers(redis, now)
     sessions = []
     for record in sorted(SessionRegistry(redis).all(), key=lambda r: r.created_at):
         if record.status != "active" and not include_stopped:
             continue
         if record.status == "active" and record.worker and record.worker not in workers:
             workers[record.worker] = WorkerStatus(hostname=record.worker, alive=False)
-        submitted = int(redis.hget(names.session_key(record.session_id), "next_seq") or 0)
-        ops = meter.session_ops(record.session_id)
-        sessions.append(
-            SessionStatus(
-                session_id=record.session_id,
-                owner=record.owner,
-                base_model=record.base_model,
-                status=record.status,
-                worker=record.worker,
-                applied=record.applied,
-                step=record.step,
-                submitted=max(submitted, record.applied),
-                queued_ops=max(0, submitted - record.applied),
-                last_op=ops[-1].op if ops else None,
-                queue_position=record.queue_position or None if submitted > record.applied else None,
-                est_wait_s=record.queue_wait_s if submitted > record.applied else None,
-                op_cost_s=record.op_cost_s,
-                last_activity=record.last_activity,
-                idle_s=max(0.0, now - record.last_activity),
-                last_checkpoint=record.checkpoint,
-                checkpoint_seq=record.checkpoint_seq,
-                usage=meter.session_usage(record.session_id),
-            )
-        )
+        sessions.append(_session_status(redis, meter, record, now))
     models = sorted({m for w in workers.values() for m in w.models} | {s.base_model for s in sessions})
     queues = [names.model_queue(m) for m in models] + [
         names.session_queue(s.session_id) for s in sessions if s.status == "active"
@@ -156,6 +121,48 @@ def collect_status(redis, include_stopped: bool = False) -> StatusReport:
         models=served,
         sessions=sessions,
         queues=[QueueDepth(queue=q, depth=queue_depth(redis, q)) for q in queues],
+    )
+
+
+def _live_workers(redis, now: float) -> dict[str, WorkerStatus]:
+    """The workers whose heartbeat is current, by hostname."""
+    return {
+        w.hostname: WorkerStatus(
+            hostname=w.hostname,
+            alive=True,
+            pid=w.pid,
+            models=[m.name for m in w.models],
+            sessions=w.sessions,
+            unloaded=w.unloaded,
+            uptime_s=now - w.started_at,
+            memory=w.memory,
+        )
+        for w in WorkerRegistry(redis).live_workers()
+    }
+
+
+def _session_status(redis, meter: Meter, record: SessionRecord, now: float) -> SessionStatus:
+    submitted = int(redis.hget(names.session_key(record.session_id), "next_seq") or 0)
+    ops = meter.session_ops(record.session_id)
+    return SessionStatus(
+        session_id=record.session_id,
+        owner=record.owner,
+        base_model=record.base_model,
+        status=record.status,
+        worker=record.worker,
+        applied=record.applied,
+        step=record.step,
+        submitted=max(submitted, record.applied),
+        queued_ops=max(0, submitted - record.applied),
+        last_op=ops[-1].op if ops else None,
+        queue_position=record.queue_position or None if submitted > record.applied else None,
+        est_wait_s=record.queue_wait_s if submitted > record.applied else None,
+        op_cost_s=record.op_cost_s,
+        last_activity=record.last_activity,
+        idle_s=max(0.0, now - record.last_activity),
+        last_checkpoint=record.checkpoint,
+        checkpoint_seq=record.checkpoint_seq,
+        usage=meter.session_usage(record.session_id),
     )
 
 
@@ -180,7 +187,21 @@ def _bytes(memory: dict[str, int]) -> str:
 def render(report: StatusReport) -> str:
     """The report as four plain-text tables."""
     lines = [f"workers ({sum(w.alive for w in report.workers)} alive)"]
+    lines += _workers_table(report.workers)
+    lines += ["", f"models ({len(report.models)})"]
     lines += _table(
+        ["MODEL", "FAMILY", "DTYPE", "SAMPLER", "WORKERS"],
+        [[m.name, m.family or "-", m.dtype or "-", m.sampler or "-", str(len(m.workers))] for m in report.models],
+    )
+    lines += ["", f"sessions ({len(report.sessions)})"]
+    lines += _sessions_table(report.sessions)
+    lines += ["", "queues"]
+    lines += _table(["QUEUE", "DEPTH"], [[q.queue, str(q.depth)] for q in report.queues])
+    return "\n".join(lines)
+
+
+def _workers_table(workers: list[WorkerStatus]) -> list[str]:
+    return _table(
         ["HOSTNAME", "ALIVE", "MODELS", "SESSIONS", "UNLOADED", "UPTIME", "MEMORY"],
         [
             [
@@ -192,33 +213,33 @@ def render(report: StatusReport) -> str:
                 _ago(w.uptime_s),
                 _bytes(w.memory),
             ]
-            for w in report.workers
+            for w in workers
         ],
     )
-    lines += ["", f"models ({len(report.models)})"]
-    lines += _table(
-        ["MODEL", "FAMILY", "DTYPE", "SAMPLER", "WORKERS"],
-        [[m.name, m.family or "-", m.dtype or "-", m.sampler or "-", str(len(m.workers))] for m in report.models],
-    )
-    lines += ["", f"sessions ({len(report.sessions)})"]
-    lines += _table(
-        [
-            "SESSION",
-            "OWNER",
-            "MODEL",
-            "STATUS",
-            "WORKER",
-            "APPLIED",
-            "STEP",
-            "QUEUED",
-            "POSITION",
-            "EST WAIT",
-            "OP COST",
-            "LAST OP",
-            "IDLE",
-            "TRAINED TOK",
-            "LAST CHECKPOINT",
-        ],
+
+
+_SESSION_COLUMNS = [
+    "SESSION",
+    "OWNER",
+    "MODEL",
+    "STATUS",
+    "WORKER",
+    "APPLIED",
+    "STEP",
+    "QUEUED",
+    "POSITION",
+    "EST WAIT",
+    "OP COST",
+    "LAST OP",
+    "IDLE",
+    "TRAINED TOK",
+    "LAST CHECKPOINT",
+]
+
+
+def _sessions_table(sessions: list[SessionStatus]) -> list[str]:
+    return _table(
+        _SESSION_COLUMNS,
         [
             [
                 s.session_id,
@@ -237,9 +258,6 @@ def render(report: StatusReport) -> str:
                 str(s.usage.trained_tokens),
                 f"{s.last_checkpoint} (seq {s.checkpoint_seq})" if s.last_checkpoint else "-",
             ]
-            for s in report.sessions
+            for s in sessions
         ],
     )
-    lines += ["", "queues"]
-    lines += _table(["QUEUE", "DEPTH"], [[q.queue, str(q.depth)] for q in report.queues])
-    return "\n".join(lines)

@@ -2,7 +2,8 @@
 
 `Backend` holds the three parts a route needs (ownership checks, Tinker's seq rules, gateway-side
 futures) and the calls that publish to workers. Everything below the routes raises treadle errors;
-the app maps them to HTTP statuses in one handler. `get_backend` is the one FastAPI dependency.
+the app maps them to HTTP statuses in one handler. `get_backend` is its FastAPI dependency; routes
+take it with the caller's owner as one `Call` (caller.py).
 """
 
 from __future__ import annotations

@@ -16,20 +16,19 @@ import time
 import typing
 from collections import OrderedDict
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
-from starlette.concurrency import run_in_threadpool
 from tinker import types as tt
 
 from treadle.errors import ServerError, TreadleError
-from treadle.gateway.auth import require_owner
-from treadle.gateway.backend import Backend, get_backend
+from treadle.gateway.backend import Backend
+from treadle.gateway.caller import Call
 from treadle.gateway.ownership import not_found
 from treadle.gateway.paths import to_tinker
 from treadle.gateway.proto_codec import PROTO_MEDIA_TYPE, encode_forward_backward_output, encode_sample_response
 from treadle.gateway.store import RequestRecord, Sampler
-from treadle.queue.ops import decode_result, parse_request
+from treadle.queue.ops import decode_result
 from treadle.types import ForwardBackwardOutput, SampleResponse
 
 router = APIRouter()
@@ -65,22 +64,21 @@ _CHECKS = _CheckClock()
 
 
 @router.post("/retrieve_future")
-async def retrieve_future(
-    request: Request, owner: str = Depends(require_owner), backend: Backend = Depends(get_backend)
-) -> Response:
-    req = parse_request(tt.FutureRetrieveRequest, await request.json())
-    record = await run_in_threadpool(backend.store.get_request, req.request_id)
-    if record is None or record.owner != owner:
+async def retrieve_future(call: Call) -> Response:
+    req = await call.parse(tt.FutureRetrieveRequest)
+    backend = call.backend
+    record = await call.run(backend.store.get_request, req.request_id)
+    if record is None or record.owner != call.owner:
         raise not_found("request", req.request_id)
     deadline = time.monotonic() + backend.settings.long_poll_seconds
     delay = POLL_START_S
     while True:
         try:
-            value = await run_in_threadpool(backend.local.poll, record)
+            value = await call.run(backend.local.poll, record)
             if value is not None:
-                return await run_in_threadpool(render_result, backend, record, value)
+                return await call.run(render_result, backend, record, value)
             if record.future_id is not None and _CHECKS.due(record.future_id):
-                await run_in_threadpool(backend.check_future, record.future_id)
+                await call.run(backend.check_future, record.future_id)
         except TreadleError as exc:
             return JSONResponse({"error": exc.message, "category": exc.category})
         except Exception as exc:  # a result the gateway cannot render is a server error, not a hung client

@@ -13,13 +13,13 @@ import time
 from functools import lru_cache
 from typing import Literal
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.concurrency import run_in_threadpool
 
 from treadle.errors import InvalidRequestError
-from treadle.gateway.auth import require_owner
-from treadle.gateway.backend import Backend, get_backend
+from treadle.gateway.backend import Backend
+from treadle.gateway.caller import Call
 from treadle.queue.ops import SampleRequest, parse_request
 from treadle.types import MAX_TOKENS_PER_SEQUENCE, SEED_MAX, SamplingParams
 
@@ -91,8 +91,8 @@ def load_tokenizer(source: str):
 
 
 @router.get("/models")
-async def list_models(owner: str = Depends(require_owner), backend: Backend = Depends(get_backend)) -> dict:
-    served = await run_in_threadpool(backend.owners.served_models)
+async def list_models(call: Call) -> dict:
+    served = await call.run(call.backend.owners.served_models)
     return {
         "object": "list",
         "data": [{"id": m.name, "object": "model", "created": 0, "owned_by": "treadle"} for m in served],
@@ -100,17 +100,13 @@ async def list_models(owner: str = Depends(require_owner), backend: Backend = De
 
 
 @router.post("/chat/completions")
-async def chat_completions(
-    request: Request, owner: str = Depends(require_owner), backend: Backend = Depends(get_backend)
-):
-    req = parse_request(ChatCompletionRequest, await request.json())
-    return await _complete(backend, owner, req, chat=True)
+async def chat_completions(call: Call):
+    return await _complete(call.backend, call.owner, await call.parse(ChatCompletionRequest), chat=True)
 
 
 @router.post("/completions")
-async def completions(request: Request, owner: str = Depends(require_owner), backend: Backend = Depends(get_backend)):
-    req = parse_request(CompletionRequest, await request.json())
-    return await _complete(backend, owner, req, chat=False)
+async def completions(call: Call):
+    return await _complete(call.backend, call.owner, await call.parse(CompletionRequest), chat=False)
 
 
 async def _complete(backend: Backend, owner: str, req: _OpenAIRequest, *, chat: bool):

@@ -7,6 +7,7 @@ one, so ids cannot be probed. These checks are the only way the routes reach tre
 from __future__ import annotations
 
 import secrets
+from typing import Protocol, TypeVar
 
 from treadle.errors import InvalidRequestError, NotFoundError, TreadleError, UnknownModelError
 from treadle.gateway.paths import parse_path
@@ -21,6 +22,20 @@ from treadle.storage.paths import CheckpointPath
 
 def not_found(kind: str, ident: str) -> NotFoundError:
     return NotFoundError(f"{kind} {ident!r} not found")
+
+
+class _Owned(Protocol):
+    @property
+    def owner(self) -> str | None: ...
+
+
+OwnedT = TypeVar("OwnedT", bound=_Owned)
+
+
+def _mine(record: OwnedT | None, owner: str, kind: str, ident: str) -> OwnedT:
+    if record is None or record.owner != owner:
+        raise not_found(kind, ident)
+    return record
 
 
 class Ownership:
@@ -43,22 +58,13 @@ class Ownership:
         return session
 
     def client_session(self, session_id: str, owner: str) -> ClientSession:
-        session = self.store.get_session(session_id)
-        if session is None or session.owner != owner:
-            raise not_found("session", session_id)
-        return session
+        return _mine(self.store.get_session(session_id), owner, "session", session_id)
 
     def model(self, model_id: str, owner: str) -> SessionRecord:
-        info = self.ops.session_info(model_id)
-        if info is None or info.owner != owner:
-            raise not_found("model", model_id)
-        return info
+        return _mine(self.ops.session_info(model_id), owner, "model", model_id)
 
     def sampler(self, sampler_id: str, owner: str) -> Sampler:
-        sampler = self.store.get_sampler(sampler_id)
-        if sampler is None or sampler.owner != owner:
-            raise not_found("sampler", sampler_id)
-        return sampler
+        return _mine(self.store.get_sampler(sampler_id), owner, "sampler", sampler_id)
 
     def run(self, run_id: str, owner: str) -> dict:
         run = self.checkpoints().get_run(run_id)

@@ -19,13 +19,11 @@ from __future__ import annotations
 import time
 from datetime import datetime, timedelta, timezone
 
-from fastapi import APIRouter, Depends
+from fastapi import APIRouter
 from pydantic import TypeAdapter, ValidationError
-from starlette.concurrency import run_in_threadpool
 
 from treadle.errors import InvalidRequestError
-from treadle.gateway.auth import require_owner
-from treadle.gateway.backend import Backend, get_backend
+from treadle.gateway.caller import Call
 from treadle.metering import OpUsage
 from treadle.queue.ops import SampleRequest
 
@@ -87,9 +85,7 @@ def _events(ops: list[OpUsage]) -> list[dict]:
 
 
 @router.get("/billing/usage/events")
-async def billing_usage(
-    starting_on: str, ending_before: str, owner: str = Depends(require_owner), backend: Backend = Depends(get_backend)
-) -> dict:
+async def billing_usage(starting_on: str, ending_before: str, call: Call) -> dict:
     start, end = _hour("starting_on", starting_on), _hour("ending_before", ending_before)
     if start.timestamp() > time.time():
         raise InvalidRequestError(f"starting_on: {starting_on!r} is in the future")
@@ -97,6 +93,8 @@ async def billing_usage(
         raise InvalidRequestError(
             f"ending_before: {ending_before!r} must be after starting_on ({starting_on!r}) and at most 14 days after it"
         )
+
+    backend, owner = call.backend, call.owner
 
     def build() -> dict:
         ops = backend.meter().owner_ops(owner, since=start.timestamp(), until=end.timestamp())
@@ -110,14 +108,14 @@ async def billing_usage(
             }
         return {"data": events, "sessions": sessions, "cost_data_through": None}
 
-    return await run_in_threadpool(build)
+    return await call.run(build)
 
 
 @router.get("/billing/usage/checkpoints/current")
-async def checkpoint_storage_usage(
-    project_id: str | None = None, owner: str = Depends(require_owner), backend: Backend = Depends(get_backend)
-) -> dict:
+async def checkpoint_storage_usage(call: Call, project_id: str | None = None) -> dict:
     # treadle has no projects: every checkpoint of the owner counts, whatever project_id asks for.
+    backend, owner = call.backend, call.owner
+
     def build() -> dict:
         store, now = backend.owners.checkpoints(), time.time()
         count = size = 0
@@ -132,4 +130,4 @@ async def checkpoint_storage_usage(
         item = {"user_name": owner, "checkpoint_count": count, "size_bytes": size, "size_gigabytes": size / 1e9}
         return {"effective_rate_usd_per_gigabyte_month": None, "data": [item]}
 
-    return await run_in_threadpool(build)
+    return await call.run(build)

@@ -11,15 +11,13 @@ import secrets
 import time
 from datetime import datetime, timezone
 
-from fastapi import APIRouter, Depends, Request
-from starlette.concurrency import run_in_threadpool
+from fastapi import APIRouter
 from tinker import types as tt
 
 from treadle.errors import InvalidRequestError
 from treadle.gateway import downloads
-from treadle.gateway.auth import require_owner
-from treadle.gateway.backend import Backend, get_backend
-from treadle.queue.ops import MAX_TTL_SECONDS, parse_request
+from treadle.gateway.caller import Call, Caller
+from treadle.queue.ops import MAX_TTL_SECONDS
 from treadle.storage.paths import CheckpointPath
 
 router = APIRouter()
@@ -47,66 +45,50 @@ def _check_ttl(ttl_seconds, field: str = "ttl_seconds") -> int | None:
 
 
 @router.put("/training_runs/{run_id}/checkpoints/{kind}/{name}/ttl")
-async def set_ttl(
-    run_id: str,
-    kind: str,
-    name: str,
-    request: Request,
-    owner: str = Depends(require_owner),
-    backend: Backend = Depends(get_backend),
-) -> None:
+async def set_ttl(run_id: str, kind: str, name: str, call: Call) -> None:
     """The checkpoint now expires `ttl_seconds` from this call (null: never)."""
-    body = await request.json()
+    body = await call.json()
     if not isinstance(body, dict) or "ttl_seconds" not in body:
         raise InvalidRequestError('ttl_seconds: missing; send {"ttl_seconds": seconds or null}')
     ttl = _check_ttl(body["ttl_seconds"])
 
     def change() -> None:
-        path, _ = backend.owners.checkpoint(_tinker_path(run_id, kind, name), owner)
-        backend.owners.checkpoints().set_ttl(path, ttl)
+        path, _ = call.backend.owners.checkpoint(_tinker_path(run_id, kind, name), call.owner)
+        call.backend.owners.checkpoints().set_ttl(path, ttl)
 
-    await run_in_threadpool(change)
+    await call.run(change)
 
 
-async def _set_public(backend: Backend, owner: str, run_id: str, kind: str, name: str, public: bool) -> None:
+async def _set_public(call: Caller, run_id: str, kind: str, name: str, public: bool) -> None:
     def change() -> None:
-        path, _ = backend.owners.checkpoint(_tinker_path(run_id, kind, name), owner)
-        backend.owners.checkpoints().set_public(path, public)
+        path, _ = call.backend.owners.checkpoint(_tinker_path(run_id, kind, name), call.owner)
+        call.backend.owners.checkpoints().set_public(path, public)
 
-    await run_in_threadpool(change)
+    await call.run(change)
 
 
 @router.post("/training_runs/{run_id}/checkpoints/{kind}/{name}/publish")
-async def publish(
-    run_id: str, kind: str, name: str, owner: str = Depends(require_owner), backend: Backend = Depends(get_backend)
-) -> None:
-    await _set_public(backend, owner, run_id, kind, name, True)
+async def publish(run_id: str, kind: str, name: str, call: Call) -> None:
+    await _set_public(call, run_id, kind, name, True)
 
 
 @router.delete("/training_runs/{run_id}/checkpoints/{kind}/{name}/publish")
-async def unpublish(
-    run_id: str, kind: str, name: str, owner: str = Depends(require_owner), backend: Backend = Depends(get_backend)
-) -> None:
-    await _set_public(backend, owner, run_id, kind, name, False)
+async def unpublish(run_id: str, kind: str, name: str, call: Call) -> None:
+    await _set_public(call, run_id, kind, name, False)
 
 
 @router.get("/training_runs/{run_id}/checkpoints/{kind}/{name}/external_weights_urls")
-async def external_weights_urls(
-    run_id: str,
-    kind: str,
-    name: str,
-    request: Request,
-    owner: str = Depends(require_owner),
-    backend: Backend = Depends(get_backend),
-) -> dict:
+async def external_weights_urls(run_id: str, kind: str, name: str, call: Call) -> dict:
     """One signed GET link per file, keyed by its path in the checkpoint (`.age` files when encrypted)."""
     if kind != "external_weights":
         raise InvalidRequestError(
             f"checkpoint kind: {kind!r}; download URLs are for external_weights checkpoints (save_weights_external)"
         )
 
+    backend = call.backend
+
     def build() -> dict:
-        path, manifest = backend.owners.readable_checkpoint(_tinker_path(run_id, kind, name), owner)
+        path, manifest = backend.owners.readable_checkpoint(_tinker_path(run_id, kind, name), call.owner)
         now = time.time()
         lifetime = (
             URL_LIFETIME_S if manifest.expires_at is None else int(min(URL_LIFETIME_S, manifest.expires_at - now))
@@ -115,24 +97,23 @@ async def external_weights_urls(
             raise InvalidRequestError(f"checkpoint {path.uri('tinker')} has expired; there is nothing to download")
         store = backend.owners.checkpoints()
         urls = {
-            f: downloads.signed_url(backend, str(request.base_url), store.file_key(path, f), lifetime)
+            f: downloads.signed_url(backend, str(call.request.base_url), store.file_key(path, f), lifetime)
             for f in sorted(manifest.files)
         }
         return {"urls": urls, "expires": datetime.fromtimestamp(now + lifetime, tz=timezone.utc).isoformat()}
 
-    return await run_in_threadpool(build)
+    return await call.run(build)
 
 
 @router.post("/copy_weights")
-async def copy_weights(
-    request: Request, owner: str = Depends(require_owner), backend: Backend = Depends(get_backend)
-) -> dict:
+async def copy_weights(call: Call) -> dict:
     """A copy of a readable checkpoint, of the same kind and name, in a new run of the caller that cannot be
     trained on. treadle has no projects: `destination_project_id` is recorded on the new run, nothing more.
     The store duplicates the files (verified on the way), so the copy outlives a deleted source."""
-    req = parse_request(tt.CopyWeightsRequest, await request.json())
+    req = await call.parse(tt.CopyWeightsRequest)
     ttl = _check_ttl(req.ttl_seconds)
-    idempotency = request.headers.get("x-idempotency-key")
+    idempotency = call.request.headers.get("x-idempotency-key")
+    backend, owner = call.backend, call.owner
 
     def copy() -> dict:
         if idempotency and (done := backend.store.copy_done(owner, idempotency)) is not None:
@@ -160,4 +141,4 @@ async def copy_weights(
             backend.store.remember_copy(owner, idempotency, path, IDEMPOTENCY_TTL_S)
         return {"tinker_path": path}
 
-    return await run_in_threadpool(copy)
+    return await call.run(copy)

@@ -6,13 +6,11 @@ These routes change what exists; reading about existing sessions (search, queues
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Depends, Request
-from starlette.concurrency import run_in_threadpool
+from fastapi import APIRouter, Depends
 from tinker import types as tt
 
 from treadle.gateway.auth import require_owner
-from treadle.gateway.backend import Backend, get_backend
-from treadle.queue.ops import parse_request
+from treadle.gateway.caller import Call
 
 router = APIRouter()
 
@@ -23,11 +21,9 @@ async def healthz() -> dict:
 
 
 @router.post("/client/config")
-async def client_config(
-    request: Request, owner: str = Depends(require_owner), backend: Backend = Depends(get_backend)
-) -> dict:
+async def client_config(call: Call) -> dict:
     """Feature flags of this server. Required: the SDK aborts if this endpoint is missing."""
-    settings = backend.settings
+    settings = call.backend.settings
     return {
         "pjwt_auth_enabled": False,
         "parallel_fwdbwd_chunks": True,
@@ -45,43 +41,35 @@ async def client_dynamic_config(owner: str = Depends(require_owner)) -> dict:
 
 
 @router.post("/create_session")
-async def create_session(
-    request: Request, owner: str = Depends(require_owner), backend: Backend = Depends(get_backend)
-) -> dict:
-    req = parse_request(tt.CreateSessionRequest, await request.json())
-    session = await run_in_threadpool(
-        backend.owners.new_client_session, owner, req.tags, req.user_metadata, req.display_name
+async def create_session(call: Call) -> dict:
+    req = await call.parse(tt.CreateSessionRequest)
+    session = await call.run(
+        call.backend.owners.new_client_session, call.owner, req.tags, req.user_metadata, req.display_name
     )
     return {"session_id": session.session_id, "type": "create_session"}
 
 
 @router.post("/session_heartbeat")
-async def session_heartbeat(
-    request: Request, owner: str = Depends(require_owner), backend: Backend = Depends(get_backend)
-) -> dict:
-    req = parse_request(tt.SessionHeartbeatRequest, await request.json())
-    await run_in_threadpool(backend.owners.client_session, req.session_id, owner)
-    await run_in_threadpool(backend.store.touch_session, req.session_id)
+async def session_heartbeat(call: Call) -> dict:
+    req = await call.parse(tt.SessionHeartbeatRequest)
+    await call.session(req.session_id)
+    await call.run(call.backend.store.touch_session, req.session_id)
     return {"type": "session_heartbeat"}
 
 
 @router.post("/sessions/{session_id}/finish")
-async def finish_session(
-    session_id: str, request: Request, owner: str = Depends(require_owner), backend: Backend = Depends(get_backend)
-) -> dict:
+async def finish_session(session_id: str, call: Call) -> dict:
     """The client closed: stop its training models so their workers free the adapters. Checkpoints stay."""
-    await run_in_threadpool(backend.owners.client_session, session_id, owner)
-    for model_id in await run_in_threadpool(backend.store.members, session_id, "models"):
-        if await run_in_threadpool(backend.model_exists, model_id):
-            await run_in_threadpool(backend.seqs.stop_model, model_id)
+    await call.session(session_id)
+    for model_id in await call.run(call.backend.store.members, session_id, "models"):
+        if await call.run(call.backend.model_exists, model_id):
+            await call.run(call.backend.seqs.stop_model, model_id)
     return {"status": "finished"}
 
 
 @router.get("/get_server_capabilities")
-async def get_server_capabilities(
-    request: Request, owner: str = Depends(require_owner), backend: Backend = Depends(get_backend)
-) -> dict:
-    served = await run_in_threadpool(backend.owners.served_models)
+async def get_server_capabilities(call: Call) -> dict:
+    served = await call.run(call.backend.owners.served_models)
     return {
         "supported_models": [
             {

@@ -12,15 +12,18 @@ from __future__ import annotations
 
 from datetime import datetime, timezone
 
-from fastapi import APIRouter, Depends, Request
-from starlette.concurrency import run_in_threadpool
+from typing import Callable, TypeVar
 
-from treadle.gateway.auth import require_owner
-from treadle.gateway.backend import Backend, get_backend
+from fastapi import APIRouter
+
+from treadle.gateway.backend import Backend
+from treadle.gateway.caller import Call
 from treadle.gateway.ownership import not_found
 from treadle.storage.manifest import Manifest
 
 router = APIRouter()
+
+T = TypeVar("T")
 
 
 def _time(seconds: float | None) -> str | None:
@@ -75,97 +78,77 @@ def _owned_runs(backend: Backend, owner: str) -> list[tuple[str, dict]]:
     return sorted(runs, key=lambda item: item[1].get("created_at") or 0.0)
 
 
+def _page(field: str, items: list[T], offset: int, limit: int, render: Callable[[T], dict]) -> dict:
+    """One page of `items`, rendered, and the cursor the SDK pages with."""
+    return {
+        field: [render(item) for item in items[offset : offset + limit]],
+        "cursor": {"offset": offset, "limit": limit, "total_count": len(items)},
+    }
+
+
 @router.get("/training_runs")
-async def list_training_runs(
-    request: Request,
-    limit: int = 20,
-    offset: int = 0,
-    owner: str = Depends(require_owner),
-    backend: Backend = Depends(get_backend),
-) -> dict:
+async def list_training_runs(call: Call, limit: int = 20, offset: int = 0) -> dict:
+    backend = call.backend
 
     def build() -> dict:
-        runs = _owned_runs(backend, owner)
-        page = runs[offset : offset + limit]
-        return {
-            "training_runs": [_run_json(backend, run_id, run) for run_id, run in page],
-            "cursor": {"offset": offset, "limit": limit, "total_count": len(runs)},
-        }
+        runs = _owned_runs(backend, call.owner)
+        return _page("training_runs", runs, offset, limit, lambda item: _run_json(backend, *item))
 
-    return await run_in_threadpool(build)
+    return await call.run(build)
 
 
 @router.get("/training_runs/{run_id}")
-async def get_training_run(
-    run_id: str, request: Request, owner: str = Depends(require_owner), backend: Backend = Depends(get_backend)
-) -> dict:
-    return await run_in_threadpool(lambda: _run_json(backend, run_id, backend.owners.run(run_id, owner)))
+async def get_training_run(run_id: str, call: Call) -> dict:
+    return await call.run(lambda: _run_json(call.backend, run_id, call.backend.owners.run(run_id, call.owner)))
 
 
 @router.get("/training_runs/{run_id}/checkpoints")
-async def list_checkpoints(
-    run_id: str, request: Request, owner: str = Depends(require_owner), backend: Backend = Depends(get_backend)
-) -> dict:
+async def list_checkpoints(run_id: str, call: Call) -> dict:
+    owners = call.backend.owners
 
     def build() -> dict:
-        backend.owners.run(run_id, owner)
-        return {"checkpoints": [checkpoint_json(m) for m in backend.owners.checkpoints().list_checkpoints(run_id)]}
+        owners.run(run_id, call.owner)
+        return {"checkpoints": [checkpoint_json(m) for m in owners.checkpoints().list_checkpoints(run_id)]}
 
-    return await run_in_threadpool(build)
+    return await call.run(build)
 
 
 @router.delete("/training_runs/{run_id}/checkpoints/{kind}/{name}")
-async def delete_checkpoint(
-    run_id: str,
-    kind: str,
-    name: str,
-    request: Request,
-    owner: str = Depends(require_owner),
-    backend: Backend = Depends(get_backend),
-) -> None:
+async def delete_checkpoint(run_id: str, kind: str, name: str, call: Call) -> None:
     """The checkpoint id is `<kind>/<name>`, sent unescaped, hence two path segments."""
     path = f"tinker://{run_id}/{kind}/{name}"
+    owners = call.backend.owners
 
     def delete() -> None:
-        parsed, _ = backend.owners.checkpoint(path, owner)
-        backend.owners.checkpoints().delete(parsed)
+        parsed, _ = owners.checkpoint(path, call.owner)
+        owners.checkpoints().delete(parsed)
 
-    await run_in_threadpool(delete)
+    await call.run(delete)
 
 
 @router.get("/checkpoints")
-async def list_user_checkpoints(
-    request: Request,
-    limit: int = 100,
-    offset: int = 0,
-    owner: str = Depends(require_owner),
-    backend: Backend = Depends(get_backend),
-) -> dict:
+async def list_user_checkpoints(call: Call, limit: int = 100, offset: int = 0) -> dict:
+    backend = call.backend
 
     def build() -> dict:
         manifests = [
             m
-            for run_id, _ in _owned_runs(backend, owner)
+            for run_id, _ in _owned_runs(backend, call.owner)
             for m in backend.owners.checkpoints().list_checkpoints(run_id)
         ]
         manifests.sort(key=lambda m: m.created_at, reverse=True)
-        return {
-            "checkpoints": [checkpoint_json(m) for m in manifests[offset : offset + limit]],
-            "cursor": {"offset": offset, "limit": limit, "total_count": len(manifests)},
-        }
+        return _page("checkpoints", manifests, offset, limit, checkpoint_json)
 
-    return await run_in_threadpool(build)
+    return await call.run(build)
 
 
 @router.post("/weights_info")
-async def weights_info(
-    request: Request, owner: str = Depends(require_owner), backend: Backend = Depends(get_backend)
-) -> dict:
-    body = await request.json()
+async def weights_info(call: Call) -> dict:
+    body = await call.json()
     tinker_path = body.get("tinker_path") if isinstance(body, dict) else None
     if not isinstance(tinker_path, str):
         raise not_found("checkpoint", str(tinker_path))
-    _, manifest = await run_in_threadpool(backend.owners.readable_checkpoint, tinker_path, owner)
+    _, manifest = await call.run(call.backend.owners.readable_checkpoint, tinker_path, call.owner)
     lora = manifest.lora_config or {}
     return {
         "base_model": manifest.base_model,
@@ -179,24 +162,16 @@ async def weights_info(
 
 
 @router.get("/sessions")
-async def list_sessions(
-    request: Request,
-    limit: int = 20,
-    offset: int = 0,
-    owner: str = Depends(require_owner),
-    backend: Backend = Depends(get_backend),
-) -> dict:
-    sessions = await run_in_threadpool(backend.store.sessions_of, owner)
+async def list_sessions(call: Call, limit: int = 20, offset: int = 0) -> dict:
+    sessions = await call.run(call.backend.store.sessions_of, call.owner)
     return {"sessions": [s.session_id for s in sessions[offset : offset + limit]]}
 
 
 @router.get("/sessions/{session_id}")
-async def get_session(
-    session_id: str, request: Request, owner: str = Depends(require_owner), backend: Backend = Depends(get_backend)
-) -> dict:
-    session = await run_in_threadpool(backend.owners.client_session, session_id, owner)
+async def get_session(session_id: str, call: Call) -> dict:
+    session = await call.session(session_id)
     return {
-        "training_run_ids": await run_in_threadpool(backend.store.members, session_id, "models"),
-        "sampler_ids": await run_in_threadpool(backend.store.members, session_id, "samplers"),
+        "training_run_ids": await call.run(call.backend.store.members, session_id, "models"),
+        "sampler_ids": await call.run(call.backend.store.members, session_id, "samplers"),
         "user_metadata": _strings(session.user_metadata),
     }

@@ -11,13 +11,11 @@ serving that base model consumes, so sampling never waits behind a session's tra
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Depends, Request
-from starlette.concurrency import run_in_threadpool
+from fastapi import APIRouter
 from tinker import types as tt
 
 from treadle.errors import InvalidRequestError, TreadleError
-from treadle.gateway.auth import require_owner
-from treadle.gateway.backend import Backend, get_backend
+from treadle.gateway.caller import Call
 from treadle.gateway.paths import to_tinker
 from treadle.gateway.sample_targets import dense_target_ids
 from treadle.gateway.store import Sampler
@@ -28,30 +26,26 @@ router = APIRouter()
 
 
 @router.post("/create_sampling_session")
-async def create_sampling_session(
-    request: Request, owner: str = Depends(require_owner), backend: Backend = Depends(get_backend)
-) -> dict:
-    req = parse_request(tt.CreateSamplingSessionRequest, await request.json())
-    await run_in_threadpool(backend.owners.client_session, req.session_id, owner)
-    base_model, model_path = await run_in_threadpool(
-        backend.owners.sampling_target, owner, req.base_model, req.model_path
+async def create_sampling_session(call: Call) -> dict:
+    req = await call.parse(tt.CreateSamplingSessionRequest)
+    await call.session(req.session_id)
+    base_model, model_path = await call.run(
+        call.backend.owners.sampling_target, call.owner, req.base_model, req.model_path
     )
     sampler = Sampler(
         sampler_id=f"{req.session_id}:sample:{req.sampling_session_seq_id}",
-        owner=owner,
+        owner=call.owner,
         base_model=base_model,
         model_path=model_path,
     )
-    await run_in_threadpool(backend.store.put_sampler, sampler)
-    await run_in_threadpool(backend.store.add_member, req.session_id, "samplers", sampler.sampler_id)
+    await call.run(call.backend.store.put_sampler, sampler)
+    await call.run(call.backend.store.add_member, req.session_id, "samplers", sampler.sampler_id)
     return {"sampling_session_id": sampler.sampler_id, "type": "create_sampling_session"}
 
 
 @router.get("/samplers/{sampler_id}")
-async def get_sampler(
-    sampler_id: str, request: Request, owner: str = Depends(require_owner), backend: Backend = Depends(get_backend)
-) -> dict:
-    sampler = await run_in_threadpool(backend.owners.sampler, sampler_id, owner)
+async def get_sampler(sampler_id: str, call: Call) -> dict:
+    sampler = await call.sampler(sampler_id)
     return {
         "sampler_id": sampler.sampler_id,
         "base_model": sampler.base_model,
@@ -60,27 +54,24 @@ async def get_sampler(
 
 
 @router.post("/asample")
-async def asample(
-    request: Request, owner: str = Depends(require_owner), backend: Backend = Depends(get_backend)
-) -> dict:
+async def asample(call: Call) -> dict:
     """Returns the future at once, with one `sample_sequence_id` per sample (the SDK asserts them)."""
-    req = parse_request(tt.SampleRequest, await request.json())
+    req = await call.parse(tt.SampleRequest)
+    backend, owner = call.backend, call.owner
     if req.sampling_session_id is not None:
-        sampler = await run_in_threadpool(backend.owners.sampler, req.sampling_session_id, owner)
+        sampler = await call.sampler(req.sampling_session_id)
         base_model, model_path = sampler.base_model, sampler.model_path
         if sampler.inflight_of is not None:
-            model_path = await run_in_threadpool(backend.store.inflight_target, sampler.inflight_of) or model_path
+            model_path = await call.run(backend.store.inflight_target, sampler.inflight_of) or model_path
     else:
-        base_model, model_path = await run_in_threadpool(
-            backend.owners.sampling_target, owner, req.base_model, req.model_path
-        )
+        base_model, model_path = await call.run(backend.owners.sampling_target, owner, req.base_model, req.model_path)
     try:
         sample, target_layout = _sample_request(req, base_model, model_path)
     except TreadleError as exc:
-        request_id = await run_in_threadpool(backend.local.fail, owner, "sample", exc)
+        request_id = await call.run(backend.local.fail, owner, "sample", exc)
     else:
         extra = {"prompt_logprobs_last_n": req.prompt_logprobs_last_n, "target_layout": target_layout}
-        request_id = await run_in_threadpool(backend.submit_sample, owner, sample, extra)
+        request_id = await call.run(backend.submit_sample, owner, sample, extra)
     return {"request_id": request_id, "sample_sequence_ids": [f"{request_id}:{i}" for i in range(req.num_samples)]}
 
 

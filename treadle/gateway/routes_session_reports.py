@@ -15,15 +15,13 @@ from __future__ import annotations
 import json
 from datetime import datetime, timedelta, timezone
 
-from fastapi import APIRouter, Depends, Request
-from starlette.concurrency import run_in_threadpool
+from fastapi import APIRouter
 from tinker import types as tt
 
 from treadle.gateway import downloads
-from treadle.gateway.auth import require_owner
-from treadle.gateway.backend import Backend, get_backend
+from treadle.gateway.backend import Backend
+from treadle.gateway.caller import Call
 from treadle.gateway.store import ClientSession
-from treadle.queue.ops import parse_request
 
 router = APIRouter()
 PROJECT_ID = "default"
@@ -86,17 +84,18 @@ def _summary(backend: Backend, session: ClientSession) -> dict:
 
 
 @router.post("/sessions/search")
-async def search_sessions(
-    request: Request, owner: str = Depends(require_owner), backend: Backend = Depends(get_backend)
-) -> dict:
+async def search_sessions(call: Call) -> dict:
     """The caller's matching sessions, newest first, a page at a time (cursor: the last one's time and id)."""
-    req = parse_request(tt.SessionSearchRequest, await request.json())
+    req = await call.parse(tt.SessionSearchRequest)
+    backend = call.backend
 
     def search() -> dict:
         # Ordered and compared in whole microseconds: the cursor carries the time as an ISO string, and a
         # float compared with its rounded copy could let the last session of a page back into the next.
         sessions = sorted(
-            backend.store.sessions_of(owner), key=lambda s: (_micros(_utc(s.created_at)), s.session_id), reverse=True
+            backend.store.sessions_of(call.owner),
+            key=lambda s: (_micros(_utc(s.created_at)), s.session_id),
+            reverse=True,
         )
         if req.cursor is not None:
             after = (_micros(req.cursor.last_created_at), req.cursor.last_session_id)
@@ -115,7 +114,7 @@ async def search_sessions(
         )
         return {"sessions": [_summary(backend, s) for s in page], "next_cursor": cursor}
 
-    return await run_in_threadpool(search)
+    return await call.run(search)
 
 
 def session_trace(backend: Backend, session_id: str) -> dict:
@@ -166,14 +165,14 @@ def session_trace(backend: Backend, session_id: str) -> dict:
 
 
 @router.get("/sessions/{session_id}/queue")
-async def session_queue(
-    session_id: str, request: Request, owner: str = Depends(require_owner), backend: Backend = Depends(get_backend)
-) -> dict:
+async def session_queue(session_id: str, call: Call) -> dict:
     """Each training model of the client session: ops queued, its next op's place in its worker's line and the
     estimated wait (from the measured costs of the ops ahead of it), as the worker last decided."""
 
+    backend = call.backend
+
     def read() -> dict:
-        backend.owners.client_session(session_id, owner)
+        backend.owners.client_session(session_id, call.owner)
         models = []
         for model_id in backend.store.members(session_id, "models"):
             record = backend.session_info(model_id)
@@ -193,22 +192,22 @@ async def session_queue(
             )
         return {"session_id": session_id, "models": models}
 
-    return await run_in_threadpool(read)
+    return await call.run(read)
 
 
 @router.get("/sessions/{session_id}/trace_export")
-async def trace_export(
-    session_id: str, request: Request, owner: str = Depends(require_owner), backend: Backend = Depends(get_backend)
-) -> dict:
+async def trace_export(session_id: str, call: Call) -> dict:
     """Built at once (the SDK polls until `ready`): the trace as of this call, behind a signed link."""
 
+    backend = call.backend
+
     def export() -> dict:
-        backend.owners.client_session(session_id, owner)
+        backend.owners.client_session(session_id, call.owner)
         key = f"traces/{session_id}.json"  # each export replaces the last: a trace only grows
         backend.owners.checkpoints().blobs.put_bytes(key, json.dumps(session_trace(backend, session_id)).encode())
         return {
             "status": "ready",
-            "url": downloads.signed_url(backend, str(request.base_url), key, TRACE_URL_LIFETIME_S),
+            "url": downloads.signed_url(backend, str(call.request.base_url), key, TRACE_URL_LIFETIME_S),
         }
 
-    return await run_in_threadpool(export)
+    return await call.run(export)

@@ -7,15 +7,16 @@ client-side id arithmetic and treadle's checkpoint paths (`<run_id>` = model id)
 
 from __future__ import annotations
 
-from typing import Callable
+from dataclasses import dataclass
+from typing import Callable, TypeVar
 
-from fastapi import APIRouter, Depends, Request
-from starlette.concurrency import run_in_threadpool
+from fastapi import APIRouter
+from pydantic import BaseModel
 from tinker import types as tt
 
 from treadle.errors import InvalidRequestError, TreadleError
-from treadle.gateway.auth import require_owner
-from treadle.gateway.backend import Backend, get_backend, model_session_id
+from treadle.gateway.backend import Backend, model_session_id
+from treadle.gateway.caller import Call, Caller
 from treadle.gateway.proto_codec import decode_data, forward_backward_request, parse_forward_backward
 from treadle.gateway.settings import LOSS_ALIAS_METADATA_KEY
 from treadle.queue.ops import (
@@ -28,9 +29,17 @@ from treadle.queue.ops import (
     SaveWeightsForSamplerRequest,
     parse_request,
 )
+from treadle.queue.sessions import SessionRecord
 from treadle.types import AdamParams, LoraConfig
 
 router = APIRouter()
+
+
+# The Tinker requests of the ops on an existing model that name it by model_id.
+OpT = TypeVar(
+    "OpT", tt.OptimStepRequest, tt.SaveWeightsRequest, tt.SaveWeightsForSamplerRequest, tt.SaveWeightsExternalRequest
+)
+RequestT = TypeVar("RequestT", bound=BaseModel)
 
 
 def _future(request_id: str, model_id: str) -> dict:
@@ -46,47 +55,117 @@ def _run_metadata(backend: Backend, user_metadata: dict | None) -> dict | None:
     return {**(user_metadata or {}), LOSS_ALIAS_METADATA_KEY: ",".join(f"{k}={v}" for k, v in aliases.items())}
 
 
+@dataclass(frozen=True)
+class _ModelOp:
+    """An op at the client's seq on one of the caller's models. Its raw body is kept with the op, so a retry
+    with the same body is the same request."""
+
+    call: Caller
+    model_id: str
+    seq_id: int | None
+    body: bytes
+    info: SessionRecord
+
+    @classmethod
+    async def owned(cls, call: Caller, model_id: str, seq_id: int | None, body: bytes) -> _ModelOp:
+        return cls(call, model_id, seq_id, body, await call.model(model_id))
+
+    async def submit(self, build: Callable[[], OpRequest], kind: str, extra: dict | None = None) -> dict:
+        """Build the op's typed request and publish it at seq_id; one that cannot be translated takes its seq
+        as a noop. Answers the op's future."""
+        backend, owner = self.call.backend, self.call.owner
+
+        def run() -> str:
+            try:
+                request = build()
+            except TreadleError as exc:
+                if exc.category != "user":
+                    raise
+                return backend.seqs.refuse(owner, self.model_id, self.seq_id, exc, body=self.body)
+            return backend.seqs.submit(
+                owner, self.model_id, self.seq_id, request, kind=kind, body=self.body, extra=extra
+            )
+
+        return _future(await self.call.run(run), self.model_id)
+
+
+async def _training_op(call: Caller, tinker_type: type[OpT]) -> tuple[OpT, _ModelOp]:
+    """What every op on an existing model starts with: the body, the Tinker request, the model checked to be
+    the caller's."""
+    req, body = await _parse_op(call, tinker_type)
+    return req, await _ModelOp.owned(call, req.model_id, req.seq_id, body)
+
+
+async def _parse_op(call: Caller, tinker_type: type[RequestT]) -> tuple[RequestT, bytes]:
+    """A training op's Tinker request and raw body. One that fails validation but names a model of the
+    caller's and a seq_id still takes that seq (a noop whose future fails with the same reason), so later
+    ops run."""
+    body = await call.body()
+    payload = await call.json()
+    try:
+        return parse_request(tinker_type, payload), body
+    except InvalidRequestError as exc:
+        model_id, seq_id = (
+            (payload.get("model_id"), payload.get("seq_id")) if isinstance(payload, dict) else (None, None)
+        )
+        if isinstance(model_id, str) and type(seq_id) is int and seq_id >= 1:
+            await _take_refused(call, model_id, seq_id, exc, body)
+        raise
+
+
+async def _take_refused(call: Caller, model_id: str, seq_id: int, error: InvalidRequestError, body: bytes) -> None:
+    def take() -> None:
+        try:
+            call.backend.owners.model(model_id, call.owner)
+            call.backend.seqs.refuse(call.owner, model_id, seq_id, error, body=body)
+        except TreadleError:
+            pass  # not the caller's model, a stopped one, a seq outside the window: nothing to take; the 400 says why
+
+    await call.run(take)
+
+
+async def _create_model(call: Caller, session_id: str, create: CreateSessionRequest, answer: dict, body: bytes) -> dict:
+    """Create a training model in the caller's client session: a gateway-side future, of the kind `answer`'s
+    type names, that answers `answer` once a worker has the model."""
+    model_id, kind = create.session_id, answer["type"]
+
+    def run() -> dict:
+        call.backend.create_model(create)
+        return answer
+
+    await call.run(call.backend.store.add_member, session_id, "models", model_id)
+    request_id = await call.run(call.backend.local.run, call.owner, kind, f"{kind}:{model_id}", run, body=body)
+    return _future(request_id, model_id)
+
+
 @router.post("/create_model")
-async def create_model(
-    request: Request, owner: str = Depends(require_owner), backend: Backend = Depends(get_backend)
-) -> dict:
-    body = await request.body()
-    req = parse_request(tt.CreateModelRequest, await request.json())
-    await run_in_threadpool(backend.owners.client_session, req.session_id, owner)
+async def create_model(call: Call) -> dict:
+    body = await call.body()
+    req = await call.parse(tt.CreateModelRequest)
+    await call.session(req.session_id)
     model_id = f"{req.session_id}:train:{req.model_seq_id}"
     if req.optimizer_config.type != "adamw":
         error = InvalidRequestError(
             f"optimizer_config.type: {req.optimizer_config.type!r} is not supported; treadle trains with 'adamw'"
         )
-        return _future(backend.local.fail(owner, "create_model", error), model_id)
+        return _future(call.backend.local.fail(call.owner, "create_model", error), model_id)
     tinker_lora = req.lora_config or tt.LoraConfig(rank=LoraConfig().rank)
     lora = parse_request(LoraConfig, tinker_lora.model_dump(exclude_none=True), "lora_config")
     create = CreateSessionRequest.build(
         session_id=model_id,
         base_model=req.base_model,
         lora=lora,
-        owner=owner,
-        user_metadata=_run_metadata(backend, req.user_metadata),
+        owner=call.owner,
+        user_metadata=_run_metadata(call.backend, req.user_metadata),
     )
-
-    def run() -> dict:
-        backend.create_model(create)
-        return {"model_id": model_id, "type": "create_model"}
-
-    await run_in_threadpool(backend.store.add_member, req.session_id, "models", model_id)
-    request_id = await run_in_threadpool(
-        backend.local.run, owner, "create_model", f"create_model:{model_id}", run, body=body
-    )
-    return _future(request_id, model_id)
+    return await _create_model(call, req.session_id, create, {"model_id": model_id, "type": "create_model"}, body)
 
 
 @router.post("/get_info")
-async def get_info(
-    request: Request, owner: str = Depends(require_owner), backend: Backend = Depends(get_backend)
-) -> dict:
-    req = parse_request(tt.GetInfoRequest, await request.json())
-    info = await run_in_threadpool(backend.owners.model, req.model_id, owner)
-    tokenizer_id = await run_in_threadpool(backend.owners.tokenizer_source, info.base_model)
+async def get_info(call: Call) -> dict:
+    req = await call.parse(tt.GetInfoRequest)
+    info = await call.model(req.model_id)
+    tokenizer_id = await call.run(call.backend.owners.tokenizer_source, info.base_model)
     return {
         "type": "get_info",
         "model_id": info.session_id,
@@ -100,42 +179,24 @@ async def get_info(
 
 
 @router.post("/forward_backward")
-async def forward_backward(
-    request: Request, owner: str = Depends(require_owner), backend: Backend = Depends(get_backend)
-) -> dict:
+async def forward_backward(call: Call) -> dict:
     """Protobuf in; `forward_only` makes it a forward (the SDK has no separate /forward call)."""
-    body = await request.body()  # zstd already decompressed, within the body limits (gateway/bodies.py)
+    body = await call.body()
     msg = parse_forward_backward(body)
-    await run_in_threadpool(backend.owners.model, msg.model_id, owner)
+    op = await _ModelOp.owned(call, msg.model_id, msg.seq_id, body)
     try:
-        data = await run_in_threadpool(decode_data, msg)
-    except (
-        InvalidRequestError
-    ) as exc:  # tensors or tokens the message cannot mean: a 400, as a bad JSON field is, that takes its seq
-        await run_in_threadpool(_take_refused, backend, owner, msg.model_id, msg.seq_id, exc, body)
+        data = await call.run(decode_data, msg)
+    # tensors or tokens the message cannot mean: a 400, as a bad JSON field is, that takes its seq
+    except InvalidRequestError as exc:
+        await _take_refused(call, msg.model_id, msg.seq_id, exc, body)
         raise
-    aliases = backend.settings.loss_aliases
-    return _future(
-        await _submit(
-            backend,
-            owner,
-            msg.model_id,
-            msg.seq_id,
-            lambda: forward_backward_request(msg, data, aliases),
-            kind="forward_backward",
-            body=body,
-        ),
-        msg.model_id,
-    )
+    aliases = call.backend.settings.loss_aliases
+    return await op.submit(lambda: forward_backward_request(msg, data, aliases), "forward_backward")
 
 
 @router.post("/optim_step")
-async def optim_step(
-    request: Request, owner: str = Depends(require_owner), backend: Backend = Depends(get_backend)
-) -> dict:
-    body = await request.body()
-    req = await _parse_op(backend, owner, tt.OptimStepRequest, await request.json(), body)
-    await run_in_threadpool(backend.owners.model, req.model_id, owner)
+async def optim_step(call: Call) -> dict:
+    req, op = await _training_op(call, tt.OptimStepRequest)
 
     def build() -> OptimStepRequest:
         if not isinstance(req.optim_params, tt.AdamParams):
@@ -146,19 +207,13 @@ async def optim_step(
             adam_params=parse_request(AdamParams, req.optim_params.model_dump(), "adam_params")
         )
 
-    return _future(
-        await _submit(backend, owner, req.model_id, req.seq_id, build, kind="optim_step", body=body), req.model_id
-    )
+    return await op.submit(build, "optim_step")
 
 
 @router.post("/save_weights")
-async def save_weights(
-    request: Request, owner: str = Depends(require_owner), backend: Backend = Depends(get_backend)
-) -> dict:
+async def save_weights(call: Call) -> dict:
     """`TrainingClient.save_state`: adapter + optimizer state under tinker://<model_id>/weights/<name>."""
-    body = await request.body()
-    req = await _parse_op(backend, owner, tt.SaveWeightsRequest, await request.json(), body)
-    await run_in_threadpool(backend.owners.model, req.model_id, owner)
+    req, op = await _training_op(call, tt.SaveWeightsRequest)
 
     def build() -> SaveStateRequest:
         if not req.path:
@@ -167,150 +222,71 @@ async def save_weights(
             name=req.path, ttl_seconds=req.ttl_seconds, overwrite=req.overwrite, user_metadata=req.user_metadata
         )
 
-    return _future(
-        await _submit(backend, owner, req.model_id, req.seq_id, build, kind="save_weights", body=body), req.model_id
-    )
+    return await op.submit(build, "save_weights")
 
 
 @router.post("/save_weights_for_sampler")
-async def save_weights_for_sampler(
-    request: Request, owner: str = Depends(require_owner), backend: Backend = Depends(get_backend)
-) -> dict:
+async def save_weights_for_sampler(call: Call) -> dict:
     """Named: a persistent sampler checkpoint. Ephemeral (no path): a snapshot that becomes a sampling session."""
-    body = await request.body()
-    req = await _parse_op(backend, owner, tt.SaveWeightsForSamplerRequest, await request.json(), body)
-    info = await run_in_threadpool(backend.owners.model, req.model_id, owner)
+    req, op = await _training_op(call, tt.SaveWeightsForSamplerRequest)
     extra = None
     if req.path is None:
         session_id = model_session_id(req.model_id)
         seq = req.sampling_session_seq_id if req.sampling_session_seq_id is not None else req.seq_id
         extra = {
             "sampler_id": f"{session_id}:sample:{seq}",
-            "base_model": info.base_model,
+            "base_model": op.info.base_model,
             "session_id": session_id,
             "inflight_of": req.model_id if req.kind == "inflight" else None,
             "sampler_seq": seq,
         }
-    return _future(
-        await _submit(
-            backend,
-            owner,
-            req.model_id,
-            req.seq_id,
-            lambda: SaveWeightsForSamplerRequest.build(name=req.path, ttl_seconds=req.ttl_seconds),
-            kind="save_weights_for_sampler",
-            body=body,
-            extra=extra,
-        ),
-        req.model_id,
+    return await op.submit(
+        lambda: SaveWeightsForSamplerRequest.build(name=req.path, ttl_seconds=req.ttl_seconds),
+        "save_weights_for_sampler",
+        extra,
     )
 
 
 @router.post("/load_weights")
-async def load_weights(
-    request: Request, owner: str = Depends(require_owner), backend: Backend = Depends(get_backend)
-) -> dict:
+async def load_weights(call: Call) -> dict:
     """Into an existing model (deprecated `load_state`), or into a new one (`create_training_client_from_state*`)."""
-    body = await request.body()
-    req = await _parse_op(backend, owner, tt.LoadWeightsRequest, await request.json(), body)
+    req, body = await _parse_op(call, tt.LoadWeightsRequest)
     if req.model_id is not None:
-        await run_in_threadpool(backend.owners.model, req.model_id, owner)
+        op = await _ModelOp.owned(call, req.model_id, req.seq_id, body)
 
         def build() -> LoadStateRequest:
-            path, _ = backend.owners.checkpoint(req.path, owner)
+            path, _ = call.backend.owners.checkpoint(req.path, call.owner)
             return LoadStateRequest.build(path=path.uri(), with_optimizer=req.optimizer)
 
-        return _future(
-            await _submit(backend, owner, req.model_id, req.seq_id, build, kind="load_weights", body=body), req.model_id
-        )
+        return await op.submit(build, "load_weights")
 
     if req.session_id is None or req.model_seq_id is None:
         raise InvalidRequestError("load_weights: give either model_id and seq_id, or session_id and model_seq_id")
-    await run_in_threadpool(backend.owners.client_session, req.session_id, owner)
-    path, manifest = await run_in_threadpool(backend.owners.readable_checkpoint, req.path, owner)
+    await call.session(req.session_id)
+    path, manifest = await call.run(call.backend.owners.readable_checkpoint, req.path, call.owner)
     model_id = f"{req.session_id}:train:{req.model_seq_id}"
     lora = LoraConfig.model_validate(manifest.lora_config) if manifest.lora_config else LoraConfig()
     create = CreateSessionRequest.build(
         session_id=model_id,
         base_model=req.base_model or manifest.base_model,
         lora=lora,
-        owner=owner,
-        user_metadata=_run_metadata(backend, req.user_metadata),
+        owner=call.owner,
+        user_metadata=_run_metadata(call.backend, req.user_metadata),
         from_state=path.uri(),
         with_optimizer=req.optimizer,
     )
-
-    def run() -> dict:
-        backend.create_model(create)
-        return {"model_id": model_id, "path": path.uri("tinker"), "type": "load_weights"}
-
-    await run_in_threadpool(backend.store.add_member, req.session_id, "models", model_id)
-    request_id = await run_in_threadpool(
-        backend.local.run, owner, "load_weights", f"load_weights:{model_id}", run, body=body
-    )
-    return _future(request_id, model_id)
+    answer = {"model_id": model_id, "path": path.uri("tinker"), "type": "load_weights"}
+    return await _create_model(call, req.session_id, create, answer, body)
 
 
 @router.post("/save_weights_external")
-async def save_weights_external(
-    request: Request, owner: str = Depends(require_owner), backend: Backend = Depends(get_backend)
-) -> dict:
+async def save_weights_external(call: Call) -> dict:
     """The adapter as downloadable files under tinker://<model_id>/external_weights/<name> (maybe age-encrypted)."""
-    body = await request.body()
-    req = await _parse_op(backend, owner, tt.SaveWeightsExternalRequest, await request.json(), body)
-    await run_in_threadpool(backend.owners.model, req.model_id, owner)
-    return _future(
-        await _submit(
-            backend,
-            owner,
-            req.model_id,
-            req.seq_id,
-            lambda: SaveWeightsExternalRequest.build(
-                name=req.path, ttl_seconds=req.ttl_seconds, age_encryption_recipients=req.age_encryption_recipients
-            ),
-            kind="save_weights_external",
-            body=body,
-        ),
-        req.model_id,
-    )
+    req, op = await _training_op(call, tt.SaveWeightsExternalRequest)
 
-
-async def _parse_op(backend: Backend, owner: str, tinker_type, payload, body: bytes):
-    """A training op's Tinker request. One that fails validation but names a model of the caller's and a
-    seq_id still takes that seq (a noop whose future fails with the same reason), so later ops run."""
-    try:
-        return parse_request(tinker_type, payload)
-    except InvalidRequestError as exc:
-        model_id, seq_id = (
-            (payload.get("model_id"), payload.get("seq_id")) if isinstance(payload, dict) else (None, None)
+    def build() -> SaveWeightsExternalRequest:
+        return SaveWeightsExternalRequest.build(
+            name=req.path, ttl_seconds=req.ttl_seconds, age_encryption_recipients=req.age_encryption_recipients
         )
-        if isinstance(model_id, str) and type(seq_id) is int and seq_id >= 1:
-            await run_in_threadpool(_take_refused, backend, owner, model_id, seq_id, exc, body)
-        raise
 
-
-def _take_refused(
-    backend: Backend, owner: str, model_id: str, seq_id: int, error: InvalidRequestError, body: bytes
-) -> None:
-    try:
-        backend.owners.model(model_id, owner)
-        backend.seqs.refuse(owner, model_id, seq_id, error, body=body)
-    except TreadleError:
-        pass  # not the caller's model, a stopped one, a seq outside the window: nothing to take; the 400 says why
-
-
-async def _submit(
-    backend: Backend, owner: str, model_id: str, seq_id: int | None, build: Callable[[], OpRequest], **kwargs
-) -> str:
-    """Build the op's typed request and publish it at seq_id; a request that cannot be translated takes its seq as a noop."""
-
-    def run() -> str:
-        try:
-            request = build()
-        except TreadleError as exc:
-            if exc.category != "user":
-                raise
-            return backend.seqs.refuse(owner, model_id, seq_id, exc, body=kwargs["body"])
-        return backend.seqs.submit(owner, model_id, seq_id, request, **kwargs)
-
-    return await run_in_threadpool(run)
+    return await op.submit(build, "save_weights_external")
