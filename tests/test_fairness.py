@@ -322,9 +322,14 @@ def _hold(sc: ServiceClient, session_id: str, count: int) -> None:
         sc.ops.submit(session_id, NoopRequest(), seq=seq)
 
 
+def _raising_at_once(stack: LocalStack) -> ServiceClient:
+    """A client whose submits past a bound raise at once, instead of waiting for room (tests/test_sdk_backpressure.py)."""
+    return ServiceClient(broker_url=stack.broker_url, storage_url=stack.storage_url, capacity_wait_s=0)
+
+
 def test_past_the_bound_a_submit_fails_with_a_retry_hint_and_nothing_queued_is_lost(fair_stack):
-    sc, _, _ = fair_stack
-    tc = _session(sc, "dave")
+    sc, stack, _ = fair_stack
+    tc = _session(_raising_at_once(stack), "dave")
     _hold(sc, tc.session_id, SESSION_BOUND)  # seqs 2..48: the queue reaches 48 ops counting the open seq 1
     with pytest.raises(CapacityError) as refused:
         tc.forward(sft_batch(0), "cross_entropy")  # the SDK's path: seq 49
@@ -362,11 +367,11 @@ def _scrape(port: int) -> str:
 def test_past_the_sample_row_bound_a_sample_request_fails_until_earlier_rows_are_answered(fair_stack):
     from treadle.types import SamplingParams
 
-    sc, _, _ = fair_stack
+    sc, stack, _ = fair_stack
     # Base-model sampling on a worker whose last adapter was removed fails inside PEFT (its active adapter is
     # gone: a gap of treadle.gpu_worker.model.adapters, outside this test's subject), so a session stays meanwhile.
     keep = _session(sc)
-    sampler = sc.create_sampling_client(base_model="tiny")
+    sampler = _raising_at_once(stack).create_sampling_client(base_model="tiny")
     prompt = ModelInput.from_ints([5, 6, 7, 8])
     long_run = SamplingParams(max_tokens=400, temperature=1.0, seed=0)
     first = sampler.sample(prompt, num_samples=ROW_BOUND, sampling_params=long_run)

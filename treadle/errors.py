@@ -29,7 +29,9 @@ class TreadleError(Exception):
         if cls is None:
             cls = UserError if data.get("category") == "user" else ServerError
         if cls is CapacityError:
-            return CapacityError(data.get("message", "unknown error"), float(data.get("retry_after_s", 1.0)))
+            return CapacityError(
+                data.get("message", "unknown error"), float(data.get("retry_after_s", 1.0)), data.get("bound", "")
+            )
         return cls(data.get("message", "unknown error"))
 
 
@@ -82,14 +84,16 @@ class QuotaExceededError(UserError):
 
 class CapacityError(UserError):
     """A queue is at its bound (a session's or an owner's queued ops, an owner's queued sample rows): nothing was
-    queued; submit again after `retry_after_s` (the gateway answers 429 with Retry-After, which Tinker's SDK retries)."""
+    queued; submit again after `retry_after_s` (the gateway answers 429 with Retry-After, which Tinker's SDK retries;
+    the treadle SDK waits likewise, see `treadle.sdk.capacity`). `bound` is the workers' flag that sets the limit."""
 
-    def __init__(self, message: str, retry_after_s: float = 1.0):
+    def __init__(self, message: str, retry_after_s: float = 1.0, bound: str = ""):
         super().__init__(message)
         self.retry_after_s = retry_after_s
+        self.bound = bound
 
     def to_dict(self) -> dict:
-        return {**super().to_dict(), "retry_after_s": self.retry_after_s}
+        return {**super().to_dict(), "retry_after_s": self.retry_after_s, "bound": self.bound}
 
 
 class SessionStoppedError(SessionNotFoundError):

@@ -1,7 +1,7 @@
-"""Where a treadle process finds Redis and the checkpoint store.
+"""Where a treadle process finds Redis and the checkpoint store, and how the SDK submits.
 
 Read from arguments first, then the environment (`TREADLE_BROKER_URL`, `TREADLE_RESULT_URL`,
-`TREADLE_STORAGE_URL`). S3 endpoint and keys come from boto3's own environment
+`TREADLE_STORAGE_URL`, `TREADLE_CAPACITY_WAIT_S`). S3 endpoint and keys come from boto3's own environment
 (`AWS_ENDPOINT_URL`, `AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY`).
 """
 
@@ -26,3 +26,14 @@ class ConnectionSettings(BaseSettings):
 
     def is_configured(self) -> bool:
         return self.broker_url is not None
+
+
+class SubmitSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="TREADLE_", extra="ignore")
+
+    capacity_wait_s: float = Field(
+        default=600.0,
+        ge=0,
+        description="How long one SDK submit waits for room in a queue at its bound (a worker's max_queued_* flags) "
+        "before it raises CapacityError; 0 raises at once.",
+    )

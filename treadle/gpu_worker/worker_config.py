@@ -118,7 +118,7 @@ class WorkerConfig(BaseModel):
     max_queued_ops_per_session: int = Field(
         default=256,
         ge=0,
-        description="Ops one session may have submitted and not yet run; a submit past it fails with CapacityError (HTTP 429 with Retry-After at the gateway) and queues nothing (0: no bound). Applies to sessions created from then on.",
+        description="Ops one session may have submitted and not yet run; a submit past it is refused with CapacityError (HTTP 429 with Retry-After at the gateway; the treadle SDK waits for room up to its TREADLE_CAPACITY_WAIT_S) and queues nothing (0: no bound). Applies to sessions created from then on.",
     )
     max_queued_ops_per_owner: int = Field(
         default=1024,
@@ -128,7 +128,7 @@ class WorkerConfig(BaseModel):
     max_queued_sample_rows_per_owner: int = Field(
         default=4096,
         ge=0,
-        description="Sample rows (num_samples summed over requests) one owner may have submitted and not yet answered; past it a sample request fails with CapacityError (HTTP 429 with Retry-After) and queues nothing, unless nothing of the owner is queued (0: no bound). Published for clients to check; give every worker the same.",
+        description="Sample rows (num_samples summed over requests) one owner may have submitted and not yet answered; past it a sample request is refused with CapacityError (HTTP 429 with Retry-After; the treadle SDK waits for room) and queues nothing, unless nothing of the owner is queued (0: no bound). Published for clients to check; give every worker the same.",
     )
     logprob_audit_fraction: float = Field(
         default=0.01,

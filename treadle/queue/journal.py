@@ -165,17 +165,19 @@ class Journal:
             names.session_key(session_id), "queue_position", "queue_wait_s", "op_cost_s", "owner"
         )
         retry_after_s = max(1.0, min(60.0, float(wait_s or 0) + float(cost_s or 0)))
+        bound = "max_queued_ops_per_session" if which == 1 else "max_queued_ops_per_owner"
         if which == 1:
-            what = f"max_queued_ops_per_session: session {session_id} has {queued} ops queued and the limit is {limit}"
+            what = f"{bound}: session {session_id} has {queued} ops queued and the limit is {limit}"
         else:
             what = (
-                f"max_queued_ops_per_owner: owner {(owner or b'').decode() or SDK_OWNER!r} has {queued} ops queued "
+                f"{bound}: owner {(owner or b'').decode() or SDK_OWNER!r} has {queued} ops queued "
                 f"over its sessions and the limit is {limit}"
             )
         return CapacityError(
             f"{what}; nothing was queued: submit again in about {retry_after_s:.0f} s, when its next op "
             f"has run (queue position {int(position or 0)})",
             retry_after_s,
+            bound,
         )
 
     def get(self, session_id: str, seq: int) -> JournalEntry | None:

@@ -175,6 +175,7 @@ class OpsClient:
                 f"max_queued_sample_rows_per_owner: owner {owner!r} has {queued} sample rows queued and the limit is {limit}; "
                 f"this request's {request.num_samples} were not queued: submit again in a second or two, as earlier ones are answered",
                 retry_after_s=SAMPLE_RETRY_AFTER_S,
+                bound="max_queued_sample_rows_per_owner",
             )
         # Recorded before it is published, so a wait tells a pending sample from an id never submitted;
         # kept as long as its result would be.

@@ -4,15 +4,19 @@ from __future__ import annotations
 
 from treadle.queue.ops import SampleRequest
 from treadle.sdk.background import submit_in_order
+from treadle.sdk.capacity import CapacityWait
 from treadle.sdk.futures import APIFuture
 from treadle.types import ModelInput, SampleResponse, SamplingParams
 
 
 class SamplingClient:
-    def __init__(self, ops, *, base_model: str, model_path: str | None = None):
+    def __init__(
+        self, ops, *, base_model: str, model_path: str | None = None, capacity_wait: CapacityWait | None = None
+    ):
         self._ops = ops
         self._base_model = base_model
         self.model_path = model_path
+        self._capacity_wait = capacity_wait or CapacityWait()
 
     def sample(
         self,
@@ -32,9 +36,7 @@ class SamplingClient:
             include_prompt_logprobs=include_prompt_logprobs,
             topk_prompt_logprobs=topk_prompt_logprobs,
         )
-        return APIFuture(
-            self._ops, self._ops.submit_sample(req), SampleResponse.model_validate, base_model=self._base_model
-        )
+        return APIFuture(self._ops, self._submit(req), SampleResponse.model_validate, base_model=self._base_model)
 
     def compute_logprobs(self, prompt: ModelInput) -> APIFuture[list[float | None]]:
         """Logprob of each prompt token given the ones before it; entry 0 is None."""
@@ -48,10 +50,14 @@ class SamplingClient:
         )
         return APIFuture(
             self._ops,
-            self._ops.submit_sample(req),
+            self._submit(req),
             lambda v: SampleResponse.model_validate(v).prompt_logprobs or [],
             base_model=self._base_model,
         )
+
+    def _submit(self, request: SampleRequest) -> str:
+        """The request's future id, once its owner's queued sample rows leave room for it (see `treadle.sdk.capacity`)."""
+        return self._capacity_wait.submit(lambda: self._ops.submit_sample(request))
 
     def get_tokenizer(self):
         from treadle.sdk.tokenizer import load_tokenizer
@@ -65,8 +71,8 @@ class SamplingClient:
         return APIFuture(self._ops, future_id, SampleResponse.model_validate, base_model=self._base_model)
 
     # ------------------------------------------------------------ async twins
-    # As tinker's: each resolves to the response (a sample need not be ordered behind anything, but it
-    # shares the one submitting thread; see `treadle.sdk.background`).
+    # As tinker's: each resolves to the response (a sample need not be ordered behind anything, but the
+    # client's samples share one submitting thread; see `treadle.sdk.background`).
     async def sample_async(
         self,
         prompt: ModelInput,
@@ -76,9 +82,9 @@ class SamplingClient:
         topk_prompt_logprobs: int = 0,
     ) -> SampleResponse:
         future = await submit_in_order(
-            self.sample, prompt, num_samples, sampling_params, include_prompt_logprobs, topk_prompt_logprobs
+            self, self.sample, prompt, num_samples, sampling_params, include_prompt_logprobs, topk_prompt_logprobs
         )
         return await future
 
     async def compute_logprobs_async(self, prompt: ModelInput) -> list[float | None]:
-        return await (await submit_in_order(self.compute_logprobs, prompt))
+        return await (await submit_in_order(self, self.compute_logprobs, prompt))

@@ -4,6 +4,10 @@ Configuration, first match wins: constructor arguments; the environment (`TREADL
 `TREADLE_RESULT_URL`, `TREADLE_STORAGE_URL`, boto3's `AWS_*` for S3); a local stack started with
 `treadle up` (found through its state file). With none of these it raises an error that says how to
 start one; it does not start servers behind your back.
+
+A submit that finds a queue at its bound waits for room for up to `capacity_wait_s` (or
+`TREADLE_CAPACITY_WAIT_S`; 600 s unless set), then raises `CapacityError`; 0 raises at once
+(see `treadle.sdk.capacity`).
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from treadle.queue.ops import CreateSessionRequest, decode_result
 from treadle.queue.ops_client import OpsClient
 from treadle.queue.sessions import SessionRecord
 from treadle.sdk.background import wait_off_loop
+from treadle.sdk.capacity import CapacityWait
 from treadle.sdk.futures import APIFuture
 from treadle.sdk.sampling_client import SamplingClient
 from treadle.sdk.training_client import TrainingClient, TrainingSession
@@ -32,6 +37,7 @@ class ServiceClient:
         result_url: str | None = None,
         storage_url: str | None = None,
         user_metadata: dict | None = None,
+        capacity_wait_s: float | None = None,
     ):
         settings = ConnectionSettings(
             **{
@@ -54,6 +60,7 @@ class ServiceClient:
             )
         self.settings = settings
         self.user_metadata = user_metadata
+        self.capacity_wait = CapacityWait(capacity_wait_s)
         self.ops = OpsClient(
             cast(str, settings.broker_url), settings.result_backend, settings.storage_url
         )  # configured above
@@ -127,6 +134,7 @@ class ServiceClient:
             TrainingSession(
                 session_id=record.session_id, run_id=record.run_id, base_model=record.base_model, lora=record.lora
             ),
+            self.capacity_wait,
         )
 
     # ------------------------------------------------------------ sampling and REST
@@ -137,7 +145,7 @@ class ServiceClient:
             base_model = self.create_rest_client().manifest(model_path).base_model
         assert base_model is not None  # given, or read from the checkpoint's manifest above
         self.ops.require_model(base_model)
-        return SamplingClient(self.ops, base_model=base_model, model_path=model_path)
+        return SamplingClient(self.ops, base_model=base_model, model_path=model_path, capacity_wait=self.capacity_wait)
 
     def create_rest_client(self) -> RestClient:
         from treadle.sdk.rest_client import RestClient

@@ -7,6 +7,7 @@ submitted, so `optim_step` may be submitted before the `forward_backward` result
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -24,6 +25,7 @@ from treadle.queue.ops import (
     decode_result,
 )
 from treadle.sdk.background import submit_in_order, wait_off_loop
+from treadle.sdk.capacity import CapacityWait
 from treadle.sdk.futures import APIFuture
 from treadle.sdk.sampling_client import SamplingClient
 from treadle.types import (
@@ -61,10 +63,13 @@ class TrainingSession:
 
 
 class TrainingClient:
-    def __init__(self, ops, session: TrainingSession):
+    def __init__(self, ops, session: TrainingSession, capacity_wait: CapacityWait | None = None):
         self._ops = ops
         self.session = session
         self._stopped = False
+        self._capacity_wait = capacity_wait or CapacityWait()
+        # Held while a submit waits for room in a full queue, so that no later op of the session overtakes it.
+        self._in_order = threading.Lock()
 
     # ------------------------------------------------------------ identity
     @property
@@ -82,7 +87,8 @@ class TrainingClient:
     def _submit(self, request: OpRequest, decode: Callable[[dict], Any] | None = None) -> APIFuture:
         if self._stopped:
             raise SessionStoppedError(f"session {self.session_id} was stopped; create a new training client")
-        fid = self._ops.submit(self.session_id, request)
+        with self._in_order:
+            fid = self._capacity_wait.submit(lambda: self._ops.submit(self.session_id, request))
         return APIFuture(self._ops, fid, decode or request.response.model_validate, base_model=self.base_model)
 
     # ------------------------------------------------------------ training ops
@@ -148,7 +154,9 @@ class TrainingClient:
         return self.create_sampling_client(_sampler_path(self.save_weights_for_sampler(name).result()))
 
     def create_sampling_client(self, model_path: str) -> SamplingClient:
-        return SamplingClient(self._ops, base_model=self.base_model, model_path=model_path)
+        return SamplingClient(
+            self._ops, base_model=self.base_model, model_path=model_path, capacity_wait=self._capacity_wait
+        )
 
     # ------------------------------------------------------------ info
     def get_info(self) -> GetInfoResponse:
@@ -188,17 +196,17 @@ class TrainingClient:
         self.stop()
 
     # ------------------------------------------------------------ async twins
-    # Each submits on the SDK's one submitting thread (see `treadle.sdk.background`), so ops reach the
+    # Each submits on the session's submitting thread (see `treadle.sdk.background`), so ops reach the
     # session in the order their twins were started, and returns the op's future, as tinker's twins do.
     async def forward_async(
         self, data: Sequence[Datum], loss_fn: str = "cross_entropy", loss_fn_config: dict | None = None
     ) -> APIFuture[ForwardBackwardOutput]:
-        return await submit_in_order(self.forward, data, loss_fn, loss_fn_config)
+        return await submit_in_order(self.session_id, self.forward, data, loss_fn, loss_fn_config)
 
     async def forward_backward_async(
         self, data: Sequence[Datum], loss_fn: str, loss_fn_config: dict | None = None
     ) -> APIFuture[ForwardBackwardOutput]:
-        return await submit_in_order(self.forward_backward, data, loss_fn, loss_fn_config)
+        return await submit_in_order(self.session_id, self.forward_backward, data, loss_fn, loss_fn_config)
 
     async def forward_backward_custom_async(
         self, data: Sequence[Datum], loss_fn: LossFn
@@ -209,27 +217,27 @@ class TrainingClient:
         forward = await (await self.forward_async(data, "cross_entropy"))
         weighted, decode = _custom_backward(data, forward, loss_fn)
         return await submit_in_order(
-            self._submit, ForwardBackwardRequest.build(data=weighted, loss_fn="cross_entropy"), decode
+            self.session_id, self._submit, ForwardBackwardRequest.build(data=weighted, loss_fn="cross_entropy"), decode
         )
 
     async def optim_step_async(self, adam_params: AdamParams | None = None) -> APIFuture[OptimStepResponse]:
-        return await submit_in_order(self.optim_step, adam_params)
+        return await submit_in_order(self.session_id, self.optim_step, adam_params)
 
     async def save_state_async(
         self, name: str, ttl_seconds: int | None = None, overwrite: bool = False, user_metadata: dict | None = None
     ) -> APIFuture[SaveWeightsResponse]:
-        return await submit_in_order(self.save_state, name, ttl_seconds, overwrite, user_metadata)
+        return await submit_in_order(self.session_id, self.save_state, name, ttl_seconds, overwrite, user_metadata)
 
     async def load_state_async(self, path: str) -> APIFuture[LoadWeightsResponse]:
-        return await submit_in_order(self.load_state, path)
+        return await submit_in_order(self.session_id, self.load_state, path)
 
     async def load_state_with_optimizer_async(self, path: str) -> APIFuture[LoadWeightsResponse]:
-        return await submit_in_order(self.load_state_with_optimizer, path)
+        return await submit_in_order(self.session_id, self.load_state_with_optimizer, path)
 
     async def save_weights_for_sampler_async(
         self, name: str | None = None, ttl_seconds: int | None = None, merge_weights: bool = False
     ) -> APIFuture[SaveWeightsForSamplerResponse]:
-        return await submit_in_order(self.save_weights_for_sampler, name, ttl_seconds, merge_weights)
+        return await submit_in_order(self.session_id, self.save_weights_for_sampler, name, ttl_seconds, merge_weights)
 
     async def save_weights_and_get_sampling_client_async(self, name: str | None = None) -> SamplingClient:
         saved = await (await self.save_weights_for_sampler_async(name))
