@@ -126,6 +126,11 @@ def _rows_attention(
         return out, None
     if row_runs is None:
         raise RuntimeError(f"{IMPLEMENTATION} attention needs row_runs (only sampling forwards use it)")
+    return _prefill_attention(query, key, value, row_runs, scaling, sliding_window, s_aux, softcap), None
+
+
+def _prefill_attention(query, key, value, row_runs, scaling, sliding_window, s_aux, softcap) -> torch.Tensor:
+    """Many queries per row: each run of rows with the same left padding attends over its own unpadded keys."""
     groups = query.shape[1] // key.shape[1]
     lq, lk = query.shape[2], key.shape[2]
     out = query.new_zeros((*query.shape[:3], value.shape[-1]))
@@ -149,13 +154,11 @@ def _rows_attention(
             scores = scores.masked_fill(~visible, float("-inf"))
         if s_aux is not None:  # the sink: one more logit per head, in the softmax, not in the output
             sink = s_aux.reshape(1, -1, 1, 1).expand(*scores.shape[:3], 1).to(scores.dtype)
-            weights = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1, dtype=torch.float32)[..., :-1].to(
-                q.dtype
-            )
+            weights = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1, dtype=torch.float32)[..., :-1]
         else:
-            weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-        out[begin:end, :, first_query:] = torch.matmul(weights, v)
-    return out.transpose(1, 2).contiguous(), None
+            weights = torch.softmax(scores, dim=-1, dtype=torch.float32)
+        out[begin:end, :, first_query:] = torch.matmul(weights.to(q.dtype), v)
+    return out.transpose(1, 2).contiguous()
 
 
 def _decode_attention(
