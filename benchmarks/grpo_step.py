@@ -48,11 +48,11 @@ import time
 
 import numpy as np
 
-from treadle.recipes.advantages import group_advantages
-from treadle.recipes.datums import rl_datum
-from treadle.recipes.evaluation import prompt_messages
-from treadle.recipes.math_tasks import arithmetic_problem_at, reward
-from treadle.recipes.rendering import render_generation_prompt
+from treadle.recipes.lib.advantages import group_advantages
+from treadle.recipes.lib.datums import rl_datum
+from treadle.recipes.lib.evaluation import prompt_messages
+from treadle.recipes.lib.math_tasks import arithmetic_problem_at, reward
+from treadle.recipes.lib.rendering import render_generation_prompt
 
 LEARNING_RATE = 3e-4
 MODES = ("treadle", "treadle_batched", "hand", "trl")

@@ -10,9 +10,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from treadle.recipes import sft
-from treadle.recipes.conversations import load_conversations
-from treadle.recipes.packing import pack_conversations
-from treadle.recipes.rendering import RenderedConversation, render_conversation
+from treadle.recipes.lib.conversations import load_conversations
+from treadle.recipes.lib.packing import pack_conversations
+from treadle.recipes.lib.rendering import RenderedConversation, render_conversation
 
 TULU = {
     "id": "oasst1_1",

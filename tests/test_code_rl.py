@@ -19,7 +19,7 @@ import pytest
 
 from treadle import ServiceClient
 from treadle.recipes import code_rl, sft
-from treadle.recipes.code_tasks import (
+from treadle.recipes.lib.code_tasks import (
     CodeTest,
     extract_code,
     grade,
@@ -28,10 +28,10 @@ from treadle.recipes.code_tasks import (
     problem_prompt,
     split_problems,
 )
-from treadle.recipes.datums import multi_turn_rl_datum
-from treadle.recipes.rendering import render_continuation, tool_message
-from treadle.recipes.run_log import RunLog
-from treadle.recipes.sandbox import Limits, LocalSandbox
+from treadle.recipes.lib.datums import multi_turn_rl_datum
+from treadle.recipes.lib.rendering import render_continuation, tool_message
+from treadle.recipes.lib.run_log import RunLog
+from treadle.sandbox import Limits, LocalSandbox
 from treadle.testing.tiny_model import build_tokenizer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -277,9 +277,9 @@ def test_two_turn_episode_shows_the_tool_result_in_the_second_prompt(
         p for p in load_code_problems(tiny_problems) if p.name == "triple"
     )  # echo fails it: a report of failures
     cfg = _config("unused", tiny_problems, warm_start, max_turns=2)
-    attempts = code_rl.run_episodes(
-        Recording(), tokenizer, sandbox, problem, cfg, 8, code_rl.SamplingParams(max_tokens=40, temperature=0.6, seed=3)
-    )
+    episodes = code_rl.Episodes(tokenizer, sandbox, cfg)
+    params = code_rl.SamplingParams(max_tokens=40, temperature=0.6, seed=3)
+    attempts = code_rl.run_episodes(episodes, Recording(), problem, 8, params)
     two_turn = [a for a in attempts if a.tool_report is not None]
     assert two_turn, [a.answer for a in attempts]
     # every second answer has its own seed: episodes with the same first answer must not all draw the same second one

@@ -10,7 +10,7 @@ import pytest
 
 from treadle.recipes import distill, sft
 from treadle.recipes.distill import Scored, mean_token_kl, reverse_kl_datum
-from treadle.recipes.preference_data import arithmetic_sft_conversations, write_jsonl
+from treadle.recipes.lib.preference_data import arithmetic_sft_conversations, write_jsonl
 
 
 def test_reverse_kl_datum_by_hand():

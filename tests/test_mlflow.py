@@ -10,8 +10,8 @@ from mlflow import MlflowClient
 from pydantic import BaseModel
 
 from treadle.recipes import dpo
-from treadle.recipes.preference_data import arithmetic_pairs, write_jsonl
-from treadle.recipes.run_log import RunLog
+from treadle.recipes.lib.preference_data import arithmetic_pairs, write_jsonl
+from treadle.recipes.lib.run_log import RunLog
 
 
 def _rows(path) -> list[dict]:

@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 
 from treadle.recipes import dpo, kto
-from treadle.recipes.math_tasks import grade, is_heldout
-from treadle.recipes.preference_data import arithmetic_kto_examples, arithmetic_pairs, write_jsonl
-from treadle.recipes.preference import completion_datum, reference_logprobs, reference_scorer
-from treadle.recipes.preference_losses import (
+from treadle.recipes.lib.math_tasks import grade, is_heldout
+from treadle.recipes.lib.preference_data import arithmetic_kto_examples, arithmetic_pairs, write_jsonl
+from treadle.recipes.lib.preference import completion_datum, reference_logprobs, reference_scorer
+from treadle.recipes.lib.preference_losses import (
     dpo_loss,
     dpo_on_pairs,
     forward_backward_with_loss,

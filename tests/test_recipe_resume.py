@@ -10,7 +10,7 @@ import json
 import pytest
 
 from treadle.recipes import distill, dpo, kto
-from treadle.recipes.preference_data import arithmetic_kto_examples, arithmetic_pairs, write_jsonl
+from treadle.recipes.lib.preference_data import arithmetic_kto_examples, arithmetic_pairs, write_jsonl
 
 
 def _rows(path) -> list[dict]:

@@ -10,9 +10,9 @@ import sys
 import numpy as np
 import pytest
 
-from treadle.recipes.advantages import group_advantages, is_informative, kl_penalized_reward, kl_sample_ref
-from treadle.recipes.datums import rl_datum, supervised_datum
-from treadle.recipes.math_tasks import (
+from treadle.recipes.lib.advantages import group_advantages, is_informative, kl_penalized_reward, kl_sample_ref
+from treadle.recipes.lib.datums import rl_datum, supervised_datum
+from treadle.recipes.lib.math_tasks import (
     arithmetic_heldout,
     arithmetic_problem_at,
     gsm8k_answer,
@@ -21,9 +21,9 @@ from treadle.recipes.math_tasks import (
     parse_answer,
     reward,
 )
-from treadle.recipes.off_policy import staleness_action
-from treadle.recipes.rendering import render_conversation, render_generation_prompt
-from treadle.recipes.run_log import RunLog
+from treadle.recipes.lib.off_policy import staleness_action
+from treadle.recipes.lib.rendering import render_conversation, render_generation_prompt
+from treadle.recipes.lib.run_log import RunLog
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -251,7 +251,7 @@ def test_mlflow_requested_without_mlflow_names_the_package(tmp_path, monkeypatch
 def test_plot_writes_a_real_png(tmp_path):
     import matplotlib.image
 
-    from treadle.recipes.plot import plot_metrics
+    from treadle.recipes.lib.plot import plot_metrics
 
     log = RunLog(str(tmp_path), _config())
     for step in range(6):
@@ -271,7 +271,7 @@ def test_plot_writes_a_real_png(tmp_path):
 
 
 def test_cli_parses_config_flags():
-    from treadle.recipes.cli import parse_config
+    from treadle.config import parse_config
     from treadle.recipes.math_rl import Config
 
     cfg = parse_config(

@@ -9,8 +9,8 @@ import threading
 
 import pytest
 
-from treadle.recipes.sandbox import Limits, LocalSandbox, run_all
-from treadle.recipes.sandbox_host import find_cgroup_parents
+from treadle.sandbox import Limits, LocalSandbox, run_all
+from treadle.sandbox.host import find_cgroup_parents
 
 LIMITS = Limits(cpu_seconds=1, wall_seconds=2.0, memory_mb=256, max_processes=8, max_output_bytes=64 * 1024, work_mb=4)
 

@@ -21,8 +21,8 @@ import time
 
 import pytest
 
-from treadle.recipes import sandbox_host
-from treadle.recipes.sandbox import IPC_MB, Limits, LocalSandbox
+from treadle.sandbox import host as sandbox_host
+from treadle.sandbox.local import IPC_MB, Limits, LocalSandbox
 
 MEMORY_MB = 128
 LIMITS = Limits(

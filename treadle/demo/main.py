@@ -176,6 +176,6 @@ def _print_summary(
 
 
 if __name__ == "__main__":
-    from treadle.recipes.cli import parse_config
+    from treadle.config import parse_config
 
     run_demo(parse_config(DemoConfig, prog="python -m treadle.demo.main"))

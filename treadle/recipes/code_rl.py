@@ -22,8 +22,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections import deque
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, Literal
@@ -32,9 +31,8 @@ from pydantic import Field
 from tqdm import tqdm
 
 from treadle import ModelInput, SamplingParams, ServiceClient
-from treadle.recipes.advantages import group_advantages, is_informative
-from treadle.recipes.cli import parse_config
-from treadle.recipes.code_tasks import (
+from treadle.config import parse_config
+from treadle.recipes.lib.code_tasks import (
     CodeProblem,
     Grade,
     check_solution_report,
@@ -46,9 +44,11 @@ from treadle.recipes.code_tasks import (
     run_tests,
     split_problems,
 )
-from treadle.recipes.datums import multi_turn_rl_datum
-from treadle.recipes.evaluation import prompt_messages
-from treadle.recipes.loop import (
+from treadle.recipes.lib.datums import multi_turn_rl_datum
+from treadle.recipes.lib.evaluation import prompt_messages
+from treadle.recipes.lib import grpo
+from treadle.recipes.lib.grpo import GroupTally, read_groups
+from treadle.recipes.lib.loop import (
     GroupRLConfig,
     RunResult,
     adam,
@@ -58,10 +58,9 @@ from treadle.recipes.loop import (
     start_run,
     steps,
 )
-from treadle.recipes.off_policy import ProblemStream, staleness, staleness_action
-from treadle.recipes.rendering import render_continuation, render_generation_prompt, tool_message
-from treadle.recipes.run_log import RunLog
-from treadle.recipes.sandbox import Limits, LocalSandbox, Sandbox
+from treadle.recipes.lib.rendering import render_continuation, render_generation_prompt, tool_message
+from treadle.recipes.lib.run_log import RunLog
+from treadle.sandbox import Limits, LocalSandbox, Sandbox
 
 
 class Config(GroupRLConfig):
@@ -78,17 +77,17 @@ class Config(GroupRLConfig):
         default=0.25, gt=0.0, lt=1.0, description="Share of problems held out (by a hash of the name)."
     )
     eval_problems: int = Field(default=100, ge=1, description="Most held-out problems evaluated.")
-    max_turns: int = Field(
-        default=1, ge=1, le=2, description="1: answer once; 2: check_solution on the first answer, then answer again."
-    )
-    public_tests: int = Field(
-        default=2, ge=1, description="Tests that check_solution runs (the first ones; grading runs all)."
-    )
     max_tokens: int = Field(default=256, ge=1, description="Most tokens per answer (per turn).")
     max_context: int = Field(
         default=2048,
         ge=2,
         description="Most tokens of a second-turn prompt plus its answer; longer episodes end after the first answer.",
+    )
+    max_turns: int = Field(
+        default=1, ge=1, le=2, description="1: answer once; 2: check_solution on the first answer, then answer again."
+    )
+    public_tests: int = Field(
+        default=2, ge=1, description="Tests that check_solution runs (the first ones; grading runs all)."
     )
     loss_fn: Literal["cispo", "ppo", "importance_sampling"] = Field(default="cispo", description="Policy loss.")
     no_code_reward: float = Field(default=-0.1, le=0.0, description="Reward of an answer without a code block.")
@@ -111,6 +110,16 @@ class Attempt:
     first_answer: str | None = None
     tool_report: str | None = None
 
+    def record(self, problem: CodeProblem) -> dict[str, Any]:
+        """Its row of samples.jsonl (and eval_samples.jsonl)."""
+        return {
+            "problem": problem.name,
+            "reward": self.grade.reward,
+            "answer": self.answer,
+            "first_answer": self.first_answer,
+            "tool_report": self.tool_report,
+        }
+
 
 @dataclass(frozen=True)
 class CodeGroup:
@@ -121,15 +130,33 @@ class CodeGroup:
     attempts: list[Attempt]
     policy_version: int
 
+    def details(self) -> dict[str, Any]:
+        """Its rollouts.jsonl details: the problem, each episode's reward, how many took a second turn."""
+        return {
+            "problem": self.problem.name,
+            "rewards": [a.grade.reward for a in self.attempts],
+            "second_turns": sum(a.tool_report is not None for a in self.attempts),
+        }
+
+
+@dataclass(frozen=True)
+class Episodes:
+    """What every episode of a run shares: the tokenizer that renders and decodes, the sandbox that grades, the config."""
+
+    tokenizer: Any
+    sandbox: Sandbox
+    cfg: Config
+
 
 def run_episodes(
-    sampler: Any, tokenizer: Any, sandbox: Sandbox, problem: CodeProblem, cfg: Config, n: int, params: SamplingParams
+    episodes: Episodes, sampler: Any, problem: CodeProblem, n: int, params: SamplingParams
 ) -> list[Attempt]:
     """`n` episodes of one problem: sample, (2 turns) check_solution and sample again, grade."""
+    tokenizer, sandbox, cfg = episodes.tokenizer, episodes.sandbox, episodes.cfg
     messages = prompt_messages(problem_prompt(problem, cfg.max_turns), cfg.system_prompt)
     prompt = render_generation_prompt(tokenizer, messages)
     first = sampler.sample(ModelInput.from_ints(prompt), n, params).result().sequences
-    episodes, second = [], []
+    parts, second = [], []  # (pieces, final answer, first answer, tool report) of each episode; its second turn
     for seq in first:
         text = tokenizer.decode(seq.tokens, skip_special_tokens=True)
         pieces = [(prompt, None), (list(seq.tokens), list(seq.logprobs))]
@@ -144,19 +171,19 @@ def run_episodes(
             )
             if len(prompt) + len(seq.tokens) + len(after) + cfg.max_tokens <= cfg.max_context:
                 pieces.append((after, None))
-                episodes.append((pieces, None, text, report))
+                parts.append((pieces, None, text, report))
                 # A seed per episode: with the group's, episodes with equal first answers draw equal second ones.
                 own = (
                     params
                     if params.seed is None
-                    else params.model_copy(update={"seed": (params.seed + len(episodes)) % 2**63})
+                    else params.model_copy(update={"seed": (params.seed + len(parts)) % 2**63})
                 )
                 second.append(sampler.sample(ModelInput.from_ints([*prompt, *seq.tokens, *after]), 1, own))
                 continue
-        episodes.append((pieces, text, None, None))  # one turn, no code to check, or no room for a second answer: final
+        parts.append((pieces, text, None, None))  # one turn, no code to check, or no room for a second answer: final
         second.append(None)
     attempts = []
-    for (pieces, text, first_text, report), future in zip(episodes, second):
+    for (pieces, text, first_text, report), future in zip(parts, second):
         if future is not None:
             seq = future.result().sequences[0]
             pieces.append((list(seq.tokens), list(seq.logprobs)))
@@ -165,54 +192,53 @@ def run_episodes(
     return attempts
 
 
-def sample_group(
-    sampler: Any, version: int, index: int, problem: CodeProblem, tokenizer: Any, sandbox: Sandbox, cfg: Config
-) -> CodeGroup:
-    params = SamplingParams(
-        max_tokens=cfg.max_tokens, temperature=cfg.temperature, seed=cfg.seed * 1_000_003 + index * 7919 + version
-    )
-    return CodeGroup(
-        index, problem, run_episodes(sampler, tokenizer, sandbox, problem, cfg, cfg.group_size, params), version
-    )
+@dataclass
+class InFlight:
+    """A group being sampled and graded on a rollout worker, by the snapshot of `policy_version`."""
+
+    index: int
+    problem: CodeProblem
+    policy_version: int
+    attempts: Future[list[Attempt]]
 
 
-def submit_group(
-    workers: ThreadPoolExecutor,
-    sampler: Any,
-    version: int,
-    index: int,
-    train: list[CodeProblem],
-    tokenizer: Any,
-    sandbox: Sandbox,
-    cfg: Config,
-) -> tuple:
-    """Start an episode group of problem `index` on a rollout worker: (index, policy version, future of a CodeGroup)."""
-    problem = problem_at(train, cfg.seed, index)
-    return index, version, workers.submit(sample_group, sampler, version, index, problem, tokenizer, sandbox, cfg)
+@dataclass(kw_only=True)
+class Rollouts(grpo.Rollouts[InFlight, CodeGroup]):
+    """The loop's sampling side (`grpo.Rollouts`): rollout workers run each group's episodes, sampled by the
+    current snapshot and graded in the sandbox, and `async_in_flight` is one group per worker."""
+
+    episodes: Episodes
+    problems: list[CodeProblem]
+    workers: ThreadPoolExecutor
+
+    def submit(self, index: int) -> InFlight:
+        """Start the episode group of training problem `index` on a rollout worker, sampled by the current snapshot."""
+        cfg = self.episodes.cfg
+        problem = problem_at(self.problems, cfg.seed, index)
+        seed = cfg.seed * 1_000_003 + index * 7919 + self.version
+        params = SamplingParams(max_tokens=cfg.max_tokens, temperature=cfg.temperature, seed=seed)
+        episodes = partial(run_episodes, self.episodes, self.sampler, problem, cfg.group_size, params)
+        return InFlight(index, problem, self.version, self.workers.submit(episodes))
+
+    def next_group(self) -> CodeGroup:
+        group = self.in_flight.popleft()
+        return CodeGroup(group.index, group.problem, group.attempts.result(), group.policy_version)
+
+    def requeue(self, group: CodeGroup) -> None:
+        # Sampled again by the current policy and read next, so it cannot go stale again.
+        self.in_flight.appendleft(self.submit(group.problem_index))
 
 
-def evaluate(
-    sampler: Any, tokenizer: Any, sandbox: Sandbox, heldout: list[CodeProblem], cfg: Config, log: RunLog, step: int
-) -> dict[str, float]:
+def evaluate(sampler: Any, episodes: Episodes, heldout: list[CodeProblem], log: RunLog, step: int) -> dict[str, float]:
     """Greedy held-out pass rate (one episode per problem, the same number of turns as training)."""
     started = time.monotonic()
-    greedy = SamplingParams(max_tokens=cfg.max_tokens, temperature=1.0, top_k=1, seed=0)
+    greedy = SamplingParams(max_tokens=episodes.cfg.max_tokens, temperature=1.0, top_k=1, seed=0)
     # Every held-out episode at once (a thread each: they mostly wait), so the worker batches them all.
-    with ThreadPoolExecutor(max_workers=max(1, len(heldout))) as episodes:
-        futures = [episodes.submit(run_episodes, sampler, tokenizer, sandbox, p, cfg, 1, greedy) for p in heldout]
+    with ThreadPoolExecutor(max_workers=max(1, len(heldout))) as pool:
+        futures = [pool.submit(run_episodes, episodes, sampler, p, 1, greedy) for p in heldout]
         attempts = [f.result()[0] for f in tqdm(futures, desc=f"eval @ step {step}", leave=False)]
     for problem, a in zip(heldout, attempts):
-        log.append(
-            "eval_samples.jsonl",
-            step,
-            {
-                "problem": problem.name,
-                "reward": a.grade.reward,
-                "answer": a.answer,
-                "first_answer": a.first_answer,
-                "tool_report": a.tool_report,
-            },
-        )
+        log.append("eval_samples.jsonl", step, a.record(problem))
     return {
         "eval/pass_rate": sum(a.grade.passed for a in attempts) / len(attempts),
         "eval/reward_mean": sum(a.grade.reward for a in attempts) / len(attempts),
@@ -221,38 +247,18 @@ def evaluate(
     }
 
 
-def step_metrics(
-    attempts: list,
-    loss: float,
-    tokens: int,
-    used: int,
-    counts: dict[str, int],
-    stalenesses: list[int],
-    *,
-    sample_wait: float,
-    train_wait: float,
-) -> dict[str, float]:
-    """One step's metrics row: rewards and pass rate of the attempts trained on, and how the groups went."""
+def attempt_metrics(attempts: list[Attempt]) -> dict[str, float]:
+    """Rewards and pass rate of the attempts a step trained on, and how many had a code block and a second turn."""
     n = len(attempts)
     return {
         "reward/mean": sum(a.grade.reward for a in attempts) / n,
         "accuracy/train": sum(a.grade.passed for a in attempts) / n,
         "format/has_code": sum(a.grade.has_code for a in attempts) / n,
         "turns/second_turn": sum(a.tool_report is not None for a in attempts) / n,
-        "loss:sum": loss,
-        "tokens": tokens,
-        "groups/used": used,
-        "groups/skipped_uniform": counts["skipped"],
-        "groups/requeued": counts["requeue"],
-        "groups/discarded": counts["discard"],
-        "async/staleness_max": max(stalenesses),
-        "async/staleness_mean": sum(stalenesses) / len(stalenesses),
-        "time/sample_wait": sample_wait,
-        "time/train_wait": train_wait,
     }
 
 
-def training_and_heldout(cfg: Config) -> tuple[list, list]:
+def training_and_heldout(cfg: Config) -> tuple[list[CodeProblem], list[CodeProblem]]:
     """The problems to train on, and the held-out ones evaluated (at most `eval_problems`)."""
     train, heldout = split_problems(load_code_problems(cfg.problems_path), cfg.heldout_fraction)
     return train, heldout[: cfg.eval_problems]
@@ -264,79 +270,33 @@ def main(cfg: Config, service: ServiceClient | None = None, sandbox: Sandbox | N
         Limits(cpu_seconds=cfg.sandbox_cpu_seconds, wall_seconds=cfg.sandbox_wall_seconds),
         pool_size=cfg.sandbox_workers,
     )
-    log = RunLog.for_config(cfg)
     train, heldout = training_and_heldout(cfg)
 
     # ---------------------------------------------------------------- session (fresh, from init_state, or resumed)
-    run = start_run(service, log, cfg, init_state=cfg.init_state)
-    training, tokenizer = run.training, run.training.get_tokenizer()
-    stream = ProblemStream.at(run.position)
+    run = start_run(service, cfg, init_state=cfg.init_state)
+    training, log = run.training, run.log
+    episodes = Episodes(training.get_tokenizer(), sandbox, cfg)
     if cfg.max_turns == 2:
-        print(
-            f"check_solution results are rendered as role {tool_message(tokenizer, 'check_solution', '')['role']!r} messages"
-        )
-    sampler, version = training.save_weights_and_get_sampling_client(), run.step - 1
+        role = tool_message(episodes.tokenizer, "check_solution", "")["role"]
+        print(f"check_solution results are rendered as role {role!r} messages")
     workers = ThreadPoolExecutor(max_workers=cfg.num_rollout_workers, thread_name_prefix="rollout")
-    in_flight: deque = deque()  # (problem index, policy version, future of a CodeGroup), oldest first
-    before = eval_before_training(run, partial(evaluate, sampler, tokenizer, sandbox, heldout, cfg, log))
+    rollouts = Rollouts.of_run(run, cfg.num_rollout_workers, episodes=episodes, problems=train, workers=workers)
+    before = eval_before_training(run, partial(evaluate, rollouts.sampler, episodes, heldout, log))
     last_eval = before["eval/pass_rate"] if before else None  # shown beside the reward once an eval has run
+
     for step in (progress := steps(run, cfg.steps, "code RL")):
-        step_started = time.monotonic()
-        # ------------------------------------------------------------ stream graded groups into forward_backward
-        fwd_futures, attempts_used, used, sample_wait, tokens, stalenesses = [], [], 0, 0.0, 0, []
-        counts = {"use": 0, "requeue": 0, "discard": 0, "skipped": 0}
-        while used < cfg.groups_per_batch:
-            # sync: exactly this step's groups, all from the current policy; async: keep every worker busy
-            target = cfg.groups_per_batch - used if cfg.mode == "sync" else cfg.num_rollout_workers
-            while len(in_flight) < target:
-                index = stream.next_index()
-                in_flight.append(submit_group(workers, sampler, version, index, train, tokenizer, sandbox, cfg))
-            waited = time.monotonic()
-            index, sampled_by, future = in_flight.popleft()
-            group = future.result()
-            sample_wait += time.monotonic() - waited
-            action = staleness_action(sampled_by, version, cfg.max_steps_off_policy, cfg.stale_policy)
-            counts[action] += 1
-            rewards = [a.grade.reward for a in group.attempts]
-            log.append(
-                "rollouts.jsonl",
-                step,
-                {
-                    "problem_index": index,
-                    "problem": group.problem.name,
-                    "policy_version": sampled_by,
-                    "trained_at_version": version,
-                    "staleness": staleness(sampled_by, version),
-                    "action": action,
-                    "rewards": rewards,
-                    "second_turns": sum(a.tool_report is not None for a in group.attempts),
-                },
-            )
-            if action == "requeue":  # sampled again by the current policy and read next, so it cannot go stale again
-                in_flight.appendleft(submit_group(workers, sampler, version, index, train, tokenizer, sandbox, cfg))
-            if action != "use":
-                continue
-            used += 1
-            stalenesses.append(staleness(sampled_by, version))
-            attempts_used += group.attempts
-            for a in group.attempts:
-                log.append(
-                    "samples.jsonl",
-                    step,
-                    {
-                        "problem": group.problem.name,
-                        "reward": a.grade.reward,
-                        "answer": a.answer,
-                        "first_answer": a.first_answer,
-                        "tool_report": a.tool_report,
-                    },
-                )
-            advantages = group_advantages(rewards, cfg.normalize_std)
-            if not is_informative(advantages):
-                counts["skipped"] += 1
+        started = time.monotonic()
+        # ------------------------------------------------------------ graded groups, each into forward_backward at once
+        tally, attempts, fwd_futures = GroupTally(), [], []
+        for group in read_groups(rollouts, tally, cfg, log=log, step=step):
+            attempts += group.attempts
+            for attempt in group.attempts:
+                log.append("samples.jsonl", step, attempt.record(group.problem))
+            advantages = tally.advantages([a.grade.reward for a in group.attempts], cfg.normalize_std)
+            if advantages is None:
                 continue
             datums = [multi_turn_rl_datum(a.pieces, adv) for a, adv in zip(group.attempts, advantages)]
-            tokens += sum(d.model_input.length for d in datums)
+            tally.tokens += sum(d.model_input.length for d in datums)
             fwd_futures.append(training.forward_backward(datums, cfg.loss_fn))
         optim_future = training.optim_step(adam(cfg)) if fwd_futures else None
 
@@ -345,35 +305,22 @@ def main(cfg: Config, service: ServiceClient | None = None, sandbox: Sandbox | N
         loss = sum(f.result().metrics.get("loss:sum", 0.0) for f in fwd_futures)
         if optim_future is not None:
             optim_future.result()
-        sampler, version = training.save_weights_and_get_sampling_client(), step
-        metrics = step_metrics(
-            attempts_used,
-            loss,
-            tokens,
-            used,
-            counts,
-            stalenesses,
-            sample_wait=sample_wait,
-            train_wait=time.monotonic() - waited,
-        )
-        # ------------------------------------------------------------ eval and checkpoint, with the loop position
-        end_step(
-            run,
-            step,
-            metrics,
-            partial(evaluate, sampler, tokenizer, sandbox, heldout, cfg, log),
-            position=stream.position([g[0] for g in in_flight]),
-            started=step_started,
-        )
+        rollouts.sampler, rollouts.version = training.save_weights_and_get_sampling_client(), step
+        metrics = {**attempt_metrics(attempts), "loss:sum": loss, **tally.metrics()}
+        metrics["time/train_wait"] = time.monotonic() - waited
+
+        # ------------------------------------------------------------ eval and checkpoint, with the stream's position
+        evaluate_now = partial(evaluate, rollouts.sampler, episodes, heldout, log)
+        end_step(run, step, metrics, evaluate_now, position=rollouts.position(), started=started)
         last_eval = metrics.get("eval/pass_rate", last_eval)
         progress.set_postfix(
             reward=f"{metrics['reward/mean']:.2f}", **({} if last_eval is None else {"eval_pass": f"{last_eval:.2f}"})
         )
     workers.shutdown(wait=False, cancel_futures=True)
+
     # -------------------------------------------------------------------- curve and summary
-    return close_run(
-        run, f"code RL, {cfg.max_turns} turn(s)", ["reward/mean", "accuracy/train", "eval/pass_rate"], "eval/pass_rate"
-    )
+    curve = ["reward/mean", "accuracy/train", "eval/pass_rate"]
+    return close_run(run, f"code RL, {cfg.max_turns} turn(s)", curve, "eval/pass_rate")
 
 
 if __name__ == "__main__":

@@ -19,20 +19,20 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Callable, Sequence
 
 import numpy as np
 from pydantic import Field
 
 from treadle import Datum, ModelInput, SamplingParams, ServiceClient
-from treadle.recipes.cli import parse_config
-from treadle.recipes.datums import rl_datum
-from treadle.recipes.evaluation import evaluate_problems, prompt_messages
-from treadle.recipes.loop import adam, end_step, eval_before_training, start_run, steps
-from treadle.recipes.math_tasks import Problem, arithmetic_heldout, arithmetic_problem_at
-from treadle.recipes.preference import RunResult, finish_run
-from treadle.recipes.rendering import render_generation_prompt
-from treadle.recipes.run_log import RunConfig, RunLog
+from treadle.config import parse_config
+from treadle.recipes.lib.datums import rl_datum
+from treadle.recipes.lib.evaluation import evaluate_problems, question_prompt
+from treadle.recipes.lib.loop import Run, adam, end_step, eval_before_training, start_run, steps
+from treadle.recipes.lib.math_tasks import Problem, arithmetic_heldout, arithmetic_problem_at
+from treadle.recipes.lib.preference import RunResult, finish_run
+from treadle.recipes.lib.run_log import RunConfig
 
 
 class Config(RunConfig):
@@ -131,10 +131,35 @@ def prompt_source(cfg: Config) -> tuple[Callable[[int], str], list[str], list[Pr
     )
 
 
+@dataclass(frozen=True)
+class Heldout:
+    """The held-out prompts (rendered), and their arithmetic problems when the prompts are arithmetic's."""
+
+    prompts: list[list[int]]
+    problems: list[Problem]
+
+
+def evaluate(run: Run, teacher: Any, tokenizer: Any, heldout: Heldout, cfg: Config, step: int) -> dict[str, float]:
+    """The student's per-token KL to the teacher on samples of the held-out prompts, and its greedy accuracy on
+    their problems, from a named sampler snapshot of `step`."""
+    path = run.training.save_weights_for_sampler(f"step-{step:06d}").result().path
+    run.log.record_sampler(path, step)
+    student = run.training.create_sampling_client(path)
+    # The same seeds at every eval, so the estimates differ by the student, not by the draw.
+    params = [
+        SamplingParams(max_tokens=cfg.max_tokens, temperature=1.0, stop=cfg.stop, seed=i)
+        for i in range(len(heldout.prompts))
+    ]
+    scored = sample_and_score(student, teacher, heldout.prompts, params, cfg.eval_samples)
+    metrics = {"eval/kl_student_teacher": mean_token_kl(scored)}
+    if heldout.problems and cfg.arithmetic_eval:
+        metrics["eval/accuracy"] = evaluate_problems(student, tokenizer, heldout.problems, cfg, step).accuracy
+    return metrics
+
+
 def main(cfg: Config, service: ServiceClient | None = None) -> RunResult:
     service = service or ServiceClient()
-    log = RunLog.for_config(cfg)
-    run = start_run(service, log, cfg)  # a fresh session, or the last checkpoint's
+    run = start_run(service, cfg)  # its log, and a fresh session or the last checkpoint's
     training, tokenizer = run.training, run.training.get_tokenizer()
     teacher = (
         service.create_sampling_client(model_path=cfg.teacher_path)
@@ -144,40 +169,17 @@ def main(cfg: Config, service: ServiceClient | None = None) -> RunResult:
 
     # ---------------------------------------------------------------- prompts: a stream by index, and a fixed held-out set
     question_at, heldout_questions, problems = prompt_source(cfg)
+    heldout = Heldout([question_prompt(tokenizer, q, cfg.system_prompt) for q in heldout_questions], problems)
+    evaluate_now = partial(evaluate, run, teacher, tokenizer, heldout, cfg)
+    eval_before_training(run, evaluate_now)
 
-    def render(question: str) -> list[int]:
-        return render_generation_prompt(tokenizer, prompt_messages(question, cfg.system_prompt))
-
-    heldout_prompts = [render(q) for q in heldout_questions]
-
-    def evaluate(step: int) -> dict[str, float]:
-        path = training.save_weights_for_sampler(f"step-{step:06d}").result().path
-        log.record_sampler(path, step)
-        student = training.create_sampling_client(path)
-        # The same seeds at every eval, so the estimates differ by the student, not by the draw.
-        params = [
-            SamplingParams(max_tokens=cfg.max_tokens, temperature=1.0, stop=cfg.stop, seed=i)
-            for i in range(len(heldout_prompts))
-        ]
-        metrics = {
-            "eval/kl_student_teacher": mean_token_kl(
-                sample_and_score(student, teacher, heldout_prompts, params, cfg.eval_samples)
-            )
-        }
-        if problems and cfg.arithmetic_eval:
-            metrics["eval/accuracy"] = evaluate_problems(student, tokenizer, problems, cfg, step).accuracy
-        return metrics
-
-    eval_before_training(run, evaluate)
-
-    # ---------------------------------------------------------------- training loop
     for step in (progress := steps(run, cfg.steps, "distill")):
         started = time.monotonic()
+        # ------------------------------------------------------------ the student samples, the teacher scores
         student = training.save_weights_and_get_sampling_client()
-        first = (
-            step - 1
-        ) * cfg.prompts_per_batch  # the prompts of a step are a pure function of it, so --resume continues
-        prompts = [render(question_at(i)) for i in range(first, first + cfg.prompts_per_batch)]
+        first = (step - 1) * cfg.prompts_per_batch  # a step's prompts are a pure function of it: --resume continues
+        questions = [question_at(i) for i in range(first, first + cfg.prompts_per_batch)]
+        prompts = [question_prompt(tokenizer, q, cfg.system_prompt) for q in questions]
         params = [
             SamplingParams(
                 max_tokens=cfg.max_tokens,
@@ -189,6 +191,8 @@ def main(cfg: Config, service: ServiceClient | None = None) -> RunResult:
         ]
         scored = sample_and_score(student, teacher, prompts, params, cfg.samples_per_prompt)
         sampled = time.monotonic()
+
+        # ------------------------------------------------------------ train on the per-token reverse KL
         baseline = mean_token_kl(scored) if cfg.kl_baseline else 0.0
         fwd_bwd = training.forward_backward(
             [reverse_kl_datum(s, cfg.kl_coef, baseline) for s in scored], "importance_sampling"
@@ -201,7 +205,7 @@ def main(cfg: Config, service: ServiceClient | None = None) -> RunResult:
             "time/sample_and_score": sampled - started,
             "time/step": time.monotonic() - started,
         }
-        end_step(run, step, metrics, evaluate)
+        end_step(run, step, metrics, evaluate_now)
         progress.set_postfix(kl=f"{metrics['kl/student_teacher']:.3f}")
 
     # ---------------------------------------------------------------- curve and summary

@@ -21,11 +21,11 @@ import time
 from pydantic import Field
 
 from treadle import ServiceClient
-from treadle.recipes.cli import parse_config
-from treadle.recipes.loop import batch_indices, end_step, eval_before_training, steps
-from treadle.recipes.preference import PreferenceConfig, RunResult, render_pairs, start_preference_run
-from treadle.recipes.preference_data import arithmetic_pairs, load_pairs
-from treadle.recipes.preference_losses import dpo_on_pairs
+from treadle.config import parse_config
+from treadle.recipes.lib.loop import batch_indices, end_step, eval_before_training, steps
+from treadle.recipes.lib.preference import PreferenceConfig, RunResult, render_pairs, start_preference_run
+from treadle.recipes.lib.preference_data import arithmetic_pairs, load_pairs
+from treadle.recipes.lib.preference_losses import dpo_on_pairs
 
 
 class Config(PreferenceConfig):

@@ -24,11 +24,11 @@ import numpy as np
 from pydantic import Field
 
 from treadle import ServiceClient
-from treadle.recipes.cli import parse_config
-from treadle.recipes.loop import batch_indices, end_step, eval_before_training, steps
-from treadle.recipes.preference import PreferenceConfig, RunResult, completion_datum, start_preference_run
-from treadle.recipes.preference_data import arithmetic_kto_examples, load_kto_examples
-from treadle.recipes.preference_losses import kto_on_batch
+from treadle.config import parse_config
+from treadle.recipes.lib.loop import batch_indices, end_step, eval_before_training, steps
+from treadle.recipes.lib.preference import PreferenceConfig, RunResult, completion_datum, start_preference_run
+from treadle.recipes.lib.preference_data import arithmetic_kto_examples, load_kto_examples
+from treadle.recipes.lib.preference_losses import kto_on_batch
 
 
 class Config(PreferenceConfig):

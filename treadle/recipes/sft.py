@@ -15,19 +15,20 @@ import random
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Literal
+from functools import partial
+from typing import Any, Literal
 
 from pydantic import Field
 from tqdm import tqdm
 
-from treadle import ServiceClient
-from treadle.recipes.cli import parse_config
-from treadle.recipes.conversations import EXAMPLE_CONVERSATIONS, load_conversations, load_hf_conversations
-from treadle.recipes.datums import supervised_datum
-from treadle.recipes.loop import adam, batch_indices, close_run, eval_before_training, is_due, start_run, steps
-from treadle.recipes.packing import pack_conversations
-from treadle.recipes.rendering import RenderedConversation, render_conversation
-from treadle.recipes.run_log import RunConfig, RunLog
+from treadle import Datum, ServiceClient
+from treadle.config import parse_config
+from treadle.recipes.lib.conversations import EXAMPLE_CONVERSATIONS, load_conversations, load_hf_conversations
+from treadle.recipes.lib.datums import supervised_datum
+from treadle.recipes.lib.loop import Run, adam, batch_indices, close_run, eval_before_training, is_due, start_run, steps
+from treadle.recipes.lib.packing import pack_conversations
+from treadle.recipes.lib.rendering import RenderedConversation, render_conversation
+from treadle.recipes.lib.run_log import RunConfig
 
 
 class Config(RunConfig):
@@ -74,19 +75,30 @@ class Submitted:
     step: int
     started: float
     trained_weight: float
-    forward_backward: object
-    optim: object
-    eval: object | None
-    save: object | None
+    forward_backward: Any
+    optim: Any
+    eval: Any | None
+    save: Any | None
 
 
-def main(cfg: Config, service: ServiceClient | None = None) -> RunResult:
-    service = service or ServiceClient()
-    log = RunLog.for_config(cfg)
-    run = start_run(service, log, cfg)  # a fresh session, or the last checkpoint's
-    training, tokenizer = run.training, run.training.get_tokenizer()
+@dataclass
+class Datums:
+    """The training datums, and the held-out ones whose loss is measured."""
 
-    # ---------------------------------------------------------------- data: render once, split once
+    train: list[Datum]
+    heldout: list[Datum]
+
+    def heldout_loss(self, future: Any) -> float:
+        """Mean loss per trained token of the held-out split, from the future of its `forward`."""
+        return future.result().metrics["loss:sum"] / sum(trained_weight(d) for d in self.heldout)
+
+
+def trained_weight(datum: Datum) -> float:
+    return sum(datum.loss_fn_inputs["weights"].data)
+
+
+def load_datums(cfg: Config, tokenizer: Any) -> Datums:
+    """The conversations rendered once (assistant-only mask, truncated), shuffled and split once."""
     if cfg.hf_dataset:
         conversations = load_hf_conversations(cfg.hf_dataset, cfg.hf_split, cfg.hf_limit)
     else:
@@ -99,58 +111,62 @@ def main(cfg: Config, service: ServiceClient | None = None) -> RunResult:
         full = render_conversation(tokenizer, messages, cfg.train_on)
         rendered.append(RenderedConversation(full.tokens[: cfg.max_length], full.mask[: cfg.max_length]))
     # Held-out conversations stay one per datum, so the eval loss does not depend on packing.
-    train_rendered = (
-        pack_conversations(rendered[cfg.eval_size :], cfg.pack_tokens) if cfg.pack_tokens else rendered[cfg.eval_size :]
+    train = rendered[cfg.eval_size :]
+    train = pack_conversations(train, cfg.pack_tokens) if cfg.pack_tokens else train
+    heldout = rendered[: cfg.eval_size]
+    return Datums(
+        [supervised_datum(r.tokens, r.mask) for r in train], [supervised_datum(r.tokens, r.mask) for r in heldout]
     )
-    eval_datums = [supervised_datum(r.tokens, r.mask) for r in rendered[: cfg.eval_size]]
-    train_datums = [supervised_datum(r.tokens, r.mask) for r in train_rendered]
-    eval_weight = sum(sum(d.loss_fn_inputs["weights"].data) for d in eval_datums)
 
-    def eval_loss(future) -> float:
-        """Mean loss per trained token of the held-out split."""
-        return future.result().metrics["loss:sum"] / eval_weight
 
-    eval_before_training(run, lambda step: {"eval/loss": eval_loss(training.forward(eval_datums, "cross_entropy"))})
+def evaluate(training: Any, datums: Datums, step: int) -> dict[str, float]:
+    return {"eval/loss": datums.heldout_loss(training.forward(datums.heldout, "cross_entropy"))}
 
-    # ---------------------------------------------------------------- pipelined loop
-    def submit(step: int) -> Submitted:
-        batch = [train_datums[i] for i in batch_indices(step, cfg.batch_size, len(train_datums), cfg.seed)]
-        fwd_bwd = training.forward_backward(batch, "cross_entropy")
-        optim = training.optim_step(adam(cfg))
-        evaluate = is_due(step, cfg.eval_every, cfg.steps)
-        save = is_due(step, cfg.save_every, cfg.steps)
-        return Submitted(
-            step,
-            time.monotonic(),
-            sum(sum(d.loss_fn_inputs["weights"].data) for d in batch),
-            fwd_bwd,
-            optim,
-            training.forward(eval_datums, "cross_entropy") if evaluate else None,
-            training.save_state(f"step-{step:06d}") if save else None,
-        )
 
-    def finish(s: Submitted) -> None:
-        """Read a step's results and log its row (and its checkpoint's record)."""
-        loss = s.forward_backward.result().metrics["loss:sum"]
-        s.optim.result()
-        metrics = {"train/loss": loss / s.trained_weight, "tokens": s.trained_weight}
-        if s.eval is not None:
-            metrics["eval/loss"] = eval_loss(s.eval)
-        if s.save is not None:
-            run.state_path = s.save.result().path
-        metrics["time/step"] = time.monotonic() - s.started
-        log.log_metrics(s.step, metrics)  # before the checkpoint's record: see loop.end_step
-        if s.save is not None:
-            log.record_checkpoint(f"step-{s.step:06d}", s.step, run.state_path)
-        progress.set_postfix(loss=f"{metrics['train/loss']:.3f}")
+def submit_step(training: Any, datums: Datums, cfg: Config, step: int) -> Submitted:
+    """Enqueue step `step`: its batch's forward_backward and optim_step, then the held-out `forward` (which so
+    sees exactly this step's weights) and the checkpoint when they are due."""
+    batch = [datums.train[i] for i in batch_indices(step, cfg.batch_size, len(datums.train), cfg.seed)]
+    fwd_bwd = training.forward_backward(batch, "cross_entropy")
+    optim = training.optim_step(adam(cfg))
+    heldout = training.forward(datums.heldout, "cross_entropy") if is_due(step, cfg.eval_every, cfg.steps) else None
+    save = training.save_state(f"step-{step:06d}") if is_due(step, cfg.save_every, cfg.steps) else None
+    return Submitted(step, time.monotonic(), sum(trained_weight(d) for d in batch), fwd_bwd, optim, heldout, save)
 
+
+def finish_step(run: Run, datums: Datums, s: Submitted) -> dict[str, float]:
+    """Read a step's results and log its row (and its checkpoint's record, after the row: see `loop.end_step`)."""
+    loss = s.forward_backward.result().metrics["loss:sum"]
+    s.optim.result()
+    metrics = {"train/loss": loss / s.trained_weight, "tokens": s.trained_weight}
+    if s.eval is not None:
+        metrics["eval/loss"] = datums.heldout_loss(s.eval)
+    if s.save is not None:
+        run.state_path = s.save.result().path
+    metrics["time/step"] = time.monotonic() - s.started
+    run.log.log_metrics(s.step, metrics)
+    if s.save is not None:
+        run.log.record_checkpoint(f"step-{s.step:06d}", s.step, run.state_path)
+    return metrics
+
+
+def main(cfg: Config, service: ServiceClient | None = None) -> RunResult:
+    run = start_run(service or ServiceClient(), cfg)  # its log, and a fresh session or the last checkpoint's
+    training, tokenizer = run.training, run.training.get_tokenizer()
+
+    # ---------------------------------------------------------------- data: render once, split once
+    datums = load_datums(cfg, tokenizer)
+    eval_before_training(run, partial(evaluate, training, datums))
+
+    # ---------------------------------------------------------------- pipelined loop: submit ahead, then read
     in_flight: deque[Submitted] = deque()
     for step in (progress := steps(run, cfg.steps, "SFT")):
-        in_flight.append(submit(step))
+        in_flight.append(submit_step(training, datums, cfg, step))
         while len(in_flight) > cfg.submit_ahead:
-            finish(in_flight.popleft())
-    while in_flight:
-        finish(in_flight.popleft())
+            metrics = finish_step(run, datums, in_flight.popleft())
+            progress.set_postfix(loss=f"{metrics['train/loss']:.3f}")
+    while in_flight:  # the last steps' results
+        finish_step(run, datums, in_flight.popleft())
 
     # ---------------------------------------------------------------- curve and summary
     summary = close_run(run, "SFT", ["train/loss", "eval/loss"], "eval/loss")

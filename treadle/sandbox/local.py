@@ -6,8 +6,8 @@ assembled for that run from read-only bind mounts of `/usr` and the interpreter'
 `/work` (the program's directory) and `/tmp`, and a `/proc` that shows only the run's processes. The
 program runs under a uid of its own (one per pool slot, from a block drawn at random per sandbox), with
 no capabilities and `no_new_privs`, under rlimits (CPU time, address space, processes, open files, file
-size, which also caps stdout and stderr) and a seccomp filter (`sandbox_host.DENIED_CALLS`). All the
-memory a run can pin is bounded by `Limits.run_memory_mb`: a cgroup's `memory.max` where the host has a
+size, which also caps stdout and stderr) and a seccomp filter (`host.DENIED_CALLS`, in
+`treadle/sandbox/host.py`). All the memory a run can pin is bounded by `Limits.run_memory_mb`: a cgroup's `memory.max` where the host has a
 writable one, and everywhere the channels RLIMIT_AS misses closed or capped (no memfds, IPC namespace
 caps). A shell is the namespace's pid 1 and the program its child, so when the program ends, or when
 the wall-time limit kills the whole process group, the kernel kills everything left in the namespace:
@@ -33,15 +33,12 @@ import subprocess
 import sys
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import Collection, Literal, Protocol, Sequence
+from typing import Collection
 
 from pydantic import BaseModel, Field
 
-from treadle.recipes import sandbox_host
-
-Status = Literal["ok", "runtime_error", "timeout", "memory_limit", "output_limit", "sandbox_error"]
+from treadle.sandbox import host
+from treadle.sandbox.protocol import Execution, Status
 
 log = logging.getLogger("treadle.sandbox")
 
@@ -106,7 +103,7 @@ sh -eu -c "$setup" setup "$@" || {{ echo "{SETUP_FAILED}" >&2; exit {SETUP_EXIT}
 unshare --cgroup --root="$1" --wd=/work setpriv --reuid="$3" --regid="$3" --clear-groups --no-new-privs \\
   --bounding-set=-all --inh-caps=-all -- /usr/bin/env -i PATH=/usr/bin:/bin LANG=C.UTF-8 HOME=/work "$4" -I -S -c "$loader" "$filter"
 """
-_LOADER = sandbox_host.seccomp_loader(SETUP_FAILED, SETUP_EXIT)
+_LOADER = host.seccomp_loader(SETUP_FAILED, SETUP_EXIT)
 
 
 class Limits(BaseModel):
@@ -129,29 +126,6 @@ class Limits(BaseModel):
     def run_memory_mb(self) -> int:
         """All the memory one run can hold: every process at its address-space limit, both tmpfs full, the IPC caps."""
         return self.memory_mb * self.max_processes + 2 * self.work_mb + IPC_MB
-
-
-@dataclass
-class Execution:
-    """What one run did: a verdict, the exit status and what it printed (each capped at max_output_bytes)."""
-
-    status: Status
-    exit_code: int | None
-    stdout: str
-    stderr: str
-    wall_seconds: float
-
-
-class Sandbox(Protocol):
-    """Runs a Python program on one stdin; safe to call from many threads at once."""
-
-    def run(self, program: str, stdin: str = "") -> Execution: ...
-
-
-def run_all(sandbox: Sandbox, jobs: Sequence[tuple[str, str]], parallelism: int = 8) -> list[Execution]:
-    """Run (program, stdin) pairs concurrently; results in the order of `jobs`."""
-    with ThreadPoolExecutor(max_workers=max(1, min(parallelism, len(jobs)))) as pool:
-        return list(pool.map(lambda job: sandbox.run(*job), jobs))
 
 
 def _prlimit(limits: Limits) -> list[str]:
@@ -202,7 +176,7 @@ class LocalSandbox:
             raise ValueError(f"allow_missing may name only {', '.join(map(repr, REQUIRED))}, got {sorted(unknown)}")
         self.limits = limits or Limits()
         self.pool_size = pool_size
-        host_mb = sandbox_host.host_memory_mb()
+        host_mb = host.host_memory_mb()
         budget = memory_budget_mb if memory_budget_mb is not None else host_mb // 2
         if pool_size * self.limits.run_memory_mb > budget:
             raise ValueError(
@@ -228,10 +202,10 @@ class LocalSandbox:
         """Find the protections this host offers, prove them with one probe run, report them once; refuse if one is missing."""
         found: dict[str, str] = {}
         try:
-            self._filter = sandbox_host.seccomp_filter()
+            self._filter = host.seccomp_filter()
             found["seccomp"] = (
-                f"filter of {len(self._filter) // 8} BPF instructions refusing {', '.join(sandbox_host.DENIED_CALLS)}, "
-                f"clone({'|'.join(hex(f) for f in sandbox_host.CLONE_NAMESPACE_FLAGS)}), clone3 (ENOSYS)"
+                f"filter of {len(self._filter) // 8} BPF instructions refusing {', '.join(host.DENIED_CALLS)}, "
+                f"clone({'|'.join(hex(f) for f in host.CLONE_NAMESPACE_FLAGS)}), clone3 (ENOSYS)"
             )
         except (
             ImportError,
@@ -240,19 +214,19 @@ class LocalSandbox:
         ) as e:  # pyseccomp raises RuntimeError where libseccomp.so.2 is missing
             self._filter = b""
             found["seccomp"] = f"missing: {type(e).__name__}: {e}"
-        self._cgroup_parents, cgroup_found = sandbox_host.find_cgroup_parents()
+        self._cgroup_parents, cgroup_found = host.find_cgroup_parents()
         found["cgroup"] = (
             f"{cgroup_found}: memory.max {self.limits.run_memory_mb} MiB and pids.max {self._max_tasks} per run"
             if self._cgroup_parents
             else f"missing: {cgroup_found}"
         )
-        probe = self._run(sandbox_host.SECCOMP_PROBE, "", self.uids[0])
+        probe = self._run(host.SECCOMP_PROBE, "", self.uids[0])
         if probe.status != "ok":
             raise RuntimeError(
                 f"LocalSandbox cannot run programs on this host ({probe.status}, exit {probe.exit_code}): "
                 f"{probe.stderr.strip()[-2000:]}"
             )
-        if self._filter and probe.stdout != sandbox_host.SECCOMP_PROBE_REFUSED:
+        if self._filter and probe.stdout != host.SECCOMP_PROBE_REFUSED:
             raise RuntimeError(
                 f"LocalSandbox loaded its seccomp filter but memfd_create was not refused: {probe.stdout!r}"
             )
@@ -295,75 +269,78 @@ class LocalSandbox:
         cgroup = None
         try:
             if self._cgroup_parents:
-                cgroup = sandbox_host.RunCgroup(
+                cgroup = host.RunCgroup(
                     self._cgroup_parents, f"treadle-sandbox-{uid}", limits.run_memory_mb << 20, self._max_tasks
                 )
             os.mkdir(os.path.join(run_dir, "root"))
-            with open(os.path.join(run_dir, "main.py"), "w") as f:
-                f.write(program)
-            with open(os.path.join(run_dir, "stdin"), "w") as f:
-                f.write(stdin)
-            paths = {name: os.path.join(run_dir, name) for name in ("stdin", "stdout", "stderr")}
-            args = [
-                *_prlimit(limits),
-                "unshare",
-                "--net",
-                "--pid",
-                "--mount",
-                "--ipc",
-                "--uts",
-                "--fork",
-                "--kill-child",
-                "--propagation",
-                "private",
-                "sh",
-                "-c",
-                _RUN,
-                "sandbox",
-                _SETUP,
-                " ".join(cgroup.procs_files if cgroup else []),
-                _LOADER,
-                self._filter.hex(),
-                os.path.join(run_dir, "root"),
-                str(limits.work_mb),
-                str(uid),
-                self.python,
-                *self._binds,
-            ]
+            for name, text in (("main.py", program), ("stdin", stdin)):
+                with open(os.path.join(run_dir, name), "w") as f:
+                    f.write(text)
+            args = self._command(run_dir, uid, cgroup)
             started = time.monotonic()
-            with (
-                open(paths["stdin"], "rb") as stdin_f,
-                open(paths["stdout"], "wb") as out_f,
-                open(paths["stderr"], "wb") as err_f,
-            ):
-                proc = subprocess.Popen(
-                    args,
-                    cwd=run_dir,
-                    stdin=stdin_f,
-                    stdout=out_f,
-                    stderr=err_f,
-                    start_new_session=True,
-                    env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8", "HOME": "/work"},
-                )
-                timed_out = False
-                try:
-                    proc.wait(timeout=limits.wall_seconds)
-                except subprocess.TimeoutExpired:
-                    timed_out = True
-                    os.killpg(proc.pid, signal.SIGKILL)  # --kill-child then takes the whole namespace down
-                    proc.wait(timeout=30)
+            code, timed_out = self._execute(args, run_dir)
             wall = time.monotonic() - started
-            stdout = _read(paths["stdout"], limits.max_output_bytes)
-            stderr = _read(paths["stderr"], limits.max_output_bytes)
-            too_big = max(os.path.getsize(paths["stdout"]), os.path.getsize(paths["stderr"])) >= limits.max_output_bytes
+            outputs = [os.path.join(run_dir, name) for name in ("stdout", "stderr")]
+            stdout, stderr = (_read(path, limits.max_output_bytes) for path in outputs)
+            too_big = max(os.path.getsize(path) for path in outputs) >= limits.max_output_bytes
             oom = cgroup is not None and cgroup.oom_killed()
-            return Execution(
-                self._status(proc.returncode, timed_out, too_big, oom, stderr), proc.returncode, stdout, stderr, wall
-            )
+            return Execution(self._status(code, timed_out, too_big, oom, stderr), code, stdout, stderr, wall)
         finally:
             shutil.rmtree(run_dir, ignore_errors=True)
             if cgroup:
                 cgroup.remove()
+
+    def _command(self, run_dir: str, uid: int, cgroup: host.RunCgroup | None) -> list[str]:
+        """The run's command line: its rlimits, then fresh namespaces whose pid 1 is the `_RUN` shell."""
+        return [
+            *_prlimit(self.limits),
+            "unshare",
+            "--net",
+            "--pid",
+            "--mount",
+            "--ipc",
+            "--uts",
+            "--fork",
+            "--kill-child",
+            "--propagation",
+            "private",
+            "sh",
+            "-c",
+            _RUN,
+            "sandbox",
+            _SETUP,
+            " ".join(cgroup.procs_files if cgroup else []),
+            _LOADER,
+            self._filter.hex(),
+            os.path.join(run_dir, "root"),
+            str(self.limits.work_mb),
+            str(uid),
+            self.python,
+            *self._binds,
+        ]
+
+    def _execute(self, args: list[str], run_dir: str) -> tuple[int, bool]:
+        """Run `args` in `run_dir` from its file stdin into its files stdout and stderr, killed at the wall-time
+        limit: (exit status, whether it timed out)."""
+        with (
+            open(os.path.join(run_dir, "stdin"), "rb") as stdin_f,
+            open(os.path.join(run_dir, "stdout"), "wb") as out_f,
+            open(os.path.join(run_dir, "stderr"), "wb") as err_f,
+        ):
+            proc = subprocess.Popen(
+                args,
+                cwd=run_dir,
+                stdin=stdin_f,
+                stdout=out_f,
+                stderr=err_f,
+                start_new_session=True,
+                env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8", "HOME": "/work"},
+            )
+            try:
+                return proc.wait(timeout=self.limits.wall_seconds), False
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)  # --kill-child then takes the whole namespace down
+                return proc.wait(timeout=30), True
 
     @staticmethod
     def _status(code: int, timed_out: bool, too_big: bool, oom: bool, stderr: str) -> Status:

@@ -2,7 +2,7 @@
 
 A recipe reads top to bottom as:
 
-    run = start_run(service, log, cfg)          # a fresh session, or the last checkpoint's
+    run = start_run(service, cfg)               # its log, and a fresh session or the last checkpoint's
     ...data, the held-out eval...
     eval_before_training(run, evaluate)         # step 0's row
     for step in steps(run, cfg.steps, "GRPO"):
@@ -25,9 +25,9 @@ from pydantic import Field
 from tqdm import tqdm
 
 from treadle import AdamParams
-from treadle.recipes.off_policy import StalePolicy
-from treadle.recipes.plot import plot_metrics
-from treadle.recipes.run_log import RunConfig, RunLog
+from treadle.recipes.lib.off_policy import StalePolicy
+from treadle.recipes.lib.plot import plot_metrics
+from treadle.recipes.lib.run_log import RunConfig, RunLog
 
 
 class LoopConfig(Protocol):
@@ -74,9 +74,11 @@ class Run:
     position: dict[str, Any] = field(default_factory=dict)
 
 
-def start_run(service: Any, log: RunLog, cfg: LoopConfig, init_state: str | None = None) -> Run:
-    """The run's session: from the last checkpoint with `cfg.resume` (weights and optimizer, and the logged
-    steps after it dropped), else a fresh LoRA, or the weights of the `init_state` checkpoint."""
+def start_run(service: Any, cfg: LoopConfig, init_state: str | None = None) -> Run:
+    """The run's log (`RunLog.for_config`) and session: from the last checkpoint with `cfg.resume` (weights and
+    optimizer, and the logged steps after it dropped), else a fresh LoRA, or the weights of the `init_state`
+    checkpoint."""
+    log = RunLog.for_config(cfg)
     last = log.last_checkpoint() if cfg.resume else None
     if last is None:
         log.rewind_to(-1)  # --resume before the first checkpoint: start over

@@ -13,7 +13,7 @@ are what a grader turns down on real samples.
 Training rows come from `arithmetic_problem_at` (never a held-out question); `heldout=True` draws
 from the fixed held-out set instead, for evaluation.
 
-    python -m treadle.recipes.preference_data --out_dir data/arith --pairs 256
+    python -m treadle.recipes.lib.preference_data --out_dir data/arith --pairs 256
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ from dataclasses import dataclass
 
 from pydantic import BaseModel, Field
 
-from treadle.recipes.cli import parse_config
-from treadle.recipes.math_tasks import Problem, arithmetic_heldout, arithmetic_problem_at, grade
+from treadle.config import parse_config
+from treadle.recipes.lib.math_tasks import Problem, arithmetic_heldout, arithmetic_problem_at, grade
 
 _CHATTY = (
     "To find {expr}, we need to look at the two numbers carefully.",
@@ -138,7 +138,7 @@ class Config(BaseModel):
 
 
 if __name__ == "__main__":
-    cfg = parse_config(Config, prog="python -m treadle.recipes.preference_data")
+    cfg = parse_config(Config, prog="python -m treadle.recipes.lib.preference_data")
     for name, rows in (
         ("dpo_train.jsonl", arithmetic_pairs(cfg.pairs, cfg.seed)),
         ("dpo_heldout.jsonl", arithmetic_pairs(cfg.heldout_pairs, cfg.seed, heldout=True)),

@@ -11,8 +11,8 @@ from typing import Any, Protocol, Sequence
 
 from tqdm import tqdm
 
-from treadle.recipes.math_tasks import Problem, grade
-from treadle.recipes.rendering import render_generation_prompt
+from treadle.recipes.lib.math_tasks import Problem, grade
+from treadle.recipes.lib.rendering import render_generation_prompt
 from treadle.types import ModelInput, SamplingParams
 
 
@@ -25,6 +25,11 @@ class EvalResult:
 def prompt_messages(question: str, system_prompt: str | None) -> list[dict[str, str]]:
     system = [{"role": "system", "content": system_prompt}] if system_prompt else []
     return [*system, {"role": "user", "content": question}]
+
+
+def question_prompt(tokenizer: Any, question: str, system_prompt: str | None) -> list[int]:
+    """The tokens of a one-question conversation, up to the assistant's turn: what a sampler continues."""
+    return render_generation_prompt(tokenizer, prompt_messages(question, system_prompt))
 
 
 class AnswerConfig(Protocol):
@@ -47,7 +52,7 @@ def evaluate_problems(
     params = SamplingParams(max_tokens=cfg.max_tokens, temperature=1.0, top_k=1, stop=cfg.stop, seed=0)
     futures = [
         sampler.sample(
-            ModelInput.from_ints(render_generation_prompt(tokenizer, prompt_messages(p.question, cfg.system_prompt))),
+            ModelInput.from_ints(question_prompt(tokenizer, p.question, cfg.system_prompt)),
             num_samples=1,
             sampling_params=params,
         )

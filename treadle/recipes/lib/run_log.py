@@ -20,7 +20,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from treadle.recipes.mlflow_log import MlflowRun
+from treadle.recipes.lib.mlflow_log import MlflowRun
 
 METRICS_FILE = "metrics.jsonl"
 CHECKPOINTS_FILE = "checkpoints.jsonl"

@@ -23,9 +23,9 @@ import re
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from treadle.recipes.sandbox import Execution, Sandbox
+from treadle.sandbox import Execution, Sandbox
 
-CODE_PROBLEMS = os.path.join(os.path.dirname(__file__), "data", "code_problems.jsonl")
+CODE_PROBLEMS = os.path.join(os.path.dirname(os.path.dirname(__file__)), "data", "code_problems.jsonl")
 NO_CODE_REWARD = -0.1
 _CODE_BLOCK = re.compile(r"```([A-Za-z0-9]*)[ \t]*\n(.*?)```", re.DOTALL)
 _PYTHON_TAGS = ("python", "py", "python3")

@@ -34,6 +34,10 @@ class Group:
     completions: list[SampledCompletion]
     policy_version: int
 
+    def details(self) -> dict[str, float]:
+        """Its rollouts.jsonl details: the mean reward of its completions."""
+        return {"reward_mean": sum(c.reward for c in self.completions) / len(self.completions)}
+
 
 @dataclass
 class ProblemStream:

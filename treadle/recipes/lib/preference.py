@@ -19,20 +19,20 @@ from typing import Any, Callable, Literal, Sequence
 import numpy as np
 from pydantic import Field
 
-from treadle.recipes.datums import supervised_datum
-from treadle.recipes.evaluation import evaluate_problems, prompt_messages
-from treadle.recipes.math_tasks import Problem, arithmetic_heldout
-from treadle.recipes.loop import Run, adam, close_run, start_run
-from treadle.recipes.preference_data import PreferencePair, arithmetic_pairs, load_pairs
-from treadle.recipes.preference_losses import (
+from treadle.recipes.lib.datums import supervised_datum
+from treadle.recipes.lib.evaluation import evaluate_problems, prompt_messages
+from treadle.recipes.lib.math_tasks import Problem, arithmetic_heldout
+from treadle.recipes.lib.loop import Run, adam, close_run, start_run
+from treadle.recipes.lib.preference_data import PreferencePair, arithmetic_pairs, load_pairs
+from treadle.recipes.lib.preference_losses import (
     PreferenceLoss,
     SequenceLoss,
     dpo_loss,
     forward_backward_with_loss,
     sequence_logprobs,
 )
-from treadle.recipes.rendering import render_conversation
-from treadle.recipes.run_log import RunConfig, RunLog
+from treadle.recipes.lib.rendering import render_conversation
+from treadle.recipes.lib.run_log import RunConfig, RunLog
 from treadle.types import Datum
 
 ReferenceSource = Literal["sampler", "forward"]
@@ -226,11 +226,10 @@ class PreferenceRun:
 
 def start_preference_run(service: Any, cfg: PreferenceConfig) -> PreferenceRun:
     """The run's session (a fresh one, or the last checkpoint's with `cfg.resume`), the reference and the eval."""
-    log = RunLog.for_config(cfg)
-    run = start_run(service, log, cfg)
+    run = start_run(service, cfg)
     tokenizer = run.training.get_tokenizer()
     reference = reference_scorer(service, cfg.base_model, cfg.reference)
-    return PreferenceRun(run, tokenizer, reference, heldout_evaluator(run.training, tokenizer, log, reference, cfg))
+    return PreferenceRun(run, tokenizer, reference, heldout_evaluator(run.training, tokenizer, run.log, reference, cfg))
 
 
 def eval_part(row: dict) -> dict[str, float]:

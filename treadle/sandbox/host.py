@@ -2,7 +2,7 @@
 
 The seccomp filter is compiled by libseccomp (through the `pyseccomp` binding) into a BPF program
 once, in the grader; each run loads those bytes as its last step before the program (see
-`sandbox._LOADER`), after `no_new_privs` is set, so that the filter binds the program and
+`local._LOADER`), after `no_new_privs` is set, so that the filter binds the program and
 everything it starts and cannot be lifted.
 
 `DENIED_CALLS` is the list, and why each call is on it. Calls that need a capability (mount,
@@ -58,7 +58,7 @@ def seccomp_filter() -> bytes:
     System calls of another architecture (32-bit `int 0x80`, x32) kill the process: the filter's rules
     are written for the native numbers only.
     """
-    import pyseccomp as seccomp  # loads libseccomp.so.2: imported here so that importing treadle.recipes needs neither
+    import pyseccomp as seccomp  # loads libseccomp.so.2: imported here so that importing treadle.sandbox needs neither
 
     rules = seccomp.SyscallFilter(seccomp.ALLOW)
     for name in DENIED_CALLS:

@@ -16,7 +16,7 @@ import os
 
 Conversation = list[dict[str, str]]
 
-EXAMPLE_CONVERSATIONS = os.path.join(os.path.dirname(__file__), "data", "example_conversations.jsonl")
+EXAMPLE_CONVERSATIONS = os.path.join(os.path.dirname(os.path.dirname(__file__)), "data", "example_conversations.jsonl")
 _SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from treadle.recipes.rendering import RenderedConversation
+from treadle.recipes.lib.rendering import RenderedConversation
 
 
 def pack_conversations(conversations: Sequence[RenderedConversation], max_tokens: int) -> list[RenderedConversation]:
