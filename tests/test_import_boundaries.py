@@ -1,5 +1,6 @@
-"""The client side stays light: treadle.types, treadle.sdk and treadle.recipes never import torch,
-peft or the worker, so a laptop needs only the SDK. And what the tests import is declared, not borrowed."""
+"""The client side stays light: treadle.types, treadle.sdk, treadle.recipes and treadle.sandbox never import
+torch, peft or the worker, so a laptop needs only the SDK; the sandbox, a security boundary, imports nothing
+else of treadle. And what the tests import is declared, not borrowed."""
 
 from __future__ import annotations
 
@@ -12,7 +13,15 @@ import tomllib
 from importlib.metadata import packages_distributions
 
 ROOT = pathlib.Path(__file__).resolve().parents[1] / "treadle"
-LIGHT = [ROOT / "types.py", ROOT / "errors.py", ROOT / "settings.py", ROOT / "sdk", ROOT / "recipes", ROOT / "queue"]
+LIGHT = [
+    ROOT / "types.py",
+    ROOT / "errors.py",
+    ROOT / "settings.py",
+    ROOT / "sdk",
+    ROOT / "recipes",
+    ROOT / "sandbox",
+    ROOT / "queue",
+]
 FORBIDDEN = ("torch", "peft", "accelerate", "treadle.gpu_worker")
 
 
@@ -46,12 +55,51 @@ def test_sdk_and_recipes_import_without_torch():
         f"        if name.split('.')[0] in {FORBIDDEN[:3]!r}: raise ImportError('blocked ' + name)\n"
         "sys.meta_path.insert(0, Block())\n"
         "import treadle, treadle.types, treadle.sdk, treadle.recipes.math_rl, treadle.recipes.sft\n"
+        "import treadle.recipes.code_rl, treadle.sandbox\n"
         "from treadle import ServiceClient, Datum, ModelInput, TensorData, SamplingParams, AdamParams\n"
         "assert not any(m.startswith('treadle.gpu_worker') for m in sys.modules)\n"
         "print('ok')\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr
+
+
+def test_the_sandbox_imports_nothing_else_of_treadle():
+    """The code sandbox is a security boundary: what it runs on is all in `treadle/sandbox/`, to be read alone."""
+    outside = [
+        f"{path.relative_to(ROOT.parent)} imports {name}"
+        for path in sorted((ROOT / "sandbox").rglob("*.py"))
+        for name in _imports(path)
+        if name.split(".")[0] == "treadle" and not name.startswith("treadle.sandbox")
+    ]
+    assert outside == []
+
+
+MAX_RECIPE_MAIN_LINES, MAX_RECIPE_FUNCTION_LINES = 80, 60
+
+
+def test_recipes_read_top_to_bottom():
+    """A recipe's `main` is at most 80 lines with no function inside it (a closure hides state); every other
+    function of the recipes, their library and the sandbox is at most 60 lines."""
+    too_long, nested = {}, []
+    for path in sorted([*(ROOT / "recipes").rglob("*.py"), *(ROOT / "sandbox").rglob("*.py")]):
+        name = str(path.relative_to(ROOT.parent))
+        is_recipe = path.parent == ROOT / "recipes"
+        for node in ast.parse(path.read_text()).body:
+            if not isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+                continue
+            for fn in [n for n in ast.walk(node) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]:
+                is_main = is_recipe and fn is node and fn.name == "main"
+                lines = (fn.end_lineno or fn.lineno) - fn.lineno + 1
+                if lines > (MAX_RECIPE_MAIN_LINES if is_main else MAX_RECIPE_FUNCTION_LINES):
+                    too_long[f"{name}:{fn.name}"] = lines
+                if is_main:
+                    nested += [
+                        f"{name}:main defines {n.name}"
+                        for n in ast.walk(fn)
+                        if n is not fn and isinstance(n, ast.FunctionDef)
+                    ]
+    assert too_long == {} and nested == []
 
 
 def _module_name(path: pathlib.Path) -> str:
