@@ -87,6 +87,7 @@ class Engine:
         dtype: str | None = None,
         max_tokens_per_microbatch: int | None = None,
         sampling_max_batch_tokens: int = 16384,
+        sampling_prefix_cache_tokens: int = 16384,
         sampler: SamplerKind = "hf",
         sampler_options: SamplerOptions | None = None,
     ):
@@ -116,6 +117,7 @@ class Engine:
             hf_batching=self.profile.sampler,
             static_decode=self.profile.static_decode,
             vllm_serves=self.profile.vllm,
+            prefix_cache_tokens=sampling_prefix_cache_tokens,
         )
         self.sampler = make_sampler(sampler, setup, sampler_options)
         self._threads = CpuThreads(self._host.device)

@@ -61,6 +61,15 @@ class WorkerConfig(BaseModel):
         "full max_tokens). Memory: 2 x layers x kv_heads x head_dim x dtype bytes per position, e.g. 46 KB "
         "for SmolLM2-135M in fp32 (16384 ~ 0.75 GB); more lets more requests share each decode step.",
     )
+    sampling_prefix_cache_tokens: int = Field(
+        default=16384,
+        ge=0,
+        description="KV positions the hf sampler keeps of prompts and of one-sample answers, per base model, so that a "
+        "prompt starting with tokens already run on the same snapshot (a GRPO group sent one by one, a conversation's "
+        "next turn) is prefilled only from where they end; least recently used first out. One position costs what a "
+        "batch position does (2 x layers x kv_heads x head_dim x dtype bytes: 46 KB for SmolLM2-135M in fp32), each "
+        "kept prompt also its last logits (vocab x dtype bytes). 0: no reuse (treadle.gpu_worker.sampling.hf.prefix_cache).",
+    )
     sampler: Literal["auto", "hf", "vllm"] = Field(
         default="auto",
         description="What samples: hf (batched transformers decoding in this process) or vllm (a vLLM engine per base "

@@ -40,6 +40,7 @@ class WorkerService:
         from treadle.gpu_worker.executor.celery_tasks import register_tasks
         from treadle.gpu_worker.executor.failover import Failover
         from treadle.gpu_worker.sampling import logprob_audit
+        from treadle.gpu_worker.sampling.hf import prefix_cache
         from treadle.queue.fair import FairShare
         from treadle.gpu_worker.sessions.hosting import SessionHost, SessionLimits, SessionStores
         from treadle.gpu_worker.executor.linger import Linger
@@ -67,6 +68,11 @@ class WorkerService:
         logprob_audit.configure(
             fraction=config.logprob_audit_fraction,
             observe=lambda model, gap: metrics.LOGPROB_GAP.labels(served_as.get(model, model)).observe(gap),
+        )
+        prefix_cache.configure(
+            observe=lambda model, prefilled, reused: metrics.observe_prefill(
+                served_as.get(model, model), prefilled, reused
+            )
         )
         self.engines, self.served = load_engines(config)
         self.app = make_app(broker, result, task_events=config.task_events, result_expires_s=config.result_ttl_s)
@@ -281,6 +287,7 @@ def load_engines(config: WorkerConfig) -> tuple[dict, list[ServedModel]]:
                 dtype=config.dtype,
                 max_tokens_per_microbatch=config.max_tokens_per_microbatch,
                 sampling_max_batch_tokens=config.sampling_max_batch_tokens,
+                sampling_prefix_cache_tokens=config.sampling_prefix_cache_tokens,
                 sampler=config.sampler,
                 sampler_options=SamplerOptions(vllm=options, hf_decode=config.sampler_decode),
             )

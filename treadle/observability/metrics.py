@@ -82,6 +82,19 @@ LOGPROB_GAP = Histogram(
     buckets=(1e-5, 1e-4, 1e-3, 3e-3, 0.01, 0.03, 0.1, 0.3, 1, 3),
     registry=REGISTRY,
 )
+PREFILL_TOKENS = Counter(
+    "treadle_sampler_prefill_tokens",
+    "Prompt tokens the hf sampler ran through a prefill forward.",
+    ["base_model"],
+    registry=REGISTRY,
+)
+PREFIX_REUSED_TOKENS = Counter(
+    "treadle_sampler_prefix_reused_tokens",
+    "Prompt tokens the hf sampler served from kept KV instead (an earlier request's prompt or answer on the same "
+    "snapshot, or an equal prompt admitted with it).",
+    ["base_model"],
+    registry=REGISTRY,
+)
 CHECKPOINT_SECONDS = Histogram(
     "treadle_checkpoint_seconds",
     "Seconds to write one checkpoint (auto | state | sampler).",
@@ -123,6 +136,12 @@ def observe_queue_wait(owner: str, base_model: str, seconds: float) -> None:
 def observe_anticipation(base_model: str, outcome: str | None, seconds: float) -> None:
     ANTICIPATIONS.labels(base_model, outcome or "none").inc()
     ANTICIPATION_SECONDS.labels(base_model).inc(seconds)
+
+
+def observe_prefill(base_model: str, prefilled: int, reused: int) -> None:
+    """One admission of sample requests: prompt tokens prefilled, and prompt tokens served from kept KV."""
+    PREFILL_TOKENS.labels(base_model).inc(prefilled)
+    PREFIX_REUSED_TOKENS.labels(base_model).inc(reused)
 
 
 def observe_checkpoint(kind: str, seconds: float, size_bytes: int) -> None:

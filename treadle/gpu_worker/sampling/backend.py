@@ -83,6 +83,7 @@ class SamplerSetup:
     hf_batching: str  # how the hf backend batches the model's adapters
     static_decode: str  # "yes..." if the hf backend's static-shape decode steps serve the model, else "no: why"
     vllm_serves: str  # "yes" if the vllm backend serves the model's family, else why not
+    prefix_cache_tokens: int = 16384  # KV positions kept for prompts to resume from (hf: `prefix_cache`; 0: none)
 
 
 class SamplerBackend(Protocol):

@@ -7,8 +7,10 @@ runs of rows (`mixed_lora`), so a row's numbers are those of its adapter alone. 
 plain LoRA linears (MoE expert adapters, DoRA loaded from a user's directory) cannot be added as a
 delta after the layer: such a step runs one forward per run of rows, each on its slice of the cache.
 
-A request's prompt is prefilled once, as one row (the prompts admitted together share one left-padded
-prefill forward); that row's KV cache is then repeated for the request's `num_samples` rows. Rows join at step boundaries: the newcomer's cache and the batch's cache are
+A request's prompt is prefilled once, as one row (the prompts admitted together share one prefill forward,
+equal ones one row), from the end of the longest prefix of it whose KV is kept from earlier requests on
+the same adapter (`prefix_cache`, `prefill_plan`); that row's KV cache is then repeated for the request's
+`num_samples` rows. Rows join at step boundaries: the newcomer's cache and the batch's cache are
 left-padded to one length (padding is masked out and every row carries its own position ids, so
 padding never changes a row's numbers) and concatenated; finished rows leave, and columns that have
 become padding for every remaining row are cut off. `cache_rows` does this for every cache layer
@@ -27,10 +29,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from treadle.gpu_worker.sampling.hf import cache_rows
+from treadle.gpu_worker.sampling.hf import cache_rows, prefix_cache
 from treadle.gpu_worker.model.adapters import AdapterBank
 from treadle.gpu_worker.sampling.hf.mixed_lora import grouped_adapters, stacks_for
 from treadle.gpu_worker.model.host import ModelHost
+from treadle.gpu_worker.sampling.hf.prefill_plan import PrefillPlan
+from treadle.gpu_worker.sampling.hf.prefix_cache import PrefixCache
 from treadle.gpu_worker.sampling.hf.row_invariant import first_columns, invariant_forward, row_runs
 from treadle.gpu_worker.sampling.backend import SampleJob
 from treadle.gpu_worker.sampling.extras import score_prompt, top_of_rows
@@ -83,7 +87,11 @@ def _split_forward(bank: AdapterBank, adapters: list[str | None], inputs: dict) 
     config, cache = bank.host.model.config, inputs.get("cache")
     outputs = []
     for begin, end in runs:
-        part = {key: value[begin:end] for key, value in inputs.items() if isinstance(value, torch.Tensor)}
+        part = {
+            key: value[begin:end]
+            for key, value in inputs.items()
+            if isinstance(value, torch.Tensor) and key != "logits_to_keep"  # (columns, the same for every row)
+        }
         part |= {key: value for key, value in inputs.items() if key not in part and key not in ("cache", "row_runs")}
         part.pop("row_starts", None)
         part.pop("decode_masks", None)
@@ -124,50 +132,42 @@ class Prefilled:
     completed: list[SampleJob]  # jobs whose every row ended on its first token
 
 
-def prefill(bank: AdapterBank, host: ModelHost, jobs: list[SampleJob]) -> Prefilled:
-    """Prefill the jobs' prompts in one left-padded forward (one row per prompt, each with its own adapter), score
-    what the jobs ask of their prompts, and draw each sample's first token."""
+def prefill(
+    bank: AdapterBank, host: ModelHost, jobs: list[SampleJob], prefixes: PrefixCache | None = None
+) -> Prefilled:
+    """Prefill the jobs' prompts in one forward (one row per distinct prompt, each with its own adapter, each from the
+    end of its longest prefix kept in `prefixes`: `prefill_plan`), keep them there, score what the jobs ask of their
+    prompts, and draw each sample's first token."""
     device = host.device
-    lengths = [len(job.request.prompt) for job in jobs]
-    width = max(lengths)
-    ids = torch.full((len(jobs), width), host.pad_token_id, dtype=torch.long)
-    mask = torch.zeros((len(jobs), width), dtype=torch.long)
-    for i, job in enumerate(jobs):
+    for job in jobs:
         if job.generator is None:
             job.generator = torch.Generator(device=device)
             job.generator.manual_seed(job.params.seed if job.params.seed is not None else secrets.randbits(63))
         job.sequences = [None] * job.num_samples
-        ids[i, width - lengths[i] :] = torch.from_numpy(np.ascontiguousarray(job.request.prompt))
-        mask[i, width - lengths[i] :] = 1
-    ids, mask = ids.to(device), mask.to(device)
     wants_prompt = [job.include_prompt_logprobs or job.topk_prompt_logprobs > 0 for job in jobs]
     wants_logits = [w or job.extras.from_prompt for w, job in zip(wants_prompt, jobs)]
-    out = forward_rows(
-        bank,
-        [job.adapter for job in jobs],
-        input_ids=ids,
-        attention_mask=mask,
-        position_ids=(mask.cumsum(dim=1) - 1).clamp(min=0),
-        use_cache=True,
-        logits_to_keep=0 if any(wants_logits) else 1,
-        cache=cache_rows.new_cache(host.model.config),
-    )
+    plan = PrefillPlan(jobs, wants_logits, prefixes)
+    out = forward_rows(bank, [p.adapter for p in plan.run], **plan.inputs(host)) if plan.run else None
+    cache, mask, last = plan.finish(out, host)
+    if prefixes is not None:
+        plan.keep(prefixes, cache, mask, last)
+    prefix_cache.observe(host.name, plan.prefilled, sum(len(job.request.prompt) for job in jobs) - plan.prefilled)
     for i, job in enumerate(jobs):
-        job.prompt_extras = score_prompt(
-            out.logits[i, width - lengths[i] :], job.extras, job.params.temperature, job.generator.initial_seed()
-        )
-        if wants_prompt[i]:
-            job.prompt_logprobs, job.topk = prompt_logprobs_from_logits(
-                out.logits[i, width - lengths[i] :], ids[i, width - lengths[i] :], job.topk_prompt_logprobs
-            )
-    # The num_samples rows of a job all start from its one prefilled row.
+        if wants_logits[i]:
+            prompt = plan.prompts[plan.of_job[i]]
+            logits = plan.prompt_logits(out, prompt)
+            job.prompt_extras = score_prompt(logits, job.extras, job.params.temperature, job.generator.initial_seed())
+            if wants_prompt[i]:
+                tokens = torch.tensor(prompt.tokens, device=device)
+                job.prompt_logprobs, job.topk = prompt_logprobs_from_logits(logits, tokens, job.topk_prompt_logprobs)
+    # The num_samples rows of a job all start from its prompt's one row.
     rows = [Row(job, k) for job in jobs for k in range(job.num_samples)]
-    source = torch.tensor([i for i, job in enumerate(jobs) for _ in range(job.num_samples)], device=device)
-    first = choose(out.logits[:, -1][source], rows)
+    of_job = [plan.row[id(plan.prompts[plan.of_job[i]])] for i in range(len(jobs))]
+    source = torch.tensor([of_job[i] for i, job in enumerate(jobs) for _ in range(job.num_samples)], device=device)
+    first = choose(last[source], rows)
     going = record(rows, first, host.tokenizer)
     completed = [job for job in jobs if job.done]
     keep = torch.tensor(going, dtype=torch.long, device=device)
-    cache = out.cache
     if going:
         cache_rows.select_rows(cache, source[keep])
     return Prefilled([rows[g] for g in going], cache, mask[source[keep]], first[keep], completed)
@@ -219,9 +219,10 @@ def record(rows: list[Row], tokens: torch.Tensor, tokenizer) -> list[int]:
 class DecodeBatch:
     """The rows being decoded, their shared (left-padded) KV cache, attention mask and positions."""
 
-    def __init__(self, bank: AdapterBank, host: ModelHost):
+    def __init__(self, bank: AdapterBank, host: ModelHost, prefixes: PrefixCache | None = None):
         self.bank = bank
         self.host = host
+        self.prefixes = prefixes  # kept KV of prompts and answers (None: no reuse across admissions)
         self.rows: list[Row] = []
         self._cache = None  # DynamicCache over every row, or None when empty
         self._mask = torch.zeros((0, 0), dtype=torch.long, device=host.device)
@@ -245,7 +246,7 @@ class DecodeBatch:
 
         Returns the jobs that are already complete (every row ended on its first token).
         """
-        done = prefill(self.bank, self.host, jobs)
+        done = prefill(self.bank, self.host, jobs, self.prefixes)
         if done.rows:
             self._join(done.rows, done.cache, done.mask, done.last)
         return done.completed
@@ -268,12 +269,19 @@ class DecodeBatch:
         tokens = choose(out.logits[:, -1], self.rows)
         rows = self.rows
         going = record(rows, tokens, self.host.tokenizer)
+        if self.prefixes is not None and len(going) < len(rows):
+            self._keep_answers(self.prefixes, going)
         completed = list({id(r.job): r.job for r in rows if r.job.done}.values())
         if len(going) < len(rows):
             self._keep(going)
         if going:
             self._last = tokens[torch.tensor(going, device=tokens.device)]
         return completed
+
+    def forget(self, adapter: str | None) -> None:
+        """Drop what is kept for an adapter that leaves the bank."""
+        if self.prefixes is not None:
+            self.prefixes.drop(adapter)
 
     def fail_all(self) -> list[SampleJob]:
         """Drop every row (after a failed step); returns their jobs."""
@@ -282,6 +290,18 @@ class DecodeBatch:
         return jobs
 
     # ------------------------------------------------------------ internals
+
+    def _keep_answers(self, prefixes: PrefixCache, going: list[int]) -> None:
+        """Keep the KV of the rows that ended this step, of requests of one sample: a conversation's next turn
+        starts with its prompt and answer. (A group of samples is scored, not continued.) The cache holds the
+        prompt and every token but the last one drawn."""
+        for i in sorted(set(range(len(self.rows))) - set(going)):
+            row = self.rows[i]
+            if row.job.num_samples != 1:
+                continue
+            length = int(self._positions[i])
+            tokens = np.concatenate([row.job.request.prompt, np.asarray(row.tokens[:-1], dtype=np.int64)])
+            prefixes.keep(row.job.adapter, tokens, cache_rows.row_kv(self._cache, i, self.width - length), {})
 
     def _join(self, rows: list[Row], cache, mask: torch.Tensor, last: torch.Tensor) -> None:
         """Add rows with their (left-padded) prefill cache and mask."""

@@ -49,6 +49,12 @@ def supported(config) -> str | None:
     return None
 
 
+def has_states(config) -> bool:
+    """Whether a model with `config` keeps linear-attention or recurrent states (a sequence summarised in a
+    fixed-size state, which cannot be cut back to a prefix of it)."""
+    return any(_has_states(layer) for layer in new_cache(config).layers)
+
+
 def _known(layer) -> bool:
     if isinstance(layer, DynamicSlidingWindowLayer):
         return False  # (a linear-attention + sliding layer: its trimmed history cannot be batched)
@@ -121,6 +127,53 @@ def slice_rows(cache: DynamicCache, begin: int, end: int, config) -> DynamicCach
             for (states, key), (other_states, _) in zip(_states(own), _states(other)):
                 states[key] = other_states[key][begin:end]
     return part
+
+
+RowKV = list[
+    tuple[torch.Tensor, torch.Tensor] | None
+]  # per cache layer, one row's (keys, values): (heads, length, dim)
+
+
+def row_kv(cache: DynamicCache, row: int, first: int) -> RowKV:
+    """A copy of row `row`'s keys and values from column `first` on, per layer (None: a layer without them).
+    Only for models without states (`has_states`)."""
+    return [
+        (layer.keys[row, :, first:].clone(), layer.values[row, :, first:].clone()) if _kv_ready(layer) else None
+        for layer in cache.layers
+    ]
+
+
+def from_rows(config, rows: list[RowKV | None], width: int) -> DynamicCache:
+    """A cache of `rows` (None: no keys yet, all padding), each left-padded with zeros to `width` positions."""
+    cache = new_cache(config)
+    for index, layer in enumerate(cache.layers):
+        sample = next((row[index] for row in rows if row is not None and row[index] is not None), None)
+        if sample is None:
+            continue
+        keys, values = sample
+        layer.lazy_initialization(keys, values)
+        layer.keys = keys.new_zeros((len(rows), keys.shape[0], width, keys.shape[2]))
+        layer.values = values.new_zeros((len(rows), values.shape[0], width, values.shape[2]))
+        for at, row in enumerate(rows):
+            if row is not None and row[index] is not None:
+                length = row[index][0].shape[1]
+                layer.keys[at, :, width - length :] = row[index][0]
+                layer.values[at, :, width - length :] = row[index][1]
+    return cache
+
+
+def shift_right(cache: DynamicCache, shifts: torch.Tensor) -> None:
+    """Move row i of every attention layer `shifts[i]` columns to the right, in place; the columns that come
+    in on the left are zeros (padding): what makes a row padded on the right a left-padded one."""
+    for layer in cache.layers:
+        if _kv_ready(layer):
+            columns = torch.arange(layer.keys.shape[2], device=shifts.device)
+            source = (columns[None, :] - shifts[:, None]).clamp(min=0)[:, None, :, None]
+            padding = (columns[None, :] < shifts[:, None])[:, None, :, None]
+            for name in ("keys", "values"):
+                states = getattr(layer, name)
+                moved = states.gather(2, source.expand(-1, states.shape[1], -1, states.shape[3]))
+                setattr(layer, name, moved.masked_fill(padding, 0.0))
 
 
 def concat_rows(parts: list[DynamicCache]) -> DynamicCache:

@@ -31,12 +31,24 @@ two things make a row depend on its neighbours, and both are removed here:
 2. Matmuls whose row count is not a multiple of `ROW_MULTIPLE` take other MKL kernels (another
    summation order) for the remainder rows. Every `F.linear` of a sampling forward is padded with
    zero rows to a multiple of `ROW_MULTIPLE` (8; 4 already sufficed on the AVX2 machine measured).
+3. A prefill's queries take a decode step's arithmetic (`_prefill_as_decode`): each query is computed as
+   the one new token of a decode step over the keys up to its own would be, alone. Its scores come from
+   k @ q^T with the query's own heads as the product's only columns (with more columns, such as every
+   query of the prompt at once, MKL sums over the head dimension in another order), its keys sit
+   right-aligned from its own position in blocks of `KEY_MULTIPLE`, and its w @ v is added block by
+   block from the left. So a position's numbers, its logits and the keys and values it leaves in the
+   cache, are the same whether a whole prefill, the prefill of a suffix over kept keys and values, or a
+   decode step computed them: what lets the sampler resume a prompt from KV kept from an earlier request
+   (`prefix_cache`) and still give, bit for bit, what a whole prefill gives. (A plain prefill's
+   attention differs from a decode step's in the last bits, and from one prompt split to the next.) It
+   costs about 2-3x a plain prefill's attention (many small products).
 
 `tests/test_batch_sampling.py` checks the result: a request alone and the same request batched with
 others give bit-identical logprobs. Accelerators (cuBLAS, flash kernels) make no such promise whatever the
 layout; there rows agree to floating-point tolerance only, and the layouts of 1. and 2. are not taken
 (`invariant_layouts`): they would only add operators, each a kernel launch, to a decode step bound by
-launches. There a decode step attends in one product over the unpadded cache, and linears are not padded.
+launches. There a decode step attends in one product over the unpadded cache, linears are not padded, and a
+prefill attends per group of rows in one product over their keys.
 """
 
 from __future__ import annotations
@@ -51,6 +63,7 @@ from transformers import AttentionInterface
 
 ROW_MULTIPLE = 8
 KEY_MULTIPLE = 64  # see 1. above
+PREFILL_SCORES = 1 << 24  # scores held at once by `_prefill_as_decode` (64 MB in fp32): it runs queries in chunks
 IMPLEMENTATION = "treadle_rows"
 
 _original_linear = F.linear
@@ -126,6 +139,8 @@ def _rows_attention(
         return out, None
     if row_runs is None:
         raise RuntimeError(f"{IMPLEMENTATION} attention needs row_runs (only sampling forwards use it)")
+    if invariant_layouts(query.device):
+        return _prefill_as_decode(query, key, value, row_runs, scaling, sliding_window, s_aux, softcap), None
     return _prefill_attention(query, key, value, row_runs, scaling, sliding_window, s_aux, softcap), None
 
 
@@ -210,6 +225,88 @@ def _decode_attention(
         column = width - lk + key
         out += torch.matmul(weights[..., column : column + KEY_MULTIPLE], value[:, :, key : key + KEY_MULTIPLE])
     return out.to(query.dtype).reshape(batch, 1, heads, value.shape[-1])
+
+
+def _prefill_as_decode(query, key, value, row_runs, scaling, sliding_window, s_aux, softcap) -> torch.Tensor:
+    """A prefill's attention with each query computed as `_decode_attention` computes the one query of a row
+    whose cache ends at the query's own key (3. in the module docstring). Rows of a run start at the same
+    column; the queries before it sit on padding (output 0), those after a row's last real token attend
+    whatever is there (their output is never read). -> (B, Lq, H, Dv)"""
+    lq, lk = query.shape[2], key.shape[2]
+    out = query.new_zeros((query.shape[0], lq, query.shape[1], value.shape[-1]))
+    for begin, end, start in row_runs:
+        first_query = max(0, start - (lk - lq))  # query a sits on column lk - lq + a
+        chunk = max(1, PREFILL_SCORES // (query.shape[1] * (2 * (lk - start) + KEY_MULTIPLE)))
+        for row in range(begin, end):
+            for first in range(first_query, lq, chunk):
+                last = min(lq, first + chunk)
+                seen = lk - lq + last - start  # keys of the chunk's last query, its own included
+                out[row, first:last] = _queries_as_decode(
+                    query[row, :, first:last],
+                    key[row, :, start : start + seen],
+                    value[row, :, start : start + seen],
+                    scaling,
+                    sliding_window,
+                    s_aux,
+                    softcap,
+                )
+    return out
+
+
+def _queries_as_decode(query, key, value, scaling, sliding_window, s_aux, softcap) -> torch.Tensor:
+    """Queries (H, n, D) of one row, query j seeing keys 0 .. m - n + j of key (Hkv, m, D) and value (Hkv, m, Dv),
+    each as `_decode_attention` alone over those keys. -> (n, H, Dv)"""
+    heads, n, dim = query.shape
+    kv_heads, short = key.shape[0], max(0, KEY_MULTIPLE - key.shape[1])
+    if short:  # as a decode step pads a short cache (masked below): products this small take torch's own loop
+        key, value = F.pad(key, (0, 0, short, 0)), F.pad(value, (0, 0, short, 0))
+    m, groups = key.shape[1], heads // kv_heads
+    width = -(-m // KEY_MULTIPLE) * KEY_MULTIPLE  # the widest query's decode width
+    own = m - n  # the first query's own key
+    # Per query, k @ q^T with its own heads as the columns: a batch of the decode step's products over the keys.
+    per_query = query.reshape(kv_heads, groups, n, dim).transpose(1, 2).contiguous()  # (Hkv, n, groups, D)
+    scores = torch.stack(
+        [torch.bmm(key[h].expand(n, m, dim), per_query[h].transpose(1, 2)) for h in range(kv_heads)]
+    )  # (Hkv, n, m, groups)
+    scores = scores.permute(0, 3, 1, 2) * scaling  # (Hkv, groups, n, m)
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores[..., :short] = float("-inf")
+    # Skewed: row j holds keys 0 .. own + j right-aligned in `width` columns, -inf before (masked keys).
+    padded = F.pad(scores, (width, 0), value=float("-inf")).contiguous()
+    strides = padded.stride()
+    scores = padded.as_strided(
+        (kv_heads, groups, n, width), (strides[0], strides[1], width + m + 1, 1), padded.storage_offset() + own + 1
+    )
+    if sliding_window is not None and sliding_window < width:  # the query sees the window's last keys
+        scores = scores.clone()
+        scores[..., : width - sliding_window] = float("-inf")
+    if s_aux is not None:  # the sink, last, as a decode step puts it
+        sink = s_aux.reshape(kv_heads, groups, 1, 1).expand(-1, -1, n, 1).to(scores.dtype)
+        weights = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1, dtype=torch.float32)[..., :-1]
+    else:
+        weights = torch.softmax(scores, dim=-1, dtype=torch.float32)
+    weights = weights.to(query.dtype).permute(0, 2, 1, 3)  # (Hkv, n, groups, width)
+    # w @ v per block of `KEY_MULTIPLE` keys aligned from each query's own key (a strided view of the values,
+    # padded with zeros before key 0), added in order from the left in fp32; a block before a query's first key
+    # would add exact zeros, so it starts at the first query that sees one.
+    padded_values = F.pad(value, (0, 0, width, 0)).contiguous()  # (Hkv, width + m, Dv)
+    rows, columns = padded_values.stride()[1:]
+    out = torch.zeros((kv_heads, n, groups, value.shape[-1]), dtype=torch.float32, device=query.device)
+    for block in range(width // KEY_MULTIPLE - 1, -1, -1):
+        first = max(0, KEY_MULTIPLE * block - own)
+        if first >= n:
+            continue
+        key_0 = own + 1 + width - KEY_MULTIPLE * (block + 1) + first  # row of query `first`'s block in the values
+        window = slice(width - KEY_MULTIPLE * (block + 1), width - KEY_MULTIPLE * block)
+        for h in range(kv_heads):
+            blocks = padded_values[h].as_strided(
+                (n - first, KEY_MULTIPLE, value.shape[-1]),
+                (rows, rows, columns),
+                padded_values[h].storage_offset() + key_0 * rows,
+            )
+            out[h, first:] += torch.bmm(weights[h, first:, :, window], blocks)
+    return out.to(query.dtype).permute(1, 0, 2, 3).reshape(n, heads, value.shape[-1])
 
 
 AttentionInterface.register(IMPLEMENTATION, _rows_attention)

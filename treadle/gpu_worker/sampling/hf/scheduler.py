@@ -13,6 +13,9 @@ The device is shared with training through one `DeviceLock`, taken per forward (
 step, a logprob batch), never for a whole batch: a training op waits at most one forward, and since
 the lock is granted in arrival order, sampling goes on between the training ops of other sessions.
 
+Prompts resume from KV kept from earlier requests on the same snapshot, within `prefix_cache_tokens`
+positions (`prefix_cache`; 0: off).
+
 Memory: the batch's KV cache is at most `max_batch_tokens` positions (rows x padded length, counting
 each row's full `max_tokens`; a request larger than that runs alone); one position costs
 2 x layers x kv_heads x head_dim x dtype bytes (SmolLM2-135M in fp32: 2 x 30 x 3 x 64 x 4 = 46 KB,
@@ -35,6 +38,7 @@ from treadle.errors import ServerError, TreadleError
 from treadle.gpu_worker.model.adapters import AdapterBank
 from treadle.gpu_worker.sampling.backend import LogprobJob, SampleJob, SamplerSetup
 from treadle.gpu_worker.sampling.hf.batch_decode import DecodeBatch, forward_rows, prompt_logprobs_from_logits
+from treadle.gpu_worker.sampling.hf.prefix_cache import PrefixCache
 from treadle.gpu_worker.sampling.hf.slot_batch import SlotBatch
 from treadle.gpu_worker.model.device_lock import DeviceLock
 from treadle.queue.fair import FairShare
@@ -47,17 +51,19 @@ log = logging.getLogger("treadle.sampler")
 DecodePath = Literal["auto", "static", "dynamic"]
 
 
-def decode_batch(bank: AdapterBank, host: ModelHost, decode: DecodePath, static_decode: str) -> DecodeBatch | SlotBatch:
+def decode_batch(
+    bank: AdapterBank, host: ModelHost, decode: DecodePath, static_decode: str, prefixes: PrefixCache | None = None
+) -> DecodeBatch | SlotBatch:
     """The batch that runs the decode steps: static-shape (`slot_batch`) or dynamic (`batch_decode`). `auto` is
     static on CUDA where the model takes it (`static_decode` is "yes", else why not), dynamic otherwise: on a CPU the
     dynamic path, which attends over the rows' own lengths only, is the faster. `static` asked for a model that does
-    not take it is refused, naming why."""
+    not take it is refused, naming why. `prefixes`: the KV kept for prompts to resume from (None: none)."""
     cuda, takes = host.device.type == "cuda", static_decode.startswith("yes")
     if decode == "static" and not takes:
         raise ValueError(f"sampler_decode static: {host.name} ({host.model_type}): {static_decode}")
     if decode == "static" or (decode == "auto" and cuda and takes):
-        return SlotBatch(bank, host, compile="graphs" if cuda else None)
-    return DecodeBatch(bank, host)
+        return SlotBatch(bank, host, compile="graphs" if cuda else None, prefixes=prefixes)
+    return DecodeBatch(bank, host, prefixes)
 
 
 # The share of the batch's KV budget that a snapshot with rows in the batch leaves to the others (_take_admissible).
@@ -77,6 +83,7 @@ class SampleScheduler:
         *,
         max_batch_tokens: int = 16384,
         max_forward_tokens: int = 4096,
+        prefix_cache_tokens: int = 16384,
         path: str = "hf",
         decode: DecodePath = "dynamic",
         static_decode: str = "yes",
@@ -86,7 +93,8 @@ class SampleScheduler:
         self.device_lock = device_lock
         self.max_batch_tokens = max_batch_tokens
         self.max_forward_tokens = max_forward_tokens
-        self._batch = decode_batch(bank, host, decode, static_decode)
+        prefixes = PrefixCache.for_model(host, prefix_cache_tokens)
+        self._batch = decode_batch(bank, host, decode, static_decode, prefixes)
         steps = {DecodeBatch: "dynamic decode steps", SlotBatch: "static-shape decode steps"}[type(self._batch)]
         graphs = " (CUDA graphs)" if isinstance(self._batch, SlotBatch) and self._batch.compiled else ""
         self.path = f"{path}; {steps}{graphs}"
@@ -109,6 +117,7 @@ class SampleScheduler:
             setup.device_lock,
             max_batch_tokens=setup.max_batch_tokens,
             max_forward_tokens=setup.max_forward_tokens,
+            prefix_cache_tokens=setup.prefix_cache_tokens,
             path=setup.hf_batching,
             decode=decode,
             static_decode=setup.static_decode,
@@ -135,12 +144,18 @@ class SampleScheduler:
 
     def when_unused(self, adapter: str | None, callback: Callable[[], None]) -> None:
         """Run `callback` (which removes `adapter`) once no queued or running request needs the adapter:
-        at once if none does, else right after the last such request is answered."""
+        at once if none does, else right after the last such request is answered. The KV kept for the adapter
+        goes with it (`prefix_cache`)."""
+
+        def remove() -> None:
+            self._batch.forget(adapter)
+            callback()
+
         with self._cond:
             if adapter in self._needed():
-                self._retiring.append((adapter, callback))
+                self._retiring.append((adapter, remove))
                 return
-        callback()
+        remove()
 
     def _needed(self) -> set[str | None]:
         return (

@@ -39,6 +39,7 @@ from treadle.gpu_worker.model.host import ModelHost
 from treadle.gpu_worker.sampling.backend import SampleJob
 from treadle.gpu_worker.sampling.hf import cache_rows
 from treadle.gpu_worker.sampling.hf.batch_decode import DecodeBatch, Row, choose, prefill, record
+from treadle.gpu_worker.sampling.hf.prefix_cache import PrefixCache
 from treadle.gpu_worker.sampling.hf.lora_table import SLOTS, LoraTable, static_address
 from treadle.gpu_worker.sampling.hf.row_invariant import KEY_MULTIPLE, ROW_MULTIPLE
 from treadle.gpu_worker.sampling.hf.slot_cache import IMPLEMENTATION, SlotCache
@@ -58,13 +59,22 @@ class SlotBatch:
     `compile`: how the step runs: None (eagerly), "graphs" (`torch.compile(mode="reduce-overhead")`: CUDA graphs), or
     a `torch.compile` backend name (tests trace the step with backend "eager" to check it is one graph)."""
 
-    def __init__(self, bank: AdapterBank, host: ModelHost, *, compile: str | None = None, slots: int = SLOTS):
+    def __init__(
+        self,
+        bank: AdapterBank,
+        host: ModelHost,
+        *,
+        compile: str | None = None,
+        slots: int = SLOTS,
+        prefixes: PrefixCache | None = None,
+    ):
         self.bank = bank
         self.host = host
         self.table = LoraTable(bank, slots)
         self.rows: list[Row] = []
         self.slots: list[int] = []  # each row's slot
-        self.dynamic = DecodeBatch(bank, host)
+        self.prefixes = prefixes  # prompts resume from kept KV (`prefix_cache`); answers are kept by `dynamic` only
+        self.dynamic = DecodeBatch(bank, host, prefixes)
         self._cache: SlotCache | None = None
         self._tokens = self._lengths = self._adapters = torch.zeros(0, dtype=torch.long, device=host.device)
         self.compiled = compile is not None
@@ -96,7 +106,7 @@ class SlotBatch:
         completed = self.dynamic.admit(others) if others else []
         if not mine:
             return completed
-        done = prefill(self.bank, self.host, mine)
+        done = prefill(self.bank, self.host, mine, self.prefixes)
         if done.rows:
             self._place(done.rows, done.cache, done.mask, done.last)
         return [*completed, *done.completed]
@@ -123,6 +133,10 @@ class SlotBatch:
         if not self.rows:
             self._cache = None  # the memory goes back to training; the next batch makes its bucket again
         return completed
+
+    def forget(self, adapter: str | None) -> None:
+        """Drop what is kept for an adapter that leaves the bank."""
+        self.dynamic.forget(adapter)
 
     def fail_all(self) -> list[SampleJob]:
         """Drop every row (after a failed step); returns their jobs."""

@@ -1,0 +1,141 @@
+"""The prefill of one admission: each distinct prompt once, each from the end of its kept prefix (`prefix_cache`).
+
+Prompts admitted together that are equal (same adapter, same tokens) share one row. A prompt with nothing
+kept is one left-padded row, as every row of a batch is. A prompt that resumes from kept keys and values
+has them in the forward's cache, right-aligned before the columns of the new tokens, and its new tokens
+come right after them, padded on the right: its keys stay one run of columns, which the attention's
+layouts need (`row_invariant`). The forward's logits are taken at each row's last token
+(`logits_to_keep`), and afterwards those rows are shifted right (`cache_rows.shift_right`) so the cache is
+left-padded, as the decode batch joins it. A prompt kept whole, with the logits after it, needs no row in
+the forward: its cache rows are the kept ones.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from treadle.gpu_worker.model.host import ModelHost
+from treadle.gpu_worker.sampling.backend import SampleJob
+from treadle.gpu_worker.sampling.hf import cache_rows
+from treadle.gpu_worker.sampling.hf.prefix_cache import Kept, PrefixCache
+
+
+@dataclass
+class Prompt:
+    """One distinct prompt of an admission."""
+
+    adapter: str | None
+    tokens: np.ndarray
+    wants_logits: bool  # a job asked for the logits of every prompt position: prefilled whole
+    kept: Kept | None = None
+    reused: int = 0  # leading tokens whose keys and values come from `kept`
+
+    @property
+    def suffix(self) -> int:
+        """Tokens the forward runs."""
+        return len(self.tokens) - self.reused
+
+
+class PrefillPlan:
+    """The distinct prompts of `jobs` (`prompts`; job i's is `prompts[of_job[i]]`), those the forward runs (`run`),
+    its inputs, and afterwards one cache row and one row of next-token logits per distinct prompt."""
+
+    def __init__(self, jobs: list[SampleJob], wants_logits: list[bool], prefixes: PrefixCache | None):
+        self.prompts: list[Prompt] = []
+        self.of_job: list[int] = []
+        index: dict[tuple[str | None, bytes], int] = {}
+        for job, wants in zip(jobs, wants_logits):
+            key = (job.adapter, job.request.prompt.tobytes())
+            if key not in index:
+                index[key] = len(self.prompts)
+                self.prompts.append(Prompt(job.adapter, job.request.prompt, False))
+            self.prompts[index[key]].wants_logits |= wants
+            self.of_job.append(index[key])
+        for prompt in self.prompts:
+            if prefixes is not None and not prompt.wants_logits:
+                prompt.kept, prompt.reused = prefixes.longest(prompt.adapter, prompt.tokens)
+        self.run = [p for p in self.prompts if p.suffix]
+        self.whole = [p for p in self.prompts if not p.suffix]  # kept whole: no forward row
+        self.past = max((p.reused for p in self.run), default=0)  # cache columns before the new tokens
+        self.length = max((p.suffix for p in self.run), default=0)  # the forward's token columns
+        # Cache and logits rows: `run` then `whole`.
+        self.row = {id(p): r for r, p in enumerate([*self.run, *self.whole])}
+
+    @property
+    def prefilled(self) -> int:
+        return sum(p.suffix for p in self.run)
+
+    def _last(self, prompt: Prompt) -> int:
+        """The forward's column of a run prompt's last token."""
+        return prompt.suffix - 1 if prompt.reused else self.length - 1
+
+    def inputs(self, host: ModelHost) -> dict:
+        """`forward_rows`' keyword arguments (besides the adapters: `[p.adapter for p in run]`)."""
+        past, length = self.past, self.length
+        ids = torch.full((len(self.run), length), host.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(self.run), past + length), dtype=torch.long)
+        for r, p in enumerate(self.run):
+            if p.reused:
+                ids[r, : p.suffix] = torch.tensor(p.tokens[p.reused :])
+                mask[r, past - p.reused : past + p.suffix] = 1
+            else:
+                ids[r, length - p.suffix :] = torch.tensor(p.tokens)
+                mask[r, past + length - p.suffix :] = 1
+        rows = [p.kept.prefix(p.reused) if p.kept is not None and p.reused else None for p in self.run]
+        cache = cache_rows.from_rows(host.model.config, rows, past)
+        keep = 0 if any(p.wants_logits for p in self.run) else torch.tensor(sorted({self._last(p) for p in self.run}))
+        return dict(
+            input_ids=ids.to(host.device),
+            attention_mask=mask.to(host.device),
+            position_ids=(mask.cumsum(dim=1) - 1).clamp(min=0)[:, past:].to(host.device),
+            use_cache=True,
+            logits_to_keep=keep if isinstance(keep, int) else keep.to(host.device),
+            cache=cache,
+        )
+
+    def finish(self, out, host: ModelHost) -> tuple[object, torch.Tensor, torch.Tensor]:
+        """The cache (left-padded, one row per distinct prompt), its attention mask, and each row's logits after
+        its prompt, from the forward's output (None when nothing ran)."""
+        device = host.device
+        last, cache = [], None
+        if self.run:
+            cache = out.cache
+            shifts = [self.length - p.suffix if p.reused else 0 for p in self.run]
+            if any(shifts):
+                cache_rows.shift_right(cache, torch.tensor(shifts, device=device))
+            kept_columns = out.logits.shape[1] < self.length
+            columns = sorted({self._last(p) for p in self.run})
+            for r, p in enumerate(self.run):
+                last.append(out.logits[r, columns.index(self._last(p)) if kept_columns else self._last(p)])
+        if self.whole:
+            width = max(len(p.tokens) for p in self.whole)
+            whole = cache_rows.from_rows(host.model.config, [p.kept.prefix(len(p.tokens)) for p in self.whole], width)  # type: ignore[union-attr]
+            if cache is None:
+                cache = whole
+            else:
+                cache_rows.join(cache, whole, max(width, self.past + self.length))
+            last += [p.kept.logits[len(p.tokens)] for p in self.whole]  # type: ignore[union-attr]
+        width = (
+            max(self.past + self.length, *(len(p.tokens) for p in self.whole))
+            if self.whole
+            else self.past + self.length
+        )
+        mask = torch.zeros((len(self.prompts), width), dtype=torch.long, device=device)
+        for p in [*self.run, *self.whole]:
+            mask[self.row[id(p)], width - len(p.tokens) :] = 1
+        return cache, mask, torch.stack(last)
+
+    def prompt_logits(self, out, prompt: Prompt) -> torch.Tensor:
+        """The logits at every position of a prompt that asked for them (`wants_logits`: a left-padded run row)."""
+        return out.logits[self.row[id(prompt)], self.length - len(prompt.tokens) :]
+
+    def keep(self, prefixes: PrefixCache, cache, mask: torch.Tensor, last: torch.Tensor) -> None:
+        """Keep each prompt the forward ran, with the logits after it."""
+        width = mask.shape[1]
+        for p in self.run:
+            row = self.row[id(p)]
+            kv = cache_rows.row_kv(cache, row, width - len(p.tokens))
+            prefixes.keep(p.adapter, p.tokens, kv, {len(p.tokens): last[row].clone()})
