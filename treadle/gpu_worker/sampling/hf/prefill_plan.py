@@ -58,11 +58,12 @@ class PrefillPlan:
             if prefixes is not None and not prompt.wants_logits:
                 prompt.kept, prompt.reused = prefixes.longest(prompt.adapter, prompt.tokens)
         self.run = [p for p in self.prompts if p.suffix]
-        self.whole = [p for p in self.prompts if not p.suffix]  # kept whole: no forward row
+        # Kept whole, with the logits after them: no forward row.
+        self.whole = [(p, p.kept) for p in self.prompts if not p.suffix and p.kept is not None]
         self.past = max((p.reused for p in self.run), default=0)  # cache columns before the new tokens
         self.length = max((p.suffix for p in self.run), default=0)  # the forward's token columns
         # Cache and logits rows: `run` then `whole`.
-        self.row = {id(p): r for r, p in enumerate([*self.run, *self.whole])}
+        self.row = {id(p): r for r, p in enumerate([*self.run, *(p for p, _ in self.whole)])}
 
     @property
     def prefilled(self) -> int:
@@ -110,21 +111,17 @@ class PrefillPlan:
             columns = sorted({self._last(p) for p in self.run})
             for r, p in enumerate(self.run):
                 last.append(out.logits[r, columns.index(self._last(p)) if kept_columns else self._last(p)])
+        width = max([self.past + self.length, *(len(p.tokens) for p, _ in self.whole)])
         if self.whole:
-            width = max(len(p.tokens) for p in self.whole)
-            whole = cache_rows.from_rows(host.model.config, [p.kept.prefix(len(p.tokens)) for p in self.whole], width)  # type: ignore[union-attr]
+            rows = [kept.prefix(len(p.tokens)) for p, kept in self.whole]
+            whole = cache_rows.from_rows(host.model.config, rows, width)
             if cache is None:
                 cache = whole
             else:
-                cache_rows.join(cache, whole, max(width, self.past + self.length))
-            last += [p.kept.logits[len(p.tokens)] for p in self.whole]  # type: ignore[union-attr]
-        width = (
-            max(self.past + self.length, *(len(p.tokens) for p in self.whole))
-            if self.whole
-            else self.past + self.length
-        )
+                cache_rows.join(cache, whole, width)
+            last += [kept.logits[len(p.tokens)] for p, kept in self.whole]
         mask = torch.zeros((len(self.prompts), width), dtype=torch.long, device=device)
-        for p in [*self.run, *self.whole]:
+        for p in self.prompts:
             mask[self.row[id(p)], width - len(p.tokens) :] = 1
         return cache, mask, torch.stack(last)
 
