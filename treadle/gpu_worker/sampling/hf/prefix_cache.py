@@ -5,11 +5,12 @@ Two kinds of traffic start with tokens already run: the requests of a GRPO group
 prompt again) and multi-turn conversations (turn k + 1's prompt is turn k's prompt, its answer and a new
 message). So after each prefill the sampler keeps the prompt's keys and values and the logits after its
 last token, and when a request of one sample ends (a conversation's turn) it keeps its row's keys and
-values: the prompt and the answer but its last token, which no forward has run. A later prompt on the
-same adapter starts from the longest kept sequence it begins with (`longest`): all of it when the whole
-prompt is kept with the logits after it (no forward at all), else up to its last token; only the rest
-goes through the prefill (`prefill_plan.PrefillPlan`, which also prefills equal prompts admitted together
-once).
+values: the prompt and the answer but its last token, which no forward has run (on the dynamic decode
+path, `batch_decode`; the static-shape path's rows live in slots, and only their prompts are kept). A
+later prompt on the same adapter starts from the longest kept sequence it begins with (`longest`): all of
+it when the whole prompt is kept with the logits after it (no forward at all), else up to its last token;
+only the rest goes through the prefill (`prefill_plan.PrefillPlan`, which also prefills equal prompts
+admitted together once).
 
 Bit for bit: on a CPU a prefill computes each query as the decode step at its position would (3. in
 `row_invariant`'s docstring), so a position's keys, values and logits are the same whether a whole
