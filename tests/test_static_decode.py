@@ -97,7 +97,8 @@ def test_the_decode_step_traces_as_one_graph_while_rows_join_and_leave(family, d
         traced = decode(engine, traced_batch)
         assert dict(counters["graph_break"]) == {}
         assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
-        assert (traced_batch._cache is None) and all(len(rows) for rows in traced)  # every row ended, slots freed
+        assert not traced_batch.rows and int(traced_batch._lengths.max()) == 0  # every row ended, its slot freed
+        assert all(len(rows) for rows in traced)
         assert traced == eager
         if dtype == "float32":  # the dynamic path draws the same tokens; logprobs agree to rounding
             dynamic = decode(engine, DecodeBatch(engine._bank, engine._host))
@@ -142,5 +143,22 @@ def test_rows_beyond_the_adapter_slots_decode_beside_on_the_dynamic_path(family_
         assert set(batch.table.names) == {engine._samplers["a"]}
         dynamic = decode(engine, DecodeBatch(engine._bank, engine._host), join_at=1)
         assert [[t for t, _ in rows] for rows in both] == [[t for t, _ in rows] for rows in dynamic]
+    finally:
+        engine.close()
+
+
+def test_a_later_round_in_the_same_bucket_replays_on_the_same_buffers(family_dirs):
+    # A captured graph replays on its inputs' addresses: an emptied batch keeps its bucket's buffers, so the next
+    # round in that bucket neither traces again nor (on a GPU) re-records the graph.
+    engine = trained_engine(family_dirs["llama"], "float32")
+    try:
+        torch._dynamo.reset()
+        counters.clear()
+        batch = SlotBatch(engine._bank, engine._host, compile="eager")
+        first = decode(engine, batch)
+        addresses = [t.data_ptr() for t in (batch._tokens, batch._lengths, *batch._cache.keys.values())]
+        second = decode(engine, batch)
+        assert second == first and counters["stats"]["unique_graphs"] == 1
+        assert [t.data_ptr() for t in (batch._tokens, batch._lengths, *batch._cache.keys.values())] == addresses
     finally:
         engine.close()

@@ -29,6 +29,7 @@ more adapters than the table's slots. Which families take the path at all is `sl
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from contextlib import contextmanager
 from typing import Callable, Iterator
 
@@ -43,6 +44,9 @@ from treadle.gpu_worker.sampling.hf.prefix_cache import PrefixCache
 from treadle.gpu_worker.sampling.hf.lora_table import SLOTS, LoraTable, static_address
 from treadle.gpu_worker.sampling.hf.row_invariant import KEY_MULTIPLE, ROW_MULTIPLE
 from treadle.gpu_worker.sampling.hf.slot_cache import IMPLEMENTATION, SlotCache
+
+
+KEPT_BUCKETS = 2  # buckets whose buffers stay allocated (`SlotBatch._fit`)
 
 
 def bucket(needed: int, least: int) -> int:
@@ -76,6 +80,7 @@ class SlotBatch:
         self.prefixes = prefixes  # prompts resume from kept KV (`prefix_cache`); answers are kept by `dynamic` only
         self.dynamic = DecodeBatch(bank, host, prefixes)
         self._cache: SlotCache | None = None
+        self._buckets: OrderedDict[tuple[int, int], tuple] = OrderedDict()  # (rows, capacity) -> buffers, `_fit`
         self._tokens = self._lengths = self._adapters = torch.zeros(0, dtype=torch.long, device=host.device)
         self.compiled = compile is not None
         self._run: Callable[..., torch.Tensor] = _compiled(self._forward, compile)
@@ -130,8 +135,6 @@ class SlotBatch:
             kept = set(going)
             self._free([self.slots[i] for i in range(len(rows)) if i not in kept])
             self.rows, self.slots = [rows[i] for i in going], [self.slots[i] for i in going]
-        if not self.rows:
-            self._cache = None  # the memory goes back to training; the next batch makes its bucket again
         return completed
 
     def forget(self, adapter: str | None) -> None:
@@ -141,7 +144,9 @@ class SlotBatch:
     def fail_all(self) -> list[SampleJob]:
         """Drop every row (after a failed step); returns their jobs."""
         jobs = list({id(r.job): r.job for r in self.rows}.values()) + self.dynamic.fail_all()
-        self.rows, self.slots, self._cache = [], [], None
+        self.rows, self.slots = [], []
+        if self._cache is not None:
+            self._free(list(range(self._cache.rows)))
         return jobs
 
     # ------------------------------------------------------------ internals
@@ -197,18 +202,30 @@ class SlotBatch:
         self.slots += free
 
     def _fit(self, rows: int, capacity: int) -> None:
-        """Make the bucket hold `rows` rows of `capacity` positions, moving the slots held so far."""
-        now = self._cache
-        want_rows = bucket(max(rows, now.rows if now else 0), ROW_MULTIPLE)
-        want_capacity = min(bucket(max(capacity, now.capacity if now else 0), KEY_MULTIPLE), self._limit)
-        if now is not None and (now.rows, now.capacity) == (want_rows, want_capacity):
+        """Make the bucket hold `rows` rows of `capacity` positions, moving the slots held so far.
+
+        The last `KEPT_BUCKETS` buckets keep their buffers, empty or not: a captured graph replays on their
+        addresses, and buffers made anew would be captured again (CUDA graph trees re-record a graph whose
+        static inputs moved, and give up on it after a number of times)."""
+        now = self._cache if self.rows else None  # an empty bucket moves nothing and sets no least size
+        want = (
+            bucket(max(rows, now.rows if now else 0), ROW_MULTIPLE),
+            min(bucket(max(capacity, now.capacity if now else 0), KEY_MULTIPLE), self._limit),
+        )
+        if self._cache is not None and (self._cache.rows, self._cache.capacity) == want:
             return
-        cache = SlotCache(want_rows, want_capacity)
-        tokens, lengths, adapters = (self._buffer(want_rows, fill) for fill in (self.host.pad_token_id, 0, -1))
+        cache, tokens, lengths, adapters = self._buckets.pop(want, None) or self._new_bucket(*want)
+        tokens.fill_(self.host.pad_token_id), lengths.zero_(), adapters.fill_(-1)
         if now is not None:
             cache.move(now)
             tokens[: now.rows], lengths[: now.rows], adapters[: now.rows] = self._tokens, self._lengths, self._adapters
+        self._buckets[want] = (cache, tokens, lengths, adapters)
+        while len(self._buckets) > KEPT_BUCKETS:
+            self._buckets.popitem(last=False)
         self._cache, self._tokens, self._lengths, self._adapters = cache, tokens, lengths, adapters
+
+    def _new_bucket(self, rows: int, capacity: int) -> tuple:
+        return SlotCache(rows, capacity), *(self._buffer(rows, 0) for _ in range(3))
 
     def _buffer(self, rows: int, fill: int) -> torch.Tensor:
         return static_address(torch.full((rows,), fill, dtype=torch.long, device=self.host.device))

@@ -65,8 +65,7 @@ class SlotCache:
         """Copy rows of a prefill's K and V, (n, kv_heads, length, dim), into the first `length` columns of
         `slots` (n,)."""
         if layer not in self.keys:
-            self.keys[layer] = keys.new_zeros((self.rows, keys.shape[1], self.capacity, keys.shape[3]))
-            self.values[layer] = values.new_zeros((self.rows, values.shape[1], self.capacity, values.shape[3]))
+            self._allocate(layer, keys, values.shape[1], values.shape[3])
         length = keys.shape[2]
         self.keys[layer][slots, :, :length] = keys
         self.values[layer][slots, :, :length] = values
@@ -76,11 +75,19 @@ class SlotCache:
         for layer, keys in other.keys.items():
             rows, _, capacity, _ = keys.shape
             if layer not in self.keys:
-                self.keys[layer] = keys.new_zeros((self.rows, keys.shape[1], self.capacity, keys.shape[3]))
                 shape = other.values[layer].shape
-                self.values[layer] = keys.new_zeros((self.rows, shape[1], self.capacity, shape[3]))
+                self._allocate(layer, keys, shape[1], shape[3])
             self.keys[layer][:rows, :, :capacity] = keys
             self.values[layer][:rows, :, :capacity] = other.values[layer]
+
+    def _allocate(self, layer: int, like: torch.Tensor, value_heads: int, value_dim: int) -> None:
+        """Zeroed K and V of one layer, marked as static addresses: a captured step writes and reads them in place
+        (an input a graph mutates that is not static makes CUDA graph trees skip the graph)."""
+        keys = like.new_zeros((self.rows, like.shape[1], self.capacity, like.shape[3]))
+        values = like.new_zeros((self.rows, value_heads, self.capacity, value_dim))
+        torch._dynamo.mark_static_address(keys)
+        torch._dynamo.mark_static_address(values)
+        self.keys[layer], self.values[layer] = keys, values
 
     def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, kwargs: dict | None = None, **_):
         """Write one step's (rows, kv_heads, 1, dim) key and value at each row's length; returns the buffers."""
