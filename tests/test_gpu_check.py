@@ -1,8 +1,10 @@
-"""The GPU check's offline setup (scripts/gpu_wheels.sh, benchmarks/random_weights.py), checked on the CPU.
+"""The GPU check's offline setup (scripts/gpu_wheels.sh, benchmarks/random_weights.py) and its decode benchmark,
+checked on the CPU.
 
 No GPU runs here; what can drift unseen until the next lent GPU is what these pin: the wheels packed for a
-machine that reaches no registry must be the versions pyproject.toml pins, and the random-weights model must load
-as the architecture its config names.
+machine that reaches no registry must be the versions pyproject.toml pins, the random-weights model must load
+as the architecture its config names, and benchmarks/decode_gpu.py must run through every part (a smoke run at
+tiny sizes: a script that breaks on the GPU machine costs a whole lent run).
 """
 
 from __future__ import annotations
@@ -80,3 +82,29 @@ def test_random_weights_take_another_size_of_the_same_architecture(tmp_path):
     assert model.config.num_hidden_layers == len(model.model.layers) == 3
     assert sorted(p.name for p in out.glob("*.safetensors")) == ["model.safetensors"]
     assert model.config.hidden_size == AutoConfig.from_pretrained(source).hidden_size
+
+
+def test_the_decode_benchmark_runs_every_part_on_the_cpu(tmp_path):
+    model = build_tiny_model(tmp_path / "tiny", arch="llama", seed=0)
+    args = ["--device", "cpu", "--prompts", "2", "--samples", "2", "--tokens", "6", "--prompt_length", "6"]
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks/decode_gpu.py"), "--model", model, *args, "--dynamic_steps", "2"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    rows = [line for line in result.stdout.splitlines() if line.startswith("| ")][2:]  # below the header and rule
+    table = {cells[0]: cells[1:] for cells in ([c.strip() for c in row.strip("|").split(" | ")] for row in rows)}
+    figures = " ".join(table)
+    for part in (
+        "static, base: round",
+        "LoRA snapshots mixed",
+        "dynamic (DecodeBatch), base",
+        "HF generate, static cache",
+    ):
+        assert part in figures, (part, list(table))
+    assert "roofline step, base" in figures and "sampled vs trainer logprob" in figures
+    # On a CPU nothing is judged against the GPU targets, and no part failed.
+    assert {check for _, _, check in table.values()} == {"", "not judged (cpu)"}
+    assert "failed" not in result.stdout
