@@ -143,7 +143,8 @@ def timed(fn) -> float:
 def inprocess_stepper(model_dir: str, sized_threads: bool = True):
     """The same 4x32 step on an engine in this process: the limit treadle's step is compared with.
     `sized_threads=False`: with every torch thread on every op, as before the engine ran toy-sized ops on one
-    thread (treadle.gpu_worker.model.cpu_threads), so that the sizing cannot flatter the ratio by slowing the baseline."""
+    thread (treadle.gpu_worker.scheduling.cpu_threads), so that the sizing cannot flatter the ratio by slowing the
+    baseline."""
     from treadle.gpu_worker.engine import Engine
     from treadle.types import LoraConfig
 

@@ -12,7 +12,7 @@ from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWa
 from treadle.gpu_worker.model.adapters import AdapterBank
 from treadle.gpu_worker.sampling.hf import batch_decode
 from treadle.gpu_worker.sampling.backend import LogprobJob, SampleJob
-from treadle.gpu_worker.model.device_lock import DeviceLock
+from treadle.gpu_worker.scheduling.device_lock import DeviceLock
 from treadle.gpu_worker.model.host import ModelHost
 from treadle.gpu_worker.sampling.extras import SampleExtras
 from treadle.gpu_worker.sampling.hf.scheduler import SampleScheduler

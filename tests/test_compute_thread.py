@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from treadle.gpu_worker.engine import Engine
-from treadle.gpu_worker.model.compute_thread import ComputeThread
-from treadle.gpu_worker.model.device_lock import DeviceLock
+from treadle.gpu_worker.scheduling.compute_thread import ComputeThread
+from treadle.gpu_worker.scheduling.device_lock import DeviceLock
 from treadle.types import AdamParams, Datum, LoraConfig, ModelInput, SamplingParams, TensorData
 
 WAIT_S = 60

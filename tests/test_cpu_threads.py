@@ -1,4 +1,4 @@
-"""Toy-sized ops run on one torch thread (treadle.gpu_worker.model.cpu_threads); real-sized ones on all of them."""
+"""Toy-sized ops run on one torch thread (treadle.gpu_worker.scheduling.cpu_threads); real-sized ones on all of them."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import threading
 
 import torch
 
-from treadle.gpu_worker.model import cpu_threads
-from treadle.gpu_worker.model.cpu_threads import MIN_PARALLEL_WORK, CpuThreads
+from treadle.gpu_worker.scheduling import cpu_threads
+from treadle.gpu_worker.scheduling.cpu_threads import MIN_PARALLEL_WORK, CpuThreads
 from treadle.gpu_worker.engine import Engine
 from treadle.types import AdamParams, LoraConfig
 from tests.test_sessions import sft_batch

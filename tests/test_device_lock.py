@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from treadle.gpu_worker.model.device_lock import DeviceLock, serving
+from treadle.gpu_worker.scheduling.device_lock import DeviceLock, serving
 
 WAIT_S = 30.0
 

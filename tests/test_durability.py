@@ -208,8 +208,8 @@ def test_single_worker_restarted_by_a_supervisor_adopts_its_sessions(make_stack,
 
 
 def test_an_op_handed_to_an_owner_that_died_waiting_runs_after_adoption(make_stack, tiny_model_dir):
-    """The hand-off's crash case (treadle.gpu_worker.executor.linger): the owner dies while it waits for the next op, so
-    its idle key outlives it and the next op goes onto a dead worker's wake list, ringing nothing; the worker
+    """The hand-off's crash case (treadle.gpu_worker.scheduling.linger): the owner dies while it waits for the next op,
+    so its idle key outlives it and the next op goes onto a dead worker's wake list, ringing nothing; the worker
     that adopts the session runs it from the journal, and the run equals the uninterrupted one."""
     import uuid
 

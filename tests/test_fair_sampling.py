@@ -4,7 +4,7 @@ tenant's backlog of big ones. In-process, on the tiny model, with the batch help
 
 import time
 
-from treadle.gpu_worker.model.device_lock import DeviceLock
+from treadle.gpu_worker.scheduling.device_lock import DeviceLock
 from treadle.gpu_worker.sampling.hf.scheduler import SampleScheduler
 from tests.test_batch_sampling import PROMPTS, WAIT, bank, job  # noqa: F401  (bank: the module's adapters)
 

@@ -1,6 +1,6 @@
 """Many tenants on one worker: fair turns, weighted shares, bounded queues and a visible queue.
 
-The share arithmetic (treadle.queue.fair) is pinned on its own; everything else runs on a real worker
+The share arithmetic (treadle.gpu_worker.scheduling.fair) is pinned on its own; everything else runs on a real worker
 of its own (real Redis, the tiny model) with owner weights alice=2 and small queue bounds, so that "past
 the bound" is a few dozen ops. How long an op waited is read from what the worker recorded (the meter's
 start and end of every op), counted in the other tenant's ops that ran meanwhile, never against a clock.
@@ -17,7 +17,7 @@ import pytest
 
 from treadle import ServiceClient
 from treadle.errors import CapacityError
-from treadle.queue.fair import FairShare
+from treadle.gpu_worker.scheduling.fair import FairShare
 from treadle.local_stack import LocalStack
 from treadle.metering import Meter
 from treadle.queue import names
@@ -243,7 +243,7 @@ def test_a_sample_request_right_after_a_checkpointed_step_takes_none_of_the_heav
 def test_a_small_sample_beside_a_heavy_training_backlog_gets_a_fair_share_of_the_device(fair_stack):
     """Tenant A pipelines heavy forward_backwards; tenant B samples 16 tokens beside them (17 forwards: a prefill
     and 16 decode steps). The device goes to the forward serving the tenant with less device time
-    (treadle.gpu_worker.model.device_lock), so B's forwards run several in a row between two of A's ops, as many as
+    (treadle.gpu_worker.scheduling.device_lock), so B's forwards run several in a row between two of A's ops, as many as
     fit in the time one of A's ops took. With turns taken one for one, each of B's forwards waited for one of A's
     ops: 16 or more of them in B's sample."""
     sc, _, _ = fair_stack

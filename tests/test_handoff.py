@@ -1,4 +1,4 @@
-"""The hand-off (treadle.gpu_worker.executor.linger): an op submitted while its owner waits for it rings no doorbell.
+"""The hand-off (treadle.gpu_worker.scheduling.linger): an op submitted while its owner waits for it rings no doorbell.
 
 A worker of its own with a long window (8 s), so that "submitted while it waits" does not depend on how
 fast this machine gets from a result to the next submit; real Redis, a real worker process. The crash
@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from treadle import AdamParams, ServiceClient
-from treadle.gpu_worker.executor.linger import KEY_SLACK_MS
+from treadle.gpu_worker.scheduling.linger import KEY_SLACK_MS
 from treadle.local_stack import LocalStack
 from treadle.queue import names
 from treadle.queue.ops import NoopRequest, OptimStepRequest

@@ -151,8 +151,18 @@ def test_no_import_cycles():
 
 
 # The worker's layers, lowest first: a module imports only from its own layer and those below it, so the
-# folder listing reads as the architecture (model < training < sampling < engine < sessions < executor).
-WORKER_LAYERS = ["model", "training", "sampling", "engine", "parallel", "sessions", "executor", "worker_main"]
+# folder listing reads as the architecture (scheduling < model < training < sampling < engine < sessions < executor).
+WORKER_LAYERS = [
+    "scheduling",
+    "model",
+    "training",
+    "sampling",
+    "engine",
+    "parallel",
+    "sessions",
+    "executor",
+    "worker_main",
+]
 TOP_LEVEL_OF_ENGINE = {"engine", "model_profile", "model_check"}  # modules beside engine.py share its layer
 TOP_LEVEL_OF_WORKER = {"worker_main", "worker_config"}
 

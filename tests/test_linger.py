@@ -1,4 +1,4 @@
-"""The hand-off's wait (treadle.gpu_worker.executor.linger) against a real Redis, without a worker.
+"""The hand-off's wait (treadle.gpu_worker.scheduling.linger) against a real Redis, without a worker.
 
 The worker-level behaviour (no doorbell, control messages, shutdown, a crash while waiting) is in
 tests/test_handoff.py and tests/test_durability.py; these pin the wait's own edges.
@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import redis
 
-from treadle.gpu_worker.executor.linger import Linger
+from treadle.gpu_worker.scheduling.linger import Linger
 from treadle.queue import names
 
 HOST = "linger-test-host"

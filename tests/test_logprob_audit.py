@@ -11,7 +11,7 @@ import torch
 from treadle.gpu_worker.sampling import logprob_audit
 from treadle.gpu_worker.sampling.hf import batch_decode
 from treadle.gpu_worker.model.adapters import AdapterBank
-from treadle.gpu_worker.model.device_lock import DeviceLock
+from treadle.gpu_worker.scheduling.device_lock import DeviceLock
 from treadle.gpu_worker.model.host import ModelHost
 from treadle.gpu_worker.sampling.hf.scheduler import SampleScheduler
 from treadle.types import LoraConfig, SampledSequence

@@ -17,7 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tests.test_batch_sampling import WAIT, bank_of, job, submit_together
 from tests.test_grouped_sampling import ATTENTION_VARIANTS, attention_case
 from treadle import AdamParams, Datum, ModelInput, SamplingParams
-from treadle.gpu_worker.model.device_lock import DeviceLock
+from treadle.gpu_worker.scheduling.device_lock import DeviceLock
 from treadle.gpu_worker.model.host import ModelHost
 from treadle.gpu_worker.sampling.hf import cache_rows, prefix_cache, row_invariant
 from treadle.gpu_worker.sampling.hf.batch_decode import forward_rows

@@ -10,7 +10,7 @@ import pytest
 
 from treadle import ServiceClient
 from treadle.errors import InvalidRequestError, NotFoundError
-from treadle.gpu_worker.executor.linger import Linger
+from treadle.gpu_worker.scheduling.linger import Linger
 from treadle.gpu_worker.executor.sequencer import Sequencer
 from treadle.gpu_worker.executor.usage import UsageRecorder
 from treadle.gpu_worker.sessions.hosting import SessionStores

@@ -121,7 +121,7 @@ class LocalStack:
 
     def start_redis(self) -> None:
         """Redis with AOF on (a restart loses nothing) and no eviction (evicted routing keys break Celery),
-        at hz 100: a worker's hand-off wait then ends on time (treadle.gpu_worker.executor.linger).
+        at hz 100: a worker's hand-off wait then ends on time (treadle.gpu_worker.scheduling.linger).
 
         With a password, Redis refuses every command of a client that has not sent it (`requirepass`).
         """

@@ -24,9 +24,9 @@ from peft.utils import load_peft_weights
 
 from treadle.errors import InvalidRequestError, SessionNotFoundError
 from treadle.gpu_worker.model.adapters import AdapterBank
-from treadle.gpu_worker.model.cpu_threads import CpuThreads
-from treadle.gpu_worker.model.compute_thread import compute_thread
-from treadle.gpu_worker.model.device_lock import DeviceLock, on_device
+from treadle.gpu_worker.scheduling.cpu_threads import CpuThreads
+from treadle.gpu_worker.scheduling.compute_thread import compute_thread
+from treadle.gpu_worker.scheduling.device_lock import DeviceLock, on_device
 from treadle.gpu_worker.training.logprobs import micro_batches, on_host, target_logprobs
 from treadle.gpu_worker.training.losses import LOSSES
 from treadle.gpu_worker.model.host import ModelHost, microbatch_budget, pick_device

@@ -122,7 +122,7 @@ class WorkerConfig(BaseModel):
     )
     owner_weights: dict[str, float] = Field(
         default_factory=dict,
-        description='Per-owner weights of the fair share of a worker\'s device time, JSON: {"alice": 2} (others: 1). When several sessions have ops ready, each turn goes to the owner with the least measured device time over its weight (treadle.queue.fair). Give every worker the same weights.',
+        description='Per-owner weights of the fair share of a worker\'s device time, JSON: {"alice": 2} (others: 1). When several sessions have ops ready, each turn goes to the owner with the least measured device time over its weight (treadle.gpu_worker.scheduling.fair). Give every worker the same weights.',
     )
     max_queued_ops_per_session: int = Field(
         default=256,
@@ -153,13 +153,13 @@ class WorkerConfig(BaseModel):
         default=20.0,
         ge=0.0,
         le=10000.0,
-        description="After running a session's ops, wait this long for the next op of any session this worker owns before going back to Celery: a loop that submits its next step right after reading a result then costs no Celery message (treadle.gpu_worker.executor.linger). A sample request or session creation arriving meanwhile ends the wait within 5 ms (0: off).",
+        description="After running a session's ops, wait this long for the next op of any session this worker owns before going back to Celery: a loop that submits its next step right after reading a result then costs no Celery message (treadle.gpu_worker.scheduling.linger). A sample request or session creation arriving meanwhile ends the wait within 5 ms (0: off).",
     )
     anticipate_ms: float = Field(
         default=20.0,
         ge=0.0,
         le=10000.0,
-        description="When the session that has just run an op is owed the device and has no next op yet while others have ops ready, wait this long for its next op before giving the turn away, and charge the wait to it: a light loop beside a tenant that pipelines heavy ops then runs its steps back to back instead of waiting for a heavy op before each (treadle.gpu_worker.executor.linger; 0: off).",
+        description="When the session that has just run an op is owed the device and has no next op yet while others have ops ready, wait this long for its next op before giving the turn away, and charge the wait to it: a light loop beside a tenant that pipelines heavy ops then runs its steps back to back instead of waiting for a heavy op before each (treadle.gpu_worker.scheduling.linger; 0: off).",
     )
     result_ttl_s: int = Field(
         default=RESULT_EXPIRES_S,

@@ -41,9 +41,9 @@ class WorkerService:
         from treadle.gpu_worker.executor.failover import Failover
         from treadle.gpu_worker.sampling import logprob_audit
         from treadle.gpu_worker.sampling.hf import prefix_cache
-        from treadle.queue.fair import FairShare
+        from treadle.gpu_worker.scheduling.fair import FairShare
         from treadle.gpu_worker.sessions.hosting import SessionHost, SessionLimits, SessionStores
-        from treadle.gpu_worker.executor.linger import Linger
+        from treadle.gpu_worker.scheduling.linger import Linger
         from treadle.gpu_worker.executor.sample_requests import SamplerCache, Sampling
         from treadle.gpu_worker.executor.sequencer import Sequencer
         from treadle.gpu_worker.executor.usage import UsageRecorder

@@ -19,7 +19,7 @@ predecessor is already applied (the worker is idle, or it is the first) rings. A
 sends one message per burst, not one per op.
 
 Nor does an op whose owner is waiting for it. A worker that has just run a session's last op waits a
-few milliseconds for the next one (treadle.gpu_worker.executor.linger) with its idle key set; the append takes
+few milliseconds for the next one (treadle.gpu_worker.scheduling.linger) with its idle key set; the append takes
 that key (the session record names its owner) and puts `<session_id> <seq>` on the owner's wake list,
 which the waiting thread pops at once. Taking the key is atomic with the journal write, and the worker
 ends its wait by deleting the same key, so each op either wakes the waiting worker or rings. (The keys

@@ -79,7 +79,7 @@ def tokenizer_key(base_model: str) -> str:
     return f"{PREFIX}:tokenizer:{base_model}"
 
 
-# A worker's hand-off (treadle.gpu_worker.executor.linger): set while its op thread waits for the next op of a session
+# A worker's hand-off (treadle.gpu_worker.scheduling.linger): set while its op thread waits for the next op of a session
 # it owns; an op journaled meanwhile goes onto its wake list instead of ringing a Celery doorbell.
 IDLE_PREFIX = f"{PREFIX}:idle:"
 WAKE_PREFIX = f"{PREFIX}:wake:"

@@ -51,7 +51,8 @@ class SessionRecord(BaseModel):
     )
     stop_seq: int = Field(default=0, description="Seq of the queued stop op (0: none): no op is accepted after it.")
     last_activity: float = Field(default_factory=time.time)
-    # backpressure and the visible queue (treadle.queue.fair): set by the worker, read by submits and status
+    # backpressure and the visible queue (treadle.gpu_worker.scheduling.fair): set by the worker, read by submits
+    # and status
     max_queued_ops: int = Field(
         default=0, description="Ops this session may have submitted and not yet applied (0: no bound)."
     )

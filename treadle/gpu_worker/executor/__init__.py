@@ -1,1 +1,1 @@
-"""The ordered op executor: Celery tasks, the per-session sequencer and hand-off, failover, usage."""
+"""The ordered op executor: Celery tasks, the per-session sequencer, failover, usage."""

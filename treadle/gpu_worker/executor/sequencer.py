@@ -13,14 +13,14 @@ at all (treadle.queue.journal): this read is what runs it, so a pipelining clien
 then `optim_step`) costs one Celery message per burst. Should a doorbell ever be missing (a drain that
 died with an op next in line), the caretaker's `nudge_stalled` rings it.
 
-Sessions take turns, one op each, by fair share (treadle.gpu_worker.executor.turns): the same write also asks
+Sessions take turns, one op each, by fair share (treadle.gpu_worker.scheduling.turns): the same write also asks
 which other owned sessions have their next op journaled and whether a control message waits, which
 ends the pass (the next op's doorbell is rung and the Celery task returns); so does a pass that has
 run `READ_AHEAD_OPS` ops past the doorbells it has seen. Each session's own order, the fencing, the
 hand-off and recovery are the same whoever's turn it is.
 
 When the drain has nothing left, the same Celery task waits a few milliseconds for the next op of any
-session this worker owns (treadle.gpu_worker.executor.linger): a loop that submits its next step right after
+session this worker owns (treadle.gpu_worker.scheduling.linger): a loop that submits its next step right after
 reading a result then costs no Celery message at all.
 """
 
@@ -29,19 +29,19 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from typing import Callable
+from typing import Callable, Mapping
 
 from celery import Celery
 
 from treadle.errors import ServerError, TreadleError
-from treadle.gpu_worker.executor import turns
-from treadle.gpu_worker.model.device_lock import serving
-from treadle.queue.fair import FairShare
+from treadle.gpu_worker.scheduling import turns
+from treadle.gpu_worker.scheduling.device_lock import serving
+from treadle.gpu_worker.scheduling.fair import FairShare
 from treadle.gpu_worker.sessions.hosting import OwnedSession, SessionHost, SessionStores
-from treadle.gpu_worker.executor.linger import Linger
+from treadle.gpu_worker.scheduling.linger import Linger
 from treadle.gpu_worker.sessions.op_handlers import handler_for
 from treadle.gpu_worker.executor.usage import UsageRecorder
-from treadle.metering import OpUsage
+from treadle.metering import SDK_OWNER, OpUsage
 from treadle.queue import names
 from treadle.queue.journal import Journal, JournalEntry
 from treadle.queue.ops import OpRequest, StopRequest, encode_result
@@ -92,7 +92,7 @@ class Sequencer:
 
     def on_doorbell(self, session_id: str, seq: int) -> None:
         """A Celery task: run the session's ops up to `seq` (and what follows), then take the ops handed to
-        this worker directly for as long as they come (treadle.gpu_worker.executor.linger)."""
+        this worker directly for as long as they come (treadle.gpu_worker.scheduling.linger)."""
         handed: tuple[str, int] | None = (session_id, seq)
         try:
             while handed is not None:
@@ -135,7 +135,8 @@ class Sequencer:
         # session -> its next entry and lease, read with the previous op's record; None: read it at its turn
         ready: dict[str, tuple[JournalEntry | None, bytes | None] | None] = {first: None}
         if len(self.sessions.owned) > 1:
-            ready.update(dict.fromkeys(turns.ready_elsewhere(self.sessions.owned, self.redis, exclude=first)))
+            others = [(sid, o.applied + 1) for sid, o in list(self.sessions.owned.items()) if sid != first]
+            ready.update(dict.fromkeys(turns.ready_elsewhere(self.redis, others)))
         self.fair.forget(set(self.sessions.owned))
         self._waiting = ready
         held = turns.HeldDevice()
@@ -147,7 +148,7 @@ class Sequencer:
     def _give_turns(self, ready: dict, handoff: bool, held: turns.HeldDevice) -> None:
         past_doorbells = 0
         while ready:
-            session_id = self.fair.pick({sid: turns.owner_of(self.sessions.owned, sid) for sid in ready})
+            session_id = self.fair.pick({sid: _owner_of(self.sessions.owned, sid) for sid in ready})
             if (owned := self.sessions.owned.get(session_id)) is None:  # released meanwhile (a stop, a lost lease)
                 del ready[session_id]
                 continue
@@ -179,7 +180,7 @@ class Sequencer:
 
     def _anticipate(self, owned: OwnedSession, ready: dict, held: turns.HeldDevice) -> str | None:
         """The session has just run its last journaled op while `ready` wait: if it is still owed the device, wait a
-        moment for its next op (treadle.gpu_worker.executor.linger), holding the device for it unless a forward
+        moment for its next op (treadle.gpu_worker.scheduling.linger), holding the device for it unless a forward
         waiting for the device is owed more, and charge the wait to it. "op" when its next op came, "control" when a
         control message ended the wait, else None. A session whose last wait found nothing is not waited for at its
         next chance (a client that thinks long would cost the device a window per op)."""
@@ -187,7 +188,7 @@ class Sequencer:
         if self.linger.anticipate_s <= 0 or not owned.anticipate:
             owned.anticipate = True
             return None
-        owners = {key: turns.owner_of(self.sessions.owned, key) for key in (sid, *ready)}
+        owners = {key: _owner_of(self.sessions.owned, key) for key in (sid, *ready)}
         if self.fair.order(owners)[0] != sid:
             return None
         held.keep_for(sid)
@@ -219,7 +220,7 @@ class Sequencer:
             self._reload(owned)
         if self._observe_wait is not None:
             self._observe_wait(
-                turns.owner_of(self.sessions.owned, session_id),
+                _owner_of(self.sessions.owned, session_id),
                 owned.record.base_model,
                 max(0.0, time.time() - entry.submitted_at),
             )
@@ -266,7 +267,7 @@ class Sequencer:
         tokens = 0 if usage is None else usage.prefill_tokens + usage.trained_tokens + usage.sampled_tokens
         self.fair.charge(
             entry.session_id,
-            turns.owner_of(self.sessions.owned, entry.session_id),
+            _owner_of(self.sessions.owned, entry.session_id),
             seconds,
             kind=entry.op,
             units=tokens,
@@ -274,7 +275,14 @@ class Sequencer:
         glance = turns.Glance(
             sessions=[(sid, o.applied + 1) for sid, o in list(self.sessions.owned.items()) if sid != entry.session_id],
             queues=[names.model_queue(m) for m in self.sessions.engines],
-            line=turns.line(self.sessions.owned, self.fair, [entry.session_id, *self._waiting]),
+            line=turns.line(
+                self.fair,
+                {
+                    s: _owner_of(self.sessions.owned, s)
+                    for s in [entry.session_id, *self._waiting]
+                    if s in self.sessions.owned
+                },
+            ),
         )
         following = _through_outages(lambda: self._record(entry, usage, payload, error, step, handoff, glance))
         return (None if self._after_op(owned, entry.op) else following), glance.ready, glance.control_waiting
@@ -299,7 +307,7 @@ class Sequencer:
 
         The same round trip reads the next seq's journal entry and the lease, which the drain needs next:
         a pipelining client has usually journaled that op already. With `handoff` it also sets the idle key
-        (treadle.gpu_worker.executor.linger): the next op, submitted once this result is read, is handed over. With a
+        (treadle.gpu_worker.scheduling.linger): the next op, submitted once this result is read, is handed over. With a
         `glance` it also writes each waiting session's place in line and reads what the turns need next."""
         session_id, following = entry.session_id, entry.seq + 1
         with self.redis.pipeline(transaction=True) as pipe:
@@ -375,6 +383,11 @@ class Sequencer:
 
 
 READ_AHEAD_OPS = 8  # ops a pass runs past the doorbells it has seen before its Celery task looks at its shutdown
+
+
+def _owner_of(owned: Mapping[str, OwnedSession], session_id: str) -> str:
+    session = owned.get(session_id)
+    return (session.record.owner if session is not None else None) or SDK_OWNER
 
 
 def _through_outages(write):

@@ -1,1 +1,1 @@
-"""The base model a worker loads and what LoRA adapts on it: host, adapters, targets, device lock, CPU threads."""
+"""The base model a worker loads and what LoRA adapts on it: host, adapters, LoRA targets."""

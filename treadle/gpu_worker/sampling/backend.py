@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from treadle.gpu_worker.model.adapters import AdapterBank
-from treadle.gpu_worker.model.device_lock import DeviceLock
+from treadle.gpu_worker.scheduling.device_lock import DeviceLock
 from treadle.gpu_worker.model.host import ModelHost
 from treadle.gpu_worker.sampling.extras import SampleExtras
 from treadle.gpu_worker.training.validation import PreparedSample

@@ -40,8 +40,8 @@ from treadle.gpu_worker.sampling.backend import LogprobJob, SampleJob, SamplerSe
 from treadle.gpu_worker.sampling.hf.batch_decode import DecodeBatch, forward_rows, prompt_logprobs_from_logits
 from treadle.gpu_worker.sampling.hf.prefix_cache import PrefixCache
 from treadle.gpu_worker.sampling.hf.slot_batch import SlotBatch
-from treadle.gpu_worker.model.device_lock import DeviceLock
-from treadle.queue.fair import FairShare
+from treadle.gpu_worker.scheduling.device_lock import DeviceLock
+from treadle.gpu_worker.scheduling.fair import FairShare
 from treadle.gpu_worker.sampling.logprob_audit import LogprobAudit
 from treadle.gpu_worker.training.logprobs import micro_batches
 from treadle.gpu_worker.model.host import ModelHost

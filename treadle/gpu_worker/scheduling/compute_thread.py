@@ -11,7 +11,7 @@ and treadle's sampler as slow as that, since the op thread had run training ops.
 
 So on CPU every computation on more than one thread goes to this thread (`run`), whichever thread holds the
 lock, and the process has one team. A toy-sized training op computes on one thread of its caller instead: it
-starts no team, and it would pay the hand-off (treadle.gpu_worker.model.cpu_threads). On CUDA the OpenMP teams
+starts no team, and it would pay the hand-off (treadle.gpu_worker.scheduling.cpu_threads). On CUDA the OpenMP teams
 do little (kernels run on the device), so nothing moves there.
 """
 
@@ -29,7 +29,8 @@ T = TypeVar("T")
 
 class ComputeThread:
     """Runs callables one at a time on its own thread, with the caller's grad mode; `acting_for` is the thread
-    whose call is running (its locks count as held by this thread meanwhile: treadle.gpu_worker.model.device_lock)."""
+    whose call is running (its locks count as held by this thread meanwhile:
+    treadle.gpu_worker.scheduling.device_lock)."""
 
     def __init__(self) -> None:
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()

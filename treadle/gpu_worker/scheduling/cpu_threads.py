@@ -11,7 +11,7 @@ of SmolLM2-135M is already above it), on the threads torch was configured with. 
 Callers hold the engine's device lock, so no other op runs while the count is lowered.
 
 An op on one thread starts no OpenMP team, so it may run on the thread that asks for it: the engine computes
-toy-sized work there instead of handing it to the compute thread (treadle.gpu_worker.model.compute_thread),
+toy-sized work there instead of handing it to the compute thread (treadle.gpu_worker.scheduling.compute_thread),
 whose hand-off and wake-up cost a few percent of a 4 ms op.
 
 Except while larger work is under way: a toy op that comes within `TEAM_IN_USE_S` of a large op's end runs on

@@ -1,26 +1,26 @@
 """The lock that training ops and sampling forwards take turns on: reentrant, granted fairly between tenants.
 
 Two threads want an engine's device: the op thread (one training op at a time, in the sessions' fair
-turns, treadle.gpu_worker.executor.turns) and the sampler's decode loop (one forward at a time: a prefill,
-a decode step, a logprob batch). A plain lock, or a first-come one, alternates them one for one, so a
-tenant's 8-token sample waited for another tenant's heavy training op before each of its decode steps,
+turns, treadle.gpu_worker.scheduling.turns) and the sampler's decode loop (one forward at a time: a
+prefill, a decode step, a logprob batch). A plain lock, or a first-come one, alternates them one for one,
+so a tenant's 8-token sample waited for another tenant's heavy training op before each of its decode steps,
 eight of them per sample.
 
 So each hold says whom it serves (its tenants: a training op's session; a decode step's sessions, each
 weighted by its rows), the lock measures how long it was held and charges those seconds to them, and
 when it is released it goes to the waiter serving the tenant with the least device time so far (start-
-time fair tags, treadle.queue.fair; a tenant that was idle rejoins at the clock). A decode step that
-carries one row of a light tenant goes before the heavy tenant's next op; a decode step of the heavy
-tenant's own rows waits its turn like its ops. Ties, and waiters that name no tenant, go in arrival order.
+time fair tags, treadle.gpu_worker.scheduling.fair; a tenant that was idle rejoins at the clock). A decode
+step that carries one row of a light tenant goes before the heavy tenant's next op; a decode step of the
+heavy tenant's own rows waits its turn like its ops. Ties, and waiters that name no tenant, go in arrival order.
 
 A tenant is a session id (a sample's: the session its snapshot came from), without owners' weights: the
-weighted shares between owners are the op turns' (treadle.queue.fair); here only which of two ready
-forwards runs first is decided. The op thread names its tenant for the engine calls of one op with
+weighted shares between owners are the op turns' (treadle.gpu_worker.scheduling.fair); here only which of
+two ready forwards runs first is decided. The op thread names its tenant for the engine calls of one op with
 `serving` (the engine's methods take the lock without knowing whom they serve).
 
 On CPU the holder computes through `run`, on the process's one compute thread (why:
-treadle.gpu_worker.model.compute_thread); while that thread runs a holder's call, it counts as the holder, so
-the call may take the lock again.
+treadle.gpu_worker.scheduling.compute_thread); while that thread runs a holder's call, it counts as the
+holder, so the call may take the lock again.
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable, Iterator, Mapping, TypeVar
 
-from treadle.gpu_worker.model.compute_thread import ComputeThread
-from treadle.queue.fair import ServiceTags
+from treadle.gpu_worker.scheduling.compute_thread import ComputeThread
+from treadle.gpu_worker.scheduling.fair import ServiceTags
 
 T = TypeVar("T")
 

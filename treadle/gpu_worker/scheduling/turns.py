@@ -2,7 +2,7 @@
 
 When several owned sessions have ops ready, each turn is one op, and it goes to the owner, then the
 session of that owner, with the least service so far (its ops' tokens at the measured device time per
-token of their kind of op, treadle.queue.fair) over the owner's weight. So a session reads ahead
+token of their kind of op, treadle.gpu_worker.scheduling.fair) over the owner's weight. So a session reads ahead
 only while no other session waits, and a tenant that pipelines heavy ops delays another's next op by at
 most the op that is running. A waiting control message (a sample request, a session to create) ends
 the sequencer's pass at once, so a sample request reaches the sampler after at most the op that is
@@ -15,36 +15,25 @@ round trip.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Mapping
-
 from redis import Redis
 
-from treadle.gpu_worker.model.device_lock import DeviceLock
-from treadle.gpu_worker.sessions.hosting import OwnedSession
-
-from treadle.queue.fair import FairShare
-from treadle.metering import SDK_OWNER
+from treadle.gpu_worker.scheduling.device_lock import DeviceLock
+from treadle.gpu_worker.scheduling.fair import FairShare
 from treadle.queue import names
 
 
-def owner_of(owned: Mapping[str, OwnedSession], session_id: str) -> str:
-    session = owned.get(session_id)
-    return (session.record.owner if session is not None else None) or SDK_OWNER
-
-
-def ready_elsewhere(owned: Mapping[str, OwnedSession], redis: Redis, exclude: str) -> list[str]:
-    """Owned sessions other than `exclude` whose next op is journaled (one round trip)."""
-    others = [(sid, session.applied + 1) for sid, session in list(owned.items()) if sid != exclude]
+def ready_elsewhere(redis: Redis, next_ops: list[tuple[str, int]]) -> list[str]:
+    """The sessions of `next_ops` ((session id, its next seq)) whose next op is journaled (one round trip)."""
     with redis.pipeline(transaction=False) as pipe:
-        for sid, seq in others:
+        for sid, seq in next_ops:
             pipe.hexists(names.journal_key(sid), str(seq))
         found = pipe.execute()
-    return [sid for (sid, _), there in zip(others, found) if there]
+    return [sid for (sid, _), there in zip(next_ops, found) if there]
 
 
-def line(owned: Mapping[str, OwnedSession], fair: FairShare, sessions: list[str]) -> dict[str, tuple[int, float]]:
-    """Each of `sessions` (the running one and those waiting) by its place in line: (position, estimated wait s)."""
-    owners = {sid: owner_of(owned, sid) for sid in sessions if sid in owned}
+def line(fair: FairShare, owners: dict[str, str]) -> dict[str, tuple[int, float]]:
+    """Sessions (session -> owner: the running one and those waiting) by their place in line: (position, estimated
+    wait s)."""
     view, wait = {}, 0.0
     for position, sid in enumerate(fair.order(owners), start=1):
         view[sid] = (position, wait)

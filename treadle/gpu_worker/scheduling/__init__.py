@@ -1,0 +1,1 @@
+"""Who runs on the device when: the device lock, fair tags, turns, the hand-off wait, compute and CPU threads."""
