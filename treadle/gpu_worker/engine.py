@@ -128,7 +128,7 @@ class Engine:
     @property
     def device(self) -> DeviceLock:
         """The lock every method here takes (reentrant): the op loop holds it from one op to the next while their
-        sessions are owed the device (treadle.gpu_worker.executor.turns.HeldDevice)."""
+        sessions are owed the device (treadle.gpu_worker.scheduling.turns.HeldDevice)."""
         return self._lock
 
     @on_device
@@ -194,7 +194,7 @@ class Engine:
     def _compute(self, work: float, fn: Callable[..., T], /, *args, **kwargs) -> T:
         """`fn(*args, **kwargs)` for a holder of the device lock, on threads sized to its `work`: toy-sized work on
         one thread of this one (it starts no OpenMP team, so it needs no hand-off) unless large work has just run,
-        the rest where the lock computes (treadle.gpu_worker.model.cpu_threads)."""
+        the rest where the lock computes (treadle.gpu_worker.scheduling.cpu_threads)."""
         return self._threads.compute(work, self.device.run, fn, *args, **kwargs)
 
     def _run(
@@ -304,7 +304,7 @@ class Engine:
         `SampleResponse`. Logprobs are those of the distribution actually sampled from (the
         sampler contract, `treadle/gpu_worker/sampling/backend.py`). A rejected request raises here, before it is queued. Queueing
         never waits for the device: a burst would enter the batch one decode step apart. `tenant`: whom its
-        device time counts for (the session the snapshot came from; treadle.gpu_worker.model.device_lock)."""
+        device time counts for (the session the snapshot came from; treadle.gpu_worker.scheduling.device_lock)."""
         with self._catalog:
             adapter = self._sampler(sampler_id) if sampler_id is not None else None
             request = prepare_sample(

@@ -38,7 +38,7 @@ class SampleJob:
     include_prompt_logprobs: bool = False
     topk_prompt_logprobs: int = 0
     extras: SampleExtras = field(default_factory=SampleExtras)
-    tenant: str = ""  # whom its device time is charged to (treadle.gpu_worker.model.device_lock); "": the adapter
+    tenant: str = ""  # whom its device time is charged to (treadle.gpu_worker.scheduling.device_lock); "": the adapter
     generator: torch.Generator | None = None
     sequences: list[SampledSequence | None] = field(default_factory=list)
     prompt_logprobs: list[float | None] | None = None

@@ -192,7 +192,7 @@ class SampleScheduler:
         # requests, or a decode step. What a turn takes from the queue is decided once it holds the
         # device, so everything that arrived while the device was busy goes into that turn.
         # The device is kept from one round to the next while no waiter (a training op) serves a tenant with less
-        # device time than the batch's (treadle.gpu_worker.model.device_lock): a light tenant's rows run their
+        # device time than the batch's (treadle.gpu_worker.scheduling.device_lock): a light tenant's rows run their
         # decode steps one after another beside a heavy tenant's backlog of ops, which take turns with the heavy
         # tenant's own rows.
         while self._wait_for_work():
@@ -248,7 +248,7 @@ class SampleScheduler:
         within `max_batch_tokens` and their prompts fit one prefill forward (at least one when the batch is empty).
 
         Each turn goes to the snapshot (adapter; None: the base model) with the fewest token positions admitted so
-        far (treadle.queue.fair: rows x (prompt + max_tokens), a snapshot that was idle rejoining at the
+        far (treadle.gpu_worker.scheduling.fair: rows x (prompt + max_tokens), a snapshot that was idle rejoining at the
         clock), and takes its oldest request whole: a small request does not queue behind another tenant's
         backlog of big ones, and each snapshot's requests keep their order.
 
