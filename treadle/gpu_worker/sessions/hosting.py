@@ -79,6 +79,16 @@ class SessionLimits:
     max_owner_queued_ops: int = 0
 
 
+def engine_of(engines: dict, hostname: str, base_model: str):
+    """The engine of `engines` that serves `base_model` on worker `hostname`, or an error naming those it serves."""
+    try:
+        return engines[base_model]
+    except KeyError:
+        raise UnknownModelError(
+            f"base_model: {base_model!r} is not served by worker {hostname}; it serves {', '.join(engines)}"
+        ) from None
+
+
 class SessionHost:
     """The sessions this worker owns (`owned`), and their life: create, rebuild (adoption, reload), release."""
 
@@ -108,13 +118,7 @@ class SessionHost:
         self.unsubscribe = unsubscribe
 
     def engine(self, base_model: str):
-        try:
-            return self.engines[base_model]
-        except KeyError:
-            raise UnknownModelError(
-                f"base_model: {base_model!r} is not served by worker {self.hostname}; "
-                f"it serves {', '.join(self.engines)}"
-            ) from None
+        return engine_of(self.engines, self.hostname, base_model)
 
     def context(self, owned: OwnedSession, seq: int) -> OpContext:
         return OpContext(
@@ -133,16 +137,36 @@ class SessionHost:
     # ------------------------------------------------------------ create
     def create(self, req: CreateSessionRequest) -> CreateSessionResponse:
         engine = self.engine(req.base_model)
-        quota = self.limits.quota
-        if quota is not None:  # before anything exists, so a refused create leaves nothing behind
-            quota.admit(req.owner or SDK_OWNER, req.session_id)
+        owner = req.owner or SDK_OWNER
+        if self.limits.quota is not None:  # before anything exists, so a refused create leaves nothing behind
+            self.limits.quota.admit(owner, req.session_id)
+        record = self._new_record(req)
+        if not self.registry.create(record):
+            existing = self.registry.get(req.session_id)
+            if existing is not None and req.session_id in self.owned:  # a redelivered create
+                return CreateSessionResponse(session_id=existing.session_id, run_id=existing.run_id)
+            raise ServerError(f"session_id: {req.session_id!r} already exists")
+        epoch = self.lease.acquire(req.session_id)
+        if epoch is None:
+            raise ServerError(f"session {req.session_id}: could not take its lease")
+        with self.op_lock:
+            self._load_new(engine, req, record, epoch)
+            self.owned[req.session_id] = OwnedSession(record=record, epoch=epoch, applied=0)
+        if self.limits.max_owner_queued_ops:  # its queued ops count against its owner's bound (a stopped one leaves)
+            self.stores.redis.sadd(names.owner_sessions_key(owner), req.session_id)
+        self._put_run(record)
+        self.subscribe(names.session_queue(req.session_id))
+        log.info("session %s created on %s (epoch %d)", req.session_id, req.base_model, epoch)
+        return CreateSessionResponse(session_id=record.session_id, run_id=record.run_id)
+
+    def _new_record(self, req: CreateSessionRequest) -> SessionRecord:
         # A fixed seed makes the adapter's initialisation replayable after a crash.
         lora = (
             req.lora
             if req.lora.seed is not None
             else req.lora.model_copy(update={"seed": int.from_bytes(os.urandom(4), "little")})
         )
-        record = SessionRecord(
+        return SessionRecord(
             session_id=req.session_id,
             run_id=req.session_id,
             base_model=req.base_model,
@@ -156,38 +180,28 @@ class SessionHost:
             max_queued_ops=self.limits.max_queued_ops,
             max_owner_queued_ops=self.limits.max_owner_queued_ops,
         )
-        if not self.registry.create(record):
-            existing = self.registry.get(req.session_id)
-            if existing is not None and req.session_id in self.owned:
-                return CreateSessionResponse(
-                    session_id=existing.session_id, run_id=existing.run_id
-                )  # a redelivered create
-            raise ServerError(f"session_id: {req.session_id!r} already exists")
-        epoch = self.lease.acquire(req.session_id)
-        if epoch is None:
-            raise ServerError(f"session {req.session_id}: could not take its lease")
-        with self.op_lock:
-            try:
-                if req.from_state:
-                    manifest = load_checkpoint(engine, self.store, req.session_id, req.from_state, req.with_optimizer)
-                    if manifest.lora_config:
-                        record.lora = record.lora.model_validate(manifest.lora_config)
-                        self.registry.update(req.session_id, lora=record.lora)
-                    self.registry.update(req.session_id, step=engine.step(req.session_id))
-                else:
-                    engine.create_session(req.session_id, lora)
-            except Exception:
-                # A record left behind would look like an orphan that every caretaker adopts (and fails to load).
-                self.registry.delete(req.session_id)
-                self.lease.release(req.session_id, epoch)
-                if quota is not None:
-                    quota.release(req.owner or SDK_OWNER, req.session_id)
-                raise
-            self.owned[req.session_id] = OwnedSession(record=record, epoch=epoch, applied=0)
-        if (
-            self.limits.max_owner_queued_ops
-        ):  # its queued ops count against its owner's bound; a stopped one leaves the set
-            self.stores.redis.sadd(names.owner_sessions_key(req.owner or SDK_OWNER), req.session_id)
+
+    def _load_new(self, engine, req: CreateSessionRequest, record: SessionRecord, epoch: int) -> None:
+        """The new session's engine state: a fresh adapter, or the saved state it starts from. On a failure nothing
+        is left behind: a record left would look like an orphan that every caretaker adopts (and fails to load)."""
+        try:
+            if req.from_state:
+                manifest = load_checkpoint(engine, self.store, req.session_id, req.from_state, req.with_optimizer)
+                if manifest.lora_config:
+                    record.lora = record.lora.model_validate(manifest.lora_config)
+                    self.registry.update(req.session_id, lora=record.lora)
+                self.registry.update(req.session_id, step=engine.step(req.session_id))
+            else:
+                engine.create_session(req.session_id, record.lora)
+        except Exception:
+            self.registry.delete(req.session_id)
+            self.lease.release(req.session_id, epoch)
+            if self.limits.quota is not None:
+                self.limits.quota.release(req.owner or SDK_OWNER, req.session_id)
+            raise
+
+    def _put_run(self, record: SessionRecord) -> None:
+        """The session's training run in the checkpoint store, where the REST API lists it."""
         self.store.put_run(
             record.run_id,
             {
@@ -200,9 +214,6 @@ class SessionHost:
                 "user_metadata": record.user_metadata,
             },
         )
-        self.subscribe(names.session_queue(req.session_id))
-        log.info("session %s created on %s (epoch %d)", req.session_id, req.base_model, epoch)
-        return CreateSessionResponse(session_id=record.session_id, run_id=record.run_id)
 
     # ------------------------------------------------------------ rebuild
     def rebuild(self, record: SessionRecord) -> dict:
