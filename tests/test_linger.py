@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import redis
 
-from treadle.gpu_worker.scheduling.linger import Linger
+from treadle.gpu_worker.scheduling.linger import Arrival, Linger
 from treadle.queue import names
 
 HOST = "linger-test-host"
@@ -64,16 +64,16 @@ def test_an_op_found_in_the_journal_takes_its_wake_with_it(client):
 
 
 def test_anticipation_finds_the_sessions_next_op_ends_on_a_control_message_and_gives_up_after_its_window(client):
-    """`expect` (the wait for one session's next op while others have ops ready): "op" once that op is journaled,
-    taking its wake with it; "control" when a control queue holds a message; None when its window passes."""
+    """`expect` (the wait for one session's next op while others have ops ready): OP once that op is journaled,
+    taking its wake with it; CONTROL when a control queue holds a message; NOTHING when its window passes."""
     linger = Linger(client, HOST, 0.2, anticipate_s=0.05)
     client.delete(names.journal_key("light"), names.wake_key(HOST), "control-queue")
-    assert linger.expect(["control-queue"], "light", 3) is None
+    assert linger.expect(["control-queue"], "light", 3) is Arrival.NOTHING
     client.hset(names.journal_key("light"), "3", b"noop\n0\n{}")
     client.rpush(names.wake_key(HOST), "light 3", "other 7")
-    assert linger.expect(["control-queue"], "light", 3) == "op"
+    assert linger.expect(["control-queue"], "light", 3) is Arrival.OP
     assert client.lrange(names.wake_key(HOST), 0, -1) == [b"other 7"]  # another session's wake stays
     client.rpush("control-queue", b"a sample request")
-    assert linger.expect(["control-queue"], "light", 4) == "control"
+    assert linger.expect(["control-queue"], "light", 4) is Arrival.CONTROL
     linger.close()
-    assert linger.expect([], "light", 4) is None  # a warm shutdown ends it at once
+    assert linger.expect([], "light", 4) is Arrival.NOTHING  # a warm shutdown ends it at once

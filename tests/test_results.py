@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import threading
 import time
-from types import SimpleNamespace
 
 import pytest
 
 from treadle import ServiceClient
 from treadle.errors import InvalidRequestError, NotFoundError
 from treadle.gpu_worker.scheduling.linger import Linger
-from treadle.gpu_worker.executor.sequencer import Sequencer
+from treadle.gpu_worker.executor.op_record import FinishedOp, OpRecorder
 from treadle.gpu_worker.executor.usage import UsageRecorder
 from treadle.gpu_worker.sessions.hosting import SessionStores
 from treadle.local_stack import LocalStack
@@ -70,16 +69,10 @@ def test_an_ops_usage_result_and_applied_seq_are_all_written(redis_client, redis
     result_url = redis_url if results_db == "same" else redis_url[:-1] + "1"
     app = make_app(redis_url, result_url)
     app.backend.client.flushdb()
-    sequencer = Sequencer(
-        SimpleNamespace(op_lock=threading.RLock()),
-        app,
-        stores=SessionStores.on(redis_client, lease=None),
-        after_op=None,
-        reload=None,
-        usage=UsageRecorder(redis_client),
-        linger=Linger(redis_client, "w", 0),
+    recorder = OpRecorder(
+        app, SessionStores.on(redis_client, lease=None), UsageRecorder(redis_client), Linger(redis_client, "w", 0)
     )
-    assert sequencer._one_write == (results_db == "same")
+    assert recorder.one_write == (results_db == "same")
     entry = JournalEntry(session_id="s1", seq=4, op="forward_backward", submitted_at=0.0, raw_request=b"")
     usage = OpUsage(
         session_id="s1", op_id="4", op="forward_backward", base_model="tiny", trained_tokens=12, compute_s=0.5
@@ -87,8 +80,9 @@ def test_an_ops_usage_result_and_applied_seq_are_all_written(redis_client, redis
     redis_client.hset(names.journal_key("s1"), "5", b"optim_step\n0.0\n{}")  # the op after it, journaled
     redis_client.set(names.lease_key("s1"), b"lease")
     for _ in range(2):  # a retry through a Redis outage repeats the whole write: still counted once
-        following, lease = sequencer._record(entry, usage, {"loss": 2.0}, None, step=3)
-    assert (following.seq, following.op, lease) == (5, "optim_step", b"lease")  # read in the same round trip
+        following = recorder.write(FinishedOp(entry, 0.5, payload={"loss": 2.0}, usage=usage, step=3))
+    assert following.entry is not None  # read in the same round trip
+    assert (following.entry.seq, following.entry.op, following.lease) == (5, "optim_step", b"lease")
     assert ResultStore(app).poll("s1:4") == (True, {"loss": 2.0})
     assert redis_client.hget(names.session_key("s1"), "applied") == b"4"
     assert redis_client.hget(names.session_key("s1"), "step") == b"3"  # the engine's step, in the same write

@@ -129,7 +129,7 @@ def test_an_op_behind_one_not_yet_applied_rings_no_doorbell_and_still_runs(servi
     import uuid
 
     from treadle.gpu_worker.scheduling.linger import KEY_SLACK_MS
-    from treadle.gpu_worker.executor.sequencer import READ_AHEAD_OPS
+    from treadle.gpu_worker.executor.turn_scheduler import READ_AHEAD_OPS
     from treadle.gpu_worker.worker_config import WorkerConfig
     from treadle.queue.ops import NoopRequest
 

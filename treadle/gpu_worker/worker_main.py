@@ -45,7 +45,9 @@ class WorkerService:
         from treadle.gpu_worker.sessions.hosting import SessionHost, SessionLimits, SessionStores
         from treadle.gpu_worker.scheduling.linger import Linger
         from treadle.gpu_worker.executor.sample_requests import SamplerCache, Sampling
+        from treadle.gpu_worker.executor.op_record import OpRecorder
         from treadle.gpu_worker.executor.sequencer import Sequencer
+        from treadle.gpu_worker.executor.turn_scheduler import TurnMetrics, TurnScheduler
         from treadle.gpu_worker.executor.usage import UsageRecorder
         from treadle.observability import metrics  # prometheus-client: the worker extra, not every CLI
         from treadle.quotas import SessionQuota
@@ -101,17 +103,15 @@ class WorkerService:
         )
         usage = UsageRecorder(self.redis)
         self.linger = Linger(self.redis, self.hostname, config.linger_ms / 1000, config.anticipate_ms / 1000)
-        sequencer = Sequencer(
+        turns = TurnScheduler(
             self.host,
-            self.app,
-            stores=stores,
-            after_op=self.autosaver.after_op,
-            reload=self.autosaver.reload,
-            usage=usage,
-            linger=self.linger,
+            self.linger,
             fair=FairShare(config.owner_weights),
-            observe_wait=metrics.observe_queue_wait,
-            observe_anticipation=metrics.observe_anticipation,
+            metrics=TurnMetrics(queue_wait=metrics.observe_queue_wait, anticipation=metrics.observe_anticipation),
+        )
+        recorder = OpRecorder(self.app, stores, usage, self.linger)
+        sequencer = Sequencer(
+            self.host, self.app, stores=stores, turns=turns, recorder=recorder, autosaver=self.autosaver
         )
         self.sequencer = sequencer
         self.failover = Failover(

@@ -12,7 +12,7 @@ instead, so its Redis writes never keep the device, and the other rows' decode s
 
 A control op's meter record, the release of a sample's rows from its owner's bound and its answer are one
 MULTI/EXEC when results live in the broker's Redis (the default), as a session op's are
-(treadle.gpu_worker.executor.sequencer): one round trip instead of five (two when a sample's request names no
+(treadle.gpu_worker.executor.op_record): one round trip instead of five (two when a sample's request names no
 owner: its session's record is read first). An answer already stored stays: a
 task redelivered after a crash (between its answer and its acknowledgement) answers again, and the first answer,
 which a client may have read, is the one that counts (Celery's own store keeps a first success the same way).

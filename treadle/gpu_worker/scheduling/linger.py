@@ -3,8 +3,8 @@
 A training loop sends its next op right after it reads a result. Through Celery that op costs a
 publish on the client and a delivery on the worker, each of them more Python than the op's own
 bookkeeping; on a small machine, where the client, Redis and the worker share the cores, that was
-the largest part of the queue's overhead on a short op. So the write that stores an op's result (the
-sequencer's one MULTI/EXEC) also sets this worker's idle key, and after its drain the op thread does
+the largest part of the queue's overhead on a short op. So the write that stores an op's result (its
+record's one MULTI/EXEC, treadle.gpu_worker.executor.op_record) also sets this worker's idle key, and after its drain the op thread does
 not go back to Celery at once: it blocks on its wake list for up to `window_s`. A submit that finds
 the key (treadle.queue.journal: the session record names its owner) takes it and pushes
 `<session_id> <seq>` instead of ringing, and the same thread runs the op, on the same torch threads,
@@ -26,9 +26,9 @@ where a control message waits about 10 ms at most.
 The same wait, shorter, runs while other sessions have ops ready (`expect`: anticipation). A session in a closed
 loop (submit, read the result, submit the next step) has no op journaled for the few milliseconds its client
 takes between two steps. Were the turn given to a tenant with a heavy op ready meanwhile, each of its light steps
-would wait for one heavy op. So when the session that just ran is still owed the device, the sequencer waits up
-to `anticipate_s` for its next op first, and charges the wait to it as device time: a client that takes long
-to answer pays for the idle device out of its own share (treadle.gpu_worker.executor.sequencer).
+would wait for one heavy op. So when the session that just ran is still owed the device, the turns wait up
+to `anticipate_s` for its next op first, and charge the wait to it as device time: a client that takes long
+to answer pays for the idle device out of its own share (treadle.gpu_worker.executor.turn_scheduler).
 
 The key expires `KEY_SLACK_MS` after its window, so one left by a worker that died lets submits ring
 again; an op pushed to a dead worker runs when its session is adopted, from the journal, and one
@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import logging
 import time
+from enum import Enum
 
 import redis as redis_lib
 
@@ -80,6 +81,14 @@ POLL_S = 0.005
 # device idles from its arrival to the next look: at 1 ms a light tenant's median step beside a heavy one was
 # 1.17x alone, at a quarter millisecond 1.12x (benchmarks/fairness.py). Each look is one short Lua call.
 ANTICIPATION_POLL_S = 0.00025
+
+
+class Arrival(Enum):
+    """What an anticipation's wait (`Linger.expect`) found; the value is the metrics' label."""
+
+    OP = "op"  # the session's next op was journaled
+    CONTROL = "control"  # a control message waits, which must be delivered: the wait ends
+    NOTHING = "none"  # neither came within the window (or Redis failed)
 
 
 class Linger:
@@ -127,9 +136,9 @@ class Linger:
             return self.abandon()  # what was handed over meanwhile runs now
         return None if raw is None else _parse(raw)
 
-    def expect(self, control_queues: list[str], session_id: str, seq: int) -> str | None:
-        """Wait up to `anticipate_s` for the session's op `seq` to be journaled: "op" once it is, "control" when a
-        control queue holds a message first (it must be delivered: the wait ends), None when neither came (or Redis
+    def expect(self, control_queues: list[str], session_id: str, seq: int) -> Arrival:
+        """Wait up to `anticipate_s` for the session's op `seq` to be journaled: OP once it is, CONTROL when a control
+        queue holds a message first (it must be delivered: the wait ends), NOTHING when neither came (or Redis
         failed: the turns go on, and the next write meets the outage where it is handled)."""
         keys = [self.idle_key, self.wake_key, *control_queues, names.journal_key(session_id)]
         args = [len(control_queues), seq, session_id]
@@ -138,14 +147,14 @@ class Linger:
             while not self._closed:
                 raw = self._check(keys=keys, args=args)  # drops the op's wake, if its submit pushed one: it runs now
                 if raw is not None:
-                    return "control" if raw == b"celery" else "op"
+                    return Arrival.CONTROL if raw == b"celery" else Arrival.OP
                 if time.monotonic() >= deadline:
-                    return None
+                    return Arrival.NOTHING
                 # Polled, not popped: the wake list may hold another session's wake, which the hand-off wait needs.
                 time.sleep(ANTICIPATION_POLL_S)
         except (redis_lib.ConnectionError, redis_lib.TimeoutError, OSError):
             log.warning("anticipation wait failed; giving the turn on", exc_info=True)
-        return None
+        return Arrival.NOTHING
 
     def abandon(self) -> tuple[str, int] | None:
         """End the wait after a failure, so that submits ring again at once: what was handed over meanwhile.
