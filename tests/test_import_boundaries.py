@@ -164,7 +164,7 @@ WORKER_LAYERS = [
     "worker_main",
 ]
 TOP_LEVEL_OF_ENGINE = {"engine", "model_profile", "model_check"}  # modules beside engine.py share its layer
-TOP_LEVEL_OF_WORKER = {"worker_main", "worker_config"}
+TOP_LEVEL_OF_WORKER = {"worker_main", "worker_config", "wiring"}
 
 
 def _worker_layer(module: str) -> int | None:

@@ -68,7 +68,7 @@ def cmd_up(ns) -> None:
 
 def cmd_worker(ns) -> None:
     from treadle.gpu_worker.worker_config import WorkerConfig
-    from treadle.gpu_worker.worker_main import run_worker
+    from treadle.gpu_worker.wiring import run_worker
 
     run_worker(config_from_args(WorkerConfig, ns, "TREADLE_WORKER_", "worker"))
 
