@@ -10,6 +10,7 @@ import typing
 import pytest
 
 from treadle import AdamParams, Datum, ModelInput, SamplingParams
+from treadle.errors import SessionStoppedError
 from treadle.sdk import APIFuture, SamplingClient, ServiceClient, TrainingClient
 from treadle.types import ForwardBackwardOutput, SampleResponse
 
@@ -47,7 +48,7 @@ def test_a_twin_has_its_methods_parameters_and_return_type(qualified):
 
 
 def test_every_sdk_op_has_a_twin():
-    assert len(twins()) == 17  # 16 client ops, and APIFuture.result
+    assert len(twins()) == 18  # 17 client ops, and APIFuture.result
 
 
 def batch() -> list[Datum]:
@@ -122,7 +123,10 @@ async def await_every_twin(service: ServiceClient) -> set[str]:
         restored = await call(service, method, saved.path)
         assert restored.base_model == "tiny"
         restored.stop()
-    training.stop()
+    await call(training, "stop")
+    with pytest.raises(SessionStoppedError):
+        training.forward(batch())
+    await training.stop_async()  # a second stop does nothing, as the sync one's
     return call.awaited
 
 

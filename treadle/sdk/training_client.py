@@ -246,6 +246,11 @@ class TrainingClient:
     async def get_usage_async(self) -> Usage:
         return await wait_off_loop(self.get_usage)
 
+    async def stop_async(self) -> None:
+        if not self._stopped:
+            await (await submit_in_order(self.session_id, self._submit, StopRequest()))
+            self._stopped = True
+
 
 def _custom_backward(
     data: list[Datum], forward: ForwardBackwardOutput, loss_fn: LossFn
