@@ -23,11 +23,6 @@ from treadle.queue.sessions import SessionRecord
 from treadle.storage.checkpoint_store import CheckpointStore
 
 
-def model_session_id(model_id: str) -> str:
-    """The Tinker client session a model id (`<session>:train:<n>`) belongs to."""
-    return model_id.rsplit(":train:", 1)[0]
-
-
 class Backend:
     def __init__(self, settings: GatewaySettings, ops: OpsClient, checkpoints: CheckpointStore | None):
         self.settings = settings

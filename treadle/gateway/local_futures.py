@@ -15,6 +15,7 @@ from typing import Any, Callable
 from treadle.errors import ServerError, TreadleError
 from treadle.gateway.seq_rules import SeqRules, digest
 from treadle.gateway.store import GatewayStore, RequestRecord
+from treadle.queue import names
 from treadle.queue.ops_client import OpsClient
 
 log = logging.getLogger(__name__)
@@ -30,8 +31,10 @@ class LocalFutures:
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
-    def run(self, owner: str, kind: str, request_id: str, fn: Callable[[], dict], *, body: bytes) -> str:
-        """Run `fn` in a thread; retrieve_future reads its outcome. A retry with the same body is the same request."""
+    def run(self, owner: str, kind: str, model_id: str, fn: Callable[[], dict], *, body: bytes) -> str:
+        """Run `fn`, the `kind` request of model `model_id`, in a thread; retrieve_future reads its outcome under
+        the id this returns. A retry with the same body is the same request."""
+        request_id = names.gateway_request_id(kind, model_id)
         record = RequestRecord(request_id=request_id, kind=kind, owner=owner, digest=digest(body))
         if self._seqs.claimed(record):
             return request_id
@@ -39,7 +42,7 @@ class LocalFutures:
         return request_id
 
     def fail(self, owner: str, kind: str, error: TreadleError) -> str:
-        request_id = f"failed:{secrets.token_hex(8)}"
+        request_id = names.gateway_request_id("failed", secrets.token_hex(8))
         self.store.put_request(RequestRecord(request_id=request_id, kind=kind, owner=owner))
         self.store.set_outcome(request_id, error=error.to_dict())
         return request_id

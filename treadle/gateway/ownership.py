@@ -12,6 +12,7 @@ from typing import Protocol, TypeVar
 from treadle.errors import InvalidRequestError, NotFoundError, TreadleError, UnknownModelError
 from treadle.gateway.paths import parse_path
 from treadle.gateway.store import ClientSession, GatewayStore, Sampler
+from treadle.queue import names
 from treadle.queue.ops_client import OpsClient
 from treadle.queue.sessions import SessionRecord
 from treadle.queue.workers import ServedModel
@@ -48,7 +49,7 @@ class Ownership:
         self, owner: str, tags: list[str], user_metadata: dict | None, display_name: str | None = None
     ) -> ClientSession:
         session = ClientSession(
-            session_id=f"s-{secrets.token_hex(8)}",
+            session_id=names.client_session_id(secrets.token_hex(8)),
             owner=owner,
             tags=tags,
             user_metadata=user_metadata,

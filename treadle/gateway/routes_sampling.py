@@ -19,6 +19,7 @@ from treadle.gateway.caller import Call
 from treadle.gateway.paths import to_tinker
 from treadle.gateway.sample_targets import dense_target_ids
 from treadle.gateway.store import Sampler
+from treadle.queue import names
 from treadle.queue.ops import SampleRequest, parse_request
 from treadle.types import SamplingParams
 
@@ -33,7 +34,7 @@ async def create_sampling_session(call: Call) -> dict:
         call.backend.owners.sampling_target, call.owner, req.base_model, req.model_path
     )
     sampler = Sampler(
-        sampler_id=f"{req.session_id}:sample:{req.sampling_session_seq_id}",
+        sampler_id=names.tinker_sampler_id(req.session_id, req.sampling_session_seq_id),
         owner=call.owner,
         base_model=base_model,
         model_path=model_path,

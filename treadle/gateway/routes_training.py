@@ -15,10 +15,11 @@ from pydantic import BaseModel
 from tinker import types as tt
 
 from treadle.errors import InvalidRequestError, TreadleError
-from treadle.gateway.backend import Backend, model_session_id
+from treadle.gateway.backend import Backend
 from treadle.gateway.caller import Call, Caller
 from treadle.gateway.proto_codec import decode_data, forward_backward_request, parse_forward_backward
 from treadle.gateway.settings import LOSS_ALIAS_METADATA_KEY
+from treadle.queue import names
 from treadle.queue.ops import (
     CreateSessionRequest,
     LoadStateRequest,
@@ -134,7 +135,7 @@ async def _create_model(call: Caller, session_id: str, create: CreateSessionRequ
         return answer
 
     await call.run(call.backend.store.add_member, session_id, "models", model_id)
-    request_id = await call.run(call.backend.local.run, call.owner, kind, f"{kind}:{model_id}", run, body=body)
+    request_id = await call.run(call.backend.local.run, call.owner, kind, model_id, run, body=body)
     return _future(request_id, model_id)
 
 
@@ -143,7 +144,7 @@ async def create_model(call: Call) -> dict:
     body = await call.body()
     req = await call.parse(tt.CreateModelRequest)
     await call.session(req.session_id)
-    model_id = f"{req.session_id}:train:{req.model_seq_id}"
+    model_id = names.tinker_model_id(req.session_id, req.model_seq_id)
     if req.optimizer_config.type != "adamw":
         error = InvalidRequestError(
             f"optimizer_config.type: {req.optimizer_config.type!r} is not supported; treadle trains with 'adamw'"
@@ -231,10 +232,10 @@ async def save_weights_for_sampler(call: Call) -> dict:
     req, op = await _training_op(call, tt.SaveWeightsForSamplerRequest)
     extra = None
     if req.path is None:
-        session_id = model_session_id(req.model_id)
+        session_id = names.model_client_session(req.model_id)
         seq = req.sampling_session_seq_id if req.sampling_session_seq_id is not None else req.seq_id
         extra = {
-            "sampler_id": f"{session_id}:sample:{seq}",
+            "sampler_id": names.tinker_sampler_id(session_id, seq),
             "base_model": op.info.base_model,
             "session_id": session_id,
             "inflight_of": req.model_id if req.kind == "inflight" else None,
@@ -264,7 +265,7 @@ async def load_weights(call: Call) -> dict:
         raise InvalidRequestError("load_weights: give either model_id and seq_id, or session_id and model_seq_id")
     await call.session(req.session_id)
     path, manifest = await call.run(call.backend.owners.readable_checkpoint, req.path, call.owner)
-    model_id = f"{req.session_id}:train:{req.model_seq_id}"
+    model_id = names.tinker_model_id(req.session_id, req.model_seq_id)
     lora = LoraConfig.model_validate(manifest.lora_config) if manifest.lora_config else LoraConfig()
     create = CreateSessionRequest.build(
         session_id=model_id,

@@ -25,6 +25,7 @@ from treadle.errors import (
 )
 from treadle.gateway.ownership import not_found
 from treadle.gateway.store import GatewayStore, RequestRecord
+from treadle.queue import names
 from treadle.queue.ops import NoopRequest, OpRequest, StopRequest
 from treadle.queue.ops_client import OpsClient
 
@@ -72,10 +73,10 @@ class SeqRules:
         seq = require_seq(seq_id)
         self.check_window(model_id, seq)
         record = RequestRecord(
-            request_id=f"{model_id}:{seq}",
+            request_id=names.future_id(model_id, seq),
             kind=kind,
             owner=owner,
-            future_id=f"{model_id}:{seq}",
+            future_id=names.future_id(model_id, seq),
             model_id=model_id,
             digest=digest(body),
             extra=extra or {},
@@ -94,7 +95,11 @@ class SeqRules:
         seq = require_seq(seq_id)
         self.check_window(model_id, seq)
         record = RequestRecord(
-            request_id=f"{model_id}:{seq}", kind="refused", owner=owner, model_id=model_id, digest=digest(body)
+            request_id=names.future_id(model_id, seq),
+            kind="refused",
+            owner=owner,
+            model_id=model_id,
+            digest=digest(body),
         )
         if self.claimed(record):
             return record.request_id

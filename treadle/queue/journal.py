@@ -46,7 +46,8 @@ WAKE_TTL_MS = 60_000
 
 # KEYS: session hash, journal hash, submit token. ARGV: wanted seq ('' = the next one), '1' for a stop, the
 # entry, the journal's TTL, the token's TTL, the session id, the idle and wake key prefixes, the wake list's
-# TTL (ms), the prefix of the owners' session sets, the prefix of session hashes. Answers {seq, 1 if the op needs a doorbell}; seq is -1 when
+# TTL (ms), the prefix of the owners' session sets, the prefix of session hashes, the suffix of the owners'
+# session sets (`names.owner_sessions_key`: the owner is read from the session hash here). Answers {seq, 1 if the op needs a doorbell}; seq is -1 when
 # the session does not exist, is stopping or stopped, expired or lost, and -2 when a queue is at its bound
 # ({-2, queued, limit, 1 for the session's bound or 2 for its owner's}). A retry rings (a duplicate
 # doorbell is harmless; a missing one would stall the op). An explicit seq (the gateway's) moves the counter too, so
@@ -78,7 +79,7 @@ if seq > cur and ARGV[2] ~= '1' then
   if olimit > 0 then
     local owner = st[7]
     if (not owner) or owner == '' then owner = 'sdk' end
-    local set = ARGV[10] .. owner .. ':sessions'
+    local set = ARGV[10] .. owner .. ARGV[12]
     for _, sid in ipairs(redis.call('SMEMBERS', set)) do
       if sid ~= ARGV[6] then
         local o = redis.call('HMGET', ARGV[11] .. sid, 'status', 'next_seq', 'applied')
@@ -153,6 +154,7 @@ class Journal:
             WAKE_TTL_MS,
             names.OWNER_PREFIX,
             names.session_key(""),
+            names.OWNER_SESSIONS_SUFFIX,
         ]
         answer = self._append(keys=keys, args=args)
         if int(answer[0]) == -2:

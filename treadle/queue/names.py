@@ -1,4 +1,7 @@
-"""Every Redis key and Celery queue name treadle uses, in one place."""
+"""Every Redis key and Celery queue name treadle uses, and the form of every future id and session id, in one
+place: the futures of ops, session creations and samples (each also a Celery task id), the gateway's own
+request ids, and the Tinker ids the gateway hands out (client sessions, models, whose ids are also their
+treadle sessions' ids, and sampling sessions). The random part of an id is drawn by its caller."""
 
 from __future__ import annotations
 
@@ -16,12 +19,65 @@ def model_queue(base_model: str) -> str:
 
 
 def future_id(session_id: str, seq: int) -> str:
+    """The future of a session's op number `seq`."""
     return f"{session_id}:{seq}"
 
 
 def split_future_id(fid: str) -> tuple[str, int]:
     session_id, _, seq = fid.rpartition(":")
     return session_id, int(seq)
+
+
+_CREATE, _SAMPLE = "create:", "sample:"
+
+
+def create_future_id(session_id: str) -> str:
+    """The future of a session's creation."""
+    return _CREATE + session_id
+
+
+def sample_future_id(token: str) -> str:
+    """The future of one sample request, named by a token its submitter draws."""
+    return _SAMPLE + token
+
+
+def is_create_future(fid: str) -> bool:
+    return fid.startswith(_CREATE)
+
+
+def is_sample_future(fid: str) -> bool:
+    return fid.startswith(_SAMPLE)
+
+
+# ---------------------------------------------------------------- the gateway's Tinker ids (treadle.gateway)
+
+_TRAIN = ":train:"
+
+
+def client_session_id(token: str) -> str:
+    """A Tinker client session (`create_session`), named by a token the gateway draws."""
+    return f"s-{token}"
+
+
+def gateway_request_id(kind: str, subject: str) -> str:
+    """A request the gateway settles itself (`treadle.gateway.local_futures`): `create_model:<model id>`,
+    `load_weights:<model id>`, or `failed:<token>` for a request refused before anything ran."""
+    return f"{kind}:{subject}"
+
+
+def tinker_model_id(client_session: str, model_seq: int) -> str:
+    """A training model's id, Tinker's `<client session>:train:<n>`: also the id of its treadle session."""
+    return f"{client_session}{_TRAIN}{model_seq}"
+
+
+def model_client_session(model_id: str) -> str:
+    """The Tinker client session a model id (`tinker_model_id`) belongs to."""
+    return model_id.rsplit(_TRAIN, 1)[0]
+
+
+def tinker_sampler_id(client_session: str, seq: int) -> str:
+    """A sampling session's id, Tinker's `<client session>:sample:<n>`."""
+    return f"{client_session}:sample:{seq}"
 
 
 def submitted_key(future_id: str) -> str:
@@ -45,11 +101,12 @@ SESSION_PATTERN = f"{PREFIX}:session:*"
 
 
 OWNER_PREFIX = f"{PREFIX}:owner:"
+OWNER_SESSIONS_SUFFIX = ":sessions"  # the journal's append script builds an owner's key from these two
 
 
 def owner_sessions_key(owner: str) -> str:
     """Set of an owner's sessions whose queued ops count against its bound (treadle.queue.journal); `sdk` for the SDK's."""
-    return f"{OWNER_PREFIX}{owner}:sessions"
+    return f"{OWNER_PREFIX}{owner}{OWNER_SESSIONS_SUFFIX}"
 
 
 def owner_sample_rows_key(owner: str) -> str:

@@ -103,7 +103,7 @@ class OpsClient:
     def create_session(self, request: CreateSessionRequest, *, timeout: float = 300) -> SessionRecord:
         """Ask a worker serving the model to create the session; returns its record once it exists."""
         self.require_model(request.base_model)
-        fid = f"create:{request.session_id}"
+        fid = names.create_future_id(request.session_id)
         self.app.send_task(
             task_name(request.op),
             args=[request.model_dump(mode="json")],
@@ -162,7 +162,7 @@ class OpsClient:
     def submit_sample(self, request: SampleRequest) -> str:
         """Publish a sample request to its base model's control queue; the message is its only copy.
         CapacityError when its owner's queued sample rows would pass the workers' bound (nothing is queued)."""
-        fid = f"sample:{uuid.uuid4().hex}"
+        fid = names.sample_future_id(uuid.uuid4().hex)
         owner = request.owner or SDK_OWNER
         queued, limit = self._retrying(
             lambda: self._admit_rows(
@@ -200,10 +200,10 @@ class OpsClient:
         never submitted, a session that stopped, expired or was lost without running it, a sample id never
         submitted. A pending op or sample passes (and rides out restarts); so does a session creation.
         Only call it while the result is not stored."""
-        if future_id.startswith("create:"):
+        if names.is_create_future(future_id):
             return
         session_id, _, tail = future_id.rpartition(":")
-        if future_id.startswith("sample:"):
+        if names.is_sample_future(future_id):
             try:
                 if self.redis.exists(names.submitted_key(future_id)) or self.done(future_id):
                     return
