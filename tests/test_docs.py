@@ -28,8 +28,6 @@ MARK = "<!-- runnable -->"
 # A block may need a few minutes on a loaded 2-core machine (a session, a few ops on the tiny model);
 # this bounds a block that hangs, it is not a speed requirement.
 BLOCK_TIMEOUT_S = 600
-# Files the model-families work brings (docs/models.md and its family matrix test): named here already,
-# they must exist once that work has landed, when this set is to be removed.
 _REPO_PATH = re.compile(r"`((?:treadle|tests|benchmarks|scripts|docs|deploy|requirements)/[\w./-]+?)`")
 _METHOD = re.compile(r"`([A-Z]\w*)\.(\w+)[`(]")
 _LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")

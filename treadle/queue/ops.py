@@ -7,7 +7,9 @@ model's control queue). The SDK and the gateway build these requests; the worker
 from the journal (or the message) and hands them to the handler registered for the class. The
 Celery task names (`treadle.op.<name>`), the SDK's decoders and the gateway's renderers all come
 from `OPS`, so adding an op is: a request class here (and its entry in `OPS`), a handler in
-`gpu_worker/op_handlers.py` (or `sampling.py`), an SDK method, a gateway route, a test row.
+`gpu_worker/sessions/op_handlers.py` (a session op) or the `control` table of
+`gpu_worker/executor/celery_tasks.py` (a control op), an SDK method, a gateway route, a test row
+(the checklist in docs/architecture.md).
 """
 
 from __future__ import annotations
