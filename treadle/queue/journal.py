@@ -44,21 +44,21 @@ SUBMIT_TOKEN_TTL_S = 600
 # entry only needs to outlive the wait it was meant for.
 WAKE_TTL_MS = 60_000
 
-# KEYS: session hash, journal hash, submit token. ARGV: wanted seq ('' = the next one), '1' for a stop, the
-# entry, the journal's TTL, the token's TTL, the session id, the idle and wake key prefixes, the wake list's
-# TTL (ms), the prefix of the owners' session sets, the prefix of session hashes, the suffix of the owners'
-# session sets (`names.owner_sessions_key`: the owner is read from the session hash here). Answers {seq, 1 if the op needs a doorbell}; seq is -1 when
-# the session does not exist, is stopping or stopped, expired or lost, and -2 when a queue is at its bound
-# ({-2, queued, limit, 1 for the session's bound or 2 for its owner's}). A retry rings (a duplicate
-# doorbell is harmless; a missing one would stall the op). An explicit seq (the gateway's) moves the counter too, so
-# a later automatic seq never reuses it. A stop records its seq, after which nothing is accepted, except
-# an explicit seq below the stop's: a gateway client's op that arrived late (chunks come concurrently)
-# runs before the stop it precedes. Only an op that moves the counter is bounded, and it is refused when the
-# queue (counter minus applied, gaps included) is already at the bound: a stop, a retry, and an explicit seq
-# that fills a gap below the counter always pass. So a refusal only ever waits for queued ops to run, never for
-# another refused op: the Tinker SDK sends a forward_backward's chunks concurrently, the first one last, and a
-# bound on how far a seq lies past the applied one would refuse the later chunks until the first came, while
-# the SDK holds the first back until the later ones are answered.
+# KEYS: session hash, journal hash, submit token. ARGV: wanted seq ('' = the next one), '1' for a stop, the entry,
+# the journal's TTL, the token's TTL, the session id, the idle and wake key prefixes, the wake list's TTL (ms), the
+# prefix of the owners' session sets, the prefix of session hashes, the suffix of the owners' session sets
+# (`names.owner_sessions_key`; the owner is read from the session hash here). Answers {seq, 1 if the op needs a
+# doorbell}; seq is -1 when the session does not exist, is stopping or stopped, expired or lost, and -2 when a
+# queue is at its bound ({-2, queued, limit, 1 for the session's bound or 2 for its owner's}). A retry rings (a
+# duplicate doorbell is harmless; a missing one would stall the op). An explicit seq (the gateway's) moves the
+# counter too, so a later automatic seq never reuses it. A stop records its seq, after which nothing is accepted,
+# except an explicit seq below the stop's: a gateway client's op that arrived late (chunks come concurrently) runs
+# before the stop it precedes. Only an op that moves the counter is bounded, and it is refused when the queue
+# (counter minus applied, gaps included) is already at the bound: a stop, a retry, and an explicit seq that fills a
+# gap below the counter always pass. So a refusal only ever waits for queued ops to run, never for another refused
+# op: the Tinker SDK sends a forward_backward's chunks concurrently, the first one last, and a bound on how far a
+# seq lies past the applied one would refuse the later chunks until the first came, while the SDK holds the first
+# back until the later ones are answered.
 _APPEND = """
 local taken = redis.call('GET', KEYS[3])
 if taken then return {tonumber(taken), 1} end
