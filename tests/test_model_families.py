@@ -390,8 +390,8 @@ def render(profiles: dict[str, ModelProfile]) -> str:
         "logits are large), max 2.0 on MoE families (a router near-tie, 1-2 bf16 ulps, resolved differently by two",
         "correct forwards).",
         "",
-        "| family | attention | experts | LoRA attn targets | LoRA mlp targets | expert tensors | params at r32 (attn / mlp / experts) | sampler | vLLM | max gap asserted, fp32 / bf16 |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| family | attention | experts | LoRA attn targets | LoRA mlp targets | expert tensors | params at r32 (attn / mlp / experts) | sampler | static decode steps | vLLM | max gap asserted, fp32 / bf16 |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for family in FAMILY_NAMES:
         p = profiles[family]
@@ -401,7 +401,7 @@ def render(profiles: dict[str, ModelProfile]) -> str:
             f"| {p.family} | {', '.join(p.attention)} | {p.experts or '-'} | {', '.join(p.lora_attention)} | "
             f"{', '.join(p.lora_mlp) or '-'} | {', '.join(p.lora_experts) or '-'} | "
             f"{counts['attn']:,} / {counts['mlp']:,} / {counts['experts']:,} | {p.sampler.removeprefix('hf: ')} | "
-            f"{'yes' if p.vllm == 'yes' else 'no'} | {bounds} |"
+            f"{p.static_decode} | {'yes' if p.vllm == 'yes' else 'no'} | {bounds} |"
         )
     lines += [
         "",
@@ -414,6 +414,10 @@ def render(profiles: dict[str, ModelProfile]) -> str:
         "- **Sampler**: every family runs on the continuous batcher. Steps that mix adapters add each adapter's LoRA",
         "  delta to its rows in one forward; with expert adapters (which change the expert weights themselves) a mixed",
         "  step runs one forward per adapter's run of rows on its slice of the cache: as correct, not as fast.",
+        "- **Static decode steps** (`--sampler_decode`, on CUDA by default where marked yes): decode steps of fixed",
+        "  shapes that a GPU replays as captured CUDA graphs (`treadle/gpu_worker/sampling/hf/slot_batch.py`);",
+        "  `tests/test_static_decode.py` checks, per family so marked, in fp32 and bf16, that the step traces as one",
+        "  graph while rows join and leave. The others decode with dynamic steps, for the reason given.",
         "- **vLLM** (`--sampler vllm`) serves the dense families whose adapters vLLM's LoRA loader reads (marked yes; the",
         "  sampler contract suite runs on llama); a worker asked for vLLM on another family refuses at start by name.",
         "- **Not supported**: chunked attention (Llama 4) is refused at load with that reason; a model whose decoder",
