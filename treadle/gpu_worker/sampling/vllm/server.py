@@ -18,7 +18,7 @@ It speaks JSON lines over the inherited socket (never pickle). The first line it
 
 One thread reads the socket; the main thread runs the engine: it adds the requests that arrived,
 runs one engine step, answers what finished, and repeats (vLLM's continuous batching decides what
-each step holds), except that a request for prompt logprobs runs alone (see the loop). With no
+each step holds), except that a request for prompt logprobs runs alone (`_Loop._admit`). With no
 request in flight it blocks on the socket.
 """
 
@@ -37,75 +37,104 @@ from collections import deque
 def main() -> None:
     config, fd = json.loads(sys.argv[1]), int(sys.argv[2])
     conn = socket.socket(fileno=fd)
+    engine = _start_engine(config, conn)
+    if engine is None:
+        return
+    inbox: queue.Queue = queue.Queue()
+    threading.Thread(target=_read, args=(conn, inbox), daemon=True).start()
+    _Loop(engine, conn).run(inbox)
 
-    def send(message: dict) -> None:  # only the main thread sends
-        conn.sendall((json.dumps(message) + "\n").encode())
 
+def _send(conn: socket.socket, message: dict) -> None:  # only the main thread sends
+    conn.sendall((json.dumps(message) + "\n").encode())
+
+
+def _start_engine(config: dict, conn: socket.socket):
+    """The vLLM engine, `{"ready": true}` sent; or None, its failure sent as `{"fatal": ...}`."""
     try:
-        from vllm import EngineArgs, SamplingParams
-        from vllm.lora.request import LoRARequest
-        from vllm.sampling_params import RequestOutputKind
+        from vllm import EngineArgs
         from vllm.v1.engine.llm_engine import LLMEngine
 
         if os.environ.get("CUDA_VISIBLE_DEVICES") == "":
             _mask_rows_without_lora()
         engine = LLMEngine.from_engine_args(EngineArgs(**config))
     except Exception as exc:  # the parent shows this as the reason the sampler could not start
-        send({"fatal": f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=5)}"})
-        return
-    send({"ready": True})
+        _send(conn, {"fatal": f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=5)}"})
+        return None
+    _send(conn, {"ready": True})
+    return engine
 
-    inbox: queue.Queue = queue.Queue()
-    threading.Thread(target=_read, args=(conn, inbox), daemon=True).start()
-    pending: dict[str, int] = {}  # vLLM request id -> our message id
-    waiting: deque = deque()  # sample requests not yet given to the engine, in arrival order
-    alone = False  # the request in flight asked for prompt logprobs: nothing joins it
 
-    def add(message: dict) -> None:
+class _Loop:
+    """The main thread's loop: take what arrived, give the engine what may join the batch, step, answer."""
+
+    def __init__(self, engine, conn: socket.socket):
+        self.engine, self.conn = engine, conn
+        self.pending: dict[str, int] = {}  # vLLM request id -> our message id
+        self.waiting: deque = deque()  # sample requests not yet given to the engine, in arrival order
+        self.alone = False  # the request in flight asked for prompt logprobs: nothing joins it
+
+    def run(self, inbox: queue.Queue) -> None:
+        while True:
+            first = inbox.get() if not (self.pending or self.waiting) else _next(inbox)
+            if not self._take(first, inbox):
+                return  # the worker closed the socket: it is shutting down
+            self._admit()
+            if self.pending:
+                self._step()
+            if not self.pending:
+                self.alone = False
+
+    def _take(self, message, inbox: queue.Queue) -> bool:
+        """Handle `message` and every other one already in the inbox; False at end of input."""
+        while message is not None:
+            if message == "eof":
+                return False
+            if message["op"] == "remove_lora":
+                removed = bool(self.engine.remove_lora(message["lora_id"]))
+                _send(self.conn, {"id": message["id"], "removed": removed})
+            else:
+                self.waiting.append(message)
+            message = _next(inbox)
+        return True
+
+    def _admit(self) -> None:
+        # A request with prompt logprobs runs alone: batched with others, vLLM 0.32 applies an lm_head
+        # LoRA to prompt positions with the sampled rows' adapter indices and fails the step.
+        while self.waiting and not self.alone:
+            if self.waiting[0]["params"].get("prompt_logprobs") is not None:
+                if self.pending:
+                    break  # until the batch in flight has drained
+                self.alone = True
+            self._add(self.waiting.popleft())
+
+    def _add(self, message: dict) -> None:
+        from vllm import SamplingParams
+        from vllm.lora.request import LoRARequest
+        from vllm.sampling_params import RequestOutputKind
+
         mid = message["id"]
         try:
             lora = message["lora"]
             request = LoRARequest(lora["name"], lora["id"], lora["path"]) if lora else None
             params = SamplingParams(**message["params"], output_kind=RequestOutputKind.FINAL_ONLY)
-            engine.add_request(str(mid), {"prompt_token_ids": message["prompt"]}, params, lora_request=request)
-            pending[str(mid)] = mid
+            self.engine.add_request(str(mid), {"prompt_token_ids": message["prompt"]}, params, lora_request=request)
+            self.pending[str(mid)] = mid
         except Exception as exc:  # a request vLLM refuses: only this request fails
-            send({"id": mid, "error": f"{type(exc).__name__}: {exc}"})
+            _send(self.conn, {"id": mid, "error": f"{type(exc).__name__}: {exc}"})
 
-    while True:
-        message = inbox.get() if not (pending or waiting) else _next(inbox)
-        while message is not None:
-            if message == "eof":
-                return  # the worker closed the socket: it is shutting down
-            if message["op"] == "remove_lora":
-                send({"id": message["id"], "removed": bool(engine.remove_lora(message["lora_id"]))})
-            else:
-                waiting.append(message)
-            message = _next(inbox)
-        # A request with prompt logprobs runs alone: batched with others, vLLM 0.32 applies an lm_head
-        # LoRA to prompt positions with the sampled rows' adapter indices and fails the step.
-        while waiting and not alone:
-            if waiting[0]["params"].get("prompt_logprobs") is not None:
-                if pending:
-                    break  # until the batch in flight has drained
-                alone = True
-            add(waiting.popleft())
-        if not pending:
-            alone = False
-            continue
+    def _step(self) -> None:
         try:
-            outputs = engine.step()
+            outputs = self.engine.step()
         except Exception as exc:  # nothing in flight can be trusted after a failed step
-            for mid in pending.values():
-                send({"id": mid, "error": f"vLLM engine step failed: {type(exc).__name__}: {exc}"})
-            engine.abort_request(list(pending))
-            pending.clear()
-            continue
+            for mid in self.pending.values():
+                _send(self.conn, {"id": mid, "error": f"vLLM engine step failed: {type(exc).__name__}: {exc}"})
+            self.engine.abort_request(list(self.pending))
+            self.pending.clear()
+            return
         for out in outputs:
             if out.finished:
-                send(_answer(pending.pop(out.request_id), out))
-        if not pending:
-            alone = False
+                _send(self.conn, _answer(self.pending.pop(out.request_id), out))
 
 
 def _mask_rows_without_lora() -> None:
