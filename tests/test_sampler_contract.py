@@ -4,8 +4,10 @@ with its dynamic decode steps and with its static-shape ones (run eagerly here, 
 Each case trains real LoRA sessions on a tiny model (head size 32: vLLM's CPU attention takes no less)
 and samples their snapshots and the base model: sampled-token logprobs at T=1 against the trainer's
 own `forward`, a snapshot frozen while its session trains on, same seed same tokens, stops and
-stop_reason, prompt logprobs with top-k. The vllm cases need .venv-vllm (scripts/setup_vllm.sh cpu,
-which CI runs); without it they are skipped, except in CI (CI set), where they must run.
+stop_reason, prompt logprobs with top-k. The whole suite runs on the tiny llama; every other family
+the vllm backend serves (`VLLM_FAMILIES`) runs the cases that depend on the model (`FAMILY_CASES`) on
+its own tiny model. The vllm cases need .venv-vllm (scripts/setup_vllm.sh cpu, which CI runs); without
+it they are skipped, except in CI (CI set), where they must run.
 """
 
 import os
@@ -17,7 +19,9 @@ import torch
 from treadle.gpu_worker.engine import Engine
 from treadle.gpu_worker.sampling.backend import LogprobJob
 from treadle.gpu_worker.sampling.registry import SamplerOptions
+from treadle.gpu_worker.model_profile import VLLM_FAMILIES, VLLM_REFUSED
 from treadle.gpu_worker.sampling.vllm.sampler import VllmOptions, vllm_python
+from treadle.testing.families import FAMILIES, family_config
 from treadle.testing.tiny_model import build_tiny_model
 from treadle.types import AdamParams, Datum, LoraConfig, ModelInput, SamplingParams
 
@@ -29,6 +33,20 @@ PROMPT = [40, 41, 42, 43, 44, 45, 46, 47, 48]
 TOLERANCE = {"hf": 1e-4, "hf-static": 1e-4, "vllm": 1e-4}
 
 HAVE_VLLM = vllm_python(VllmOptions()) is not None
+NEEDS_VLLM = pytest.mark.skipif(
+    not HAVE_VLLM and not os.environ.get("CI"), reason="no .venv-vllm: scripts/setup_vllm.sh cpu installs it"
+)
+OPTIONS = VllmOptions(max_lora_rank=8, max_loras=2, max_cpu_loras=4)
+
+
+def model_type(family: str) -> str:
+    """transformers' model_type of a tiny family (what VLLM_FAMILIES names): gemma3's is gemma3_text."""
+    return family_config(family, vocab_size=512, max_position_embeddings=512, eos_token_id=0, pad_token_id=0).model_type
+
+
+# Each costs a vLLM engine start (about 35 s of CPU, most of it importing vllm), so these run a few
+# cases, not the suite.
+OTHER_VLLM_FAMILIES = [f for f in FAMILIES if f != "llama" and model_type(f) in VLLM_FAMILIES]
 
 
 @pytest.fixture(scope="module")
@@ -36,25 +54,10 @@ def model_dir(tmp_path_factory) -> str:
     return build_tiny_model(tmp_path_factory.mktemp("tiny32"), head_dim=32)
 
 
-@pytest.fixture(
-    scope="module",
-    params=[
-        "hf",
-        "hf-static",
-        pytest.param(
-            "vllm",
-            marks=pytest.mark.skipif(
-                not HAVE_VLLM and not os.environ.get("CI"),
-                reason="no .venv-vllm: scripts/setup_vllm.sh cpu installs it",
-            ),
-        ),
-    ],
-)
+@pytest.fixture(scope="module", params=["hf", "hf-static", pytest.param("vllm", marks=NEEDS_VLLM)])
 def engine(request, model_dir):
     kind, _, decode = request.param.partition("-")
-    options = SamplerOptions(
-        vllm=VllmOptions(max_lora_rank=8, max_loras=2, max_cpu_loras=4), hf_decode=decode or "dynamic"
-    )
+    options = SamplerOptions(vllm=OPTIONS, hf_decode=decode or "dynamic")
     engine = Engine(model_dir, sampler=kind, sampler_options=options)
     assert ("static-shape" in engine.sampler.path) == (decode == "static")
     engine.kind = request.param
@@ -80,14 +83,18 @@ def trainer_logprobs(engine, session: str, tokens: list[int]) -> np.ndarray:
     return engine.forward(session, [datum(tokens)], "cross_entropy").loss_fn_outputs[0]["logprobs"].to_numpy()
 
 
-@pytest.fixture(scope="module")
-def trained(engine):
+def train_sessions(engine):
     """Two trained sessions and a fresh one (LoRA B = 0: exactly the base model)."""
     for i, name in enumerate(["a", "b", "fresh"]):
         engine.create_session(name, LoraConfig(rank=4, alpha=8, seed=i))
     train(engine, "a", 3)
     train(engine, "b", 5)
     return engine
+
+
+@pytest.fixture(scope="module")
+def trained(engine):
+    return train_sessions(engine)
 
 
 def sample(engine, sampler, n=3, prompt=PROMPT, **params):
@@ -328,3 +335,37 @@ def test_prompt_and_sample_side_logprob_options_are_served_or_refused_by_name(tr
             SamplingParams(max_tokens=2),
             extras=SampleExtras(target_ids=np.full((len(PROMPT) - 1, 1), 100000)),
         )
+
+
+# The cases whose outcome depends on the model: its LoRA layout as vLLM loads it (attention, MLP and
+# lm_head adapters, sampled and mixed with the base model) and its attention (prompt logprobs and top-k
+# against the trainer's forward, past the sliding windows).
+FAMILY_CASES = {
+    "t1_logprobs": test_t1_sampled_logprobs_equal_the_trainers_forward,
+    "prompt_logprobs": lambda engine: test_compute_logprobs_with_topk(engine, "b"),
+}
+
+
+@pytest.fixture(scope="module", params=[pytest.param(f, marks=NEEDS_VLLM) for f in OTHER_VLLM_FAMILIES])
+def family_engine(request, tmp_path_factory):
+    directory = build_tiny_model(tmp_path_factory.mktemp(request.param), arch=request.param, head_dim=32)
+    engine = Engine(directory, sampler="vllm", sampler_options=SamplerOptions(vllm=OPTIONS))
+    engine.kind = "vllm"
+    yield engine
+    engine.close()
+
+
+@pytest.fixture(scope="module")
+def family_trained(family_engine):
+    return train_sessions(family_engine)
+
+
+@pytest.mark.parametrize("case", list(FAMILY_CASES))
+def test_vllm_serves_every_family_it_names(family_trained, case):
+    FAMILY_CASES[case](family_trained)
+
+
+def test_every_family_is_served_by_vllm_or_refused_with_its_reason():
+    families = {model_type(f) for f in FAMILIES}
+    assert VLLM_FAMILIES | set(VLLM_REFUSED) == families
+    assert not VLLM_FAMILIES & set(VLLM_REFUSED)

