@@ -24,14 +24,14 @@ adapters, DoRA) takes the dynamic path.
 from __future__ import annotations
 
 from collections import OrderedDict
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from typing import Iterator
 
 import torch
 from peft.tuners.lora import Linear as LoraLinear
 
 from treadle.gpu_worker.model.adapters import AdapterBank
-from treadle.gpu_worker.sampling.hf.mixed_lora import plain_linear_adapters
+from treadle.gpu_worker.sampling.hf.mixed_lora import forwards_replaced, plain_linear_adapters
 
 SLOTS = 8  # adapters one table holds; a step's rows use at most this many
 MIN_RANK = 8
@@ -98,19 +98,8 @@ class LoraTable:
         for layer in layers:
             if layer not in self._forwards:
                 self._forwards[layer] = self._forward(layer)
-        # An instance attribute shadows the class's forward (as in `mixed_lora.grouped_adapters`).
-        replaced = [(layer, layer.__dict__.get("forward")) for layer in layers]
-        for layer in layers:
-            layer.forward = self._forwards[layer]
-        try:
-            with self.bank.adapters_off() if self.bank.peft_model is not None else nullcontext():
-                yield
-        finally:
-            for layer, previous in replaced:
-                if previous is None:
-                    del layer.forward
-                else:
-                    layer.forward = previous
+        with forwards_replaced(self.bank, {layer: self._forwards[layer] for layer in layers}):
+            yield
 
     # ------------------------------------------------------------ internals
 

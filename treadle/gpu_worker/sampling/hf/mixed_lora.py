@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import weakref
 from collections import OrderedDict
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -220,14 +220,22 @@ def grouped_adapters(
             planned[key] = _slots(adapters, names, per_row, min_rows, device)
         return planned[key]
 
-    # An instance attribute shadows the class's forward for nn.Module.__call__; a forward hook would also do,
-    # but it sends every call through the module's slow path and computes the base layer on its own.
-    replaced = [(layer, layer.__dict__.get("forward")) for layer in layers]
-    for layer, stacks in layers.items():
-        layer.forward = _lora_forward(layer, stacks, slots_of)
+    with forwards_replaced(bank, {layer: _lora_forward(layer, stacks, slots_of) for layer, stacks in layers.items()}):
+        yield bank.host.model
+
+
+@contextmanager
+def forwards_replaced(bank: AdapterBank, forwards: dict) -> Iterator[None]:
+    """Within the block each layer of `forwards` runs the function given for it, and every other LoRA layer its base
+    layer alone (`AdapterBank.adapters_off`). An instance attribute shadows the class's forward for
+    nn.Module.__call__; a forward hook would also do, but it sends every call through the module's slow path and
+    computes the base layer on its own."""
+    replaced = [(layer, layer.__dict__.get("forward")) for layer in forwards]
+    for layer, forward in forwards.items():
+        layer.forward = forward
     try:
-        with bank.adapters_off():  # the other LoRA layers (other adapters' targets) run their base layer alone
-            yield bank.host.model
+        with bank.adapters_off() if bank.peft_model is not None else nullcontext():
+            yield
     finally:
         for layer, previous in replaced:
             if previous is None:
