@@ -9,6 +9,7 @@ import pytest
 import torch
 from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
+from treadle.errors import SampleCancelledError
 from treadle.gpu_worker.model.adapters import AdapterBank
 from treadle.gpu_worker.sampling.hf import batch_decode
 from treadle.gpu_worker.sampling.backend import LogprobJob, SampleJob
@@ -386,3 +387,43 @@ def _wait_for(condition, timeout: float = WAIT) -> None:
             return
         done.wait(0.01)
     raise AssertionError("condition not reached within the bound")
+
+
+class CancelAfter:
+    """A streamed request's `TokenStream` whose client goes away once `after` tokens have been drawn."""
+
+    def __init__(self, after: int):
+        self.after = after
+        self.drawn: list[tuple[int, int]] = []
+        self.ended: tuple[list[int], int] | None = None
+
+    def drew(self, row, token, logprob, top):
+        self.drawn.append((row, token))
+
+    @property
+    def cancelled(self) -> bool:
+        return len(self.drawn) >= self.after
+
+    def dropped(self, tokens, rows_left):
+        self.ended = (tokens, rows_left)
+
+
+@pytest.mark.parametrize("decode", ["dynamic", "static"])
+def test_a_cancelled_stream_leaves_the_batch_and_the_others_go_on(bank, decode):
+    scheduler = SampleScheduler(bank, bank.host, DeviceLock(), decode=decode)
+    try:
+        other = dict(adapter="two", num_samples=1, max_tokens=30, temperature=0)
+        (alone,) = submit_together(scheduler, [job(bank, PROMPTS[1], **other)])
+        assert len(alone.sequences[0].tokens) == 30  # (so it is still running when the stream is cancelled)
+        streamed = job(bank, PROMPTS[0], "one", num_samples=2, max_tokens=200, seed=1)
+        streamed.stream = stream = CancelAfter(6)  # the prefill draws 2 tokens, each step 2 more
+        with scheduler.device_lock:
+            futures = [scheduler.sample(streamed), scheduler.sample(job(bank, PROMPTS[1], **other))]
+        with pytest.raises(SampleCancelledError, match="cancelled it after 3 tokens"):
+            futures[0].result(timeout=WAIT)
+        assert stream.ended == ([3, 3], 1)  # each row's tokens when dropped; the other request's row goes on
+        assert [row for row, _ in stream.drawn] == [0, 1] * 3  # every token reached the stream as it was drawn
+        assert futures[1].result(timeout=WAIT).sequences == alone.sequences  # untouched by the rows leaving
+        assert len(scheduler._batch) == 0
+    finally:
+        scheduler.close()

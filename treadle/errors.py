@@ -49,6 +49,10 @@ class InvalidRequestError(UserError):
     """A field of a request is out of its limits (names the field, the value and the limit)."""
 
 
+class SampleCancelledError(UserError):
+    """A streamed sample's client went away; its rows left the sampler's batch unfinished."""
+
+
 class UnknownModelError(UserError):
     """No worker serves the requested base model."""
 
@@ -135,6 +139,7 @@ _REGISTRY: dict[str, type[TreadleError]] = {
         UserError,
         ServerError,
         InvalidRequestError,
+        SampleCancelledError,
         UnknownModelError,
         CheckpointNotFoundError,
         CheckpointExistsError,

@@ -33,7 +33,7 @@ from treadle.gpu_worker.model.host import ModelHost, microbatch_budget, pick_dev
 from treadle.gpu_worker.model_profile import profile
 from treadle.gpu_worker.training.optimizer import SessionOptimizer
 from treadle.gpu_worker.sampling.extras import SampleExtras
-from treadle.gpu_worker.sampling.backend import LogprobJob, SampleJob, SamplerSetup
+from treadle.gpu_worker.sampling.backend import LogprobJob, SampleJob, SamplerSetup, TokenStream
 from treadle.gpu_worker.sampling.registry import SamplerKind, SamplerOptions, make_sampler
 from treadle.gpu_worker.training.state import TrainingState, capture_rng, read_state, restore_rng, write_state
 from treadle.gpu_worker.training.validation import (
@@ -299,12 +299,12 @@ class Engine:
         topk_prompt_logprobs: int = 0,
         extras: SampleExtras = SampleExtras(),
         tenant: str = "",
+        stream: TokenStream | None = None,
     ) -> Future:
-        """Queue a sample request on a frozen sampler (None: the base model); the future resolves to its
-        `SampleResponse`. Logprobs are those of the distribution actually sampled from (the
-        sampler contract, `treadle/gpu_worker/sampling/backend.py`). A rejected request raises here, before it is queued. Queueing
-        never waits for the device: a burst would enter the batch one decode step apart. `tenant`: whom its
-        device time counts for (the session the snapshot came from; treadle.gpu_worker.scheduling.device_lock)."""
+        """Queue a sample request on a frozen sampler (None: base); the future resolves to its `SampleResponse`, whose
+        logprobs are those of the distribution sampled from (`sampling/backend.py`). A rejected request raises here.
+        Queueing never waits for the device. `tenant`: whom its device time counts for (`scheduling/device_lock.py`);
+        `stream`: where its tokens go as they are drawn, and whence its client's cancel comes (None: neither)."""
         with self._catalog:
             adapter = self._sampler(sampler_id) if sampler_id is not None else None
             request = prepare_sample(
@@ -328,6 +328,7 @@ class Engine:
                     topk_prompt_logprobs,
                     extras,
                     tenant,
+                    stream,
                 )
             )
 

@@ -24,6 +24,7 @@ from treadle.gpu_worker.executor.celery_tasks import register_tasks
 from treadle.gpu_worker.executor.failover import Failover
 from treadle.gpu_worker.executor.op_record import OpRecorder
 from treadle.gpu_worker.executor.sample_requests import SamplerCache, Sampling
+from treadle.gpu_worker.executor.sample_stream import SampleStreams
 from treadle.gpu_worker.executor.sequencer import Sequencer
 from treadle.gpu_worker.executor.turn_scheduler import TurnMetrics, TurnScheduler
 from treadle.gpu_worker.executor.usage import UsageRecorder
@@ -95,7 +96,8 @@ def build_worker(config: WorkerConfig) -> WorkerService:
         session_idle_ttl_s=config.session_idle_ttl_s,
     )
     deliver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="treadle-deliver")
-    register_tasks(app, sequencer, host, Sampling(samplers, host.op_lock), usage, deliver)
+    sampling = Sampling(samplers, host.op_lock, SampleStreams(redis))
+    register_tasks(app, sequencer, host, sampling, usage, deliver)
     return WorkerService(
         config=config,
         hostname=hostname,

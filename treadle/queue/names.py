@@ -85,6 +85,16 @@ def submitted_key(future_id: str) -> str:
     return f"{PREFIX}:submitted:{future_id}"
 
 
+def sample_stream_key(stream_id: str) -> str:
+    """Stream of a streamed sample's tokens as its rows draw them, and its cancel record (treadle.queue.sample_stream)."""
+    return f"{PREFIX}:sstream:{stream_id}"
+
+
+def sample_cancel_key(stream_id: str) -> str:
+    """Set when a streamed sample's client goes away: its worker drops the sample's rows."""
+    return f"{PREFIX}:scancel:{stream_id}"
+
+
 def worker_key(hostname: str) -> str:
     return f"{PREFIX}:worker:{hostname}"
 

@@ -249,6 +249,12 @@ class SampleRequest(OpRequest):
         default=None,
         description="Who pays (the gateway's API key owner); None: the sampled session's owner, else `sdk`.",
     )
+    stream_id: str | None = Field(
+        default=None,
+        max_length=64,
+        description="Publish the rows' tokens as they are drawn under this id (treadle.queue.sample_stream); "
+        "None: only the answer.",
+    )
 
     @model_validator(mode="after")
     def _target_ids_fit_the_prompt(self) -> "SampleRequest":

@@ -15,7 +15,9 @@ from collections import OrderedDict
 from concurrent.futures import Future
 from typing import Callable
 
+from treadle.gpu_worker.executor.sample_stream import SampleStreams
 from treadle.gpu_worker.sessions.checkpoint_io import load_sampler
+from treadle.gpu_worker.sampling.backend import TokenStream
 from treadle.gpu_worker.sampling.extras import SampleExtras
 from treadle.queue.ops import SampleRequest
 from treadle.storage.checkpoint_store import CheckpointStore
@@ -66,12 +68,26 @@ def tenant_of(req: SampleRequest) -> str:
 
 
 class Sampling:
-    def __init__(self, cache: SamplerCache, op_lock: threading.RLock):
+    def __init__(self, cache: SamplerCache, op_lock: threading.RLock, streams: SampleStreams):
         self.cache = cache
         self.op_lock = op_lock
+        self.streams = streams
 
     def sample(self, req: SampleRequest) -> Future:
-        """The request queued on its engine's scheduler; the future resolves to its `SampleResponse`."""
+        """The request queued on its engine's scheduler; the future resolves to its `SampleResponse`. A request that
+        names a `stream_id` publishes its tokens as they are drawn, until it is answered (`sample_stream`)."""
+        if req.stream_id is None:
+            return self._queue(req, None)
+        stream = self.streams.open(req.stream_id, topk=req.topk_sample_logprobs > 0)
+        try:
+            future = self._queue(req, stream)
+        except BaseException:
+            stream.close()
+            raise
+        future.add_done_callback(lambda _: stream.close())
+        return future
+
+    def _queue(self, req: SampleRequest, stream: TokenStream | None) -> Future:
         target = None if req.target_prompt_logprobs is None else req.target_prompt_logprobs.to_numpy()
         with self.op_lock:  # the sampler cache: look-ups, loads and evictions one at a time
             engine, sampler_id = self.cache.engine_and_sampler(req.base_model, req.model_path)
@@ -84,4 +100,5 @@ class Sampling:
                 topk_prompt_logprobs=req.topk_prompt_logprobs,
                 extras=SampleExtras(req.topk_sample_logprobs, target, req.prompt_alt_tokens_k),
                 tenant=tenant_of(req),
+                stream=stream,
             )

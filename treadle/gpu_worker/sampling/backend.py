@@ -24,6 +24,22 @@ from treadle.gpu_worker.training.validation import PreparedSample
 from treadle.types import SampledSequence, SampleResponse, SamplingParams
 
 
+class TokenStream(Protocol):
+    """Where a streamed request's rows report each token as they draw it, and how its client's cancel reaches the
+    sampler (treadle.gpu_worker.executor.sample_stream publishes both through Redis). Called on the decode thread:
+    each call only hands its values on."""
+
+    def drew(self, row: int, token: int, logprob: float, top: list[tuple[int, float]] | None) -> None:
+        """Sample `row` drew `token` (with its logprob, and its top-k when the request asks for them)."""
+
+    @property
+    def cancelled(self) -> bool:
+        """Whether the client went away: the sampler then drops the request's rows at its next step boundary."""
+
+    def dropped(self, tokens: list[int], rows_left: int) -> None:
+        """The request's rows left the batch on a cancel, each having drawn `tokens[i]`; `rows_left` remain."""
+
+
 @dataclass
 class SampleJob:
     """One `sample` request: `num_samples` rows sharing a prompt, an adapter (None: base) and an RNG.
@@ -39,6 +55,7 @@ class SampleJob:
     topk_prompt_logprobs: int = 0
     extras: SampleExtras = field(default_factory=SampleExtras)
     tenant: str = ""  # whom its device time is charged to (treadle.gpu_worker.scheduling.device_lock); "": the adapter
+    stream: TokenStream | None = None  # where its tokens go as they are drawn (None: only the answer)
     generator: torch.Generator | None = None
     sequences: list[SampledSequence | None] = field(default_factory=list)
     prompt_logprobs: list[float | None] | None = None

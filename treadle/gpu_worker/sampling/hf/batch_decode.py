@@ -197,6 +197,10 @@ def record(rows: list[Row], tokens: torch.Tensor, tokenizer) -> list[int]:
     for i, (row, token) in enumerate(zip(rows, tokens.tolist())):
         row.tokens.append(token)
         job = row.job
+        if job.stream is not None:
+            job.stream.drew(
+                row.index, token, row.logprobs[-1], row.topk[-1] if job.extras.topk_sample_logprobs else None
+            )
         reason = finished(
             row.tokens,
             stop_ids=job.stop_ids,
@@ -282,6 +286,15 @@ class DecodeBatch:
         """Drop what is kept for an adapter that leaves the bank."""
         if self.prefixes is not None:
             self.prefixes.drop(adapter)
+
+    def drop(self, job: SampleJob) -> list[Row]:
+        """Remove the job's rows (its client cancelled) and their cache; returns them."""
+        going = [i for i, row in enumerate(self.rows) if row.job is not job]
+        dropped = [row for row in self.rows if row.job is job]
+        if dropped:
+            self._last = self._last[torch.tensor(going, dtype=torch.long, device=self._last.device)]
+            self._keep(going)
+        return dropped
 
     def fail_all(self) -> list[SampleJob]:
         """Drop every row (after a failed step); returns their jobs."""

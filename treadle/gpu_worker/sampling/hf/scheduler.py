@@ -16,6 +16,9 @@ the lock is granted in arrival order, sampling goes on between the training ops 
 Prompts resume from KV kept from earlier requests on the same snapshot, within `prefix_cache_tokens`
 positions (`prefix_cache`; 0: off).
 
+A streamed request whose client went away (`SampleJob.stream`) leaves the queue, or the batch at the next step
+boundary, its rows freed; it is answered with SampleCancelledError.
+
 Memory: the batch's KV cache is at most `max_batch_tokens` positions (rows x padded length, counting
 each row's full `max_tokens`; a request larger than that runs alone); one position costs
 2 x layers x kv_heads x head_dim x dtype bytes (SmolLM2-135M in fp32: 2 x 30 x 3 x 64 x 4 = 46 KB,
@@ -30,13 +33,13 @@ import logging
 import threading
 from collections import deque
 from concurrent.futures import Future
-from typing import Callable, Literal
+from typing import Callable, Literal, cast
 
 import torch
 
-from treadle.errors import ServerError, TreadleError
+from treadle.errors import SampleCancelledError, ServerError, TreadleError
 from treadle.gpu_worker.model.adapters import AdapterBank
-from treadle.gpu_worker.sampling.backend import LogprobJob, SampleJob, SamplerSetup
+from treadle.gpu_worker.sampling.backend import LogprobJob, SampleJob, SamplerSetup, TokenStream
 from treadle.gpu_worker.sampling.hf.batch_decode import DecodeBatch, forward_rows, prompt_logprobs_from_logits
 from treadle.gpu_worker.sampling.hf.prefix_cache import PrefixCache
 from treadle.gpu_worker.sampling.hf.slot_batch import SlotBatch
@@ -205,6 +208,7 @@ class SampleScheduler:
     def _round(self) -> bool:
         """One round on the device (a logprob batch, a prefill of admitted requests, a decode step: whichever have
         work); whether another round has work now."""
+        self._drop_cancelled()
         if logprob_jobs := self._take_logprobs():
             self._answer_logprobs(logprob_jobs)
         if admitted := self._take_admissible():
@@ -213,6 +217,23 @@ class SampleScheduler:
             self._step()
         with self._cond:
             return not self._closed and not self._retiring and bool(self._samples or self._logprobs or self._batch)
+
+    def _drop_cancelled(self) -> None:
+        """Streamed requests whose client went away leave the queue or the batch (their rows freed at this step
+        boundary) and are answered with SampleCancelledError."""
+        with self._cond:
+            waiting = [(j, f) for j, f in self._samples if j.stream is not None and j.stream.cancelled]
+            for pair in waiting:
+                self._samples.remove(pair)
+            running = [j for j, _ in self._running.values() if j.stream is not None and j.stream.cancelled]
+        for job, future in waiting:
+            cast(TokenStream, job.stream).dropped([0] * job.num_samples, len(self._batch))
+            future.set_exception(SampleCancelledError("sample: its client cancelled it before it started"))
+        for job in running:
+            drawn = {row.index: len(row.tokens) for row in self._batch.drop(job)}
+            tokens = [len(s.tokens) if s is not None else drawn.get(k, 0) for k, s in enumerate(job.sequences)]
+            cast(TokenStream, job.stream).dropped(tokens, len(self._batch))
+            self._finish(job, SampleCancelledError(f"sample: its client cancelled it after {max(tokens)} tokens"))
 
     def _tenants(self) -> dict[str, float]:
         """Whom the next round serves, by rows: the running batch's requests and the waiting ones."""

@@ -141,6 +141,17 @@ class SlotBatch:
         """Drop what is kept for an adapter that leaves the bank."""
         self.dynamic.forget(adapter)
 
+    def drop(self, job: SampleJob) -> list[Row]:
+        """Remove the job's rows (its client cancelled) and free their slots; returns them."""
+        dropped = self.dynamic.drop(job)
+        mine = [i for i, row in enumerate(self.rows) if row.job is job]
+        if mine:
+            self._free([self.slots[i] for i in mine])
+            dropped += [self.rows[i] for i in mine]
+            going = [i for i, row in enumerate(self.rows) if row.job is not job]
+            self.rows, self.slots = [self.rows[i] for i in going], [self.slots[i] for i in going]
+        return dropped
+
     def fail_all(self) -> list[SampleJob]:
         """Drop every row (after a failed step); returns their jobs."""
         jobs = list({id(r.job): r.job for r in self.rows}.values()) + self.dynamic.fail_all()
