@@ -18,7 +18,9 @@ from treadle.gateway.store import GatewayStore, RequestRecord
 from treadle.gateway.tokens import make_token, read_token
 from treadle.metering import Meter
 from treadle.queue.ops import CreateSessionRequest, SampleRequest
+from treadle.queue import sample_stream
 from treadle.queue.ops_client import OpsClient
+from treadle.queue.sample_stream import StreamCancelled, StreamedTokens
 from treadle.queue.sessions import SessionRecord
 from treadle.storage.checkpoint_store import CheckpointStore
 
@@ -54,6 +56,20 @@ class Backend:
 
     def wait(self, future_id: str, timeout: float) -> dict:
         return self._ops.wait(future_id, timeout=timeout)
+
+    def poll_sample(self, future_id: str) -> tuple[bool, dict | None]:
+        """(answered, the answer) without waiting; raises the sample's error."""
+        return self._ops.results.poll(future_id)
+
+    def read_sample_stream(
+        self, stream_id: str, after: str, block_ms: int
+    ) -> tuple[str, list[StreamedTokens | StreamCancelled]]:
+        """A streamed sample's entries after id `after` (treadle.queue.sample_stream), waiting up to `block_ms`."""
+        return sample_stream.read(self._ops.redis, stream_id, after, block_ms)
+
+    def cancel_sample(self, stream_id: str) -> None:
+        """Ask the worker of a streamed sample to drop its rows."""
+        sample_stream.cancel(self._ops.redis, stream_id)
 
     def check_future(self, future_id: str) -> None:
         """Raise if a pending future can never resolve (its session gone, no worker for its model)."""

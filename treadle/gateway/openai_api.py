@@ -3,13 +3,13 @@
 `model` names what to sample: a sampler checkpoint (`tinker://...` or `treadle://...`), a sampling
 session id from the Tinker API, or a served base model. A checkpoint is sampled with its adapter
 applied (the worker loads that snapshot; it never falls back to the base model). The chat template
-and the detokenisation use the base model's own tokenizer, loaded here with transformers.
+and the detokenisation use the base model's own tokenizer, loaded here with transformers. `stream=true` answers
+with server-sent events (`openai_stream.py`); answers are rendered by `openai_render.py`.
 """
 
 from __future__ import annotations
 
 import secrets
-import time
 from functools import lru_cache
 from typing import Literal
 
@@ -19,11 +19,20 @@ from starlette.concurrency import run_in_threadpool
 
 from treadle.errors import InvalidRequestError
 from treadle.gateway.backend import Backend
+from treadle.gateway import openai_render as render
 from treadle.gateway.caller import Call
+from treadle.gateway.openai_stream import EventStream, StreamedCompletion, events
 from treadle.queue.ops import SampleRequest, parse_request
+from treadle.queue.sample_options import MAX_TOPK_SAMPLE_LOGPROBS
 from treadle.types import MAX_TOKENS_PER_SEQUENCE, SEED_MAX, SamplingParams
 
 router = APIRouter()
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    include_usage: bool = Field(default=False, description="Send the usage in a last chunk with no choices.")
 
 
 class _OpenAIRequest(BaseModel):
@@ -41,7 +50,8 @@ class _OpenAIRequest(BaseModel):
     seed: int | None = Field(
         default=None, ge=0, le=SEED_MAX, description="Random seed; the same seed gives the same completion."
     )
-    stream: bool = Field(default=False, description="Streaming is not supported.")
+    stream: bool = Field(default=False, description="Answer with server-sent events as tokens are drawn.")
+    stream_options: StreamOptions | None = Field(default=None, description="With stream: what else to send.")
 
 
 class ChatMessage(BaseModel):
@@ -57,11 +67,22 @@ class ChatCompletionRequest(_OpenAIRequest):
         default=None, ge=1, le=MAX_TOKENS_PER_SEQUENCE, description="Newer spelling of max_tokens."
     )
     logprobs: bool = Field(default=False, description="Return the logprob of each generated token.")
-    top_logprobs: int | None = Field(default=None, ge=0, le=0, description="Only 0 is supported.")
+    top_logprobs: int | None = Field(
+        default=None,
+        ge=0,
+        le=MAX_TOPK_SAMPLE_LOGPROBS,
+        description="With logprobs: the most likely tokens at each position, of the distribution sampled from.",
+    )
 
     @property
     def wants_logprobs(self) -> bool:
         return self.logprobs
+
+    @property
+    def top(self) -> int:
+        if self.top_logprobs and not self.logprobs:
+            raise InvalidRequestError(f"top_logprobs: {self.top_logprobs} needs logprobs: true")
+        return self.top_logprobs or 0
 
 
 class CompletionRequest(_OpenAIRequest):
@@ -73,13 +94,21 @@ class CompletionRequest(_OpenAIRequest):
         description="Most new tokens per completion (OpenAI's default is 16).",
     )
     logprobs: int | None = Field(
-        default=None, ge=0, le=0, description="0 returns each token's logprob; top alternatives are not supported."
+        default=None,
+        ge=0,
+        le=MAX_TOPK_SAMPLE_LOGPROBS,
+        description="Each token's logprob, and this many most likely tokens at each position (of the distribution "
+        "sampled from).",
     )
     echo: Literal[False] = Field(default=False, description="Echoing the prompt is not supported.")
 
     @property
     def wants_logprobs(self) -> bool:
         return self.logprobs is not None
+
+    @property
+    def top(self) -> int:
+        return self.logprobs or 0
 
 
 @lru_cache(maxsize=16)
@@ -109,16 +138,16 @@ async def completions(call: Call):
     return await _complete(call.backend, call.owner, await call.parse(CompletionRequest), chat=False)
 
 
-async def _complete(backend: Backend, owner: str, req: _OpenAIRequest, *, chat: bool):
-    if req.stream:
-        raise InvalidRequestError("stream: streaming responses are not supported; send stream=false")
+async def _complete(backend: Backend, owner: str, req: ChatCompletionRequest | CompletionRequest, *, chat: bool):
     base_model, model_path = await run_in_threadpool(_resolve_model, backend, owner, req.model)
     tokenizer = await run_in_threadpool(
         load_tokenizer, await run_in_threadpool(backend.owners.tokenizer_source, base_model)
     )
     prompt = _prompt_tokens(tokenizer, req, chat)
     stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-    max_tokens = (req.max_completion_tokens or req.max_tokens) if chat else req.max_tokens
+    max_tokens = (
+        (req.max_completion_tokens or req.max_tokens) if isinstance(req, ChatCompletionRequest) else req.max_tokens
+    )
     params = parse_request(
         SamplingParams,
         {
@@ -130,24 +159,41 @@ async def _complete(backend: Backend, owner: str, req: _OpenAIRequest, *, chat: 
         },
         "sampling_params",
     )
+    out = StreamedCompletion(
+        f"{'chatcmpl' if chat else 'cmpl'}-{secrets.token_hex(12)}",
+        tokenizer,
+        req.model,
+        chat,
+        req.n,
+        stops,
+        req.wants_logprobs,
+        req.top > 0,
+        bool(req.stream_options and req.stream_options.include_usage),
+        len(prompt),
+    )
     sample = SampleRequest.build(
-        base_model=base_model, model_path=model_path, prompt=prompt, num_samples=req.n, sampling_params=params
+        base_model=base_model,
+        model_path=model_path,
+        prompt=prompt,
+        num_samples=req.n,
+        sampling_params=params,
+        topk_sample_logprobs=req.top,
+        stream_id=out.id if req.stream else None,
     )
     future_id = await run_in_threadpool(backend.submit_sample, owner, sample)
+    if req.stream:
+        return EventStream(events(backend, future_id, out.id, out))
     result = await run_in_threadpool(backend.wait, future_id, backend.settings.sample_timeout_seconds)
-    choices = [_choice(i, tokenizer, seq, stops, chat, req.wants_logprobs) for i, seq in enumerate(result["sequences"])]
-    completion_tokens = sum(len(seq["tokens"]) for seq in result["sequences"])
+    sequences = result["sequences"]
     return {
-        "id": f"{'chatcmpl' if chat else 'cmpl'}-{secrets.token_hex(12)}",
+        "id": out.id,
         "object": "chat.completion" if chat else "text_completion",
-        "created": int(time.time()),
+        "created": out.created,
         "model": req.model,
-        "choices": choices,
-        "usage": {
-            "prompt_tokens": len(prompt),
-            "completion_tokens": completion_tokens,
-            "total_tokens": len(prompt) + completion_tokens,
-        },
+        "choices": [
+            render.choice(i, tokenizer, seq, stops, chat, req.wants_logprobs) for i, seq in enumerate(sequences)
+        ],
+        "usage": render.usage(len(prompt), sequences),
     }
 
 
@@ -179,44 +225,3 @@ def _prompt_tokens(tokenizer, req: _OpenAIRequest, chat: bool) -> list[int]:
         raise InvalidRequestError(f"model: {req.model!r} has a tokenizer without a chat template; use /v1/completions")
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     return tokenizer.encode(text, add_special_tokens=False)
-
-
-def _choice(index: int, tokenizer, seq: dict, stops: list[str], chat: bool, with_logprobs: bool) -> dict:
-    tokens, logprobs = list(seq["tokens"]), seq.get("logprobs")
-    finish_reason = "length" if seq["stop_reason"] == "length" else "stop"
-    if finish_reason == "stop" and tokens and tokens[-1] in tokenizer.all_special_ids:
-        tokens = tokens[:-1]  # the end-of-turn token ended it; it is not part of the text
-    text = tokenizer.decode(tokens, skip_special_tokens=True)
-    cut = min((text.find(s) for s in stops if s and s in text), default=-1)
-    if cut >= 0:
-        text = text[:cut]
-    choice: dict = {"index": index, "finish_reason": finish_reason}
-    if chat:
-        choice["message"] = {"role": "assistant", "content": text}
-        if with_logprobs:
-            choice["logprobs"] = {
-                "content": [
-                    {
-                        "token": tokenizer.decode([t]),
-                        "logprob": lp,
-                        "bytes": list(tokenizer.decode([t]).encode()),
-                        "top_logprobs": [],
-                    }
-                    for t, lp in zip(tokens, logprobs or [])
-                ]
-            }
-        else:
-            choice["logprobs"] = None
-    else:
-        choice["text"] = text
-        choice["logprobs"] = (
-            {
-                "tokens": [tokenizer.decode([t]) for t in tokens],
-                "token_logprobs": list((logprobs or [])[: len(tokens)]),
-                "top_logprobs": None,
-                "text_offset": [],
-            }
-            if with_logprobs
-            else None
-        )
-    return choice
