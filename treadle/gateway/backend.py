@@ -67,6 +67,10 @@ class Backend:
         """A streamed sample's entries after id `after` (treadle.queue.sample_stream), waiting up to `block_ms`."""
         return sample_stream.read(self._ops.redis, stream_id, after, block_ms)
 
+    def forget_sample_stream(self, stream_id: str) -> None:
+        """Drop a streamed sample's entries once its answer is sent (they would expire anyway)."""
+        sample_stream.forget(self._ops.redis, stream_id)
+
     def cancel_sample(self, stream_id: str) -> None:
         """Ask the worker of a streamed sample to drop its rows."""
         sample_stream.cancel(self._ops.redis, stream_id)

@@ -10,6 +10,7 @@ with server-sent events (`openai_stream.py`); answers are rendered by `openai_re
 from __future__ import annotations
 
 import secrets
+import time
 from functools import lru_cache
 from typing import Literal
 
@@ -159,18 +160,7 @@ async def _complete(backend: Backend, owner: str, req: ChatCompletionRequest | C
         },
         "sampling_params",
     )
-    out = StreamedCompletion(
-        f"{'chatcmpl' if chat else 'cmpl'}-{secrets.token_hex(12)}",
-        tokenizer,
-        req.model,
-        chat,
-        req.n,
-        stops,
-        req.wants_logprobs,
-        req.top > 0,
-        bool(req.stream_options and req.stream_options.include_usage),
-        len(prompt),
-    )
+    completion_id = f"{'chatcmpl' if chat else 'cmpl'}-{secrets.token_hex(12)}"
     sample = SampleRequest.build(
         base_model=base_model,
         model_path=model_path,
@@ -178,17 +168,21 @@ async def _complete(backend: Backend, owner: str, req: ChatCompletionRequest | C
         num_samples=req.n,
         sampling_params=params,
         topk_sample_logprobs=req.top,
-        stream_id=out.id if req.stream else None,
+        stream_id=completion_id if req.stream else None,  # the worker publishes the tokens under the response's id
     )
     future_id = await run_in_threadpool(backend.submit_sample, owner, sample)
     if req.stream:
-        return EventStream(events(backend, future_id, out.id, out))
+        usage = bool(req.stream_options and req.stream_options.include_usage)
+        out = StreamedCompletion(
+            completion_id, tokenizer, req.model, chat, req.n, stops, req.wants_logprobs, req.top > 0, usage, len(prompt)
+        )
+        return EventStream(events(backend, future_id, out))
     result = await run_in_threadpool(backend.wait, future_id, backend.settings.sample_timeout_seconds)
     sequences = result["sequences"]
     return {
-        "id": out.id,
+        "id": completion_id,
         "object": "chat.completion" if chat else "text_completion",
-        "created": out.created,
+        "created": int(time.time()),
         "model": req.model,
         "choices": [
             render.choice(i, tokenizer, seq, stops, chat, req.wants_logprobs) for i, seq in enumerate(sequences)

@@ -7,8 +7,9 @@ stored, the rest of each choice from the answer, a chunk with each `finish_reaso
 `stream_options.include_usage` asks for it, and `data: [DONE]`.
 
 What a chunk may send of a choice's text is what no later token can change: the last token drawn is held back
-(it may be the end-of-turn token, which is not text), as is a trailing half of a multi-byte character and the tail
-that could still begin a stop string. So the chunks of a choice add up to the text the same request gets unstreamed.
+(it may be the end-of-turn token, which is not text), as are a trailing half of a multi-byte character, trailing
+white space (a tokenizer's clean-up may still join it to what follows: " ." becomes ".") and the tail that could
+still begin a stop string. So the chunks of a choice add up to the text the same request gets unstreamed.
 
 A client that goes away (its connection closed before `[DONE]`) cancels the sample: the worker drops its rows.
 """
@@ -114,7 +115,7 @@ class StreamedCompletion:
         row = self.rows[i]
         text, stopped = render.text_of(self.tokenizer, tokens, self.stops)
         if not (final or stopped):
-            text = text[: len(text) - max((len(s) - 1 for s in self.stops), default=0)].rstrip("\ufffd")
+            text = text[: len(text) - max((len(s) - 1 for s in self.stops), default=0)].rstrip("\ufffd").rstrip()
         delta = text[len(row.text) :] if text.startswith(row.text) else ""
         fresh = tokens[row.sent :]
         if not delta and not (fresh and self.with_logprobs):
@@ -160,9 +161,9 @@ class EventStream(StreamingResponse):
             await cast(AsyncGenerator, self.body_iterator).aclose()
 
 
-async def events(backend: Backend, future_id: str, stream_id: str, out: StreamedCompletion) -> AsyncIterator[str]:
+async def events(backend: Backend, future_id: str, out: StreamedCompletion) -> AsyncIterator[str]:
     """The response's events: chunks as tokens come, then the answer's; an error as an `error` event."""
-    answered = False
+    answered, stream_id = False, out.id
     try:
         for chunk in out.start():
             yield chunk
@@ -186,6 +187,7 @@ async def events(backend: Backend, future_id: str, stream_id: str, out: Streamed
                 next_check = time.monotonic() + LIVENESS_CHECK_S
                 await run_in_threadpool(backend.check_future, future_id)
         yield "data: [DONE]\n\n"
+        await run_in_threadpool(backend.forget_sample_stream, stream_id)
     except TreadleError as exc:
         yield f"data: {json.dumps({'error': {'message': exc.message, 'type': exc.category, 'code': None}})}\n\n"
     finally:

@@ -68,6 +68,11 @@ def read(redis, stream_id: str, after: str, block_ms: int) -> tuple[str, list[St
     return after, entries
 
 
+def forget(redis, stream_id: str) -> None:
+    """Delete the stream (its reader is done with it)."""
+    redis.delete(names.sample_stream_key(stream_id))
+
+
 def cancel(redis, stream_id: str) -> None:
     """Ask the worker to drop the request's rows (a no-op once it is answered)."""
     redis.set(names.sample_cancel_key(stream_id), 1, ex=CANCEL_TTL_S)
