@@ -417,10 +417,15 @@ def test_a_cancelled_stream_leaves_the_batch_and_the_others_go_on(bank, decode):
         assert len(alone.sequences[0].tokens) == 30  # (so it is still running when the stream is cancelled)
         streamed = job(bank, PROMPTS[0], "one", num_samples=2, max_tokens=200, seed=1)
         streamed.stream = stream = CancelAfter(6)  # the prefill draws 2 tokens, each step 2 more
+        waiting = job(bank, PROMPTS[2], "three", num_samples=1, max_tokens=5)
+        waiting.stream = gone = CancelAfter(0)  # its client left before its first round
         with scheduler.device_lock:
-            futures = [scheduler.sample(streamed), scheduler.sample(job(bank, PROMPTS[1], **other))]
+            futures = [scheduler.sample(j) for j in (streamed, job(bank, PROMPTS[1], **other), waiting)]
         with pytest.raises(SampleCancelledError, match="cancelled it after 3 tokens"):
             futures[0].result(timeout=WAIT)
+        with pytest.raises(SampleCancelledError, match="before it started"):
+            futures[2].result(timeout=WAIT)
+        assert gone.drawn == [] and gone.ended is not None and gone.ended[0] == [0]
         assert stream.ended == ([3, 3], 1)  # each row's tokens when dropped; the other request's row goes on
         assert [row for row, _ in stream.drawn] == [0, 1] * 3  # every token reached the stream as it was drawn
         assert futures[1].result(timeout=WAIT).sequences == alone.sequences  # untouched by the rows leaving

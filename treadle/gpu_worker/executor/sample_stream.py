@@ -6,7 +6,8 @@ The decode thread must not wait on Redis (it holds the device for every row of t
 at once, in one pipelined round trip, and reads the cancel records of the open streams in the same trip. While it
 writes, the decode thread goes on: tokens drawn meanwhile go out together in the next trip, so the number of writes
 follows Redis's pace, not the decode steps'. With nothing to write, it still reads the cancel records every
-`POLL_S`, so a request that waits for the batch, or a row between slow steps, is cancelled too.
+`POLL_S` while any stream is open, so a request that waits for the batch, or a row between slow steps, is cancelled
+too; with none open, it sleeps until one opens.
 """
 
 from __future__ import annotations
@@ -84,11 +85,13 @@ class SampleStreams:
         stream = _Stream(self, stream_id, topk)
         with self.cond:
             self._open[stream_id] = stream
+            self.cond.notify()  # the publisher sleeps while no stream is open
         return stream
 
     def _run(self) -> None:
         while True:
             with self.cond:
+                self.cond.wait_for(lambda: bool(self._open))
                 self.cond.wait_for(self._ready, timeout=POLL_S)
                 streams = list(self._open.values())
                 writes = [(s.stream_id, s.take()) for s in streams]
