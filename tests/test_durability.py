@@ -270,3 +270,28 @@ def test_a_loop_without_optimizer_steps_is_checkpointed_and_a_crash_loses_nothin
     assert losses == ref_losses
     assert_same_adapter(adapter_of(sc, tc.save_state("end").result(timeout=120).path), ref_weights)
     assert sc.ops.session_info(tc.session_id).epoch == 2  # taken over once
+
+
+def test_an_owner_that_loses_its_lease_inside_an_op_hands_it_over_and_the_loop_sees_nothing(make_stack, tiny_model_dir):
+    """A worker starved or paused past its lease's TTL while an op runs (its checkpoint write is fenced): the op is
+    run again by the session's next owner, and its client gets that result, not an error."""
+    from treadle.queue import names
+
+    stack = make_stack(workers=1, slow_op="save_state")
+    sc = ServiceClient(broker_url=stack.broker_url, storage_url=stack.storage_url)
+    tc = sc.create_lora_training_client("tiny", rank=8, seed=SEED)
+    tc.forward_backward(batch(0), "cross_entropy")
+    tc.optim_step(ADAM).result(timeout=120)
+    save = tc.save_state("mid")  # its handler sleeps 2 s before writing: the lease is taken inside it
+    redis = sc.ops.redis
+    time.sleep(0.5)  # inside the slow handler (were it not yet, the op's turn would see the lease gone: same end)
+    epoch = redis.hincrby(names.session_key(tc.session_id), "epoch", 1)  # another holder takes it for 3 s
+    redis.set(names.lease_key(tc.session_id), f"elsewhere:{epoch}", px=3000)
+    _, ref_one = reference(tiny_model_dir, 1)
+    assert_same_adapter(adapter_of(sc, save.result(timeout=120).path), ref_one)
+    fb1 = tc.forward_backward(batch(1), "cross_entropy")
+    tc.optim_step(ADAM)
+    ref_losses, ref_weights = reference(tiny_model_dir, 2)
+    assert fb1.result(timeout=120).metrics["loss:sum"] == ref_losses[1]
+    assert_same_adapter(adapter_of(sc, tc.save_state("end").result(timeout=120).path), ref_weights)
+    assert sc.ops.session_info(tc.session_id).epoch == epoch + 1  # adopted after the other holder's lease ended

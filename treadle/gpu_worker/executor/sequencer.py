@@ -31,7 +31,7 @@ from treadle.gpu_worker.executor.turn_scheduler import Due, Turn, TurnScheduler
 from treadle.gpu_worker.scheduling.device_lock import serving
 from treadle.gpu_worker.scheduling.turns import Glance
 from treadle.gpu_worker.sessions.autosave import Autosaver
-from treadle.gpu_worker.sessions.hosting import OwnedSession, SessionHost, SessionStores
+from treadle.gpu_worker.sessions.hosting import LeaseLost, OwnedSession, SessionHost, SessionStores
 from treadle.gpu_worker.sessions.op_handlers import handler_for
 from treadle.queue import names
 from treadle.queue.connections import ring
@@ -112,17 +112,26 @@ class Sequencer:
         past_doorbell = entry.seq > owned.max_seen
         owned.max_seen = max(owned.max_seen, entry.seq)
         if not self.lease.is_ours(ahead.lease, owned.epoch):
-            log.warning("lost the lease of session %s; handing it over", owned.session_id)
-            self.sessions.release(owned.session_id, drop_lease=False)
-            self._not_ours(owned.session_id, entry.seq)
+            self._hand_over(owned, entry.seq)
             return None
         if owned.unloaded:
             self.autosaver.reload(owned)
         self.turns.started(owned, entry)
-        done = self._run(owned, entry)
+        try:
+            done = self._run(owned, entry)
+        except LeaseLost:  # the op ran, but only its next owner may write its effects and result: it runs it again
+            self._hand_over(owned, entry.seq)
+            return None
         self.turns.charge(done)
         glance = self.turns.glance(owned.session_id)
         return Turn(past_doorbell=past_doorbell, following=self._record(owned, done, handoff, glance), glance=glance)
+
+    def _hand_over(self, owned: OwnedSession, seq: int) -> None:
+        """The session's lease is gone: drop it from this worker, unapplied ops stay in the journal for its next
+        owner (the caretaker of any worker serving the model adopts it once the lease is free)."""
+        log.warning("lost the lease of session %s; handing it over", owned.session_id)
+        self.sessions.release(owned.session_id, drop_lease=False)
+        self._not_ours(owned.session_id, seq)
 
     def _run(self, owned: OwnedSession, entry: JournalEntry) -> FinishedOp:
         """Run one op and meter it."""
@@ -133,6 +142,8 @@ class Sequencer:
             with serving(entry.session_id):  # the device's turns count this op's time for its session
                 response = handler(request, self.sessions.context(owned, entry.seq))
             payload = encode_result(entry.op, response)
+        except LeaseLost:
+            raise
         except TreadleError as exc:
             error = exc
         except Exception as exc:

@@ -33,6 +33,13 @@ from treadle.storage.checkpoint_store import CheckpointStore
 log = logging.getLogger("treadle.worker")
 
 
+class LeaseLost(Exception):
+    """The worker's lease on a session ended while one of its ops ran (the worker was paused, or starved long
+    enough for its heartbeat to miss the TTL). Not an error of the op: the session's next owner runs it again
+    from the journal, so the op's client must not see this; the sequencer hands the session over instead of
+    storing a result."""
+
+
 @dataclass
 class OwnedSession:
     record: SessionRecord
@@ -132,7 +139,7 @@ class SessionHost:
 
     def fence(self, owned: OwnedSession) -> None:
         if owned.epoch >= 0 and not self.lease.holds(owned.session_id, owned.epoch):
-            raise ServerError(f"session {owned.session_id}: this worker lost its lease; not writing")
+            raise LeaseLost(f"session {owned.session_id}: this worker lost its lease; not writing")
 
     # ------------------------------------------------------------ create
     def create(self, req: CreateSessionRequest) -> CreateSessionResponse:
