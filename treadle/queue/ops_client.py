@@ -213,8 +213,9 @@ class OpsClient:
         (the result poll reports it). Only call it while the result is not stored."""
         try:
             request = self._pending(future_id, base_model)
-            if request is not None:
-                self.bounds.check(request, lambda: self._describe(future_id))
+            error = None if request is None else self.bounds.past(request, lambda: self._describe(future_id))
+            if error is not None and not self.done(future_id):  # answered meanwhile: the poll will read it
+                raise error
         except REDIS_ERRORS:
             return
 

@@ -6,14 +6,15 @@ still be answered (`OpsClient.check_future`). Besides what ends a wait at once (
 session stopped, expired or lost), two bounds end it with an error that names the request and the reason:
 
 - **No worker for its model**: `NoWorkerError` once no live worker has announced the request's model for
-  `no_worker_grace_s` (`TREADLE_NO_WORKER_GRACE_S`, 120 s). A request that any live worker serving its model
-  can still run is never given up: a queued sample, or a session's op, which the journal holds and another
-  worker adopts. A worker's announcement (`treadle.queue.workers`) outlives it by at most `HEARTBEAT_TTL_S`,
+  `no_worker_grace_s` (`TREADLE_NO_WORKER_GRACE_S`, 120 s). While a live worker serves its model, this bound
+  never ends the wait: that worker can still run the request (a queued sample; a session's op, which the
+  journal holds for the worker that adopts the session). A worker's announcement (`treadle.queue.workers`) outlives it by at most `HEARTBEAT_TTL_S`,
   so a wait whose only worker died ends within `HEARTBEAT_TTL_S + no_worker_grace_s + CHECK_EVERY_S` of the
   death. The grace lets a supervisor restart a lone worker; the request stays queued, so a later wait on the
   same future, once a worker serves the model again, still gets its answer.
 - **A sample past its lifetime**: `RequestExpiredError` once a sample or compute_logprobs request has gone
-  unanswered for `sample_ttl_s` (`TREADLE_SAMPLE_TTL_S`, an hour) after its submit, whatever the workers.
+  unanswered for `sample_ttl_s` (`TREADLE_SAMPLE_TTL_S`, an hour) after its submit, whatever the workers: its
+  wait gives up on it.
 
 When a model was first found unserved is kept per process (`WaitBounds`), so the gateway's separate polls of
 one future, and the waits on every future of one model, share one grace.
@@ -27,7 +28,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from treadle.errors import NoWorkerError, RequestExpiredError
+from treadle.errors import NoWorkerError, RequestExpiredError, TreadleError
 from treadle.queue.outages import REDIS_ERRORS
 from treadle.queue.workers import HEARTBEAT_TTL_S, WorkerRegistry
 from treadle.settings import WaitSettings
@@ -68,7 +69,7 @@ def pending_sample(future_id: str, marker: bytes | str) -> PendingRequest:
 
 
 class WaitBounds:
-    """The two bounds, checked by `check`; one per OpsClient, shared by all its waits."""
+    """The two bounds, checked by `past`; one per OpsClient, shared by all its waits."""
 
     def __init__(self, workers: WorkerRegistry, settings: WaitSettings | None = None):
         self.workers = workers
@@ -77,26 +78,27 @@ class WaitBounds:
         self._served: tuple[float, frozenset[str]] | None = None  # (looked at, model names) of the last look
         self._unserved: dict[str, tuple[float, float]] = {}  # model -> (first found unserved, last looked)
 
-    def check(self, request: PendingRequest, describe: Callable[[], str]) -> None:
-        """Raise if `request` is past a bound; `describe()` names it in the error (called only then)."""
+    def past(self, request: PendingRequest, describe: Callable[[], str]) -> TreadleError | None:
+        """The error to end a wait on `request` with, if it is past a bound; `describe()` names it (called only then)."""
         if request.submitted_at is not None and request.ttl_s is not None:
             age = time.time() - request.submitted_at
             if age > request.ttl_s:
-                raise RequestExpiredError(
+                return RequestExpiredError(
                     f"{describe()}: expired, unanswered {age:.0f} s after its submit, past its lifetime of "
-                    f"{request.ttl_s:g} s (sample_ttl_s, TREADLE_SAMPLE_TTL_S); nothing will answer it: submit it again"
+                    f"{request.ttl_s:g} s (sample_ttl_s, TREADLE_SAMPLE_TTL_S): submit it again"
                 )
         if request.base_model is None:
-            return
+            return None
         unserved_s = self.unserved_for(request.base_model)
         grace = self.settings.no_worker_grace_s
-        if unserved_s > grace:
-            raise NoWorkerError(
-                f"{describe()}: cannot be answered: no live worker has served {request.base_model!r} for "
-                f"{unserved_s:.1f} s (a worker counts as gone {HEARTBEAT_TTL_S} s after its last heartbeat), past the "
-                f"grace of {grace:g} s (no_worker_grace_s, TREADLE_NO_WORKER_GRACE_S). The request stays queued: "
-                f"start a worker with `treadle worker --model {request.base_model}` and wait on {request.future_id} again"
-            )
+        if unserved_s <= grace:
+            return None
+        return NoWorkerError(
+            f"{describe()}: cannot be answered: no live worker has served {request.base_model!r} for "
+            f"{unserved_s:.1f} s (a worker counts as gone {HEARTBEAT_TTL_S} s after its last heartbeat), past the "
+            f"grace of {grace:g} s (no_worker_grace_s, TREADLE_NO_WORKER_GRACE_S). The request stays queued: "
+            f"start a worker with `treadle worker --model {request.base_model}` and wait on {request.future_id} again"
+        )
 
     def unserved_for(self, model: str) -> float:
         """Seconds since this process found no live worker serving `model`; 0 while one does (or Redis is out of
