@@ -51,7 +51,7 @@ class WaitSettings(BaseSettings):
         "supervisor) before its wait fails with NoWorkerError.",
     )
     sample_ttl_s: float = Field(
-        default=3600.0,
+        default=86400.0,
         gt=0,
         description="How long a sample or compute_logprobs request may go unanswered after its submit; past it, a "
         "wait on it fails with RequestExpiredError.",

@@ -13,7 +13,7 @@ session stopped, expired or lost), two bounds end it with an error that names th
   death. The grace lets a supervisor restart a lone worker; the request stays queued, so a later wait on the
   same future, once a worker serves the model again, still gets its answer.
 - **A sample past its lifetime**: `RequestExpiredError` once a sample or compute_logprobs request has gone
-  unanswered for `sample_ttl_s` (`TREADLE_SAMPLE_TTL_S`, an hour) after its submit, whatever the workers: its
+  unanswered for `sample_ttl_s` (`TREADLE_SAMPLE_TTL_S`, a day) after its submit, whatever the workers: its
   wait gives up on it.
 
 When a model was first found unserved is kept per process (`WaitBounds`), so the gateway's separate polls of
