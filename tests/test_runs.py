@@ -252,6 +252,61 @@ def test_logs_follow_streams_while_the_run_is_live(env, store, runners, tmp_path
     assert seen[-2] == "done" and store.get(name).status.state == "succeeded"
 
 
+# ------------------------------------------------------------------------ a loop that stalls
+STALLING_LOOP = """
+import json, os, sys, threading
+from treadle import AdamParams, Datum, ModelInput, ServiceClient
+
+# A loop in a recipe's shape: steps of forward_backward and optim_step, a checkpoint after each in its log_dir's
+# checkpoints.jsonl, `--resume` from the last one. Its first attempt hangs after step 2, as a loop stuck in a wait.
+log_dir, steps = sys.argv[1], 4
+checkpoints = os.path.join(log_dir, "checkpoints.jsonl")
+sc = ServiceClient()
+if "--resume" in sys.argv:
+    with open(checkpoints) as f:
+        last = [json.loads(line) for line in f][-1]
+    tc, start = sc.create_training_client_from_state_with_optimizer(last["state_path"]), last["step"]
+    print("resuming from step", start, flush=True)
+else:
+    os.makedirs(log_dir, exist_ok=True)
+    tc, start = sc.create_lora_training_client("tiny", rank=4, seed=0), 0
+datum = Datum(model_input=ModelInput.from_ints([5, 6, 7]), loss_fn_inputs={"target_tokens": [6, 7, 8], "weights": [1.0] * 3})
+for step in range(start + 1, steps + 1):
+    tc.forward_backward([datum], "cross_entropy")
+    optimizer_steps = int(tc.optim_step(AdamParams(learning_rate=1e-3)).result().metrics["step:max"])
+    path = tc.save_state(f"step-{step}").result().path
+    with open(checkpoints, "a") as f:
+        f.write(json.dumps({"step": step, "state_path": path}) + "\\n")
+    print("step", step, "optimizer steps", optimizer_steps, flush=True)
+    if step == 2 and os.environ["TREADLE_RUN_ATTEMPT"] == "1":
+        threading.Event().wait()
+"""
+
+
+def test_a_loop_that_stalls_is_restarted_from_its_last_checkpoint(env, store, runners, tmp_path):
+    runners("r-stall")
+    script, log_dir = tmp_path / "loop.py", tmp_path / "logs"
+    script.write_text(STALLING_LOOP)
+    name = submit(
+        env,
+        unique("stalls"),
+        sys.executable,
+        str(script),
+        str(log_dir),
+        options=("--stall_s", "3", "--backoff_s", "0.1", "--resume_args=--resume", "--log_dir", str(log_dir)),
+    )
+    record = wait_for(lambda: finished(store, name), 240, "the stalled run to finish")
+    log = treadle(env, "runs", "logs", name).stdout
+    assert (record.status.state, record.status.restarts, record.status.attempt) == ("succeeded", 1, 2), log
+    # The runner said why it stopped the first attempt; the second resumed from its checkpoint and went on from there.
+    assert "no op answered for" in log and "(stall_s=3): stopping attempt 1" in log
+    assert "resuming from step 2" in log
+    assert [line for line in log.splitlines() if line.startswith("step")] == [
+        f"step {n} optimizer steps {n}" for n in (1, 2, 3, 4)
+    ]
+    assert [c["step"] for c in record.status.checkpoints] == [1, 2, 3, 4]
+
+
 # ------------------------------------------------------------------------ runner shutdown, adoption, stop
 def _group(pid: int) -> list[psutil.Process]:
     root = psutil.Process(pid)

@@ -132,6 +132,10 @@ class FutureTimeoutError(ServerError, TimeoutError):
     """`.result(timeout=...)` ran out before the operation finished."""
 
 
+class RequestExpiredError(ServerError):
+    """A request went unanswered past its lifetime (`sample_ttl_s`): its wait ends, as nothing will answer it."""
+
+
 _REGISTRY: dict[str, type[TreadleError]] = {
     cls.__name__: cls
     for cls in [
@@ -157,5 +161,6 @@ _REGISTRY: dict[str, type[TreadleError]] = {
         NoWorkerError,
         SessionLostError,
         FutureTimeoutError,
+        RequestExpiredError,
     ]
 }

@@ -5,8 +5,10 @@ of answering at once, or the client would spin. A worker's result records the op
 and is rendered from that op's response type in the op table: forward_backward and sample outputs as
 protobuf (the SDK rejects JSON for them), every other response as the Tinker type of the same name.
 A failed op is a 200 JSON `{"error", "category"}`, which the SDK raises as `RequestFailedError`.
-A held poll also asks, every couple of seconds per future, whether the future can still resolve
-(`OpsClient.check_future`), so a client of a lost model gets that error, not try_again forever.
+A held poll also asks, every couple of seconds per future, whether the future can still be answered
+(`OpsClient.check_future`, the bounds of `treadle.queue.wait_bounds`: a sample past its lifetime, no live
+worker for the model past the grace), so a client whose request nothing will answer gets that error, not
+try_again forever.
 """
 
 from __future__ import annotations
@@ -29,20 +31,18 @@ from treadle.gateway.paths import to_tinker
 from treadle.gateway.proto_codec import PROTO_MEDIA_TYPE, encode_forward_backward_output, encode_sample_response
 from treadle.gateway.store import RequestRecord, Sampler
 from treadle.queue.ops import decode_result
+from treadle.queue.wait_bounds import CHECK_EVERY_S, CHECK_FIRST_S
 from treadle.types import ForwardBackwardOutput, SampleResponse
 
 router = APIRouter()
 
 POLL_START_S = 0.002
 POLL_MAX_S = 0.05
-# A held poll asks whether its future can still resolve (a lost or stopped model, a seq or sample never
-# submitted) at most this often per future: the SDK polls again at once after try_again.
-CHECK_EVERY_S = 2.0
-CHECK_FIRST_S = 0.5
 
 
 class _CheckClock:
-    """When each future is next due a check; bounded (the oldest entries go), and used on the event loop only."""
+    """When each future is next due a check, as often as the SDK's own waits check (the SDK polls again at once
+    after try_again, so the clock outlives each poll); bounded (the oldest entries go), used on the event loop only."""
 
     def __init__(self, capacity: int = 100_000):
         self._due: OrderedDict[str, float] = OrderedDict()

@@ -204,3 +204,8 @@ def batch_run_key(name: str) -> str:
 
 def batch_run_lease_key(name: str) -> str:
     return f"{PREFIX}:brun-lease:{name}"
+
+
+def batch_run_progress_key(name: str) -> str:
+    """When the run's loop last had an op answered (`treadle.queue.run_progress`)."""
+    return f"{PREFIX}:brun-progress:{name}"

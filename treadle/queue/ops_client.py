@@ -6,7 +6,6 @@ execution path. It imports neither torch nor the worker.
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 import uuid
@@ -32,11 +31,18 @@ from treadle.queue.journal import Journal
 from treadle.queue.outages import REDIS_ERRORS, REDIS_OUTAGE_TOLERANCE_S, through_outages
 from treadle.queue.ops import CreateSessionRequest, OpRequest, SampleRequest, task_name
 from treadle.queue.results import ResultStore
+from treadle.queue.run_progress import RunProgress
 from treadle.queue.sessions import SessionRecord, SessionRegistry, inactive_error
+from treadle.queue.wait_bounds import (
+    CHECK_EVERY_S,
+    CHECK_FIRST_S,
+    PendingRequest,
+    WaitBounds,
+    pending_sample,
+    sample_marker,
+)
 from treadle.queue.workers import ServedModel, WorkerRegistry
-
-# How long a pending op tolerates having no live worker for its model (a restart under a supervisor).
-NO_WORKER_GRACE_S = float(os.environ.get("TREADLE_NO_WORKER_GRACE_S", "120"))
+from treadle.settings import WaitSettings
 
 
 # KEYS: the owner's queued sample rows (hash future id -> "rows deadline"), the workers' limits. ARGV: the future
@@ -63,7 +69,13 @@ SAMPLE_RETRY_AFTER_S = 1.0
 
 
 class OpsClient:
-    def __init__(self, broker_url: str, result_url: str | None = None, storage_url: str | None = None):
+    def __init__(
+        self,
+        broker_url: str,
+        result_url: str | None = None,
+        storage_url: str | None = None,
+        wait_settings: WaitSettings | None = None,
+    ):
         self.broker_url = broker_url
         self.result_url = result_url or broker_url
         self.storage_url = storage_url
@@ -72,6 +84,8 @@ class OpsClient:
         self.results = ResultStore(self.app)
         self.sessions = SessionRegistry(self.redis)
         self.workers = WorkerRegistry(self.redis)
+        self.bounds = WaitBounds(self.workers, wait_settings)
+        self.progress = RunProgress(self.redis)
         self.journal = Journal(self.redis)
         self._admit_rows = self.redis.register_script(_ADMIT_ROWS)
         self._publish_lock = threading.Lock()
@@ -79,12 +93,6 @@ class OpsClient:
     # ------------------------------------------------------------ models and sessions
     def served_models(self) -> list[ServedModel]:
         return self.workers.served_models()
-
-    def _served_or_none(self) -> list[ServedModel]:
-        try:
-            return self.served_models()
-        except (redis_lib.ConnectionError, redis_lib.TimeoutError, OSError):
-            return []
 
     def require_model(self, base_model: str) -> ServedModel:
         served = self.served_models()
@@ -177,9 +185,10 @@ class OpsClient:
                 retry_after_s=SAMPLE_RETRY_AFTER_S,
                 bound="max_queued_sample_rows_per_owner",
             )
-        # Recorded before it is published, so a wait tells a pending sample from an id never submitted;
-        # kept as long as its result would be.
-        self._retrying(lambda: self.redis.set(names.submitted_key(fid), 1, ex=RESULT_EXPIRES_S))
+        # Recorded before it is published, so a wait tells a pending sample from an id never submitted, and knows
+        # its model and lifetime (`treadle.queue.wait_bounds`); kept as long as its result would be.
+        marker = sample_marker(request.base_model, self.bounds.settings.sample_ttl_s)
+        self._retrying(lambda: self.redis.set(names.submitted_key(fid), marker, ex=RESULT_EXPIRES_S))
         self.app.send_task(
             task_name(request.op),
             args=[request.model_dump(mode="json")],
@@ -195,20 +204,33 @@ class OpsClient:
         return {(k.decode() if isinstance(k, bytes) else k): v for k, v in raw.items()}
 
     # ------------------------------------------------------------ results
-    def check_future(self, future_id: str) -> None:
-        """Raise if a future can never resolve: an id of no known form, a seq below 1, no such session, a seq
-        never submitted, a session that stopped, expired or was lost without running it, a sample id never
-        submitted. A pending op or sample passes (and rides out restarts); so does a session creation.
-        Only call it while the result is not stored."""
-        if names.is_create_future(future_id):
+    def check_future(self, future_id: str, base_model: str | None = None) -> None:
+        """Raise if a pending future's request can no longer be answered. At once: an id of no known form, a seq
+        below 1, no such session, a seq never submitted, a session that stopped, expired or was lost without running
+        it, a sample id never submitted. Past a bound (`treadle.queue.wait_bounds`): a sample past its lifetime, a
+        request whose model no live worker has served for the grace. `base_model`: the request's model where the
+        caller knows it (a session creation); a sample's and a session op's are found here. A Redis outage passes
+        (the result poll reports it). Only call it while the result is not stored."""
+        try:
+            request = self._pending(future_id, base_model)
+            error = None if request is None else self.bounds.past(request, lambda: self._describe(future_id))
+            if error is not None and not self.done(future_id):  # answered meanwhile: the poll will read it
+                raise error
+        except REDIS_ERRORS:
             return
+
+    def _pending(self, future_id: str, base_model: str | None) -> PendingRequest | None:
+        """The request behind a future not yet answered, for its bounds; None if it was answered meanwhile.
+        Raises when it can never be answered."""
+        if names.is_create_future(future_id):
+            return PendingRequest(future_id, base_model)
         session_id, _, tail = future_id.rpartition(":")
         if names.is_sample_future(future_id):
-            try:
-                if self.redis.exists(names.submitted_key(future_id)) or self.done(future_id):
-                    return
-            except (redis_lib.ConnectionError, redis_lib.TimeoutError, OSError):
-                return  # an outage is the result poll's to report
+            marker = self.redis.get(names.submitted_key(future_id))
+            if marker is not None:
+                return pending_sample(future_id, marker)
+            if self.done(future_id):
+                return None
             raise InvalidRequestError(
                 f"future {future_id}: no sample was submitted under this id (or its result has expired)"
             )
@@ -220,27 +242,34 @@ class OpsClient:
             raise InvalidRequestError(
                 f"future {future_id}: seq {tail} was never submitted; a session's seqs start at 1"
             )
-        try:
-            record = self.sessions.get(session_id)
-            if record is not None and record.applied >= int(tail):  # it ran: its result was stored before this mark
-                if self.done(future_id):
-                    return
-                raise NotFoundError(
-                    f"future {future_id}: op {tail} of session {session_id} ran, but its result has expired: workers "
-                    "keep results for --result_ttl_s seconds (7 days unless set)"
-                )
-            if record is not None and record.status == "active" and int(tail) <= self.next_seq(session_id):
-                return
-            if self.done(future_id):  # stored meanwhile
-                return
-        except (redis_lib.ConnectionError, redis_lib.TimeoutError, OSError):
-            return  # an outage is the result poll's to report
+        record = self.sessions.get(session_id)
+        if record is not None and record.applied >= int(tail):  # it ran: its result was stored before this mark
+            if self.done(future_id):
+                return None
+            raise NotFoundError(
+                f"future {future_id}: op {tail} of session {session_id} ran, but its result has expired: workers "
+                "keep results for --result_ttl_s seconds (7 days unless set)"
+            )
+        if record is not None and record.status == "active" and int(tail) <= self.next_seq(session_id):
+            return PendingRequest(future_id, base_model or record.base_model)
+        if self.done(future_id):  # stored meanwhile
+            return None
         if record is not None and record.status == "active":
             raise InvalidRequestError(
                 f"future {future_id}: seq {tail} was never submitted to session {session_id} "
                 f"(its last op is {self.next_seq(session_id)})"
             )
         raise inactive_error(session_id, record)
+
+    def _describe(self, future_id: str) -> str:
+        """A pending request as an error names it: its op, its session or its id."""
+        if names.is_create_future(future_id):
+            return f"create_session of session {future_id.partition(':')[2]} (future {future_id})"
+        if names.is_sample_future(future_id):
+            return f"sample request {future_id}"
+        session_id, _, seq = future_id.rpartition(":")
+        entry = self.journal.get(session_id, int(seq))
+        return f"{entry.op if entry else 'op'} {seq} of session {session_id} (future {future_id})"
 
     def next_seq(self, session_id: str) -> int:
         return self.sessions.next_seq(session_id)
@@ -262,8 +291,8 @@ class OpsClient:
         it polls every ~1 ms while the op is young, then backs off to 20 ms."""
         deadline = None if timeout is None else time.monotonic() + timeout
         started = time.monotonic()
-        # The first liveness check comes soon: a future that can never resolve fails within a second.
-        delay, outage_since, next_worker_check, no_worker_since = 0.0005, None, started + 0.5, None
+        # The first check comes soon: a future that can never resolve fails within a second.
+        delay, outage_since, next_check = 0.0005, None, started + CHECK_FIRST_S
         published = None
         with self.results.watch(future_id) as watch:
             while True:
@@ -278,22 +307,16 @@ class OpsClient:
                         ) from None
                     done, value, delay = False, None, 0.5
                 if done:
+                    self.progress.answered()
                     return cast(dict, value)  # a stored op result is its response as a dict
                 now = time.monotonic()
                 if deadline is not None and now >= deadline:
                     raise FutureTimeoutError(f"{what or future_id}: no result within {timeout} s")
-                if now >= next_worker_check:
-                    next_worker_check = now + 2
-                    self.check_future(future_id)
-                    if base_model is not None:
-                        if any(m.name == base_model for m in self._served_or_none()):
-                            no_worker_since = None
-                        else:
-                            no_worker_since = no_worker_since or now
-                            if now - no_worker_since > NO_WORKER_GRACE_S:
-                                self.require_model(base_model)  # raises the clear "no worker" error
+                if now >= next_check:
+                    next_check = now + CHECK_EVERY_S
+                    self.check_future(future_id, base_model)
                 if watch.subscribed and outage_since is None:
-                    pause = min(WATCHED_POLL_S, next_worker_check - now)
+                    pause = min(WATCHED_POLL_S, next_check - now)
                 else:
                     pause = min(delay, 0.001 if now - started < 0.25 else 0.02)
                     delay *= 1.5

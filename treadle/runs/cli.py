@@ -90,6 +90,7 @@ class RunsSubmitConfig(_RunsCommand):
     log_dir: str | None = Field(
         default=None, description=_SPEC["log_dir"].description + " (None: the command's --log_dir)"
     )
+    stall_s: float | None = Field(default=None, description=_SPEC["stall_s"].description + " (None: 1800)")
     cwd: str | None = Field(default=None, description="Working directory of the command (None: the current one).")
 
 
@@ -151,7 +152,11 @@ def cmd_submit(ns, cfg: RunsSubmitConfig, store: RunStore) -> None:
         "log_dir": os.path.join(cwd, log_dir) if log_dir else None,
     }
     fields.update(
-        {k: getattr(cfg, k) for k in ("max_restarts", "backoff_s", "backoff_max_s") if getattr(cfg, k) is not None}
+        {
+            k: getattr(cfg, k)
+            for k in ("max_restarts", "backoff_s", "backoff_max_s", "stall_s")
+            if getattr(cfg, k) is not None
+        }
     )
     try:
         spec = RunSpec.model_validate(fields)

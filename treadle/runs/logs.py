@@ -58,6 +58,11 @@ class LogCapture:
                 self._pending += chunk
         self._pipe.close()
 
+    def note(self, line: str) -> None:
+        """Add a line of the runner's own to the attempt's output (why it stops the command, say)."""
+        with self._lock:
+            self._pending += line.encode()
+
     def flush(self) -> None:
         """Write the output that arrived since the last flush as the next segment (nothing if none)."""
         with self._lock:

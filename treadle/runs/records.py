@@ -61,6 +61,13 @@ class RunSpec(BaseModel):
     log_dir: str | None = Field(
         default=None, description="Directory of the run's metrics.jsonl / checkpoints.jsonl, if any."
     )
+    stall_s: float = Field(
+        default=1800.0,
+        ge=0.0,
+        le=7 * 86400.0,
+        description="Restart the command, as after a crash, when its loop has had no op answered for this long "
+        "(0: never). Watched from the attempt's first answered op, which the treadle SDK reports.",
+    )
     created_at: float = Field(default_factory=time.time, description="Submit time (Unix seconds).")
 
     def backoff(self, restart: int) -> float:

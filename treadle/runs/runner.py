@@ -4,7 +4,10 @@
 flushes the command's output to the log store, copies the last metrics line and the checkpoints of
 the run's log_dir into the run's record, and looks at the command. A zero exit ends the run
 `succeeded`; a non-zero one (or a signal) restarts the command with the run's resume arguments after
-an exponential backoff, up to `max_restarts` times, then ends it `failed`. A stop request ends it
+an exponential backoff, up to `max_restarts` times, then ends it `failed`. So does a stall: a loop that
+has had ops answered in this attempt (the treadle SDK reports each, `treadle.queue.run_progress`) and then
+none for the run's `stall_s` is stopped (SIGTERM, SIGKILL after `stop_grace_s`) and restarted the same
+way, the reason written into its log. A stop request ends it
 `stopped`. Between those it claims open runs that no runner holds: new ones, and ones whose runner
 died (its lease expired) or shut down (it released the lease); an adopted run starts again with its
 resume arguments, so a recipe continues from its last checkpoint.
@@ -34,6 +37,7 @@ from pydantic import BaseModel, Field
 
 from treadle.errors import TreadleError
 from treadle.queue import names
+from treadle.queue.run_progress import last_progress
 from treadle.runs.logs import LogCapture, last_json_line, read_checkpoints, segment_key
 from treadle.runs.process import die_with_runner, has_exited, kill_group, process_start_time
 from treadle.runs.records import RunRecord, RunStore
@@ -210,6 +214,22 @@ class Runner:
         self._watch_files(sup, record)
         if has_exited(sup.proc):
             self._after_exit(sup, record, self._end_attempt(sup, grace=0.0))
+        elif (quiet_s := self._stalled_for(record)) is not None:
+            why = f"no op answered for {quiet_s:.0f} s (stall_s={record.spec.stall_s:g})"
+            sup.capture.note(f"[treadle runner {self.id}] {why}: stopping attempt {record.status.attempt}\n")
+            self._after_exit(sup, record, self._end_attempt(sup, grace=self.cfg.stop_grace_s), why=why)
+
+    def _stalled_for(self, record: RunRecord) -> float | None:
+        """Seconds since the attempt's loop last had an op answered, if past the run's stall_s; None while it
+        progresses, or before its first answered op (a command that reports none is never stopped for it)."""
+        stall_s, started_at = record.spec.stall_s, record.status.started_at
+        if not stall_s or started_at is None:
+            return None
+        progress = last_progress(self.store.redis, record.name)
+        if progress is None or progress < started_at:
+            return None
+        quiet_s = time.time() - progress
+        return quiet_s if quiet_s > stall_s else None
 
     def start(self, sup: Supervised, record: RunRecord) -> None:
         spec, attempt = record.spec, record.status.attempt + 1
@@ -268,18 +288,23 @@ class Runner:
         sup.proc = None
         return code
 
-    def _after_exit(self, sup: Supervised, record: RunRecord, code: int, lines: list[str] | None = None) -> None:
+    def _after_exit(
+        self, sup: Supervised, record: RunRecord, code: int, lines: list[str] | None = None, why: str | None = None
+    ) -> None:
+        """Finish or restart the run after its attempt ended: with exit `code`, or stopped by the runner for `why`
+        (which then restarts it whatever the code)."""
         spec, restarts = record.spec, record.status.restarts
         lines = lines if lines is not None else sup.capture.last_lines()
-        if code == 0:
+        stopped, why = why is not None, why or f"exit code {code}"
+        if code == 0 and not stopped:
             self._finish(sup, record, "succeeded", last_exit_code=0, last_lines=lines, message="exit code 0")
         elif restarts < spec.max_restarts:
             delay = spec.backoff(restarts + 1)
             log.info(
-                "runner %s: run %s exited with %d; restart %d of %d in %.1f s",
+                "runner %s: run %s: %s; restart %d of %d in %.1f s",
                 self.id,
                 spec.name,
-                code,
+                why,
                 restarts + 1,
                 spec.max_restarts,
                 delay,
@@ -293,7 +318,7 @@ class Runner:
                 last_lines=lines,
                 pid=None,
                 next_start_at=time.time() + delay,
-                message=f"exit code {code}; restart {restarts + 1} of {spec.max_restarts} in {delay:.1f} s",
+                message=f"{why}; restart {restarts + 1} of {spec.max_restarts} in {delay:.1f} s",
             ):
                 sup.lost = True
         else:
@@ -303,7 +328,7 @@ class Runner:
                 "failed",
                 last_exit_code=code,
                 last_lines=lines,
-                message=f"exit code {code} after {restarts} restarts (max_restarts={spec.max_restarts})",
+                message=f"{why} after {restarts} restarts (max_restarts={spec.max_restarts})",
             )
 
     def _finish(self, sup: Supervised, record: RunRecord, state: str, **fields) -> None:

@@ -1,7 +1,9 @@
 """APIFuture: what every SDK op returns at once.
 
 `.result()` blocks until the worker has stored the op's result in Redis; `await future` does the same
-without blocking the event loop. A future is just an id (`.id`): any process can resolve it later
+without blocking the event loop. Without a timeout the wait still ends, with an error naming the request
+and the reason, once nothing will answer it: no live worker for its model past a grace, a sample past its
+lifetime (`treadle.queue.wait_bounds`). A future is just an id (`.id`): any process can resolve it later
 with `TrainingClient.future(id)`.
 """
 
