@@ -2,7 +2,8 @@
 
 Each config keeps what makes its family different from Llama at the smallest size that still shows it:
 fused projections (phi3), mixture-of-experts blocks with 3-D expert tensors (qwen3_moe, gpt_oss,
-deepseek_v3), shared experts and latent attention (deepseek_v3), alternating sliding-window layers
+deepseek_v3), shared experts and latent attention (deepseek_v3, with fewer key-value heads than query
+heads in its config), alternating sliding-window layers
 (gemma3, gpt_oss, olmo3), attention sinks (gpt_oss), linear-attention layers beside full ones
 (qwen3_5), scaled residuals (granite). Sliding windows are 8 tokens, so a 20-token sequence already
 runs past them. Every family shares the tiny byte-level tokenizer of `tiny_model` (512 tokens).
@@ -113,7 +114,8 @@ def _gpt_oss(**kw):
 def _deepseek_v3(**kw):
     from transformers import DeepseekV3Config
 
-    kw = {**kw, "num_key_value_heads": 4}  # latent attention: every head has its own keys
+    # Latent attention expands keys and values to every query head (kv_b_proj), so num_key_value_heads (2 of
+    # 4, from _COMMON) groups nothing; some checkpoints set it anyway (`model.host.ungroup_latent_attention`).
     kw.pop("head_dim")
     # Layer 0 dense, layer 1 a MoE block with one shared expert; queries and keys/values through
     # low-rank latents (q_a/q_b, kv_a_with_mqa/kv_b), rotary and plain head parts of 8 each.

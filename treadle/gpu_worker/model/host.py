@@ -83,6 +83,17 @@ def microbatch_budget(model: torch.nn.Module, dtype: torch.dtype, device_memory:
     return budget
 
 
+def ungroup_latent_attention(model: torch.nn.Module) -> None:
+    """Latent attention (DeepSeek-V2/V3, Kimi) expands its cached latents into keys and values for every query head
+    (`kv_b_proj`), so its keys are never shared by groups of heads. A config whose num_key_value_heads is below
+    num_attention_heads still makes the attention module repeat those per-head keys for groups (transformers'
+    eager attention and masked SDPA then fail on the doubled heads; its unmasked SDPA reads the keys as they are,
+    one per head). Every head attends its own keys here too, as that unmasked forward computes."""
+    for module in model.modules():
+        if hasattr(module, "kv_b_proj") and getattr(module, "num_key_value_groups", 1) != 1:
+            module.num_key_value_groups = 1
+
+
 class ModelHost:
     """A causal LM (hub id or local directory) and its tokenizer, on one device, frozen, in eval mode."""
 
@@ -93,6 +104,7 @@ class ModelHost:
         self.tokenizer = AutoTokenizer.from_pretrained(model)
         self.model = AutoModelForCausalLM.from_pretrained(model, dtype=self.dtype).to(self.device)
         self.model.eval()  # no dropout anywhere: training steps must be deterministic
+        ungroup_latent_attention(self.model)
         self.device_memory: int | None = None  # bytes; None on a CPU
         if self.device.type == "cuda":
             self.device_memory = torch.cuda.get_device_properties(self.device).total_memory
