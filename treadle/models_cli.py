@@ -31,7 +31,8 @@ def cmd_models(ns) -> None:
 
 
 def check_one(model: str, cfg: ModelsCheckConfig) -> list[str]:
-    """Load, profile and smoke-test one model, printing the result; returns what failed."""
+    """Load, profile and smoke-test one model, printing the result and its verdict (serves, refused and why, or
+    what failed in the smoke run); returns what failed."""
     from treadle.errors import InvalidRequestError
     from treadle.gpu_worker import model_check
     from treadle.gpu_worker.engine import Engine
@@ -40,19 +41,32 @@ def check_one(model: str, cfg: ModelsCheckConfig) -> list[str]:
     try:
         engine = Engine(model, device=cfg.device, dtype=cfg.dtype)
     except (InvalidRequestError, ValueError) as exc:
+        _report(model, cfg, {}, f"refused: {exc}", "")
         return [f"cannot serve {model}: {exc}"]
+    result, problems = None, []
     try:
         result = model_check.smoke(engine) if cfg.smoke else None
+    except Exception as exc:  # a verdict, not a traceback: what the first session would have met
+        problems = [f"the smoke run failed: {type(exc).__name__}: {exc}"]
     finally:
         engine.close()
+    if result is not None:
+        problems = model_check.check_result(engine.profile, result)
+    verdict = f"fails: {'; '.join(problems)}" if problems else "serves"
+    body = engine.profile.model_dump() | ({"smoke": vars(result)} if result is not None else {})
+    _report(model, cfg, body, verdict, model_check.render(engine.profile, result))
+    return problems
+
+
+def _report(model: str, cfg: ModelsCheckConfig, body: dict, verdict: str, text: str) -> None:
     if cfg.as_json:
-        body = engine.profile.model_dump() | ({"smoke": vars(result)} if result is not None else {})
-        print(json.dumps(body, indent=2))
+        print(json.dumps(body | {"model": model, "verdict": verdict}, indent=2))
     else:
         print(f"model         {model}")
-        print(model_check.render(engine.profile, result))
+        if text:  # the profile and smoke result (none for a model refused at load)
+            print(text)
+        print(f"verdict       {verdict}")
     print(flush=True)  # a blank line between models
-    return model_check.check_result(engine.profile, result) if result is not None else []
 
 
 def add_model_commands(sub) -> None:

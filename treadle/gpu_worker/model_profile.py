@@ -79,7 +79,7 @@ class ModelProfile(BaseModel):
 def profile(model: nn.Module, targets: LoraTargets, dtype: str) -> ModelProfile:
     """The profile of a loaded model; raises ValueError naming what treadle cannot serve."""
     config = model.config.get_text_config(decoder=True)
-    missing = cache_rows.supported(model.config)
+    missing = cache_rows.supported(model)
     if missing:
         raise ValueError(f"model {config.model_type}: {missing}")
     layers = decoder_layers(model)

@@ -36,16 +36,30 @@ def new_cache(config) -> DynamicCache:
     return cache
 
 
-def supported(config) -> str | None:
-    """None if the batched sampler can run a model with `config`, else why not."""
-    text = config.get_text_config(decoder=True)
+def supported(model: torch.nn.Module) -> str | None:
+    """None if the batched sampler can run `model`, else why not: its cache layers are of kinds handled here, and
+    its own forward takes the sampler's cache (a prefill of two tokens, then a decode step, as the sampler calls
+    it). A model that keeps its state in a cache class of its own (MiniMax's lightning attention) refuses it, and
+    is refused at load rather than at its first sample."""
+    text = model.config.get_text_config(decoder=True)
     if "chunked_attention" in (getattr(text, "layer_types", None) or ()) or getattr(text, "attention_chunk_size", None):
         # Llama 4's chunked layers attend within fixed chunks, not a sliding window: not implemented here.
         return "chunked attention layers (attention_chunk_size) are not supported by the batched sampler"
     try:
-        new_cache(config)
+        cache = new_cache(model.config)
     except (ValueError, KeyError) as exc:
         return str(exc)
+    device = model.device
+    tokens = torch.zeros((1, 2), dtype=torch.long, device=device)
+    try:
+        with torch.no_grad():
+            for step in (tokens, tokens[:, :1]):  # the prefill, then one decode step
+                seen = cache.get_seq_length()
+                positions = torch.arange(seen, seen + step.shape[1], device=device)[None]
+                mask = torch.ones((1, seen + step.shape[1]), dtype=torch.long, device=device)
+                model(input_ids=step, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True)
+    except Exception as exc:  # what the model raises is the reason it cannot be served
+        return f"its forward does not run on the batched sampler's cache ({type(exc).__name__}: {exc})"
     return None
 
 
