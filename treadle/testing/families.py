@@ -2,9 +2,9 @@
 
 Each config keeps what makes its family different from Llama at the smallest size that still shows it:
 fused projections (phi3), mixture-of-experts blocks with 3-D expert tensors (qwen3_moe, gpt_oss,
-deepseek_v3), shared experts and latent attention (deepseek_v3, with fewer key-value heads than query
-heads in its config), alternating sliding-window layers
-(gemma3, gpt_oss, olmo3), attention sinks (gpt_oss), linear-attention layers beside full ones
+deepseek_v3, llama4), shared experts and latent attention (deepseek_v3, with fewer key-value heads than
+query heads in its config), alternating sliding-window layers (gemma3, gpt_oss, olmo3), chunked attention and
+position-scaled queries (llama4), attention sinks (gpt_oss), linear-attention layers beside full ones
 (qwen3_5), scaled residuals (granite). Sliding windows are 8 tokens, so a 20-token sequence already
 runs past them. Every family shares the tiny byte-level tokenizer of `tiny_model` (512 tokens).
 
@@ -138,6 +138,29 @@ def _deepseek_v3(**kw):
     )
 
 
+def _llama4(**kw):
+    from transformers import Llama4TextConfig
+
+    # Llama 4's text model: layer 0 attends within chunks of 8 tokens (with RoPE and QK norm), layer 1 over
+    # everything without RoPE, its queries scaled by position (temperature tuning: from position 3 on with this
+    # floor_scale, 8192 in the released models, and by more with this attn_scale than their 0.1, so that a wrong
+    # position shows); layer 1 a MoE block of 4 experts, top-1, beside a shared expert.
+    kw = {**kw, "intermediate_size": 32}  # per expert
+    return Llama4TextConfig(
+        **kw,
+        intermediate_size_mlp=128,
+        num_local_experts=4,
+        num_experts_per_tok=1,
+        moe_layers=[1],
+        no_rope_layers=[1, 0],
+        attention_chunk_size=SLIDING_WINDOW,
+        use_qk_norm=True,
+        attn_temperature_tuning=True,
+        floor_scale=4,
+        attn_scale=1.0,
+    )
+
+
 def _qwen3_5(**kw):
     from transformers import Qwen3_5TextConfig
 
@@ -191,6 +214,7 @@ FAMILIES: dict[str, Callable[..., Any]] = {
     "qwen3_moe": _qwen3_moe,
     "gpt_oss": _gpt_oss,
     "deepseek_v3": _deepseek_v3,
+    "llama4": _llama4,
     "qwen3_5": _qwen3_5,
     "falcon_h1": _falcon_h1,
     "nemotron_h": _nemotron_h,

@@ -41,10 +41,6 @@ def supported(model: torch.nn.Module) -> str | None:
     its own forward takes the sampler's cache (a prefill of two tokens, then a decode step, as the sampler calls
     it). A model that keeps its state in a cache class of its own (MiniMax's lightning attention) refuses it, and
     is refused at load rather than at its first sample."""
-    text = model.config.get_text_config(decoder=True)
-    if "chunked_attention" in (getattr(text, "layer_types", None) or ()) or getattr(text, "attention_chunk_size", None):
-        # Llama 4's chunked layers attend within fixed chunks, not a sliding window: not implemented here.
-        return "chunked attention layers (attention_chunk_size) are not supported by the batched sampler"
     try:
         cache = new_cache(model.config)
     except (ValueError, KeyError) as exc:

@@ -61,6 +61,8 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
+from treadle.gpu_worker.sampling.hf import position_rules
+
 ROW_MULTIPLE = 8
 KEY_MULTIPLE = 64  # see 1. above
 PREFILL_SCORES = 1 << 24  # scores held at once by `_prefill_as_decode` (64 MB in fp32): it runs queries in chunks
@@ -127,35 +129,53 @@ def _rows_attention(
     Every attention variant the model families use is applied here, as the model's own attention does:
     a sliding window (a query at position p sees keys p - window < k <= p: Gemma 3, gpt-oss, OLMo 3),
     attention sinks (one learned logit per head that takes part in the softmax and is then dropped:
-    gpt-oss), logit soft-capping (Gemma 2), and value heads narrower than query heads (DeepSeek's
-    latent attention). The cache always holds every position (`cache_rows`), so the window is a mask.
+    gpt-oss), logit soft-capping (Gemma 2), value heads narrower than query heads (DeepSeek's latent
+    attention), and Llama 4's chunks and position-scaled queries (`position_rules`). The cache always holds
+    every position (`cache_rows`), so the window and the chunk are masks.
     """
+    chunk = position_rules.chunk_size(module)
     if row_starts is not None and query.shape[2] == 1:
+        if position_rules.tuned(module):
+            query = position_rules.scale_queries(module, query, (key.shape[2] - 1 - row_starts)[:, None])
         masks = {} if decode_masks is None else decode_masks
         invariant = invariant_layouts(query.device)
         out = _decode_attention(
-            query, key, value, row_starts, scaling, sliding_window, s_aux, softcap, masks, invariant
+            query, key, value, row_starts, scaling, (sliding_window, chunk), s_aux, softcap, masks, invariant
         )
         return out, None
     if row_runs is None:
         raise RuntimeError(f"{IMPLEMENTATION} attention needs row_runs (only sampling forwards use it)")
+    if position_rules.tuned(module):
+        query = position_rules.scale_queries(module, query, _prefill_positions(row_runs, query, key))
+    limits = (sliding_window, chunk)
     if invariant_layouts(query.device):
-        return _prefill_as_decode(query, key, value, row_runs, scaling, sliding_window, s_aux, softcap), None
-    return _prefill_attention(query, key, value, row_runs, scaling, sliding_window, s_aux, softcap), None
+        return _prefill_as_decode(query, key, value, row_runs, scaling, limits, s_aux, softcap), None
+    return _prefill_attention(query, key, value, row_runs, scaling, limits, s_aux, softcap), None
 
 
-def _prefill_attention(query, key, value, row_runs, scaling, sliding_window, s_aux, softcap) -> torch.Tensor:
-    """Many queries per row: each run of rows with the same left padding attends over its own unpadded keys."""
+def _prefill_positions(row_runs: list[tuple[int, int, int]], query: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+    """(B, Lq): each query's position in its row (negative on the left padding)."""
+    starts = torch.tensor([start for begin, end, start in row_runs for _ in range(begin, end)], device=query.device)
+    columns = torch.arange(key.shape[2] - query.shape[2], key.shape[2], device=query.device)
+    return columns[None, :] - starts[:, None]
+
+
+def _prefill_attention(query, key, value, row_runs, scaling, limits, s_aux, softcap) -> torch.Tensor:
+    """Many queries per row: each run of rows with the same left padding attends over its own unpadded keys.
+    `limits`: the layer's (sliding window, chunk), each None where it has none."""
+    sliding_window, chunk = limits
     groups = query.shape[1] // key.shape[1]
     lq, lk = query.shape[2], key.shape[2]
     out = query.new_zeros((*query.shape[:3], value.shape[-1]))
     for begin, end, start in row_runs:
         first_query = max(0, start - (lk - lq))  # queries before it sit on padding: their output stays 0
-        # Query a sits on column `last + a`, key b on column `start + b`: causal is b - a <= diagonal.
-        diagonal = lk - lq + first_query - start
+        first_position = lk - lq + first_query - start  # of the first query; key b sits on column start + b
         first_key = start
-        if lq - first_query == 1 and sliding_window is not None:  # one query: the window is a slice
-            first_key = max(start, lk - sliding_window)
+        if lq - first_query == 1:  # one query: its window and its chunk are a slice
+            if sliding_window is not None:
+                first_key = max(first_key, lk - sliding_window)
+            if chunk is not None:
+                first_key = max(first_key, start + first_position - first_position % chunk)
         q = query[begin:end, :, first_query:]
         k = key[begin:end, :, first_key:].repeat_interleave(groups, dim=1)
         v = value[begin:end, :, first_key:].repeat_interleave(groups, dim=1)
@@ -163,9 +183,13 @@ def _prefill_attention(query, key, value, row_runs, scaling, sliding_window, s_a
         if softcap is not None:
             scores = torch.tanh(scores / softcap) * softcap
         if q.shape[2] > 1:
-            visible = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril(diagonal)
+            queries = torch.arange(first_position, first_position + q.shape[2], device=q.device)[:, None]
+            keys = torch.arange(k.shape[2], device=q.device)[None, :]
+            visible = keys <= queries
             if sliding_window is not None:
-                visible = visible.triu(diagonal - sliding_window + 1)
+                visible &= keys > queries - sliding_window
+            if chunk is not None:
+                visible &= keys >= queries - queries % chunk
             scores = scores.masked_fill(~visible, float("-inf"))
         if s_aux is not None:  # the sink: one more logit per head, in the softmax, not in the output
             sink = s_aux.reshape(1, -1, 1, 1).expand(*scores.shape[:3], 1).to(scores.dtype)
@@ -176,17 +200,16 @@ def _prefill_attention(query, key, value, row_runs, scaling, sliding_window, s_a
     return out.transpose(1, 2).contiguous()
 
 
-def _decode_attention(
-    query, key, value, row_starts, scaling, sliding_window, s_aux, softcap, masks, invariant
-) -> torch.Tensor:
+def _decode_attention(query, key, value, row_starts, scaling, limits, s_aux, softcap, masks, invariant) -> torch.Tensor:
     """One query per row, every row in one call: `_rows_attention`'s arithmetic for a decode step, over
     the left-padded cache whose row b starts at column `row_starts[b]` (see 1. in the module docstring).
-    `masks` holds the step's masked columns, the same for every layer with the same cache and window.
-    Not `invariant` (an accelerator): no padding, and w @ v in one product."""
+    `limits`: the layer's (sliding window, chunk). `masks` holds the step's masked columns, the same for every
+    layer with the same cache and limits. Not `invariant` (an accelerator): no padding, and w @ v in one product."""
     batch, heads, _, dim = query.shape
     kv_heads, lk = key.shape[1], key.shape[2]
     groups = heads // kv_heads
-    mask_key = (lk, sliding_window)  # before a short cache is padded: row_starts moves with it
+    sliding_window, chunk = limits
+    mask_key = (lk, *limits)  # before a short cache is padded: row_starts moves with it
     # A short cache is padded (a small copy): products under 400 multiply-adds take torch's loop.
     if invariant and lk < KEY_MULTIPLE:
         key, value = F.pad(key, (0, 0, KEY_MULTIPLE - lk, 0)), F.pad(value, (0, 0, KEY_MULTIPLE - lk, 0))
@@ -205,6 +228,8 @@ def _decode_attention(
         visible = columns >= (width - lk + row_starts)[:, None]
         if sliding_window is not None:  # the query sits on the last column: it sees the window's last keys
             visible &= columns >= width - sliding_window
+        if chunk is not None:  # and its chunk's keys up to its own: position % chunk + 1 of them
+            visible &= columns >= (width - 1 - (lk - 1 - row_starts) % chunk)[:, None]
         masks[mask_key] = ~visible[:, None, None, :]
     scores = scores.masked_fill(masks[mask_key], float("-inf"))
     if s_aux is not None:  # the sink, in the softmax, not in the output; last, on a column fixed alone and batched
@@ -227,7 +252,7 @@ def _decode_attention(
     return out.to(query.dtype).reshape(batch, 1, heads, value.shape[-1])
 
 
-def _prefill_as_decode(query, key, value, row_runs, scaling, sliding_window, s_aux, softcap) -> torch.Tensor:
+def _prefill_as_decode(query, key, value, row_runs, scaling, limits, s_aux, softcap) -> torch.Tensor:
     """A prefill's attention with each query computed as `_decode_attention` computes the one query of a row
     whose cache ends at the query's own key (3. in the module docstring). Rows of a run start at the same
     column; the queries before it sit on padding (output 0), those after a row's last real token attend
@@ -246,17 +271,19 @@ def _prefill_as_decode(query, key, value, row_runs, scaling, sliding_window, s_a
                     key[row, :, start : start + seen],
                     value[row, :, start : start + seen],
                     scaling,
-                    sliding_window,
+                    limits,
                     s_aux,
                     softcap,
                 )
     return out
 
 
-def _queries_as_decode(query, key, value, scaling, sliding_window, s_aux, softcap) -> torch.Tensor:
+def _queries_as_decode(query, key, value, scaling, limits, s_aux, softcap) -> torch.Tensor:
     """Queries (H, n, D) of one row, query j seeing keys 0 .. m - n + j of key (Hkv, m, D) and value (Hkv, m, Dv),
-    each as `_decode_attention` alone over those keys. -> (n, H, Dv)"""
+    each as `_decode_attention` alone over those keys; `limits`: the layer's (sliding window, chunk). -> (n, H, Dv)"""
+    sliding_window, chunk = limits
     heads, n, dim = query.shape
+    positions = torch.arange(key.shape[1] - n, key.shape[1], device=query.device)  # of the queries
     kv_heads, short = key.shape[0], max(0, KEY_MULTIPLE - key.shape[1])
     if short:  # as a decode step pads a short cache (masked below): products this small take torch's own loop
         key, value = F.pad(key, (0, 0, short, 0)), F.pad(value, (0, 0, short, 0))
@@ -281,6 +308,9 @@ def _queries_as_decode(query, key, value, scaling, sliding_window, s_aux, softca
     if sliding_window is not None and sliding_window < width:  # the query sees the window's last keys
         scores = scores.clone()
         scores[..., : width - sliding_window] = float("-inf")
+    if chunk is not None:  # the query sees its chunk's keys up to its own: position % chunk + 1 of them
+        hidden = torch.arange(width, device=query.device)[None, :] < (width - 1 - positions % chunk)[:, None]
+        scores = scores.masked_fill(hidden, float("-inf"))
     if s_aux is not None:  # the sink, last, as a decode step puts it
         sink = s_aux.reshape(kv_heads, groups, 1, 1).expand(-1, -1, n, 1).to(scores.dtype)
         weights = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1, dtype=torch.float32)[..., :-1]
@@ -323,7 +353,8 @@ def invariant_forward(model: torch.nn.Module) -> Iterator[None]:
     config._attn_implementation = IMPLEMENTATION
     if not invariant_layouts(model.device):
         try:
-            yield
+            with position_rules.own_positions(model):
+                yield
         finally:
             config._attn_implementation = previous
         return
@@ -333,7 +364,8 @@ def invariant_forward(model: torch.nn.Module) -> Iterator[None]:
         _sampler_threads.add(threading.get_ident())
         F.linear = _padded_linear
     try:
-        yield
+        with position_rules.own_positions(model):
+            yield
     finally:
         with _patch_lock:
             _sampler_threads.discard(threading.get_ident())

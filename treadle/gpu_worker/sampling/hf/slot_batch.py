@@ -38,7 +38,7 @@ import torch
 from treadle.gpu_worker.model.adapters import AdapterBank
 from treadle.gpu_worker.model.host import ModelHost
 from treadle.gpu_worker.sampling.backend import SampleJob
-from treadle.gpu_worker.sampling.hf import cache_rows
+from treadle.gpu_worker.sampling.hf import cache_rows, position_rules
 from treadle.gpu_worker.sampling.hf.batch_decode import DecodeBatch, Row, choose, prefill, record
 from treadle.gpu_worker.sampling.hf.prefix_cache import PrefixCache
 from treadle.gpu_worker.sampling.hf.lora_table import SLOTS, LoraTable, static_address
@@ -261,6 +261,7 @@ def _attention(model: torch.nn.Module) -> Iterator[None]:
     previous = config._attn_implementation
     config._attn_implementation = IMPLEMENTATION
     try:
-        yield
+        with position_rules.own_positions(model):
+            yield
     finally:
         config._attn_implementation = previous

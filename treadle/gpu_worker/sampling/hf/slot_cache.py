@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 from transformers import AttentionInterface
 
-from treadle.gpu_worker.sampling.hf import cache_rows
+from treadle.gpu_worker.sampling.hf import cache_rows, position_rules
 from treadle.gpu_worker.sampling.hf import row_invariant
 from treadle.gpu_worker.sampling.hf.row_invariant import KEY_MULTIPLE
 
@@ -112,9 +112,10 @@ def slot_attention(
     sliding_window: int | None,
     s_aux: torch.Tensor | None,
     softcap: float | None,
+    chunk: int | None = None,
 ) -> torch.Tensor:
     """One query per row over its slot: query (R, H, 1, D), key (R, Hkv, C, D), value (R, Hkv, C, Dv), the query
-    at position `lengths[r]` (its key already written there) -> (R, 1, H, Dv). Sliding windows, sinks and
+    at position `lengths[r]` (its key already written there) -> (R, 1, H, Dv). Sliding windows, chunks, sinks and
     soft-capping as `row_invariant._rows_attention` applies them."""
     rows, heads, _, dim = query.shape
     kv_heads, capacity = key.shape[1], key.shape[2]
@@ -127,6 +128,8 @@ def slot_attention(
     visible = columns <= lengths[:, None]
     if sliding_window is not None:  # a query at position p sees keys p - window < k <= p
         visible = visible & (columns > lengths[:, None] - sliding_window)
+    if chunk is not None:  # and keys of its own chunk only
+        visible = visible & (columns >= (lengths - lengths % chunk)[:, None])
     scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
     if s_aux is not None:  # the sink: in the softmax, not in the output
         sink = s_aux.reshape(1, kv_heads, groups, 1).expand(rows, -1, -1, 1).to(scores.dtype)
@@ -159,7 +162,10 @@ def _slots_attention(
     """HF attention interface for a static-shape decode step (the model call passes `slot_lengths`)."""
     if slot_lengths is None or query.shape[2] != 1:
         raise RuntimeError(f"{IMPLEMENTATION} attention runs decode steps given slot_lengths only")
-    return slot_attention(query, key, value, slot_lengths, scaling, sliding_window, s_aux, softcap), None
+    if position_rules.tuned(module):
+        query = position_rules.scale_queries(module, query, slot_lengths[:, None])
+    chunk = position_rules.chunk_size(module)
+    return slot_attention(query, key, value, slot_lengths, scaling, sliding_window, s_aux, softcap, chunk), None
 
 
 AttentionInterface.register(IMPLEMENTATION, _slots_attention)
