@@ -90,11 +90,12 @@ class Engine:
         sampling_prefix_cache_tokens: int = 16384,
         sampler: SamplerKind = "hf",
         sampler_options: SamplerOptions | None = None,
+        shard: bool = False,
     ):
         self._lock = DeviceLock(compute_thread(pick_device(device)))
         # Loaded where it will compute: a load's parallel copies on this thread would give it a thread pool of its own.
         with self._lock:
-            self._host = self._lock.run(ModelHost, model, device=device, dtype=dtype)
+            self._host = self._lock.run(ModelHost, model, device=device, dtype=dtype, shard=shard)
         self._bank = AdapterBank(self._host)
         self._sessions: dict[str, _Session] = {}
         self._samplers: dict[str, str] = {}  # sampler id -> adapter name

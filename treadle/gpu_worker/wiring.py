@@ -28,7 +28,7 @@ from treadle.gpu_worker.executor.sample_stream import SampleStreams
 from treadle.gpu_worker.executor.sequencer import Sequencer
 from treadle.gpu_worker.executor.turn_scheduler import TurnMetrics, TurnScheduler
 from treadle.gpu_worker.executor.usage import UsageRecorder
-from treadle.gpu_worker.parallel.device_group import DeviceGroup
+from treadle.gpu_worker.parallel.device_group import DeviceGroup, node_main
 from treadle.gpu_worker.sampling import logprob_audit
 from treadle.gpu_worker.sampling.hf import prefix_cache
 from treadle.gpu_worker.sampling.registry import SamplerOptions
@@ -55,6 +55,13 @@ TURN_METRICS = TurnMetrics(queue_wait=metrics.observe_queue_wait, anticipation=m
 
 def run_worker(config: WorkerConfig) -> None:
     logging.basicConfig(level=config.loglevel, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if config.shard and config.devices * config.nnodes == 1:
+        raise SystemExit("treadle worker: --shard needs a group of several ranks (--devices N, --nnodes M)")
+    if config.node_rank >= config.nnodes:
+        raise SystemExit(f"treadle worker: --node_rank {config.node_rank} is not below --nnodes {config.nnodes}")
+    if config.node_rank > 0:  # a host of the group's other ranks: no Celery consumer here
+        node_main(config)
+        return
     build_worker(config).run()
 
 
@@ -167,9 +174,11 @@ def load_engines(config: WorkerConfig) -> tuple[dict[str, Engine], list[ServedMo
     announcement; a model treadle cannot serve stops the worker, naming what is missing."""
     engines, served = {}, []
     group = None
-    if config.devices > 1:  # the followers load their models while this process loads its own
+    if config.devices * config.nnodes > 1:  # the followers load their models while this process loads its own
         group = DeviceGroup(config)
         group.spawn()
+        if config.shard:  # sharding a model is collective: the group must exist before any model loads
+            group.join_group()
     options = VllmOptions(
         python=config.vllm_python,
         max_lora_rank=config.vllm_max_lora_rank,
@@ -189,8 +198,13 @@ def load_engines(config: WorkerConfig) -> tuple[dict[str, Engine], list[ServedMo
                 max_tokens_per_microbatch=config.max_tokens_per_microbatch,
                 sampling_max_batch_tokens=config.sampling_max_batch_tokens,
                 sampling_prefix_cache_tokens=config.sampling_prefix_cache_tokens,
-                sampler=config.sampler,
-                sampler_options=SamplerOptions(vllm=options, hf_decode=config.sampler_decode),
+                # A sharded model's forwards gather weights through hooks: the hf sampler's eager steps, nothing
+                # compiled, no vLLM (which would need the whole model).
+                sampler="hf" if config.shard else config.sampler,
+                sampler_options=SamplerOptions(
+                    vllm=options, hf_decode="dynamic" if config.shard else config.sampler_decode
+                ),
+                shard=config.shard,
             )
         except (InvalidRequestError, ValueError) as exc:  # a model treadle cannot serve: say what, and stop
             raise SystemExit(f"treadle worker: cannot serve {name} ({path}): {exc}") from exc

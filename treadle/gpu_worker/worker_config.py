@@ -24,7 +24,32 @@ class WorkerConfig(BaseModel):
         default=1,
         ge=1,
         le=64,
-        description="Ranks of this worker's device group (data parallel, one process each: cuda:0..N-1, or N CPU processes); rank 0 consumes the queues.",
+        description="Ranks of this worker's device group on this host (data parallel, one process each: cuda:0..N-1, or N CPU processes); rank 0 of host 0 consumes the queues.",
+    )
+    shard: bool = Field(
+        default=False,
+        description="Shard each base model's weights over the group's ranks (FSDP2): a model larger than one device fits the group (docs/scaling.md; `treadle models check MODEL --devices N --shard --memory_gb G` says whether it does).",
+    )
+    nnodes: int = Field(
+        default=1,
+        ge=1,
+        le=64,
+        description="Hosts of the device group, each running `treadle worker` with --devices ranks.",
+    )
+    node_rank: int = Field(
+        default=0,
+        ge=0,
+        description="This host's place in the group (0: the host of rank 0, the Celery consumer; others only compute).",
+    )
+    master_addr: str = Field(
+        default="127.0.0.1",
+        description="With --nnodes > 1: the address of host 0, where the ranks meet (torch.distributed's TCP rendezvous).",
+    )
+    master_port: int = Field(
+        default=29500,
+        ge=1,
+        le=65534,
+        description="With --nnodes > 1: the rendezvous port on host 0; the next port takes the other hosts' calls to rank 0.",
     )
     checkpoint_every: int = Field(
         default=10, ge=0, description="Checkpoint each session every N optimizer steps (0: never)."

@@ -14,6 +14,7 @@ from accelerate import PartialState
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from treadle.gpu_worker.model.lora_targets import find_targets
+from treadle.gpu_worker.model.sharding import log_memory, shard_model
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -95,21 +96,29 @@ def ungroup_latent_attention(model: torch.nn.Module) -> None:
 
 
 class ModelHost:
-    """A causal LM (hub id or local directory) and its tokenizer, on one device, frozen, in eval mode."""
+    """A causal LM (hub id or local directory) and its tokenizer, on one device, frozen, in eval mode.
 
-    def __init__(self, model: str, *, device: str | None = None, dtype: str | None = None):
+    `shard`: the weights are sharded over the default process group's ranks (treadle.gpu_worker.model.sharding);
+    each rank reads the whole model into host memory once, then keeps its shards on its device."""
+
+    def __init__(self, model: str, *, device: str | None = None, dtype: str | None = None, shard: bool = False):
         self.name = model
         self.device = pick_device(device)
         self.dtype = pick_dtype(dtype, self.device)
         self.tokenizer = AutoTokenizer.from_pretrained(model)
-        self.model = AutoModelForCausalLM.from_pretrained(model, dtype=self.dtype).to(self.device)
+        self.model = AutoModelForCausalLM.from_pretrained(model, dtype=self.dtype)
+        self.model.requires_grad_(False)
+        if shard:
+            shard_model(self.model, self.device)
+            log_memory(self.model, self.device, f"loaded {model}")
+        else:
+            self.model.to(self.device)
         self.model.eval()  # no dropout anywhere: training steps must be deterministic
         ungroup_latent_attention(self.model)
         self.device_memory: int | None = None  # bytes; None on a CPU
         if self.device.type == "cuda":
             self.device_memory = torch.cuda.get_device_properties(self.device).total_memory
             torch.backends.cuda.matmul.fp32_precision = matmul_precision(self.dtype)  # process-wide: one dtype a worker
-        self.model.requires_grad_(False)
         config = self.model.config.get_text_config(decoder=True)
         self.max_seq_len: int = int(config.max_position_embeddings)
         self.vocab_size: int = int(self.model.get_input_embeddings().num_embeddings)

@@ -2,11 +2,18 @@
 
 `treadle worker --devices N` runs rank 0 in its own process and spawns the followers with
 `python -m treadle.gpu_worker.parallel.device_group SPEC`. Every rank loads the same base models on its own
-device (`cuda:<rank>`, or the CPU) and joins one `torch.distributed` process group (NCCL on CUDA,
-gloo on CPU), which carries only the gradient all-reduce. Calls travel over one socket pair per
-follower: rank 0 writes a call (a length-prefixed JSON frame; tensors inside it as the wire format's
-raw little-endian bytes, never a pickle), the follower runs it on its own engine replica and answers
-with one frame. `treadle.gpu_worker.parallel.distributed.GroupEngine` decides what is sent.
+device (`cuda:<local rank>`, or the CPU), whole or (`--shard`) as its FSDP2 shards, and joins one
+`torch.distributed` process group (NCCL on CUDA, gloo on CPU), which carries the gradient all-reduce and the
+shards' all-gathers. Calls travel over one socket per follower: rank 0 writes a call (a length-prefixed JSON
+frame; tensors inside it as the wire format's raw little-endian bytes, never a pickle), the follower runs it on
+its own engine replica and answers with one frame. `treadle.gpu_worker.parallel.distributed.GroupEngine`
+decides what is sent.
+
+Across hosts (`--nnodes M --node_rank K --master_addr A --master_port P`, the names torchrun uses): the group
+has M x N ranks, rank K x N + i on host K. Every rank meets the others at A:P (torch.distributed's TCP
+rendezvous); the followers of the other hosts call rank 0 back at A:P+1, and rank 0 stays the only Celery
+consumer. On a host K > 0, `treadle worker` is no consumer: it spawns its N ranks and ends when any of them does
+(`node_main`).
 
 Failure: the group lives and dies as one. A follower that exits is seen by rank 0's watchdog within
 `WATCHDOG_PERIOD_S` (or at once, by the call or collective that talks to it); rank 0 then kills the
@@ -24,6 +31,7 @@ import ctypes
 import json
 import logging
 import os
+import select
 import signal
 import socket
 import struct
@@ -93,7 +101,7 @@ def rank_device(device: str | None, rank: int) -> str:
 
 def join_process_group(spec: dict, rank: int) -> None:
     if spec["backend"] == "nccl":
-        torch.cuda.set_device(rank)
+        torch.cuda.set_device(rank % spec["local_size"])
     dist.init_process_group(
         spec["backend"],
         init_method=spec["init_method"],
@@ -108,52 +116,98 @@ def _die_with_parent() -> None:
     ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
+def group_spec(config) -> dict:
+    """What every rank of the group of `config` (a WorkerConfig) needs to know, the same on every host."""
+    backend = "nccl" if rank_device(config.device, 0).startswith("cuda") else "gloo"
+    across = config.nnodes > 1
+    return {
+        "model": list(config.model),
+        "device": config.device,
+        "dtype": config.dtype,
+        "max_tokens_per_microbatch": config.max_tokens_per_microbatch,
+        "loglevel": config.loglevel,
+        "backend": backend,
+        "shard": config.shard,
+        "init_method": f"tcp://{config.master_addr}:{config.master_port}"
+        if across
+        else f"tcp://127.0.0.1:{free_port()}",
+        # Where the followers of other hosts call rank 0 back.
+        "call_address": [config.master_addr, config.master_port + 1] if across else None,
+        "local_size": config.devices,
+        "world_size": config.nnodes * config.devices,
+    }
+
+
+def spawn_rank(spec: dict, rank: int, fd: int | None = None) -> subprocess.Popen:
+    """Start one follower: rank `rank` of the group, talking to rank 0 over `fd` (or calling it back over TCP)."""
+    rank_spec = {**spec, "rank": rank, "fd": fd}
+    # Its own session: a Ctrl-C or SIGTERM meant for the worker reaches rank 0 alone, which
+    # hands its sessions over before the followers go (they follow it out).
+    return subprocess.Popen(
+        [sys.executable, "-m", "treadle.gpu_worker.parallel.device_group", json.dumps(rank_spec)],
+        pass_fds=[fd] if fd is not None else [],
+        start_new_session=True,
+        preexec_fn=_die_with_parent,
+    )
+
+
 class DeviceGroup:
     """Rank 0's side: the follower processes, a socket to each, and the watchdog over them."""
 
     def __init__(self, config):
-        self.size = config.devices
+        self.spec = group_spec(config)
+        self.size = self.spec["world_size"]
+        self.shard = config.shard
         self.device = rank_device(config.device, 0)
-        self.spec = {
-            "model": list(config.model),
-            "device": config.device,
-            "dtype": config.dtype,
-            "max_tokens_per_microbatch": config.max_tokens_per_microbatch,
-            "loglevel": config.loglevel,
-            "backend": "nccl" if self.device.startswith("cuda") else "gloo",
-            "init_method": f"tcp://127.0.0.1:{free_port()}",
-            "world_size": self.size,
-        }
         self.procs: list[subprocess.Popen] = []
         self.socks: list[socket.socket] = []
+        self._remote: list[socket.socket] = []  # the followers of other hosts, watched through their sockets
+        self._joined = False
         self._failing = threading.Lock()
 
     def spawn(self) -> None:
-        """Start ranks 1..N-1 (they load their models while rank 0 loads its own)."""
-        for rank in range(1, self.size):
+        """Start this host's ranks 1..N-1 (they load their models while rank 0 loads its own) and take the calls
+        of the other hosts' ranks."""
+        for rank in range(1, self.spec["local_size"]):
             mine, theirs = socket.socketpair()
-            spec = {**self.spec, "rank": rank, "fd": theirs.fileno()}
-            # Its own session: a Ctrl-C or SIGTERM meant for the worker reaches rank 0 alone, which
-            # hands its sessions over before the followers go (they follow it out).
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "treadle.gpu_worker.parallel.device_group", json.dumps(spec)],
-                pass_fds=[theirs.fileno()],
-                start_new_session=True,
-                preexec_fn=_die_with_parent,
-            )
+            proc = spawn_rank(self.spec, rank, theirs.fileno())
             theirs.close()
             mine.settimeout(CALL_TIMEOUT_S)
             self.procs.append(proc)
             self.socks.append(mine)
             log.info("device group: rank %d is pid %d", rank, proc.pid)
+        if self.spec["call_address"]:
+            self._accept_remote(self.size - self.spec["local_size"])
         threading.Thread(target=self._watchdog, name="treadle-group-watchdog", daemon=True).start()
 
+    def _accept_remote(self, count: int) -> None:
+        listener = socket.create_server(("", self.spec["call_address"][1]))
+        listener.settimeout(CALL_TIMEOUT_S)
+        remote = {}
+        while len(remote) < count:
+            sock, peer = listener.accept()
+            sock.settimeout(CALL_TIMEOUT_S)
+            hello = recv_frame(sock)
+            if hello is None:
+                continue
+            remote[hello["rank"]] = sock
+            log.info("device group: rank %d calls in from %s", hello["rank"], peer[0])
+        listener.close()
+        self._remote = [remote[rank] for rank in sorted(remote)]
+        self.socks += self._remote
+
+    def join_group(self) -> None:
+        """Join the process group (it waits for every rank: on a replicated group, for their models)."""
+        if not self._joined:
+            join_process_group(self.spec, 0)
+            self._joined = True
+            log.info("device group of %d ranks joined (%s)", self.size, self.spec["backend"])
+
     def join(self, engines: dict) -> dict:
-        """Join the process group (waits for every follower's models) and wrap each engine."""
+        """Join the process group (if not yet) and wrap each engine."""
         from treadle.gpu_worker.parallel.distributed import GroupEngine
 
-        join_process_group(self.spec, 0)
-        log.info("device group of %d ranks joined (%s)", self.size, self.spec["backend"])
+        self.join_group()
         return {name: GroupEngine(engine, name, self) for name, engine in engines.items()}
 
     def call(self, messages: list[dict]) -> list[dict]:
@@ -195,31 +249,77 @@ class DeviceGroup:
             for rank, proc in enumerate(self.procs, start=1):
                 if proc.poll() is not None:
                     self.fail(f"rank {rank} (pid {proc.pid}) exited with status {proc.returncode}")
+            # A follower of another host is watched through its socket: readable with nothing to read is its end.
+            readable, _, _ = select.select(self._remote, [], [], 0) if self._remote else ([], [], [])
+            for sock in readable:
+                if sock.recv(1, socket.MSG_PEEK) == b"":
+                    self.fail(f"rank {self.socks.index(sock) + 1} closed its connection")
             time.sleep(WATCHDOG_PERIOD_S)
+
+
+def node_main(config) -> None:
+    """`treadle worker --node_rank K` (K > 0): this host's ranks of the group, as followers; exits when one does."""
+    spec = group_spec(config)
+    procs = [spawn_rank(spec, config.node_rank * config.devices + i) for i in range(config.devices)]
+    log.info("node %d of %d: ranks %s", config.node_rank, config.nnodes, [p.pid for p in procs])
+    while all(p.poll() is None for p in procs):
+        time.sleep(WATCHDOG_PERIOD_S)
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+    code = next(p.returncode for p in procs if p.returncode is not None)
+    log.info("node %d: a rank exited with status %s; the node's ranks end", config.node_rank, code)
+    sys.exit(1 if code else 0)
+
+
+def _call_rank_zero(spec: dict, rank: int) -> socket.socket:
+    """A follower of another host: its connection to rank 0 (which may still be starting)."""
+    deadline = time.monotonic() + CALL_TIMEOUT_S
+    while True:
+        try:
+            sock = socket.create_connection(tuple(spec["call_address"]), timeout=CALL_TIMEOUT_S)
+            break
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
+    send_frame(sock, {"rank": rank})
+    sock.settimeout(None)
+    return sock
 
 
 # ---------------------------------------------------------------- a follower
 
 
 def follower_main(spec: dict) -> None:
-    from treadle.gpu_worker.parallel.distributed import execute
     from treadle.gpu_worker.engine import Engine
     from treadle.queue.workers import parse_model_spec
 
     rank = spec["rank"]
     logging.basicConfig(level=spec["loglevel"], format=f"%(asctime)s %(levelname)s rank{rank} %(name)s: %(message)s")
-    sock = socket.socket(fileno=spec["fd"])
+    sock = socket.socket(fileno=spec["fd"]) if spec["fd"] is not None else _call_rank_zero(spec, rank)
+    if spec["shard"]:  # sharding a model is collective: the group must exist before any model loads
+        join_process_group(spec, rank)
     engines = {}
     for model_spec in spec["model"]:
         name, path = parse_model_spec(model_spec)
         engines[name] = Engine(
             path,
-            device=rank_device(spec["device"], rank),
+            device=rank_device(spec["device"], rank % spec["local_size"]),
             dtype=spec["dtype"],
             max_tokens_per_microbatch=spec["max_tokens_per_microbatch"],
+            shard=spec["shard"],
         )
-    join_process_group(spec, rank)
+    if not spec["shard"]:
+        join_process_group(spec, rank)
     log.info("rank %d of %d ready", rank, spec["world_size"])
+    serve_calls(sock, engines, rank)
+
+
+def serve_calls(sock: socket.socket, engines: dict, rank: int) -> None:
+    """A follower's life after loading: run rank 0's calls in order until rank 0 goes."""
+    from treadle.gpu_worker.parallel.distributed import execute
+
     while True:
         call = recv_frame(sock)  # idle waits end with rank 0: its exit closes the socket
         if call is None:
@@ -233,7 +333,8 @@ def follower_main(spec: dict) -> None:
             log.exception("rank %d: %s failed; the group goes down", rank, call.get("call"))
             logging.shutdown()
             os._exit(1)
-        send_frame(sock, reply)
+        if reply is not None:
+            send_frame(sock, reply)
 
 
 if __name__ == "__main__":

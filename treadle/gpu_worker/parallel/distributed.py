@@ -1,30 +1,33 @@
 """Data parallelism over a device group: `GroupEngine` on rank 0, `execute` on the other ranks.
 
-Strategy: replicated data parallelism, DDP's semantics written out by hand. Every rank holds the
-whole base model and a replica of every session (adapter, AdamW moments, pending gradients); a
-`forward_backward` batch is split into contiguous shards of about equal token counts, one per rank;
-each rank runs the engine's own forward/backward on its shard, and the new gradients are summed
-(`all_reduce(SUM)`, one flat buffer per call) into every replica's pending gradients. treadle's losses
-are sums over tokens, so the summed shard gradients are the whole batch's gradient, as on one device,
-and so is the loss (the sum of the shard losses). `optim_step` then runs on every rank on identical
-gradients: clipping sees the global norm, and the replicas stay identical, so rank 0's copy is the
-session. Not torch's DDP or FSDP2: both wrap one module with a fixed set of trainable parameters, while
-a treadle engine adds, switches and removes LoRA adapters per session on one shared PeftModel.
+Strategy: data parallelism, DDP's semantics written out by hand. Every rank holds a replica of every session
+(adapter, AdamW moments, pending gradients) and either the whole base model (replicated) or its 1/N shards
+(`--shard`: FSDP2, treadle.gpu_worker.model.sharding). A `forward_backward` batch is split into contiguous
+shards of about equal token counts, one per rank; each rank runs the engine's own forward/backward on its
+shard, and the new gradients are summed (`all_reduce(SUM)`, one flat buffer per call) into every replica's
+pending gradients. treadle's losses are sums over tokens, so the summed shard gradients are the whole batch's
+gradient, as on one device, and so is the loss (the sum of the shard losses). `optim_step` then runs on every
+rank on identical gradients: clipping sees the global norm, and the replicas stay identical, so rank 0's copy
+is the session. The adapters are never FSDP's: a treadle engine adds, switches and removes LoRA adapters per
+session on one shared PeftModel, and FSDP wraps a fixed set of parameters (the frozen base weights only).
 
 What runs where: session lifecycle, training and `load_state` run on every rank (rank 0 first for
 the calls that can be refused, so a refused request reaches no follower); `save_state` writes rank 0's
 replica, the same PEFT adapter and optimizer files as a one-device worker; sampling, samplers and
-every other read run on rank 0 alone (on its full replica; the other ranks hold no samplers).
+every other read run on rank 0 alone (the other ranks hold no samplers). On a sharded group every rank
+still takes part in each of those forwards, with an idle pass (treadle.gpu_worker.parallel.lockstep).
 """
 
 from __future__ import annotations
 
 import secrets
-import threading
+from contextlib import ExitStack
 
 import torch
 import torch.distributed as dist
 
+from treadle.gpu_worker.model.sharding import is_sharded, log_memory
+from treadle.gpu_worker.parallel.lockstep import Mirror, idle_pass, rounds_of
 from treadle.gpu_worker.training.validation import check_loss, prepare_data
 from treadle.queue.ops import (
     CreateSessionRequest,
@@ -51,12 +54,16 @@ def split_by_tokens(lengths: list[int], ranks: int) -> list[list[int]]:
     return shards
 
 
-def run_shard(engine, session_id: str, request: ForwardRequest) -> ForwardBackwardOutput | None:
-    """This rank's share of a data-parallel forward(_backward); gradients summed over all ranks after."""
+def run_shard(engine, session_id: str, request: ForwardRequest, idle: int = 0) -> ForwardBackwardOutput | None:
+    """This rank's share of a data-parallel forward(_backward); gradients summed over all ranks after.
+    `idle`: idle passes to run after its own micro-batches (a sharded group's lockstep)."""
     if not request.stateful:
-        return (
+        out = (
             engine.forward(session_id, request.data, request.loss_fn, request.loss_fn_config) if request.data else None
         )
+        for _ in range(idle):
+            idle_pass(engine, session_id, backward=False)
+        return out
     params = engine.trainable_parameters(session_id)
     # The call's gradients are computed apart from the pending ones, so that only they are summed.
     pending = {name: p.grad for name, p in params.items()}
@@ -65,6 +72,8 @@ def run_shard(engine, session_id: str, request: ForwardRequest) -> ForwardBackwa
     out = None
     if request.data:  # a rank with no datum still takes part in the sum
         out = engine.forward_backward(session_id, request.data, request.loss_fn, request.loss_fn_config)
+    for _ in range(idle):
+        idle_pass(engine, session_id, backward=True)
     flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params.values()])
     dist.all_reduce(flat, op=dist.ReduceOp.SUM)
     offset = 0
@@ -75,14 +84,30 @@ def run_shard(engine, session_id: str, request: ForwardRequest) -> ForwardBackwa
     return out
 
 
-def execute(engines: dict, call: dict) -> dict:
-    """A follower runs one call from rank 0 on its replica; the answer is what rank 0 gathers."""
-    engine, session_id, name = engines[call["model"]], call["session_id"], call["call"]
+_LOGGED: set[int] = set()
+
+
+def log_first_step(engine) -> None:
+    """A sharded rank's parameter bytes and peak memory after its first optimizer step (once per model)."""
+    if id(engine) not in _LOGGED and is_sharded(engine._host.model):
+        _LOGGED.add(id(engine))
+        log_memory(engine._host.model, engine._host.device, f"{engine.base_model} after the first step")
+
+
+def execute(engines: dict, call: dict) -> dict | None:
+    """A follower runs one call from rank 0 on its replica; the answer is what rank 0 gathers (None: a call
+    rank 0 does not wait for)."""
+    engine, name = engines[call["model"]], call["call"]
+    if name == "mirror":
+        idle_pass(engine, None, backward=False)
+        return None
+    session_id = call["session_id"]
     if name in _RUNS:
-        out = run_shard(engine, session_id, _RUNS[name].decode(call["request"]))
+        out = run_shard(engine, session_id, _RUNS[name].decode(call["request"]), call.get("idle", 0))
         return {"output": out.model_dump(mode="json", context=WIRE) if out is not None else None}
     if name == OptimStepRequest.op:
         engine.optim_step(session_id, OptimStepRequest.decode(call["request"]).adam_params)
+        log_first_step(engine)
     elif name == CreateSessionRequest.op:
         engine.create_session(session_id, LoraConfig.model_validate(call["lora"]))
     elif name == "drop_session":
@@ -107,8 +132,21 @@ class GroupEngine:
         self._model = model
         self._group = group
         self.ranks = group.size
-        # Calls reach the followers in the order rank 0 runs them.
-        self._lock = threading.RLock()
+        # Calls reach the followers in the order rank 0 runs them, and on a sharded group no forward of rank 0's
+        # may come between a call's sending and its end: every call holds the device.
+        self._lock = local.device
+        self._mirror = Mirror(local._host.model, self._announce) if group.shard else None
+
+    def _announce(self) -> None:
+        self._group.send([{"call": "mirror", "model": self._model}] * (self.ranks - 1))
+
+    def _group_op(self) -> ExitStack:
+        """The block of a group op: rank 0's forwards in it are its own share, announced to no follower."""
+        stack = ExitStack()
+        stack.enter_context(self._lock)
+        if self._mirror is not None:
+            stack.enter_context(self._mirror.group_op())
+        return stack
 
     def __getattr__(self, name: str):
         return getattr(self._local, name)
@@ -122,17 +160,17 @@ class GroupEngine:
     def create_session(self, session_id: str, lora: LoraConfig) -> None:
         if lora.seed is None:  # every replica must start from the same initialisation
             lora = lora.model_copy(update={"seed": secrets.randbits(31)})
-        with self._lock:
+        with self._group_op():
             self._local.create_session(session_id, lora)
             self._replicate("create_session", session_id, lora=lora.model_dump(mode="json"))
 
     def drop_session(self, session_id: str) -> None:
-        with self._lock:
+        with self._group_op():
             self._local.drop_session(session_id)
             self._replicate("drop_session", session_id)
 
     def load_state(self, session_id: str, directory: str, *, with_optimizer: bool) -> None:
-        with self._lock:
+        with self._group_op():
             self._local.load_state(session_id, directory, with_optimizer=with_optimizer)
             self._replicate("load_state", session_id, directory=str(directory), with_optimizer=with_optimizer)
 
@@ -156,17 +194,24 @@ class GroupEngine:
         loss_fn: str,
         loss_fn_config: dict | None,
     ) -> ForwardBackwardOutput:
-        with self._lock:
+        with self._group_op():
             # The whole batch is checked here, before any rank runs: a refused request changes no replica.
             self._local.step(session_id)  # raises for an unknown session
             check_loss(loss_fn, loss_fn_config)
             prepared = prepare_data(
                 data, loss_fn, max_seq_len=self._local.max_seq_len, vocab_size=self._local.vocab_size
             )
+            split = split_by_tokens([d.length for d in prepared], self.ranks)
             shards = [
                 request_cls(data=[data[i] for i in shard], loss_fn=loss_fn, loss_fn_config=loss_fn_config)
-                for shard in split_by_tokens([d.length for d in prepared], self.ranks)
+                for shard in split
             ]
+            idle = [0] * self.ranks
+            if self._mirror is not None:
+                rounds = rounds_of(
+                    [[prepared[i].length for i in s] for s in split], self._local.max_tokens_per_microbatch
+                )
+                idle = [max(rounds) - r for r in rounds]
             try:
                 self._group.send(
                     [
@@ -175,11 +220,12 @@ class GroupEngine:
                             "model": self._model,
                             "session_id": session_id,
                             "request": shard.encode().decode(),
+                            "idle": rank_idle,
                         }
-                        for shard in shards[1:]
+                        for shard, rank_idle in zip(shards[1:], idle[1:])
                     ]
                 )
-                outputs = [run_shard(self._local, session_id, shards[0])]
+                outputs = [run_shard(self._local, session_id, shards[0], idle[0])]
                 outputs += [
                     ForwardBackwardOutput.model_validate(r["output"]) if r["output"] else None
                     for r in self._group.receive()
@@ -193,7 +239,8 @@ class GroupEngine:
             )
 
     def optim_step(self, session_id: str, params: AdamParams) -> OptimStepResponse:
-        with self._lock:
+        with self._group_op():
             response = self._local.optim_step(session_id, params)
             self._replicate("optim_step", session_id, request=OptimStepRequest(adam_params=params).encode().decode())
+            log_first_step(self._local)
             return response

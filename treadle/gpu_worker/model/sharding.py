@@ -1,0 +1,99 @@
+"""The base model of a sharded device group (`treadle worker --devices N --shard`): FSDP2 over the group's ranks.
+
+`fully_shard` runs once per model, at load, before any LoRA adapter exists: each decoder layer is one unit
+and the root (embeddings, final norm, output projection) another. Every base weight then lives on its rank as
+a 1/N dim-0 shard (a DTensor), and a unit's whole weights exist only while its forward (or its backward's
+recomputation of inputs' gradients) runs: FSDP all-gathers them in the unit's pre-forward hook and frees
+them after. PEFT wraps the sharded base modules afterwards, as on one device: a LoRA layer keeps its base
+`Linear` (whose weight FSDP swaps between shard and whole), and its A and B are plain tensors that FSDP never
+saw. Adapters are therefore created, switched and removed with no re-wrap, exactly as on one device, and the
+group replicates and all-reduces them as the replicated group does (docs/scaling.md says why replicated).
+
+Every all-gather is a collective: every rank must run the same units in the same order (forward, backward,
+no-grad forward), whatever data it holds. The group's ops see to that (treadle.gpu_worker.parallel.distributed).
+"""
+
+from __future__ import annotations
+
+import logging
+import resource
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor
+
+from treadle.gpu_worker.model.lora_targets import decoder_layers
+
+log = logging.getLogger("treadle.worker")
+
+
+def shard_model(model: nn.Module, device: torch.device) -> None:
+    """Shard `model`'s (frozen) weights over the default process group's ranks: one unit per decoder layer, one
+    for the rest; the shards move to `device` (a rank's own GPU, or the CPU)."""
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    for layer in decoder_layers(model):
+        # Freed after forward, gathered again for backward: one layer's whole weights at a time.
+        fully_shard(layer, mesh=mesh, reshard_after_forward=True)
+    # The root keeps its weights (embeddings, lm_head) whole from forward to the end of backward.
+    fully_shard(model, mesh=mesh)
+
+
+def is_sharded(model: nn.Module) -> bool:
+    return isinstance(model, FSDPModule)
+
+
+@dataclass(frozen=True)
+class ParameterBytes:
+    """Base-model parameter bytes on this rank: its shards, the whole model's, the largest unit gathered at once."""
+
+    local: int
+    whole: int
+    largest_unit: int
+
+    def line(self) -> str:
+        mib = 1 << 20
+        return (
+            f"base parameters on this rank: {self.local / mib:.3f} MiB "
+            f"(whole model {self.whole / mib:.3f} MiB, largest unit gathered at once {self.largest_unit / mib:.3f} MiB)"
+        )
+
+
+def parameter_bytes(model: nn.Module) -> ParameterBytes:
+    """What `model`'s base weights (its DTensors when sharded, all its parameters when not) take on this rank."""
+    local = whole = 0
+    for p in model.parameters():
+        if isinstance(p, DTensor):
+            local += p.to_local().numel() * p.element_size()
+            whole += p.numel() * p.element_size()
+        elif not is_sharded(model):
+            local += p.numel() * p.element_size()
+            whole += p.numel() * p.element_size()
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    largest = max((_unit_bytes(unit) for unit in units), default=whole)
+    return ParameterBytes(local=local, whole=whole, largest_unit=largest)
+
+
+def _unit_bytes(unit: nn.Module) -> int:
+    """Whole bytes of the parameters this FSDP unit gathers (those of nested units are theirs)."""
+    nested = {id(p) for m in unit.modules() if m is not unit and isinstance(m, FSDPModule) for p in m.parameters()}
+    return sum(
+        p.numel() * p.element_size() for p in unit.parameters() if isinstance(p, DTensor) and id(p) not in nested
+    )
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """This process's peak memory so far: the allocator's peak on CUDA, the peak resident set on a CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def log_memory(model: nn.Module, device: torch.device, when: str) -> None:
+    """One line a rank logs at load and after its first optimizer step: its parameter bytes and peak memory."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    peak = peak_memory_bytes(device) / (1 << 20)
+    log.info("rank %d %s: %s; peak memory %.1f MiB", rank, when, parameter_bytes(model).line(), peak)

@@ -1,0 +1,73 @@
+"""A sharded group's ranks in lockstep: every rank runs the same FSDP units in the same order.
+
+A sharded unit's forward starts with an all-gather of its weights (its backward with another), a collective
+that every rank must enter (treadle.gpu_worker.model.sharding). Ranks hold different data, so two things
+would break the order:
+
+- a training op's shards differ in micro-batches (a rank may even have no datum): the group's rank 0 counts
+  them for every rank before any runs (`rounds`), and a rank with fewer runs `idle_pass`es, one forward (and
+  backward) of one token through every unit, for the ones it lacks;
+- rank 0 alone runs every other forward (the sampler's prefills and decode steps, `compute_logprobs`, the
+  logprob audit): a pre-forward hook on its model (`mirror_forwards`) first tells each follower to run one
+  no-grad `idle_pass`, whose all-gathers meet rank 0's, before rank 0's own begin.
+
+An idle pass changes nothing: its loss is zero times its logits, so it adds exact zeros to the gradients, and
+no model in treadle draws random numbers in a forward (no dropout).
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Callable, Iterator
+
+import torch
+
+from treadle.gpu_worker.training.logprobs import micro_batches
+
+
+def rounds_of(shards: list[list[int]], budget: int) -> list[int]:
+    """Micro-batches of each rank's shard (token lengths), as the engine cuts them (`micro_batches`)."""
+    return [len(micro_batches(lengths, budget)) if lengths else 0 for lengths in shards]
+
+
+def idle_pass(engine, session_id: str | None, *, backward: bool) -> None:
+    """This rank's share of the collectives of one micro-batch it does not hold: a one-token forward (and backward)
+    with the session's adapter (trainable when `backward`: the same units then have a backward on every rank).
+    session_id None: the bare base model, no gradients."""
+    with engine.device:
+        engine.device.run(_idle_pass, engine, session_id, backward)
+
+
+def _idle_pass(engine, session_id: str | None, backward: bool) -> None:
+    # The engine's own bank and host: an idle pass must go through exactly the modules a real one does.
+    bank, host = engine._bank, engine._host
+    adapter = engine._session(session_id).adapter if session_id is not None else None
+    tokens = torch.full((1, 1), host.pad_token_id, dtype=torch.long, device=host.device)
+    with bank.using(adapter, trainable=backward) as model, torch.set_grad_enabled(backward):
+        logits = model(input_ids=tokens, use_cache=False).logits
+        if backward:
+            (logits.float().sum() * 0.0).backward()
+
+
+class Mirror:
+    """Rank 0's hook on its sharded model: every forward it runs outside a group op is first announced to the
+    followers (`announce`), so that they run an idle pass beside it. Group ops run inside `group_op()`."""
+
+    def __init__(self, model: torch.nn.Module, announce: Callable[[], None]):
+        self._announce = announce
+        self._in_group_op = False
+        # Before FSDP's own pre-forward hook (which gathers the root's weights): the followers must be on their way.
+        model.register_forward_pre_hook(self._before_forward, prepend=True)
+
+    def _before_forward(self, module, args) -> None:
+        if not self._in_group_op:
+            self._announce()
+
+    @contextmanager
+    def group_op(self) -> Iterator[None]:
+        """Within the block, the model's forwards are those of a group op, which every rank runs itself."""
+        previous, self._in_group_op = self._in_group_op, True
+        try:
+            yield
+        finally:
+            self._in_group_op = previous
