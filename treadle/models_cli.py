@@ -1,4 +1,8 @@
-"""`treadle models check MODEL`: the pre-flight an operator runs before pointing a worker at a model."""
+"""`treadle models check MODEL`: the pre-flight an operator runs before pointing a worker at a model.
+
+With `--memory_gb G` it loads no weight: it says from the config's shapes whether the model fits `--devices N`
+devices of G GB (sharded with `--shard`), with how many resident sessions and tokens per micro-batch
+(treadle.gpu_worker.model.fit)."""
 
 from __future__ import annotations
 
@@ -21,13 +25,48 @@ class ModelsCheckConfig(BaseModel):
         default=True, description="Also train two steps and sample (--no-smoke: load and profile only)."
     )
     as_json: bool = Field(default=False, description="Print the profile (and smoke result) as JSON.")
+    memory_gb: float | None = Field(
+        default=None,
+        gt=0,
+        description="Memory of one device in GB: say from the config's shapes, loading no weight, whether the model fits (no smoke run).",
+    )
+    devices: int = Field(default=1, ge=1, description="With --memory_gb: devices of the worker's group (all hosts).")
+    shard: bool = Field(default=False, description="With --memory_gb: the group shards the base weights (FSDP2).")
+    lora_rank: int = Field(default=32, ge=1, description="With --memory_gb: LoRA rank of a resident session.")
 
 
 def cmd_models(ns) -> None:
     cfg = config_of(ns)
+    if cfg.memory_gb is not None:
+        failed = [f"{model}: does not fit" for model in ns.models if not fit_one(model, cfg)]
+        if failed:
+            sys.exit("treadle models check: " + "; ".join(failed))
+        return
     failed = [f"{model}: {problem}" for model in ns.models for problem in check_one(model, cfg)]
     if failed:
         sys.exit("treadle models check: " + "; ".join(failed))
+
+
+def fit_one(model: str, cfg: ModelsCheckConfig) -> bool:
+    """Print whether `model` fits the devices `cfg` names (from its config alone); returns whether it does."""
+    from treadle.gpu_worker.model.fit import plan
+
+    assert cfg.memory_gb is not None
+    fit = plan(
+        model,
+        devices=cfg.devices,
+        shard=cfg.shard,
+        memory_gb=cfg.memory_gb,
+        dtype=cfg.dtype or "bfloat16",
+        lora_rank=cfg.lora_rank,
+    )
+    if cfg.as_json:
+        print(json.dumps(vars(fit) | {"fits": fit.fits}, indent=2))
+    else:
+        print(f"model         {model}")
+        print(fit.render())
+    print(flush=True)
+    return fit.fits
 
 
 def check_one(model: str, cfg: ModelsCheckConfig) -> list[str]:

@@ -25,8 +25,7 @@ from peft.utils import load_peft_weights
 from treadle.errors import InvalidRequestError, SessionNotFoundError
 from treadle.gpu_worker.model.adapters import AdapterBank
 from treadle.gpu_worker.scheduling.cpu_threads import CpuThreads
-from treadle.gpu_worker.scheduling.compute_thread import compute_thread
-from treadle.gpu_worker.scheduling.device_lock import DeviceLock, on_device
+from treadle.gpu_worker.scheduling.device_lock import DeviceLock, engine_lock, on_device
 from treadle.gpu_worker.training.logprobs import micro_batches, on_host, target_logprobs
 from treadle.gpu_worker.training.losses import LOSSES
 from treadle.gpu_worker.model.host import ModelHost, microbatch_budget, pick_device
@@ -92,7 +91,7 @@ class Engine:
         sampler_options: SamplerOptions | None = None,
         shard: bool = False,
     ):
-        self._lock = DeviceLock(compute_thread(pick_device(device)))
+        self._lock = engine_lock(pick_device(device), shared=shard)
         # Loaded where it will compute: a load's parallel copies on this thread would give it a thread pool of its own.
         with self._lock:
             self._host = self._lock.run(ModelHost, model, device=device, dtype=dtype, shard=shard)

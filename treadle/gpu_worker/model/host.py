@@ -14,7 +14,7 @@ from accelerate import PartialState
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from treadle.gpu_worker.model.lora_targets import find_targets
-from treadle.gpu_worker.model.sharding import log_memory, shard_model
+from treadle.gpu_worker.model.sharding import log_memory, parameter_bytes, shard_model
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -75,7 +75,9 @@ def microbatch_budget(model: torch.nn.Module, dtype: torch.dtype, device_memory:
     model on the same GPU always splits a batch the same way (recovery replays a step bit for bit)."""
     if device_memory is None:
         return CPU_MICROBATCH_TOKENS
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    # A sharded rank's weights: its shards and the units it gathers whole.
+    held = parameter_bytes(model)
+    weights = held.local + (held.largest_unit if held.local < held.whole else 0)
     room = ACTIVATION_SHARE * (device_memory - weights)
     per_token = activation_bytes_per_token(model, dtype)
     budget = CPU_MICROBATCH_TOKENS

@@ -4,7 +4,7 @@
 and the root (embeddings, final norm, output projection) another. Every base weight then lives on its rank as
 a 1/N dim-0 shard (a DTensor), and a unit's whole weights exist only while its forward (or its backward's
 recomputation of inputs' gradients) runs: FSDP all-gathers them in the unit's pre-forward hook and frees
-them after. PEFT wraps the sharded base modules afterwards, as on one device: a LoRA layer keeps its base
+them after (a forward with gradients keeps the root's whole until the end of its backward). PEFT wraps the sharded base modules afterwards, as on one device: a LoRA layer keeps its base
 `Linear` (whose weight FSDP swaps between shard and whole), and its A and B are plain tensors that FSDP never
 saw. Adapters are therefore created, switched and removed with no re-wrap, exactly as on one device, and the
 group replicates and all-reduces them as the replicated group does (docs/scaling.md says why replicated).
@@ -38,8 +38,10 @@ def shard_model(model: nn.Module, device: torch.device) -> None:
     for layer in decoder_layers(model):
         # Freed after forward, gathered again for backward: one layer's whole weights at a time.
         fully_shard(layer, mesh=mesh, reshard_after_forward=True)
-    # The root keeps its weights (embeddings, lm_head) whole from forward to the end of backward.
-    fully_shard(model, mesh=mesh)
+    # The root's too (FSDP would keep them whole after a forward, for its backward): a rank that reads its state
+    # dict alone (rank 0 saving an adapter) reshards them, and the next forward of each rank must find the same
+    # units sharded. So every unit is sharded between ops, on every rank.
+    fully_shard(model, mesh=mesh, reshard_after_forward=True)
 
 
 def is_sharded(model: nn.Module) -> bool:
@@ -55,10 +57,9 @@ class ParameterBytes:
     largest_unit: int
 
     def line(self) -> str:
-        mib = 1 << 20
         return (
-            f"base parameters on this rank: {self.local / mib:.3f} MiB "
-            f"(whole model {self.whole / mib:.3f} MiB, largest unit gathered at once {self.largest_unit / mib:.3f} MiB)"
+            f"base parameters on this rank {self.local} B of {self.whole} B, "
+            f"largest unit gathered at once {self.largest_unit} B"
         )
 
 

@@ -32,7 +32,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable, Iterator, Mapping, TypeVar
 
-from treadle.gpu_worker.scheduling.compute_thread import ComputeThread
+import torch
+
+from treadle.gpu_worker.scheduling.compute_thread import ComputeThread, compute_thread
 from treadle.gpu_worker.scheduling.fair import ServiceTags
 
 T = TypeVar("T")
@@ -191,3 +193,20 @@ class DeviceLock:
             cost = seconds * share / total
             self.tags.charge(tenant, cost, self._turns)
             self.seconds[tenant] = self.seconds.get(tenant, 0.0) + cost
+
+
+_group_lock: DeviceLock | None = None
+_group_lock_made = threading.Lock()
+
+
+def engine_lock(device: torch.device, *, shared: bool = False) -> DeviceLock:
+    """A new engine's lock: its own, or with `shared` the process's one. The engines of a sharded group share it:
+    every forward of theirs is a sequence of collectives that all ranks must run in one order
+    (treadle.gpu_worker.parallel.lockstep), so no two may run at once, whichever models they serve."""
+    global _group_lock
+    if not shared:
+        return DeviceLock(compute_thread(device))
+    with _group_lock_made:
+        if _group_lock is None:
+            _group_lock = DeviceLock(compute_thread(device))
+        return _group_lock

@@ -1,0 +1,256 @@
+"""Sharded device groups (`treadle worker --devices N --shard`): the base weights FSDP2-sharded over CPU ranks
+(gloo), through the real local stack, train, sample and move checkpoints like one device.
+
+Two groups, each serving the llama, qwen3_moe and gpt_oss tiny models at once: 2 ranks on one host, then
+4 ranks on two simulated hosts (two `treadle worker` processes, `--nnodes 2 --node_rank 0|1`). Every
+comparison is against one in-process engine per family (what a one-device worker runs). The group sums shard
+losses and gradients in another order than one device, so they agree to float rounding (1e-5), not bitwise.
+Micro-batches of 64 tokens and batches of uneven lengths (one of a single datum) give the ranks different
+numbers of micro-batches, which a sharded group must run in lockstep (treadle.gpu_worker.parallel.lockstep).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import tempfile
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.test_durability import adapter_of
+from treadle import AdamParams, Datum, ModelInput, SamplingParams, ServiceClient
+from treadle.gpu_worker.model.fit import plan
+from treadle.local_stack import LocalStack
+from treadle.net import free_port
+from treadle.storage.checkpoint_store import CheckpointStore
+from treadle.testing.tiny_model import build_tiny_model
+from treadle.types import LoraConfig
+
+FAMILIES = ("llama", "qwen3_moe", "gpt_oss")
+SEED = 11
+ADAM = AdamParams(learning_rate=5e-3, grad_clip_norm=0.5)
+TOL = 1e-5
+STEPS = 10
+SIZES = ((9, 13, 17, 21), (15,), (40, 30, 30, 6))
+GROUP_ARGS = ["--shard", "--max_tokens_per_microbatch", "64"]
+
+
+def batch(step: int) -> tuple[list[Datum], str]:
+    """Cross-entropy on even steps, importance sampling on odd ones, over `SIZES[step % 3]`."""
+    loss_fn = "importance_sampling" if step % 2 else "cross_entropy"
+    out = []
+    for i, n in enumerate(SIZES[step % 3]):
+        toks = [(step * 7 + i * 19 + j * 5) % 240 + 5 for j in range(n + 1)]
+        if loss_fn == "cross_entropy":
+            inputs = {"target_tokens": toks[1:], "weights": [0.0] * 2 + [1.0] * (n - 2)}
+        else:
+            inputs = {
+                "target_tokens": toks[1:],
+                "logprobs": [-5.0 - 0.1 * (j % 7) for j in range(n)],
+                "advantages": [(1.0 if (i + j) % 3 else -0.5) for j in range(n)],
+            }
+        out.append(Datum(model_input=ModelInput.from_ints(toks[:-1]), loss_fn_inputs=inputs))
+    return out, loss_fn
+
+
+def close(a: list[float], b: list[float]) -> bool:
+    return len(a) == len(b) and all(abs(x - y) <= TOL * max(1.0, abs(y)) for x, y in zip(a, b))
+
+
+def assert_close_adapter(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.allclose(a[k], b[k], rtol=0, atol=TOL), (k, (a[k] - b[k]).abs().max().item())
+
+
+@pytest.fixture(scope="module")
+def family_dirs(tmp_path_factory) -> dict[str, str]:
+    return {f: build_tiny_model(tmp_path_factory.mktemp(f"shard-{f}"), arch=f, seed=0) for f in FAMILIES}
+
+
+@pytest.fixture(scope="module")
+def stack(family_dirs, tmp_path_factory):
+    os.environ["OMP_NUM_THREADS"] = "1"
+    s = LocalStack(
+        [f"{f}={d}" for f, d in family_dirs.items()],
+        home=str(tmp_path_factory.mktemp("sharded")),
+        workers=0,
+        worker_args=["--lease_ttl_s", "2"],
+    )
+    s.start()
+    s.models_dirs = list(family_dirs.values())
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def sc(stack):
+    return ServiceClient(broker_url=stack.broker_url, storage_url=stack.storage_url)
+
+
+class Reference:
+    """One in-process engine per family: the one-device runs to compare with."""
+
+    def __init__(self, family_dirs: dict[str, str]):
+        from treadle.gpu_worker.engine import Engine
+
+        torch.set_num_threads(1)
+        self.engines = {f: Engine(d) for f, d in family_dirs.items()}
+
+    def run(self, family: str, session: str, steps: range) -> list[float]:
+        engine, losses = self.engines[family], []
+        for step in steps:
+            data, loss_fn = batch(step)
+            losses.append(engine.forward_backward(session, data, loss_fn).metrics["loss:sum"])
+            engine.optim_step(session, ADAM)
+        return losses
+
+    def adapter(self, family: str, session: str) -> dict:
+        with tempfile.TemporaryDirectory() as tmp:
+            self.engines[family].save_state(session, tmp)
+            return load_file(os.path.join(tmp, "adapter_model.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def ref(family_dirs):
+    return Reference(family_dirs)
+
+
+def train(tc, steps: range) -> list[float]:
+    futures = []
+    for step in steps:
+        data, loss_fn = batch(step)
+        futures.append(tc.forward_backward(data, loss_fn))
+        tc.optim_step(ADAM)
+    return [f.result(timeout=300).metrics["loss:sum"] for f in futures]
+
+
+def check_like_one_device(sc: ServiceClient, ref: Reference, tag: str) -> dict:
+    """Every family: 10 steps of CE and IS, the final adapter, seeded samples and prompt logprobs, against one
+    device. Returns the training clients, each trained 10 steps."""
+    clients = {}
+    prompt = ModelInput.from_ints(list(range(5, 25)))
+    params = SamplingParams(max_tokens=8, seed=3, temperature=1.0)
+    for family in FAMILIES:
+        tc = sc.create_lora_training_client(family, rank=8, seed=SEED)
+        losses = train(tc, range(STEPS))
+        session = f"{tag}-{family}"
+        ref.engines[family].create_session(session, LoraConfig(rank=8, seed=SEED))
+        assert close(losses, ref.run(family, session, range(STEPS))), family
+        assert_close_adapter(
+            adapter_of(sc, tc.save_state(f"{tag}-final").result(timeout=60).path), ref.adapter(family, session)
+        )
+        sampler = tc.save_weights_and_get_sampling_client(f"{tag}-s")
+        ref.engines[family].snapshot_sampler(session, f"{tag}-s")
+        got = sampler.sample(prompt, 2, params).result(timeout=120).sequences
+        want = ref.engines[family].sample(f"{tag}-s", prompt, 2, params).sequences
+        assert [s.tokens for s in got] == [s.tokens for s in want], family
+        for g, w in zip(got, want):
+            assert g.logprobs == pytest.approx(w.logprobs, rel=0, abs=TOL), family
+        assert sampler.compute_logprobs(prompt).result(timeout=60)[1:] == pytest.approx(
+            ref.engines[family].compute_logprobs(f"{tag}-s", prompt)[1:], rel=0, abs=TOL
+        )
+        clients[family] = tc
+    return clients
+
+
+_BYTES = re.compile(
+    r"rank (\d+) (loaded (\S+)|(\S+) after the first step): base parameters on this rank (\d+) B of (\d+) B, "
+    r"largest unit gathered at once (\d+) B"
+)
+
+
+def assert_memory_logged(stack: LocalStack, ranks: int) -> None:
+    """Each rank logs its base-parameter bytes at load and after its first step: 1/N of the whole model's (dim 0
+    of a weight splits into N shards, the first ones of ceil(dim 0 / N) rows), rank 0's exactly what the
+    pre-flight (`treadle models check --shard`) computes from the config alone."""
+    lines = []
+    for name in os.listdir(os.path.join(stack.home, "logs")):
+        with open(os.path.join(stack.home, "logs", name)) as f:
+            lines += [m.groups() for m in map(_BYTES.search, f) if m]
+    seen = {(path or after, int(rank), when.startswith("loaded")) for rank, when, path, after, *_ in lines}
+    want = {(d, r, w) for d in stack.models_dirs for r in range(ranks) for w in (True, False)}
+    assert want <= seen, want - seen
+    for rank, _when, path, after, local, whole, largest in lines:
+        assert abs(int(local) - int(whole) / ranks) <= 0.02 * int(whole) / ranks, (local, whole, ranks)
+        assert 0 < int(largest) < int(whole)
+        if rank == "0":
+            fit = plan(path or after, devices=ranks, shard=True, memory_gb=1.0, dtype="float32")
+            assert int(local) == fit.weights
+
+
+def stop_workers(stack: LocalStack) -> None:
+    for proc in list(stack.workers):
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=120)
+        stack.workers.remove(proc)
+
+
+def test_a_two_rank_sharded_group_trains_and_samples_like_one_device(stack, sc, ref):
+    stack.start_worker(["--devices", "2", *GROUP_ARGS])
+    stack.wait_for_workers(1, 300)
+    check_like_one_device(sc, ref, "two")
+    assert_memory_logged(stack, 2)
+    stop_workers(stack)
+
+
+def test_a_group_on_two_hosts_trains_like_one_device_and_moves_checkpoints(stack, sc, ref):
+    """Two `treadle worker` processes (hosts 0 and 1, two ranks each) form one group of four; host 1 consumes
+    nothing. A checkpoint saved on it continues on one device as it does on the group, and one saved on one
+    device continues on the group as it does on one device."""
+    port = str(free_port())
+    across = ["--devices", "2", "--nnodes", "2", "--master_port", port, *GROUP_ARGS]
+    for log in os.listdir(os.path.join(stack.home, "logs")):  # only this group's lines count below
+        os.truncate(os.path.join(stack.home, "logs", log), 0)
+    stack.start_worker([*across, "--node_rank", "1"])
+    stack.start_worker([*across, "--node_rank", "0"])
+    stack.wait_for_workers(1, 300)
+    assert len(sc.ops.workers.live_workers()) == 1
+    tc = check_like_one_device(sc, ref, "four")["llama"]
+    assert_memory_logged(stack, 4)
+
+    # Four sharded ranks -> one device: both continue the same 5 steps.
+    engine = ref.engines["llama"]
+    with tempfile.TemporaryDirectory() as tmp:
+        sc.create_rest_client().download(tc.save_state("four-mid").result(timeout=60).path, tmp)
+        engine.load_state("from-four", tmp, with_optimizer=True)
+    assert close(train(tc, range(STEPS, STEPS + 5)), ref.run("llama", "from-four", range(STEPS, STEPS + 5)))
+    assert_close_adapter(
+        adapter_of(sc, tc.save_state("four-end").result(timeout=60).path), ref.adapter("llama", "from-four")
+    )
+
+    # One device -> four sharded ranks.
+    with tempfile.TemporaryDirectory() as tmp:
+        engine.save_state("four-llama", tmp)
+        path = "treadle://from-one/weights/one"
+        CheckpointStore.from_url(stack.storage_url).save(
+            tmp, path, base_model="llama", lora_config=LoraConfig(rank=8, seed=SEED).model_dump(), step=STEPS
+        )
+    resumed = sc.create_training_client_from_state_with_optimizer(path)
+    assert close(train(resumed, range(STEPS, STEPS + 5)), ref.run("llama", "four-llama", range(STEPS, STEPS + 5)))
+    assert_close_adapter(
+        adapter_of(sc, resumed.save_state("one-end").result(timeout=60).path), ref.adapter("llama", "four-llama")
+    )
+
+
+def test_the_preflight_says_from_the_config_alone_whether_a_model_fits(family_dirs, capsys):
+    """`treadle models check MODEL --devices N --shard --memory_gb G` builds the model on the meta device: no
+    weight is read (the directory's weights file is gone here), and it answers with sessions and tokens."""
+    from treadle.models_cli import ModelsCheckConfig, fit_one
+
+    config_only = tempfile.mkdtemp()
+    with (
+        open(os.path.join(family_dirs["gpt_oss"], "config.json")) as f,
+        open(os.path.join(config_only, "config.json"), "w") as out,
+    ):
+        out.write(f.read())
+    assert fit_one(config_only, ModelsCheckConfig(memory_gb=4.2, devices=4, shard=True, dtype="float32"))
+    shown = capsys.readouterr().out
+    assert "fits          yes (4 devices, sharded of 4.2 GB)" in shown and "--max_tokens_per_microbatch 4096" in shown
+    one = plan(config_only, devices=1, shard=False, memory_gb=4.2, dtype="float32")
+    four = plan(config_only, devices=4, shard=True, memory_gb=4.2, dtype="float32")
+    assert four.weights < one.weights / 3 and four.gathered > 0 and one.session == four.session
+    assert not fit_one(config_only, ModelsCheckConfig(memory_gb=4.0, devices=4, shard=True))  # the 4 GB of overhead
