@@ -187,6 +187,7 @@ class DeviceGroup:
         while len(remote) < count:
             sock, peer = listener.accept()
             sock.settimeout(CALL_TIMEOUT_S)
+            keep_alive(sock)
             hello = recv_frame(sock)
             if hello is None:
                 continue
@@ -252,7 +253,13 @@ class DeviceGroup:
             # A follower of another host is watched through its socket: readable with nothing to read is its end.
             readable, _, _ = select.select(self._remote, [], [], 0) if self._remote else ([], [], [])
             for sock in readable:
-                if sock.recv(1, socket.MSG_PEEK) == b"":
+                try:  # without waiting: the call in flight may have read the answer that made it readable
+                    ended = sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+                except BlockingIOError:
+                    ended = False
+                except OSError:
+                    ended = True
+                if ended:
                     self.fail(f"rank {self.socks.index(sock) + 1} closed its connection")
             time.sleep(WATCHDOG_PERIOD_S)
 
@@ -284,8 +291,16 @@ def _call_rank_zero(spec: dict, rank: int) -> socket.socket:
                 raise
             time.sleep(0.5)
     send_frame(sock, {"rank": rank})
-    sock.settimeout(None)
+    sock.settimeout(None)  # idle waits end with rank 0 (its exit closes the connection), or keepalive's probes
+    keep_alive(sock)
     return sock
+
+
+def keep_alive(sock: socket.socket) -> None:
+    """A connection between hosts ends within about 25 s of the other host vanishing without closing it."""
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for option, value in ((socket.TCP_KEEPIDLE, 10), (socket.TCP_KEEPINTVL, 5), (socket.TCP_KEEPCNT, 3)):
+        sock.setsockopt(socket.IPPROTO_TCP, option, value)
 
 
 # ---------------------------------------------------------------- a follower
