@@ -4,7 +4,7 @@
 and the root (embeddings, final norm, output projection) another. Every base weight then lives on its rank as
 a 1/N dim-0 shard (a DTensor), and a unit's whole weights exist only while its forward (or its backward's
 recomputation of inputs' gradients) runs: FSDP all-gathers them in the unit's pre-forward hook and frees
-them after (a forward with gradients keeps the root's whole until the end of its backward). PEFT wraps the sharded base modules afterwards, as on one device: a LoRA layer keeps its base
+them after (the root's stay whole until the end of the forward's backward, or of the op). PEFT wraps the sharded base modules afterwards, as on one device: a LoRA layer keeps its base
 `Linear` (whose weight FSDP swaps between shard and whole), and its A and B are plain tensors that FSDP never
 saw. Adapters are therefore created, switched and removed with no re-wrap, exactly as on one device, and the
 group replicates and all-reduces them as the replicated group does (docs/scaling.md says why replicated).
@@ -38,10 +38,19 @@ def shard_model(model: nn.Module, device: torch.device) -> None:
     for layer in decoder_layers(model):
         # Freed after forward, gathered again for backward: one layer's whole weights at a time.
         fully_shard(layer, mesh=mesh, reshard_after_forward=True)
-    # The root's too (FSDP would keep them whole after a forward, for its backward): a rank that reads its state
-    # dict alone (rank 0 saving an adapter) reshards them, and the next forward of each rank must find the same
-    # units sharded. So every unit is sharded between ops, on every rank.
-    fully_shard(model, mesh=mesh, reshard_after_forward=True)
+    # The root keeps its weights whole after its forward until its backward ends (or `reshard_all`): a loss may
+    # call the output projection itself after the model's forward.
+    fully_shard(model, mesh=mesh)
+
+
+def reshard_all(model: nn.Module) -> None:
+    """Free every unit's gathered weights (no collective). Every rank calls it at the end of each op and of each
+    forward rank 0 runs alone, so that all ranks start the next one with every unit sharded: a rank that reads
+    its state dict alone (rank 0 saving an adapter) reshards the root, and a unit whole on one rank but not on
+    another would skip an all-gather the others enter."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
 
 
 def is_sharded(model: nn.Module) -> bool:

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from treadle.gpu_worker.model.sharding import is_sharded, log_memory
-from treadle.gpu_worker.parallel.lockstep import Mirror, idle_pass, rounds_of
+from treadle.gpu_worker.parallel.lockstep import Mirror, end_of_op, idle_pass, rounds_of
 from treadle.gpu_worker.training.validation import check_loss, prepare_data
 from treadle.queue.ops import (
     CreateSessionRequest,
@@ -63,6 +63,7 @@ def run_shard(engine, session_id: str, request: ForwardRequest, idle: int = 0) -
         )
         for _ in range(idle):
             idle_pass(engine, session_id, backward=False)
+        end_of_op(engine)
         return out
     params = engine.trainable_parameters(session_id)
     # The call's gradients are computed apart from the pending ones, so that only they are summed.
@@ -74,6 +75,7 @@ def run_shard(engine, session_id: str, request: ForwardRequest, idle: int = 0) -
         out = engine.forward_backward(session_id, request.data, request.loss_fn, request.loss_fn_config)
     for _ in range(idle):
         idle_pass(engine, session_id, backward=True)
+    end_of_op(engine)
     flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params.values()])
     dist.all_reduce(flat, op=dist.ReduceOp.SUM)
     offset = 0
@@ -100,10 +102,11 @@ def execute(engines: dict, call: dict) -> dict | None:
     engine, name = engines[call["model"]], call["call"]
     if name == "mirror":
         idle_pass(engine, None, backward=False)
+        end_of_op(engine)
         return None
     session_id = call["session_id"]
     if name in _RUNS:
-        out = run_shard(engine, session_id, _RUNS[name].decode(call["request"]), call.get("idle", 0))
+        out = run_shard(engine, session_id, _RUNS[name].decode(call["request"]), call["idle"])
         return {"output": out.model_dump(mode="json", context=WIRE) if out is not None else None}
     if name == OptimStepRequest.op:
         engine.optim_step(session_id, OptimStepRequest.decode(call["request"]).adam_params)

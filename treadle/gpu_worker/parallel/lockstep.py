@@ -11,6 +11,8 @@ would break the order:
   logprob audit): a pre-forward hook on its model (`mirror_forwards`) first tells each follower to run one
   no-grad `idle_pass`, whose all-gathers meet rank 0's, before rank 0's own begin.
 
+Each op, and each forward rank 0 runs alone, ends with every unit sharded on every rank (`reshard_all`).
+
 An idle pass changes nothing: its loss is zero times its logits, so it adds exact zeros to the gradients, and
 no model in treadle draws random numbers in a forward (no dropout).
 """
@@ -22,6 +24,7 @@ from typing import Callable, Iterator
 
 import torch
 
+from treadle.gpu_worker.model.sharding import reshard_all
 from treadle.gpu_worker.training.logprobs import micro_batches
 
 
@@ -36,6 +39,11 @@ def idle_pass(engine, session_id: str | None, *, backward: bool) -> None:
     session_id None: the bare base model, no gradients."""
     with engine.device:
         engine.device.run(_idle_pass, engine, session_id, backward)
+
+
+def end_of_op(engine) -> None:
+    """Every unit sharded again, as on every other rank (`reshard_all`)."""
+    reshard_all(engine._host.model)
 
 
 def _idle_pass(engine, session_id: str | None, backward: bool) -> None:
@@ -58,10 +66,15 @@ class Mirror:
         self._in_group_op = False
         # Before FSDP's own pre-forward hook (which gathers the root's weights): the followers must be on their way.
         model.register_forward_pre_hook(self._before_forward, prepend=True)
+        model.register_forward_hook(self._after_forward, always_call=True)
 
     def _before_forward(self, module, args) -> None:
         if not self._in_group_op:
             self._announce()
+
+    def _after_forward(self, module, args, output) -> None:
+        if not self._in_group_op:  # a follower's idle pass ends the same way (`execute`)
+            reshard_all(module)
 
     @contextmanager
     def group_op(self) -> Iterator[None]:
