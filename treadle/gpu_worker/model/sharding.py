@@ -44,10 +44,10 @@ def shard_model(model: nn.Module, device: torch.device) -> None:
 
 
 def reshard_all(model: nn.Module) -> None:
-    """Free every unit's gathered weights (no collective). Every rank calls it at the end of each op and of each
-    forward rank 0 runs alone, so that all ranks start the next one with every unit sharded: a rank that reads
-    its state dict alone (rank 0 saving an adapter) reshards the root, and a unit whole on one rank but not on
-    another would skip an all-gather the others enter."""
+    """Free every unit's gathered weights (no collective). The ranks of a group call it so that all start each
+    op with every unit sharded (treadle.gpu_worker.parallel.lockstep): a rank that reads its state dict alone
+    (rank 0 saving an adapter) reshards the root, and a unit whole on one rank but not on another would skip an
+    all-gather the others enter."""
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.reshard()

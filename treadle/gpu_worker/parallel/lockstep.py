@@ -11,7 +11,9 @@ would break the order:
   logprob audit): a pre-forward hook on its model (`mirror_forwards`) first tells each follower to run one
   no-grad `idle_pass`, whose all-gathers meet rank 0's, before rank 0's own begin.
 
-Each op, and each forward rank 0 runs alone, ends with every unit sharded on every rank (`reshard_all`).
+Every unit is sharded on every rank when an op or a forward of rank 0's alone begins (`reshard_all`): the
+followers reshard at the end of each call, rank 0 at the start of each (its last forward may have left the root
+whole for a loss that calls the output projection after it, or a state dict read may have resharded it).
 
 An idle pass changes nothing: its loss is zero times its logits, so it adds exact zeros to the gradients, and
 no model in treadle draws random numbers in a forward (no dropout).
@@ -66,19 +68,20 @@ class Mirror:
         self._in_group_op = False
         # Before FSDP's own pre-forward hook (which gathers the root's weights): the followers must be on their way.
         model.register_forward_pre_hook(self._before_forward, prepend=True)
-        model.register_forward_hook(self._after_forward, always_call=True)
+        self._model = model
 
     def _before_forward(self, module, args) -> None:
         if not self._in_group_op:
-            self._announce()
-
-    def _after_forward(self, module, args, output) -> None:
-        if not self._in_group_op:  # a follower's idle pass ends the same way (`execute`)
+            # Rank 0's root may still be whole from its last forward (its loss calls the output projection after
+            # the model's forward); the followers' are sharded, their idle passes ended so.
             reshard_all(module)
+            self._announce()
 
     @contextmanager
     def group_op(self) -> Iterator[None]:
         """Within the block, the model's forwards are those of a group op, which every rank runs itself."""
+        if not self._in_group_op:
+            reshard_all(self._model)  # as at any forward of rank 0's (`_before_forward`)
         previous, self._in_group_op = self._in_group_op, True
         try:
             yield
