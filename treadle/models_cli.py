@@ -51,12 +51,11 @@ def fit_one(model: str, cfg: ModelsCheckConfig) -> bool:
     """Print whether `model` fits the devices `cfg` names (from its config alone); returns whether it does."""
     from treadle.gpu_worker.model.fit import plan
 
-    assert cfg.memory_gb is not None
     fit = plan(
         model,
         devices=cfg.devices,
         shard=cfg.shard,
-        memory_gb=cfg.memory_gb,
+        memory_gb=cfg.memory_gb or 0.0,
         dtype=cfg.dtype or "bfloat16",
         lora_rank=cfg.lora_rank,
     )
