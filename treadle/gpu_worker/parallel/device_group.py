@@ -308,6 +308,7 @@ def keep_alive(sock: socket.socket) -> None:
 
 def follower_main(spec: dict) -> None:
     from treadle.gpu_worker.engine import Engine
+    from treadle.gpu_worker.parallel.lockstep import end_of_op
     from treadle.queue.workers import parse_model_spec
 
     rank = spec["rank"]
@@ -325,7 +326,10 @@ def follower_main(spec: dict) -> None:
             max_tokens_per_microbatch=spec["max_tokens_per_microbatch"],
             shard=spec["shard"],
         )
-    if not spec["shard"]:
+    if spec["shard"]:
+        for engine in engines.values():  # a probe forward at load (every rank's) may have left a unit whole
+            end_of_op(engine)
+    else:
         join_process_group(spec, rank)
     log.info("rank %d of %d ready", rank, spec["world_size"])
     serve_calls(sock, engines, rank)
