@@ -4,10 +4,11 @@
 and the root (embeddings, final norm, output projection) another. Every base weight then lives on its rank as
 a 1/N dim-0 shard (a DTensor), and a unit's whole weights exist only while its forward (or its backward's
 recomputation of inputs' gradients) runs: FSDP all-gathers them in the unit's pre-forward hook and frees
-them after (the root's stay whole until the end of the forward's backward, or of the op). PEFT wraps the sharded base modules afterwards, as on one device: a LoRA layer keeps its base
-`Linear` (whose weight FSDP swaps between shard and whole), and its A and B are plain tensors that FSDP never
-saw. Adapters are therefore created, switched and removed with no re-wrap, exactly as on one device, and the
-group replicates and all-reduces them as the replicated group does (docs/scaling.md says why replicated).
+them after (the root's stay whole until the end of the forward's backward, or of the op). PEFT wraps the
+sharded base modules afterwards, as on one device: a LoRA layer keeps its base `Linear` (whose weight FSDP
+swaps between shard and whole), and its A and B are plain tensors that FSDP never saw. Adapters are therefore
+created, switched and removed with no re-wrap, exactly as on one device, and the group replicates and
+all-reduces them as the replicated group does (docs/scaling.md says why replicated).
 
 Every all-gather is a collective: every rank must run the same units in the same order (forward, backward,
 no-grad forward), whatever data it holds. The group's ops see to that (treadle.gpu_worker.parallel.distributed).

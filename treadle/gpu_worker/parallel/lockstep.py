@@ -12,8 +12,9 @@ would break the order:
   no-grad `idle_pass`, whose all-gathers meet rank 0's, before rank 0's own begin.
 
 Every unit is sharded on every rank when an op or a forward of rank 0's alone begins (`reshard_all`): the
-followers reshard after loading and at the end of each call, rank 0 at the start of each (its last forward may have left the root
-whole for a loss that calls the output projection after it, or a state dict read may have resharded it).
+followers reshard after loading and at the end of each call, rank 0 at the start of each (its last forward
+may have left the root whole for a loss that calls the output projection after it, or a state dict read may
+have resharded it).
 
 An idle pass changes nothing: its loss is zero times its logits, so it adds exact zeros to the gradients, and
 no model in treadle draws random numbers in a forward (no dropout).
