@@ -12,6 +12,7 @@ from torch import nn
 
 from treadle.gpu_worker.sampling.hf import cache_rows
 from treadle.gpu_worker.model.lora_targets import LoraTargets, decoder_layers
+from treadle.gpu_worker.model.vision import is_vision_model
 from treadle.gpu_worker.sampling.hf.slot_cache import static_path
 
 PROFILE_RANK = 32  # the rank trainable-parameter counts are given at (Tinker's default)
@@ -77,6 +78,10 @@ class ModelProfile(BaseModel):
     vllm: str = Field(
         description="Whether the vllm sampler backend serves this family: yes, or no: and why (hf serves every family)."
     )
+    inputs: list[str] = Field(
+        default=["text"],
+        description="What the model reads: text, and vision for a vision-language model (image chunks).",
+    )
 
 
 def profile(model: nn.Module, targets: LoraTargets, dtype: str) -> ModelProfile:
@@ -108,6 +113,7 @@ def profile(model: nn.Module, targets: LoraTargets, dtype: str) -> ModelProfile:
         sampler=SAMPLER_SPLIT if targets.experts else SAMPLER_MIXED,
         static_decode=static_path(model, list(targets.experts)),
         vllm=vllm_serves(family),
+        inputs=["text", "vision"] if is_vision_model(model.config) else ["text"],
     )
 
 

@@ -189,6 +189,7 @@ def load_engines(config: WorkerConfig) -> tuple[dict[str, Engine], list[ServedMo
                 max_tokens_per_microbatch=config.max_tokens_per_microbatch,
                 sampling_max_batch_tokens=config.sampling_max_batch_tokens,
                 sampling_prefix_cache_tokens=config.sampling_prefix_cache_tokens,
+                max_image_pixels=config.max_image_pixels,
                 sampler=config.sampler,
                 sampler_options=SamplerOptions(vllm=options, hf_decode=config.sampler_decode),
             )
@@ -216,4 +217,5 @@ def _served(name: str, path: str, engine: Engine) -> ServedModel:
         family=engine.profile.family,
         dtype=engine.profile.dtype,
         sampler=engine.sampler.path,
+        inputs=engine.profile.inputs,
     )

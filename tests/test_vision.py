@@ -1,0 +1,204 @@
+"""Images in the loop, through the engine: a tiny random-init Qwen2.5-VL (`tiny_model --arch qwen2_5_vl`), fp32 and
+bf16, with image chunks anywhere in the prompt, beside text rows.
+
+Per dtype: every loss runs on a batch of image and text rows; two LoRA steps lower the loss; an image row's
+logprobs are the same alone and in a mixed batch (the trainer's and the sampler's); sampled tokens' logprobs
+equal the trainer's forward of the same tokens, image included; the image changes the numbers (its features
+reach the decoder). Then: the vision tower is frozen unless `train_vision`, and each bad image is refused by
+name while the session goes on.
+
+Tolerances as the family matrix's (tests/test_model_families.py): fp32 to rounding, bf16 to 0.1 nats here
+(one decoder layer's rounding on a 56-pixel image).
+"""
+
+from __future__ import annotations
+
+import io
+import typing
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from treadle.errors import InvalidRequestError
+from treadle.gpu_worker import model_check
+from treadle.gpu_worker.engine import Engine
+from treadle.testing.tiny_model import build_tiny_model
+from treadle.types import (
+    AdamParams,
+    Datum,
+    EncodedTextChunk,
+    ImageChunk,
+    LoraConfig,
+    LossFnType,
+    ModelInput,
+    SamplingParams,
+)
+
+BOUND = {"float32": 1e-3, "bfloat16": 0.1}
+
+
+def encoded(color: tuple[int, int, int], size=(56, 56), fmt: str = "PNG") -> bytes:
+    out = io.BytesIO()
+    Image.new("RGB", size, color).save(out, format=fmt)
+    return out.getvalue()
+
+
+def image(color: tuple[int, int, int], **kw) -> ImageChunk:
+    return ImageChunk(data=encoded(color), format="png", **kw)
+
+
+def text(*tokens: int) -> EncodedTextChunk:
+    return EncodedTextChunk(tokens=list(tokens))
+
+
+# An image between text, and one at the very start; 56 x 56 pixels are 4 tokens (2 x 2 merged patches).
+RED = ModelInput(chunks=[text(10, 9), image((220, 30, 30), expected_tokens=4), text(50, 30, 40)])
+BLUE_FIRST = ModelInput(chunks=[image((30, 30, 220)), text(12, 13, 14, 15)])
+TEXT = ModelInput.from_ints([10, 20, 30, 40, 50, 60])  # (4 to 7 are the image markers)
+
+
+def datum(model_input: ModelInput, n: int, loss: str = "cross_entropy") -> Datum:
+    inputs: dict = {"target_tokens": [(7 * i + 3) % 500 for i in range(n)], "weights": [1.0] * n}
+    if loss != "cross_entropy":
+        inputs = {"target_tokens": inputs["target_tokens"], "logprobs": [-2.0] * n, "advantages": [0.5] * n}
+    if loss == "gspo":
+        inputs["sequence_ratio_mask"] = [1.0] * n
+    return Datum(model_input=model_input, loss_fn_inputs=inputs)
+
+
+@pytest.fixture(scope="module")
+def vl_dir(tmp_path_factory) -> str:
+    return build_tiny_model(tmp_path_factory.mktemp("qwen2_5_vl"), arch="qwen2_5_vl", initializer_range=0.2)
+
+
+@pytest.fixture(scope="module", params=["float32", "bfloat16"])
+def engine(request, vl_dir):
+    engine = Engine(vl_dir, device="cpu", dtype=request.param, max_image_pixels=128 * 128)
+    yield engine
+    engine.close()
+
+
+def test_image_rows_train_score_and_sample_alone_as_in_a_mixed_batch(engine):
+    dtype = str(engine._host.dtype).removeprefix("torch.")
+    n = RED.length
+    engine.create_session("s", LoraConfig(rank=4, seed=0))
+    m = len(BLUE_FIRST.chunks[1].tokens) + 4
+    mixed = [datum(TEXT, TEXT.length), datum(RED, n), datum(BLUE_FIRST, m)]
+    for loss in typing.get_args(LossFnType):
+        batch = [datum(d.model_input, len(d.loss_fn_inputs["target_tokens"].tolist()), loss) for d in mixed]
+        out = engine.forward_backward("s", batch, loss)
+        assert np.isfinite(out.metrics["loss:sum"]), loss
+        assert [len(o["logprobs"].tolist()) for o in out.loss_fn_outputs] == [TEXT.length, n, m]
+    engine.drop_session("s")
+
+    engine.create_session("s", LoraConfig(rank=4, seed=0))
+    losses = []
+    for _ in range(3):
+        losses.append(engine.forward_backward("s", mixed, "cross_entropy").metrics["loss:sum"])
+        engine.optim_step("s", AdamParams(learning_rate=2e-2))
+    assert losses[2] < losses[1] < losses[0]
+
+    alone = engine.forward("s", [datum(RED, n)], "cross_entropy").loss_fn_outputs[0]["logprobs"].to_numpy()
+    among = engine.forward("s", mixed, "cross_entropy").loss_fn_outputs[1]["logprobs"].to_numpy()
+    np.testing.assert_array_equal(alone, among)
+
+    engine.snapshot_sampler("s", "snap")
+    params = SamplingParams(max_tokens=6, seed=3, temperature=1.0)
+    futures = [engine.sample_async("snap", p, 2, params) for p in (TEXT, RED, BLUE_FIRST)]
+    together = [f.result(timeout=300) for f in futures]
+    by_itself = engine.sample("snap", RED, 2, params)
+    assert [s.tokens for s in by_itself.sequences] == [s.tokens for s in together[1].sequences]
+    assert [s.logprobs for s in by_itself.sequences] == [s.logprobs for s in together[1].sequences]
+
+    # The sampler's logprobs are the trainer's, the image included (the trainer's datum is the sequence so far).
+    seq = by_itself.sequences[0]
+    sequence = ModelInput(chunks=[*RED.chunks, text(*seq.tokens[:-1])])
+    targets = [0] * (n - 1) + seq.tokens
+    scored = engine.forward(
+        "s",
+        [Datum(model_input=sequence, loss_fn_inputs={"target_tokens": targets, "weights": [1.0] * len(targets)})],
+        "cross_entropy",
+    )
+    trained = scored.loss_fn_outputs[0]["logprobs"].to_numpy()[n - 1 :]
+    assert np.abs(trained - np.asarray(seq.logprobs)).max() < BOUND[dtype]
+    prompt_logprobs = engine.compute_logprobs("snap", ModelInput(chunks=[*RED.chunks, text(*seq.tokens)]))
+    assert np.abs(np.asarray(prompt_logprobs[n:]) - np.asarray(seq.logprobs)).max() < BOUND[dtype]
+
+    other = ModelInput(chunks=[RED.chunks[0], image((30, 200, 30)), RED.chunks[2]])
+    assert (
+        np.abs(np.asarray(engine.compute_logprobs("snap", other)[-3:]) - np.asarray(prompt_logprobs[n - 3 : n])).max()
+        > 1e-3
+    )
+    engine.drop_sampler("snap")
+    engine.drop_session("s")
+
+
+def test_the_vision_tower_trains_only_when_asked(engine):
+    engine.create_session("frozen", LoraConfig(rank=4, seed=0))
+    engine.create_session("tower", LoraConfig(rank=4, seed=0, train_vision=True))
+    assert not [name for name in engine.trainable_parameters("frozen") if ".visual." in name]
+    tower = {name: p for name, p in engine.trainable_parameters("tower").items() if ".visual." in name}
+    assert any(".merger." in name for name in tower) and any(".blocks.0.attn.qkv." in name for name in tower)
+    engine.forward_backward("tower", [datum(RED, RED.length)], "cross_entropy")
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in tower.values())
+    engine.drop_session("frozen")
+    engine.drop_session("tower")
+
+
+def test_bad_images_are_refused_by_chunk_and_the_session_goes_on(engine):
+    engine.create_session("s", LoraConfig(rank=4, seed=0))
+    good = [datum(RED, RED.length)]
+    before = engine.forward("s", good, "cross_entropy").metrics["loss:sum"]
+
+    def chunk(data: bytes, fmt="png", **kw) -> ModelInput:
+        return ModelInput(chunks=[text(10, 11), ImageChunk(data=data, format=fmt, **kw)])
+
+    bad = {
+        r"chunks\[1\]\.data: does not decode as an image": chunk(b"\x89PNG\r\n\x1a\n" + b"\0" * 40),
+        r"chunks\[1\]\.data: does not decode as a png image": chunk(encoded((1, 2, 3), (64, 64))[:90]),
+        r"chunks\[1\]\.data: 200 x 100 = 20000 pixels; at most 16384": chunk(encoded((1, 2, 3), (200, 100))),
+        r"chunks\[1\]\.format: png, but the data is a JPEG image": chunk(encoded((1, 2, 3), fmt="JPEG")),
+        r"chunks\[1\]\.expected_tokens: 5, but the model's processor makes 4 tokens": chunk(
+            encoded((1, 2, 3)), expected_tokens=5
+        ),
+        r"chunks\[0\]\.tokens\[1\]: 6 is the model's image token": ModelInput.from_ints([10, 6, 11]),
+    }
+    for message, model_input in bad.items():
+        n = len(model_input.chunks[0].tokens) + (4 if len(model_input.chunks) > 1 else 0)
+        with pytest.raises(InvalidRequestError, match=r"data\[1\]\.model_input\." + message):
+            engine.forward_backward("s", [*good, datum(model_input, n)], "cross_entropy")
+        with pytest.raises(InvalidRequestError, match=r"prompt\." + message):
+            engine.sample(None, model_input, 1, SamplingParams(max_tokens=2))
+    # Nothing of the refused batches stayed: no gradients, the same loss, and the session trains on.
+    assert all(p.grad is None or not p.grad.any() for p in engine.trainable_parameters("s").values())
+    assert engine.forward("s", good, "cross_entropy").metrics["loss:sum"] == before
+    engine.forward_backward("s", good, "cross_entropy")
+    engine.optim_step("s", AdamParams(learning_rate=1e-2))
+    assert engine.forward("s", good, "cross_entropy").metrics["loss:sum"] < before
+    engine.drop_session("s")
+
+
+def test_an_image_for_a_text_model_is_refused_by_chunk(tmp_path_factory):
+    engine = Engine(build_tiny_model(tmp_path_factory.mktemp("text")), device="cpu")
+    try:
+        engine.create_session("s", LoraConfig(rank=4, seed=0))
+        with pytest.raises(
+            InvalidRequestError,
+            match=r"data\[0\]\.model_input\.chunks\[1\]: an image chunk, but the served model takes text only",
+        ):
+            engine.forward_backward("s", [datum(RED, RED.length)], "cross_entropy")
+        with pytest.raises(InvalidRequestError, match=r"prompt\.chunks\[1\]: an image chunk"):
+            engine.sample(None, RED, 1, SamplingParams(max_tokens=2))
+        with pytest.raises(InvalidRequestError, match=r"lora: train_vision=True, but .* has no vision tower"):
+            engine.create_session("t", LoraConfig(rank=4, train_vision=True))
+        engine.forward_backward("s", [datum(TEXT, TEXT.length)], "cross_entropy")
+    finally:
+        engine.close()
+
+
+def test_models_check_says_vision_and_passes_its_smoke_run(engine):
+    result = model_check.smoke(engine, rank=8)
+    assert engine.profile.inputs == ["text", "vision"]
+    assert "inputs        text, vision" in model_check.render(engine.profile, result)
+    assert model_check.check_result(engine.profile, result) == []

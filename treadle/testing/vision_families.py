@@ -1,0 +1,65 @@
+"""Tiny random-init vision-language models: a decoder as small as `families`' and a one-block vision tower.
+
+A vision family is its model config (from transformers' own config classes), the special tokens its
+processor and chat format need (added to the tiny tokenizer's specials, so the vocabulary stays 512), and
+an image processor built offline from transformers' PIL backend, sized so that a small image is a few
+tokens: Qwen's 14-pixel patches merged 2 x 2, between 4 and 16 tokens an image (56 x 56 pixels: 4).
+
+    python -m treadle.testing.tiny_model DIR --arch qwen2_5_vl
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+QWEN_VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+MIN_IMAGE_TOKENS, MAX_IMAGE_TOKENS = 4, 16
+_QWEN_TOKEN_PIXELS = 28 * 28  # a 14-pixel patch, merged 2 x 2
+
+
+@dataclass(frozen=True)
+class VisionFamily:
+    config: Callable[..., Any]  # (token ids by name, **the decoder's common fields) -> the model's config
+    special_tokens: tuple[str, ...]
+    image_processor: Callable[[], Any]
+
+
+def _qwen_image_processor():
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    return Qwen2VLImageProcessorPil(
+        min_pixels=MIN_IMAGE_TOKENS * _QWEN_TOKEN_PIXELS, max_pixels=MAX_IMAGE_TOKENS * _QWEN_TOKEN_PIXELS
+    )
+
+
+def _qwen2_5_vl(ids: dict[str, int], **text):
+    from transformers import Qwen2_5_VLConfig
+
+    # M-RoPE: the rotary half of each 16-wide head split over time, height and width.
+    text["rope_parameters"] = {"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0}
+    vision = dict(
+        depth=1,
+        hidden_size=32,
+        intermediate_size=64,
+        num_heads=2,
+        out_hidden_size=text["hidden_size"],
+        window_size=56,
+        fullatt_block_indexes=[0],
+    )
+    return Qwen2_5_VLConfig(
+        text_config=text,
+        vision_config=vision,
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+        eos_token_id=text["eos_token_id"],
+        pad_token_id=text["pad_token_id"],
+        tie_word_embeddings=False,
+    )
+
+
+VISION_FAMILIES: dict[str, VisionFamily] = {
+    "qwen2_5_vl": VisionFamily(_qwen2_5_vl, QWEN_VISION_TOKENS, _qwen_image_processor),
+}
