@@ -5,14 +5,23 @@ processor (patches over the merge size squared), which is Tinker's length of the
 count it. forward_backward (protobuf) trains on them, the snapshot samples from a prompt with an image (JSON),
 and its `compute_logprobs` of the sampled sequence gives back the sampled tokens' logprobs. A count that
 disagrees with the processor is refused, naming the chunk and both counts, and the session goes on.
+
+The OpenAI endpoint, as the `openai` package calls it, takes `image_url` parts with data: URLs; http(s) URLs
+are refused unless the operator allows fetching, and then only from allowed hosts, within a size cap and a
+timeout, without following redirects.
 """
 
 from __future__ import annotations
 
+import base64
+import http.server
 import io
+import threading
+import time
 
 import httpx
 import numpy as np
+import openai
 import pytest
 import tinker
 from PIL import Image
@@ -21,6 +30,9 @@ from transformers import AutoImageProcessor
 
 from tests.fixtures.gateway import ALICE_KEY
 from tests.fixtures.vision import TINY_VL
+from treadle.errors import InvalidRequestError
+from treadle.gateway.openai_images import image_part
+from treadle.gateway.settings import GatewaySettings
 
 
 @pytest.fixture()
@@ -80,3 +92,84 @@ def test_the_official_sdk_trains_and_samples_on_images(official, tiny_vl_dir):
     with pytest.raises(Exception, match=r"prompt\.chunks\[0\]\.expected_tokens: 5, but the model's processor makes 4"):
         sampler.sample(wrong, 1, params).result()
     assert sampler.sample(prompt, 2, params).result().sequences[0].tokens == sampled.tokens
+
+
+def _png(color: tuple[int, int, int], size=(56, 56)) -> bytes:
+    out = io.BytesIO()
+    Image.new("RGB", size, color).save(out, format="PNG")
+    return out.getvalue()
+
+
+def test_the_openai_client_chats_about_a_data_url_image_and_http_urls_are_refused(vision_gateway):
+    client = openai.OpenAI(base_url=vision_gateway.url + "/v1", api_key=ALICE_KEY)
+    url = "data:image/png;base64," + base64.b64encode(_png((200, 40, 40))).decode()
+    question = [{"type": "text", "text": "what colour is it?"}, {"type": "image_url", "image_url": {"url": url}}]
+    reply = client.chat.completions.create(
+        model=TINY_VL, messages=[{"role": "user", "content": question}], max_tokens=4, seed=1, logprobs=True
+    )
+    assert isinstance(reply.choices[0].message.content, str)
+    assert len(reply.choices[0].logprobs.content) == reply.usage.completion_tokens
+    text_only = client.chat.completions.create(
+        model=TINY_VL,
+        messages=[{"role": "user", "content": "what colour is it?<|vision_start|><|vision_end|>"}],
+        max_tokens=1,
+    )
+    assert reply.usage.prompt_tokens == text_only.usage.prompt_tokens + 4  # 56 x 56 pixels: 4 image tokens
+
+    elsewhere = [{"type": "image_url", "image_url": {"url": "http://127.0.0.1:9/cat.png"}}]
+    with pytest.raises(
+        openai.BadRequestError,
+        match=r"messages\[0\]\.content\[0\]\.image_url\.url: http\(s\) image URLs are not fetched",
+    ):
+        client.chat.completions.create(model=TINY_VL, messages=[{"role": "user", "content": elsewhere}], max_tokens=1)
+
+
+class _Images(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        if self.path == "/slow.png":
+            time.sleep(2)  # past the fetch timeout below: the fetch fails, whatever this sends
+        if self.path == "/moved.png":
+            self.send_response(302)
+            self.send_header("Location", "http://example.invalid/red.png")
+            self.end_headers()
+            return
+        body = _png((200, 40, 40))
+        if self.path == "/big.png":  # noise: 30 KB that no PNG compression shrinks
+            out = io.BytesIO()
+            Image.frombytes("RGB", (100, 100), np.random.default_rng(0).bytes(30000)).save(out, format="PNG")
+            body = out.getvalue()
+        self.send_response(200)
+        self.send_header("Content-Type", "image/png")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_image_urls_are_fetched_only_from_allowed_hosts_within_size_and_time():
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Images)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    base = f"http://127.0.0.1:{server.server_address[1]}"
+    settings = GatewaySettings(
+        openai_image_fetch=True,
+        openai_image_hosts=["127.0.0.1"],
+        openai_image_max_bytes=4000,
+        openai_image_timeout_s=0.5,
+    )
+    try:
+        assert image_part("p", {"image_url": {"url": f"{base}/red.png"}}, settings).data == _png((200, 40, 40))
+        refused = {
+            f"{base}/big.png": r"the image is over 4000 bytes",
+            f"{base}/slow.png": r"could not fetch it \(ReadTimeout",
+            f"{base}/moved.png": r"fetching it answered HTTP 302",
+            f"http://localhost:{server.server_address[1]}/red.png": r"host 'localhost' is not in the gateway's --openai_image_hosts",
+        }
+        for url, message in refused.items():
+            with pytest.raises(InvalidRequestError, match=r"p\.image_url\.url: " + message):
+                image_part("p", {"image_url": {"url": url}}, settings)
+        with pytest.raises(InvalidRequestError, match=r"data URL of 'data:image/gif;base64'"):
+            image_part("p", {"image_url": {"url": "data:image/gif;base64,R0lG"}}, settings)
+    finally:
+        server.shutdown()
