@@ -1,5 +1,6 @@
-"""Images in the loop, through the engine: a tiny random-init Qwen2.5-VL (`tiny_model --arch qwen2_5_vl`), fp32 and
-bf16, with image chunks anywhere in the prompt, beside text rows.
+"""Images in the loop, through the engine: tiny random-init Qwen2.5-VL and Qwen3-VL (`tiny_model --arch qwen2_5_vl`,
+`qwen3_vl`: M-RoPE, and Qwen3-VL's deepstack features), fp32 and bf16, with image chunks anywhere in the prompt,
+beside text rows.
 
 Per dtype: every loss runs on a batch of image and text rows; two LoRA steps lower the loss; an image row's
 logprobs are the same alone and in a mixed batch (the trainer's and the sampler's); sampled tokens' logprobs
@@ -24,6 +25,7 @@ from treadle.errors import InvalidRequestError
 from treadle.gpu_worker import model_check
 from treadle.gpu_worker.engine import Engine
 from treadle.testing.tiny_model import build_tiny_model
+from treadle.testing.vision_families import VISION_FAMILIES
 from treadle.types import (
     AdamParams,
     Datum,
@@ -52,7 +54,7 @@ def text(*tokens: int) -> EncodedTextChunk:
     return EncodedTextChunk(tokens=list(tokens))
 
 
-# An image between text, and one at the very start; 56 x 56 pixels are 4 tokens (2 x 2 merged patches).
+# An image between text, and one at the very start; 56 x 56 pixels are 4 tokens (2 x 2 merged patches) on both.
 RED = ModelInput(chunks=[text(10, 9), image((220, 30, 30), expected_tokens=4), text(50, 30, 40)])
 BLUE_FIRST = ModelInput(chunks=[image((30, 30, 220)), text(12, 13, 14, 15)])
 TEXT = ModelInput.from_ints([10, 20, 30, 40, 50, 60])  # (4 to 7 are the image markers)
@@ -68,13 +70,24 @@ def datum(model_input: ModelInput, n: int, loss: str = "cross_entropy") -> Datum
 
 
 @pytest.fixture(scope="module")
-def vl_dir(tmp_path_factory) -> str:
-    return build_tiny_model(tmp_path_factory.mktemp("qwen2_5_vl"), arch="qwen2_5_vl", initializer_range=0.2)
+def vl_dirs(tmp_path_factory) -> dict[str, str]:
+    return {
+        arch: build_tiny_model(tmp_path_factory.mktemp(arch), arch=arch, initializer_range=0.2)
+        for arch in VISION_FAMILIES
+    }
 
 
-@pytest.fixture(scope="module", params=["float32", "bfloat16"])
-def engine(request, vl_dir):
-    engine = Engine(vl_dir, device="cpu", dtype=request.param, max_image_pixels=128 * 128)
+@pytest.fixture(scope="module")
+def vl_dir(vl_dirs) -> str:
+    return vl_dirs["qwen2_5_vl"]
+
+
+@pytest.fixture(
+    scope="module", params=[(arch, dtype) for arch in VISION_FAMILIES for dtype in ("float32", "bfloat16")], ids=str
+)
+def engine(request, vl_dirs):
+    arch, dtype = request.param
+    engine = Engine(vl_dirs[arch], device="cpu", dtype=dtype, max_image_pixels=128 * 128)
     yield engine
     engine.close()
 

@@ -3,7 +3,8 @@
 A vision family is its model config (from transformers' own config classes), the special tokens its
 processor and chat format need (added to the tiny tokenizer's specials, so the vocabulary stays 512), and
 an image processor built offline from transformers' PIL backend, sized so that a small image is a few
-tokens: Qwen's 14-pixel patches merged 2 x 2, between 4 and 16 tokens an image (56 x 56 pixels: 4).
+tokens: Qwen's patches (14 pixels for Qwen2.5-VL, 16 for Qwen3-VL) merged 2 x 2, between 4 and 16 tokens an
+image (56 x 56 pixels: 4 for Qwen2.5-VL).
 
     python -m treadle.testing.tiny_model DIR --arch qwen2_5_vl
 """
@@ -15,7 +16,6 @@ from typing import Any, Callable
 
 QWEN_VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
 MIN_IMAGE_TOKENS, MAX_IMAGE_TOKENS = 4, 16
-_QWEN_TOKEN_PIXELS = 28 * 28  # a 14-pixel patch, merged 2 x 2
 
 
 @dataclass(frozen=True)
@@ -25,11 +25,12 @@ class VisionFamily:
     image_processor: Callable[[], Any]
 
 
-def _qwen_image_processor():
+def _qwen_image_processor(patch: int = 14):
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
+    token = (2 * patch) ** 2  # one image token: a 2 x 2 merge of patches
     return Qwen2VLImageProcessorPil(
-        min_pixels=MIN_IMAGE_TOKENS * _QWEN_TOKEN_PIXELS, max_pixels=MAX_IMAGE_TOKENS * _QWEN_TOKEN_PIXELS
+        patch_size=patch, min_pixels=MIN_IMAGE_TOKENS * token, max_pixels=MAX_IMAGE_TOKENS * token
     )
 
 
@@ -60,6 +61,34 @@ def _qwen2_5_vl(ids: dict[str, int], **text):
     )
 
 
+def _qwen3_vl(ids: dict[str, int], **text):
+    from transformers import Qwen3VLConfig
+
+    # Interleaved M-RoPE over 16-wide heads; the tower feeds its first block's features to the decoder's first
+    # layers too (deepstack).
+    text["rope_parameters"] = {"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0}
+    vision = dict(
+        depth=1,
+        hidden_size=32,
+        intermediate_size=64,
+        num_heads=2,
+        patch_size=16,
+        out_hidden_size=text["hidden_size"],
+        num_position_embeddings=64,
+        deepstack_visual_indexes=[0],
+    )
+    return Qwen3VLConfig(
+        text_config=text,
+        vision_config=vision,
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+        tie_word_embeddings=False,
+    )
+
+
 VISION_FAMILIES: dict[str, VisionFamily] = {
     "qwen2_5_vl": VisionFamily(_qwen2_5_vl, QWEN_VISION_TOKENS, _qwen_image_processor),
+    "qwen3_vl": VisionFamily(_qwen3_vl, QWEN_VISION_TOKENS, lambda: _qwen_image_processor(patch=16)),
 }

@@ -25,7 +25,6 @@ import torch
 from PIL import Image
 from torch import nn
 from transformers import AutoImageProcessor
-from transformers.modeling_outputs import BaseModelOutputWithPooling
 
 from treadle.errors import InvalidRequestError
 from treadle.types import EncodedTextChunk, ModelInput
@@ -72,7 +71,6 @@ class Vision:
         self.max_image_pixels = max_image_pixels
         inner = getattr(model, "model", model)
         self._rope_index = getattr(inner, "get_rope_index", None)  # M-RoPE models only
-        self._listed = True  # how the model's forward takes image features (`features` finds out)
 
     def check_text(self, field: str, model_input: ModelInput) -> None:
         """Refuse the image token in a text chunk: the model would look for an image's features there."""
@@ -140,21 +138,27 @@ class Vision:
         return positions[:, 0].numpy()
 
     def features(self, model: nn.Module, pictures: list[Picture] | tuple[Picture, ...], device: torch.device) -> list:
-        """Each picture's features, computed on its own by `model` (the adapter active on it: its row's)."""
+        """Each picture's vision-tower output, computed on its own by `model` (the adapter active on it: its row's)."""
         out = []
         for picture in pictures:
             pixels = picture.pixel_values.to(device)
             grid = () if picture.grid is None else (picture.grid.to(device),)
-            pooled = model.get_image_features(pixels, *grid, return_dict=True).pooler_output
-            # Qwen's towers answer a tuple of per-image features, others one tensor of every image's.
-            self._listed = isinstance(pooled, (list, tuple))
-            out.extend(pooled if self._listed else [pooled])
+            out.append(model.get_image_features(pixels, *grid, return_dict=True))
         return out
 
-    def encoder_outputs(self, features: list) -> dict:
-        """`mm_encoder_outputs` of a forward whose image tokens are these features' images, in order."""
-        pooled = tuple(features) if self._listed else torch.cat(features)
-        return {"image": BaseModelOutputWithPooling(pooler_output=pooled)}
+    def encoder_outputs(self, outputs: list) -> dict:
+        """`mm_encoder_outputs` of a forward whose image tokens are these outputs' images, in order: Qwen's towers
+        answer a tuple of per-image features (Qwen3-VL's also per deepstack layer), others one tensor."""
+        first = outputs[0]
+        if not isinstance(first.pooler_output, (list, tuple)):
+            return {"image": type(first)(pooler_output=torch.cat([o.pooler_output for o in outputs]))}
+        fields = {"pooler_output": tuple(p for o in outputs for p in o.pooler_output)}
+        if getattr(first, "deepstack_features", None) is not None:
+            fields["deepstack_features"] = [
+                tuple(p for o in outputs for p in o.deepstack_features[layer])
+                for layer in range(len(first.deepstack_features))
+            ]
+        return {"image": type(first)(**fields)}
 
     def encode(self, model: nn.Module, pictures: list[Picture], device: torch.device) -> dict:
         """`mm_encoder_outputs` for these pictures (`features`, then `encoder_outputs`)."""
