@@ -1,9 +1,9 @@
-"""Images in the loop, through the engine: tiny random-init Qwen2.5-VL and Qwen3-VL (`tiny_model --arch qwen2_5_vl`,
-`qwen3_vl`: M-RoPE, and Qwen3-VL's deepstack features), fp32 and bf16, with image chunks anywhere in the prompt,
-beside text rows.
+"""Images in the loop, through the engine: tiny random-init Qwen2.5-VL, Qwen3-VL and Qwen3.5 with vision
+(`tiny_model --arch qwen2_5_vl`, `qwen3_vl`, `qwen3_5_vision`: M-RoPE, Qwen3-VL's deepstack features, Qwen3.5's
+linear-attention layers), fp32 and bf16, with image chunks anywhere in the prompt, beside text rows.
 
 Per dtype: every loss runs on a batch of image and text rows; two LoRA steps lower the loss; an image row's
-logprobs are the same alone and in a mixed batch (the trainer's and the sampler's); sampled tokens' logprobs
+logprobs are the same alone and in a mixed batch (the sampler's exactly, the trainer's to rounding); sampled tokens' logprobs
 equal the trainer's forward of the same tokens, image included; the image changes the numbers (its features
 reach the decoder). Then: the vision tower is frozen unless `train_vision`, and each bad image is refused by
 name while the session goes on.
@@ -114,7 +114,8 @@ def test_image_rows_train_score_and_sample_alone_as_in_a_mixed_batch(engine):
 
     alone = engine.forward("s", [datum(RED, n)], "cross_entropy").loss_fn_outputs[0]["logprobs"].to_numpy()
     among = engine.forward("s", mixed, "cross_entropy").loss_fn_outputs[1]["logprobs"].to_numpy()
-    np.testing.assert_array_equal(alone, among)
+    # (the trainer's forward promises rounding-level agreement; Qwen3.5's chunked linear attention reorders sums)
+    np.testing.assert_allclose(alone, among, rtol=0, atol=1e-5)
 
     engine.snapshot_sampler("s", "snap")
     params = SamplingParams(max_tokens=6, seed=3, temperature=1.0)
@@ -122,7 +123,15 @@ def test_image_rows_train_score_and_sample_alone_as_in_a_mixed_batch(engine):
     together = [f.result(timeout=300) for f in futures]
     by_itself = engine.sample("snap", RED, 2, params)
     assert [s.tokens for s in by_itself.sequences] == [s.tokens for s in together[1].sequences]
-    assert [s.logprobs for s in by_itself.sequences] == [s.logprobs for s in together[1].sequences]
+    # Bit for bit, as the CPU sampler keeps text rows; a linear-attention layer's chunked scan over a differently
+    # padded batch reorders its sums (text rows of Qwen3.5 move by ~1e-6 nats as well).
+    exact = "linear" not in engine.profile.attention
+    np.testing.assert_allclose(
+        [s.logprobs for s in by_itself.sequences],
+        [s.logprobs for s in together[1].sequences],
+        rtol=0,
+        atol=0 if exact else 1e-5,
+    )
 
     # The sampler's logprobs are the trainer's, the image included (the trainer's datum is the sequence so far).
     seq = by_itself.sequences[0]

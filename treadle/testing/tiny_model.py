@@ -9,7 +9,7 @@ assistant turns with `{% generation %}` so `return_assistant_tokens_mask=True` w
     python -m treadle.testing.tiny_model DIR [--arch llama|qwen3_moe|gpt_oss|...] [--seed 0]
 
 `--arch` takes any family of `treadle.testing.families` (llama, the default, is the tests' usual model) or
-of `treadle.testing.vision_families` (qwen2_5_vl, qwen3_vl: vision-language models, whose directory also holds its
+of `treadle.testing.vision_families` (qwen2_5_vl, qwen3_vl, qwen3_5_vision: vision-language models, whose directory also holds its
 image processor, `AutoImageProcessor`'s to load).
 """
 

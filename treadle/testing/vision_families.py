@@ -88,7 +88,42 @@ def _qwen3_vl(ids: dict[str, int], **text):
     )
 
 
+def _qwen3_5_vision(ids: dict[str, int], **text):
+    from transformers import Qwen3_5Config
+
+    # The decoder of `families`' qwen3_5 (a gated-delta-net layer, then a full-attention one) with M-RoPE, and
+    # Qwen3-VL's tower without deepstack.
+    text |= dict(
+        layer_types=["linear_attention", "full_attention"],
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        linear_conv_kernel_dim=4,
+        rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0},
+    )
+    vision = dict(
+        depth=1,
+        hidden_size=32,
+        intermediate_size=64,
+        num_heads=2,
+        patch_size=16,
+        out_hidden_size=text["hidden_size"],
+        num_position_embeddings=64,
+    )
+    return Qwen3_5Config(
+        text_config=text,
+        vision_config=vision,
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+        tie_word_embeddings=False,
+    )
+
+
 VISION_FAMILIES: dict[str, VisionFamily] = {
     "qwen2_5_vl": VisionFamily(_qwen2_5_vl, QWEN_VISION_TOKENS, _qwen_image_processor),
     "qwen3_vl": VisionFamily(_qwen3_vl, QWEN_VISION_TOKENS, lambda: _qwen_image_processor(patch=16)),
+    "qwen3_5_vision": VisionFamily(_qwen3_5_vision, QWEN_VISION_TOKENS, lambda: _qwen_image_processor(patch=16)),
 }
