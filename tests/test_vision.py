@@ -6,7 +6,7 @@ Per dtype: every loss runs on a batch of image and text rows; two LoRA steps low
 logprobs are the same alone and in a mixed batch (the sampler's exactly, the trainer's to rounding); sampled tokens' logprobs
 equal the trainer's forward of the same tokens, image included; the image changes the numbers (its features
 reach the decoder). Then: the vision tower is frozen unless `train_vision`, and each bad image is refused by
-name while the session goes on.
+name while the session goes on; a session saves, loads and exports merged with its images' numbers intact.
 
 Tolerances as the family matrix's (tests/test_model_families.py): fp32 to rounding, bf16 to 0.1 nats here
 (one decoder layer's rounding on a 56-pixel image).
@@ -19,11 +19,13 @@ import typing
 
 import numpy as np
 import pytest
+import torch
 from PIL import Image
 
 from treadle.errors import InvalidRequestError
 from treadle.gpu_worker import model_check
 from treadle.gpu_worker.engine import Engine
+from treadle.gpu_worker.training.logprobs import target_logprobs
 from treadle.testing.tiny_model import build_tiny_model
 from treadle.testing.vision_families import VISION_FAMILIES
 from treadle.types import (
@@ -270,3 +272,41 @@ def test_a_vision_lora_learns_to_name_the_colour_of_held_out_images(vl_dir):
         assert accuracy(12) >= 0.9
     finally:
         engine.close()
+
+
+def test_a_vision_session_saves_loads_and_exports_merged(vl_dirs, tmp_path):
+    """save_state -> load_state, and the merged export read by AutoModelForImageTextToText alone (its image processor
+    beside it), give the image datum's logprobs back."""
+    from transformers import AutoImageProcessor, AutoModelForImageTextToText
+
+    from treadle.storage.merged_export import export_merged
+
+    for arch, directory in vl_dirs.items():
+        engine = Engine(directory, device="cpu")
+        try:
+            engine.create_session("s", LoraConfig(rank=4, seed=0))
+            data = [datum(RED, RED.length)]
+            engine.forward_backward("s", data, "cross_entropy")
+            engine.optim_step("s", AdamParams(learning_rate=2e-2))
+            want = engine.forward("s", data, "cross_entropy").loss_fn_outputs[0]["logprobs"].to_numpy()
+            engine.save_state("s", str(tmp_path / arch / "state"))
+            engine.load_state("t", str(tmp_path / arch / "state"), with_optimizer=True)
+            loaded = engine.forward("t", data, "cross_entropy").loss_fn_outputs[0]["logprobs"].to_numpy()
+            np.testing.assert_allclose(loaded, want, rtol=0, atol=1e-6)
+
+            export_merged(directory, str(tmp_path / arch / "state"), str(tmp_path / arch / "merged"))
+            merged = AutoModelForImageTextToText.from_pretrained(tmp_path / arch / "merged")
+            AutoImageProcessor.from_pretrained(tmp_path / arch / "merged")
+            with torch.no_grad():
+                plain = target_logprobs(
+                    merged,
+                    [engine.vision.prepare("x", RED).tokens],
+                    [data[0].loss_fn_inputs["target_tokens"].to_numpy()],
+                    device=torch.device("cpu"),
+                    pad_token_id=0,
+                    vision=engine.vision,
+                    visuals=[engine.vision.prepare("x", RED)],
+                )[0].numpy()
+            np.testing.assert_allclose(plain, want, rtol=0, atol=1e-3)
+        finally:
+            engine.close()
