@@ -310,3 +310,20 @@ def test_a_vision_session_saves_loads_and_exports_merged(vl_dirs, tmp_path):
             np.testing.assert_allclose(plain, want, rtol=0, atol=1e-3)
         finally:
             engine.close()
+
+
+def test_gemma3_with_vision_serves_text_and_refuses_images_by_name(tmp_path):
+    engine = Engine(build_tiny_model(tmp_path / "gemma3", arch="gemma3_vision"), device="cpu")
+    try:
+        assert engine.profile.inputs == ["text"]
+        engine.create_session("s", LoraConfig(rank=4, seed=0))
+        engine.forward_backward("s", [datum(TEXT, TEXT.length)], "cross_entropy")
+        with pytest.raises(
+            InvalidRequestError, match=r"data\[0\]\.model_input\.chunks\[1\]: images are not served on this gemma3"
+        ):
+            engine.forward_backward("s", [datum(RED, RED.length)], "cross_entropy")
+        with pytest.raises(InvalidRequestError, match=r"prompt\.chunks\[1\]: images are not served .* both ways"):
+            engine.sample(None, RED, 1, SamplingParams(max_tokens=2))
+        assert engine.sample(None, TEXT, 1, SamplingParams(max_tokens=2, seed=0)).sequences[0].tokens
+    finally:
+        engine.close()

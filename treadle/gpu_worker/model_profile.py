@@ -12,7 +12,7 @@ from torch import nn
 
 from treadle.gpu_worker.sampling.hf import cache_rows
 from treadle.gpu_worker.model.lora_targets import LoraTargets, decoder_layers
-from treadle.gpu_worker.model.vision import is_vision_model
+from treadle.gpu_worker.model.vision import is_vision_model, refused_images
 from treadle.gpu_worker.sampling.hf.slot_cache import static_path
 
 PROFILE_RANK = 32  # the rank trainable-parameter counts are given at (Tinker's default)
@@ -113,7 +113,7 @@ def profile(model: nn.Module, targets: LoraTargets, dtype: str) -> ModelProfile:
         sampler=SAMPLER_SPLIT if targets.experts else SAMPLER_MIXED,
         static_decode=static_path(model, list(targets.experts)),
         vllm=vllm_serves(family),
-        inputs=["text", "vision"] if is_vision_model(model.config) else ["text"],
+        inputs=["text", "vision"] if is_vision_model(model.config) and not refused_images(model.config) else ["text"],
     )
 
 

@@ -9,7 +9,7 @@ assistant turns with `{% generation %}` so `return_assistant_tokens_mask=True` w
     python -m treadle.testing.tiny_model DIR [--arch llama|qwen3_moe|gpt_oss|...] [--seed 0]
 
 `--arch` takes any family of `treadle.testing.families` (llama, the default, is the tests' usual model) or
-of `treadle.testing.vision_families` (qwen2_5_vl, qwen3_vl, qwen3_5_vision: vision-language models, whose directory also holds its
+of `treadle.testing.vision_families` (qwen2_5_vl, qwen3_vl, qwen3_5_vision, gemma3_vision: vision-language models, whose directory also holds its
 image processor, `AutoImageProcessor`'s to load).
 """
 
@@ -20,7 +20,9 @@ import random
 from pathlib import Path
 
 from treadle.testing.families import _COMMON, FAMILIES, family_config
-from treadle.testing.vision_families import VISION_FAMILIES
+from treadle.testing.vision_families import TEXT_ONLY_VISION_FAMILIES, VISION_FAMILIES
+
+ALL_VISION = {**VISION_FAMILIES, **TEXT_ONLY_VISION_FAMILIES}
 
 VOCAB_SIZE = 512
 MAX_POSITION_EMBEDDINGS = 512
@@ -90,8 +92,8 @@ def _config(arch: str, tokenizer, tie_word_embeddings: bool, head_dim: int | Non
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
-    if arch in VISION_FAMILIES:
-        family = VISION_FAMILIES[arch]
+    if arch in ALL_VISION:
+        family = ALL_VISION[arch]
         ids = {name: tokenizer.convert_tokens_to_ids(name) for name in family.special_tokens}
         config = family.config(ids, **_COMMON, **sizes)
     else:
@@ -131,7 +133,7 @@ def build_tiny_model(
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    vision = VISION_FAMILIES.get(arch)
+    vision = ALL_VISION.get(arch)
     tokenizer = build_tokenizer(seed, vision.special_tokens if vision else ())
     assert len(tokenizer) == VOCAB_SIZE, f"tokenizer has {len(tokenizer)} tokens, expected {VOCAB_SIZE}"
     config = _config(arch, tokenizer, tie_word_embeddings, head_dim, initializer_range)
@@ -149,7 +151,7 @@ def build_tiny_model(
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("directory", help="Output directory (created if missing).")
-    parser.add_argument("--arch", choices=[*FAMILIES, *VISION_FAMILIES], default="llama", help="Model family.")
+    parser.add_argument("--arch", choices=[*FAMILIES, *ALL_VISION], default="llama", help="Model family.")
     parser.add_argument("--seed", type=int, default=0, help="Seed of the weights and the tokenizer corpus.")
     parser.add_argument("--tie-word-embeddings", action="store_true", help="Share lm_head with the input embeddings.")
     parser.add_argument(

@@ -122,8 +122,41 @@ def _qwen3_5_vision(ids: dict[str, int], **text):
     )
 
 
+GEMMA3_IMAGE_TOKENS = ("<start_of_image>", "<end_of_image>", "<image_soft_token>")
+
+
+def _gemma3_image_processor():
+    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
+    return Gemma3ImageProcessorPil(size={"height": 56, "width": 56})
+
+
+def _gemma3_vision(ids: dict[str, int], **text):
+    from transformers import Gemma3Config
+
+    # `families`' gemma3 decoder (a sliding-window layer, then a full one) under a one-layer SigLIP tower: 56 x 56
+    # pixels, 4 x 4 patches pooled to 4 image tokens.
+    text |= dict(layer_types=["sliding_attention", "full_attention"], sliding_window=8)
+    vision = dict(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=56, patch_size=14
+    )
+    return Gemma3Config(
+        text_config=text,
+        vision_config=vision,
+        mm_tokens_per_image=4,
+        boi_token_index=ids["<start_of_image>"],
+        eoi_token_index=ids["<end_of_image>"],
+        image_token_index=ids["<image_soft_token>"],
+    )
+
+
 VISION_FAMILIES: dict[str, VisionFamily] = {
     "qwen2_5_vl": VisionFamily(_qwen2_5_vl, QWEN_VISION_TOKENS, _qwen_image_processor),
     "qwen3_vl": VisionFamily(_qwen3_vl, QWEN_VISION_TOKENS, lambda: _qwen_image_processor(patch=16)),
     "qwen3_5_vision": VisionFamily(_qwen3_5_vision, QWEN_VISION_TOKENS, lambda: _qwen_image_processor(patch=16)),
+}
+
+# Loaded and served for text, its images refused by name (`treadle.gpu_worker.model.vision.UNSERVED_IMAGES`).
+TEXT_ONLY_VISION_FAMILIES: dict[str, VisionFamily] = {
+    "gemma3_vision": VisionFamily(_gemma3_vision, GEMMA3_IMAGE_TOKENS, _gemma3_image_processor),
 }

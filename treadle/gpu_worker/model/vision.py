@@ -38,7 +38,7 @@ class Picture:
     """One image as the model's processor prepared it."""
 
     pixel_values: torch.Tensor
-    grid: torch.Tensor | None  # (1, 3) image_grid_thw of Qwen's processors; None for fixed-size towers
+    grid: torch.Tensor  # (1, 3) image_grid_thw: frames, rows and columns of patches
     tokens: int  # image tokens it stands for
 
 
@@ -57,8 +57,20 @@ class VisualInput:
         return int(self.positions.max()) + 1 if self.positions is not None else len(self.tokens)
 
 
+# Vision-language families whose text treadle serves but whose images it refuses, and why.
+UNSERVED_IMAGES = {
+    "gemma3": "Gemma 3's image tokens attend to each other both ways within an image, which the batched sampler's "
+    "attention does not compute (its training forward would, and the two would disagree)",
+}
+
+
 def is_vision_model(config) -> bool:
     return getattr(config, "vision_config", None) is not None
+
+
+def refused_images(config) -> str | None:
+    """Why a vision-language model's images are refused (`UNSERVED_IMAGES`), or None."""
+    return UNSERVED_IMAGES.get(config.model_type)
 
 
 class Vision:
@@ -69,6 +81,8 @@ class Vision:
         config = model.config
         self.image_token_id = int(getattr(config, "image_token_id", None) or config.image_token_index)
         self.max_image_pixels = max_image_pixels
+        self._family = config.model_type
+        self.refused = refused_images(config)  # why this model's images are refused, if they are
         inner = getattr(model, "model", model)
         self._rope_index = getattr(inner, "get_rope_index", None)  # M-RoPE models only
 
@@ -91,6 +105,10 @@ class Vision:
                 ids.append(np.asarray(chunk.tokens, dtype=np.int64))
                 continue
             where = f"{field}.chunks[{c}]"
+            if self.refused:
+                raise InvalidRequestError(
+                    f"{where}: images are not served on this {self._family} model: {self.refused}"
+                )
             picture = self._picture(where, chunk.data, chunk.format)
             if chunk.expected_tokens is not None and chunk.expected_tokens != picture.tokens:
                 raise InvalidRequestError(
@@ -122,18 +140,15 @@ class Vision:
         except Exception as exc:
             raise InvalidRequestError(f"{where}.data: does not decode as a {fmt} image ({exc})") from None
         out = self.processor(images=[rgb], return_tensors="pt")
-        grid = out.get("image_grid_thw")
-        if grid is not None:
-            tokens = int(grid.prod()) // self.processor.merge_size**2
-        else:  # a fixed number of tokens per image (Gemma 3's mm_tokens_per_image)
-            tokens = int(self.processor.image_seq_length)
+        grid = out["image_grid_thw"]
+        tokens = int(grid.prod()) // self.processor.merge_size**2
         return Picture(out["pixel_values"], grid, tokens)
 
     def _positions(self, tokens: np.ndarray, pictures: list[Picture]) -> np.ndarray | None:
         if self._rope_index is None or not pictures:
             return None
         ids = torch.from_numpy(tokens)[None]
-        grids = torch.cat([p.grid for p in pictures if p.grid is not None])
+        grids = torch.cat([p.grid for p in pictures])
         positions, _ = self._rope_index(ids, image_grid_thw=grids, mm_token_type_ids=(ids == self.image_token_id).int())
         return positions[:, 0].numpy()
 
@@ -142,16 +157,13 @@ class Vision:
         out = []
         for picture in pictures:
             pixels = picture.pixel_values.to(device)
-            grid = () if picture.grid is None else (picture.grid.to(device),)
-            out.append(model.get_image_features(pixels, *grid, return_dict=True))
+            out.append(model.get_image_features(pixels, picture.grid.to(device), return_dict=True))
         return out
 
     def encoder_outputs(self, outputs: list) -> dict:
         """`mm_encoder_outputs` of a forward whose image tokens are these outputs' images, in order: Qwen's towers
-        answer a tuple of per-image features (Qwen3-VL's also per deepstack layer), others one tensor."""
+        answer a tuple of per-image features (Qwen3-VL's also one per deepstack layer)."""
         first = outputs[0]
-        if not isinstance(first.pooler_output, (list, tuple)):
-            return {"image": type(first)(pooler_output=torch.cat([o.pooler_output for o in outputs]))}
         fields = {"pooler_output": tuple(p for o in outputs for p in o.pooler_output)}
         if getattr(first, "deepstack_features", None) is not None:
             fields["deepstack_features"] = [
@@ -166,8 +178,6 @@ class Vision:
 
 
 def _size(picture: Picture) -> str:
-    if picture.grid is None:
-        return "a fixed-size image"
     _, h, w = (int(x) for x in picture.grid[0])
     return f"a grid of {h} x {w} patches"
 
