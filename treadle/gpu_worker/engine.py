@@ -106,7 +106,10 @@ class Engine:
             self._host.model, self._host.dtype, self._host.device_memory
         )
         # Family, LoRA targets, sampler path; a model treadle cannot serve is refused here (`model_profile`).
-        self.profile = profile(self._host.model, self._host.targets, str(self._host.dtype).removeprefix("torch."))
+        images = self.vision is not None and not self.vision.refused
+        self.profile = profile(
+            self._host.model, self._host.targets, str(self._host.dtype).removeprefix("torch."), images=images
+        )
         setup = SamplerSetup(
             self._bank,
             self._host,

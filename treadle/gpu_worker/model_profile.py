@@ -12,7 +12,6 @@ from torch import nn
 
 from treadle.gpu_worker.sampling.hf import cache_rows
 from treadle.gpu_worker.model.lora_targets import LoraTargets, decoder_layers
-from treadle.gpu_worker.model.vision import is_vision_model, refused_images
 from treadle.gpu_worker.sampling.hf.slot_cache import static_path
 
 PROFILE_RANK = 32  # the rank trainable-parameter counts are given at (Tinker's default)
@@ -84,8 +83,9 @@ class ModelProfile(BaseModel):
     )
 
 
-def profile(model: nn.Module, targets: LoraTargets, dtype: str) -> ModelProfile:
-    """The profile of a loaded model; raises ValueError naming what treadle cannot serve."""
+def profile(model: nn.Module, targets: LoraTargets, dtype: str, *, images: bool = False) -> ModelProfile:
+    """The profile of a loaded model (`images`: its image chunks are served); raises ValueError naming what treadle
+    cannot serve."""
     config = model.config.get_text_config(decoder=True)
     missing = cache_rows.supported(model)
     if missing:
@@ -113,7 +113,7 @@ def profile(model: nn.Module, targets: LoraTargets, dtype: str) -> ModelProfile:
         sampler=SAMPLER_SPLIT if targets.experts else SAMPLER_MIXED,
         static_decode=static_path(model, list(targets.experts)),
         vllm=vllm_serves(family),
-        inputs=["text", "vision"] if is_vision_model(model.config) and not refused_images(model.config) else ["text"],
+        inputs=["text", "vision"] if images else ["text"],
     )
 
 

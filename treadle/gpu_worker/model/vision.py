@@ -82,7 +82,14 @@ class Vision:
         self.image_token_id = int(getattr(config, "image_token_id", None) or config.image_token_index)
         self.max_image_pixels = max_image_pixels
         self._family = config.model_type
-        self.refused = refused_images(config)  # why this model's images are refused, if they are
+        # Why this model's images are refused, if they are: a family known not to be served, or an image processor
+        # that does not lay images out as patch grids (Qwen's `image_grid_thw`), which is what `prepare` reads.
+        grids = hasattr(self.processor, "merge_size") and hasattr(self.processor, "temporal_patch_size")
+        self.refused = refused_images(config) or (
+            None
+            if grids
+            else f"its image processor ({type(self.processor).__name__}) is not one treadle prepares images for"
+        )
         inner = getattr(model, "model", model)
         self._rope_index = getattr(inner, "get_rope_index", None)  # M-RoPE models only
 
