@@ -10,7 +10,8 @@ The tiny model here is the Qwen2 one with the special tokens Qwen3.5's renderer 
 
 The gateway runs with `--loss_alias stable_reinforce=cispo`, so the recipes whose default loss is
 stable_reinforce (rl_loop, math_rl, rubric) run with their defaults. The recipes that need a network
-service or a vision or audio model are listed in NOT_RUN with the reason. The last test checks that
+service or an audio model are listed in NOT_RUN with the reason. vlm_classifier runs on a tiny Qwen2.5-VL
+served under its default model's name, on synthetic images in caltech101's layout. The last test checks that
 docs/tinker-compatibility.md's recipes section is the table `render` makes of RECIPES and NOT_RUN
 (`python scripts/report_compat.py` writes it).
 """
@@ -34,6 +35,7 @@ from tests.fixtures.gateway import ALICE_KEY
 from tests.reports import COMPAT, COOKBOOK_SECTION, compat_sections, stale
 from treadle.gateway.server import BackgroundGateway
 from treadle.gateway.settings import GatewaySettings
+from treadle.testing.tiny_model import build_tiny_model
 
 pytestmark = pytest.mark.slow
 
@@ -42,6 +44,7 @@ RENDERER = "qwen3_5"  # the cookbook's recommended renderer for MODEL
 TEACHER = "Qwen/Qwen3.6-35B-A3B"  # prompt_distillation's data stage samples this name, with no option to change it
 ANSWERER = "Qwen/Qwen3.5-9B"  # twenty_questions' answerer, likewise fixed
 SERVED = (MODEL, TEACHER, ANSWERER)
+VLM = "Qwen/Qwen3.5-397B-A17B"  # vlm_classifier's default model: a tiny Qwen2.5-VL serves it
 REVISION = "0123456789abcdef0123456789abcdef01234567"
 RUN_TIMEOUT_S = 900
 COMMON = ("max_steps=2", "eval_every=0", "save_every=0")  # every log_path is new, so no recipe asks to overwrite
@@ -284,6 +287,26 @@ RECIPES = [
         (Stage("chat_app", (f"base_model={MODEL}", "max_tokens=16"), stdin="hello\nquit\n", metrics_rows=0),),
         "`tinker_cookbook.chat_app.tinker_chat_cli`",
     ),
+    Recipe(
+        "vlm_classifier",
+        (
+            Stage(
+                "vlm_classifier.train",
+                (
+                    "experiment_dir=vlm",
+                    "behavior_if_log_dir_exists=delete",
+                    *COMMON,
+                    "infrequent_eval_every=0",
+                    "batch_size=2",
+                    "lora_rank=8",
+                    "max_length=512",
+                    "run_sampling_evaluator=False",
+                ),
+                metrics_rows=0,  # no log_path option: its log is experiment_dir/<run name> (`_check_output`)
+            ),
+        ),
+        f"caltech101's layout with 4 synthetic images a split; {VLM} served by a tiny Qwen2.5-VL",
+    ),
 ]
 
 NETWORK = "needs a network service"
@@ -303,14 +326,16 @@ NOT_RUN = {
     "decisions.train": "helpers for training a decision model, no entry point of its own; decisions.demo runs above",
     "helper entry points": "evaluation, benchmark and debugging scripts of recipes that run above (text_arena.play, "
     "rubric.debug_env, rubric.prometheus_experimental, sdft.benchmark, sdft.run_continual_learning): not yet in this matrix",
-    "vlm_classifier": "a vision-language model (image inputs); treadle serves text models",
     "audio (asr, emotion, medical_asr)": "an audio model (audio inputs); treadle serves text models",
 }
 
 
-def seed_dataset(home: Path, repo: str, config: str | None, splits: dict[str, list[dict]]) -> None:
+def seed_dataset(
+    home: Path, repo: str, config: str | None, splits: dict[str, list[dict]], features: dict | None = None
+) -> None:
     """Rows in the offline cache as `datasets.load_dataset(repo, config)` finds them with HF_HUB_OFFLINE=1:
-    prepared once by the json builder, then moved under the repo's cache name (its last part in snake case)."""
+    prepared once by the json builder (with `features` where JSON cannot say them: images, class labels), then
+    moved under the repo's cache name (its last part in snake case)."""
     import datasets
     from datasets.naming import camelcase_to_snakecase
 
@@ -320,7 +345,8 @@ def seed_dataset(home: Path, repo: str, config: str | None, splits: dict[str, li
     for split, rows in splits.items():
         files[split] = str(work / f"{split}.jsonl")
         Path(files[split]).write_text("".join(json.dumps(r) + "\n" for r in rows))
-    datasets.load_dataset("json", data_files=files, cache_dir=str(work / "cache"))
+    typed = datasets.Features(features) if features else None
+    datasets.load_dataset("json", data_files=files, cache_dir=str(work / "cache"), features=typed)
     source = Path(glob.glob(str(work / "cache" / "json" / "*" / "*" / "*"))[0])
     name = camelcase_to_snakecase(repo.split("/")[-1])
     target = (
@@ -415,6 +441,22 @@ def _seed_datasets(home: Path) -> None:
     )
 
 
+def _seed_images(home: Path) -> None:
+    """caltech101's columns (an image, a class label) with synthetic pictures: two classes, two of each a split."""
+    import datasets
+    from PIL import Image
+
+    pictures = home / "pictures"
+    pictures.mkdir()
+    rows = []
+    for i, colour in enumerate([(200, 40, 40), (40, 60, 200)] * 2):
+        path = pictures / f"{i}.png"
+        Image.new("RGB", (56 + 28 * (i % 2), 56), colour).save(path)
+        rows.append({"image": str(path), "label": i % 2})
+    features = {"image": datasets.Image(), "label": datasets.ClassLabel(names=["red_thing", "blue_thing"])}
+    seed_dataset(home, "dpdl-benchmark/caltech101", None, {"train": rows, "test": rows}, features)
+
+
 def _served_model(tiny_dir: str, out: Path) -> None:
     """The tiny Qwen2 with the special tokens the qwen3_5 renderer needs as single tokens, and a longer context."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -439,6 +481,26 @@ def _served_model(tiny_dir: str, out: Path) -> None:
     tokenizer.save_pretrained(out)
 
 
+def _served_vision_model(out: Path) -> None:
+    """A tiny Qwen2.5-VL (its image processor included) with the special tokens the qwen3_5 renderer needs."""
+    from transformers import AutoModelForImageTextToText, AutoTokenizer
+
+    build_tiny_model(out, arch="qwen2_5_vl")
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<think>", "</think>", "<tool_call>", "</tool_call>"]})
+    model = AutoModelForImageTextToText.from_pretrained(out)
+    model.resize_token_embeddings(len(tokenizer))
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+
+
+def _in_hub_cache(home: Path, name: str, model_dir: Path) -> None:
+    repo = home / "hub" / f"models--{name.replace('/', '--')}"
+    shutil.copytree(model_dir, repo / "snapshots" / REVISION)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(REVISION)
+
+
 @pytest.fixture(scope="module")
 def cookbook_home(stack, tiny_qwen2_dir, tmp_path_factory):
     """The HF cache (models and datasets), a worker serving the SERVED names from it, and an aliased gateway."""
@@ -446,16 +508,17 @@ def cookbook_home(stack, tiny_qwen2_dir, tmp_path_factory):
     model_dir = tmp_path_factory.mktemp("cookbook-model")
     _served_model(tiny_qwen2_dir, model_dir)
     for name in SERVED:
-        repo = home / "hub" / f"models--{name.replace('/', '--')}"
-        shutil.copytree(model_dir, repo / "snapshots" / REVISION)
-        (repo / "refs").mkdir()
-        (repo / "refs" / "main").write_text(REVISION)
+        _in_hub_cache(home, name, model_dir)
+    vision_dir = tmp_path_factory.mktemp("cookbook-vlm")
+    _served_vision_model(vision_dir)
+    _in_hub_cache(home, VLM, vision_dir)
     _seed_datasets(home)
+    _seed_images(home)
 
     env = {**stack.env(), "HF_HOME": str(home), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     log = open(home / "worker.log", "wb")
     worker = subprocess.Popen(
-        [*stack.worker_command, *(f"--model={name}" for name in SERVED), "--lease_ttl_s", "3"],
+        [*stack.worker_command, *(f"--model={name}" for name in (*SERVED, VLM)), "--lease_ttl_s", "3"],
         env=env,
         stdout=log,
         stderr=subprocess.STDOUT,
@@ -464,7 +527,7 @@ def cookbook_home(stack, tiny_qwen2_dir, tmp_path_factory):
 
     ops = OpsClient(stack.broker_url)
     deadline = time.monotonic() + 300
-    while not {m.name for m in ops.served_models()} >= set(SERVED):
+    while not {m.name for m in ops.served_models()} >= {*SERVED, VLM}:
         assert worker.poll() is None and time.monotonic() < deadline, (home / "worker.log").read_text()[-3000:]
         time.sleep(0.5)
     settings = GatewaySettings(
@@ -556,6 +619,9 @@ def _check_output(stage: Stage, stdout: str, home: Path) -> None:
         summaries = list((home / "tinker-runs" / "tts").glob("*/tts_summary.json"))  # its default place
         assert len(summaries) == 1, summaries
         assert json.loads(summaries[0].read_text())["n_problems_succeeded"] == 1
+    elif stage.module == "vlm_classifier.train":
+        runs = list((home / "vlm").glob("*/metrics.jsonl"))  # experiment_dir / the run's generated name
+        assert len(runs) == 1 and len(runs[0].read_text().splitlines()) >= 2, runs
     elif stage.module == "chat_app":
         assert "Assistant" in stdout or "🤖" in stdout, stdout[-2000:]
 

@@ -16,8 +16,10 @@ from treadle.gateway.proto_codec import (
     forward_backward_request,
     parse_forward_backward,
 )
+from treadle.gateway.routes_sampling import _sample_request
 from treadle.gateway.settings import GatewaySettings
-from treadle.types import ForwardBackwardOutput, SampleResponse, TensorData
+from treadle.queue.ops import ForwardBackwardRequest, SampleRequest
+from treadle.types import ForwardBackwardOutput, ImageChunk, ModelInput, SampleResponse, TensorData
 
 
 def _sdk_request(data, loss_fn="ppo", config=None, forward_only=False) -> bytes:
@@ -76,15 +78,40 @@ def test_forward_only_flag_and_sparse_inputs():
     np.testing.assert_array_equal(dense, [[0, 0, 0.5], [2.0, 0, 0]])
 
 
-def test_image_chunks_and_garbage_are_user_errors():
-    data = [
-        tt.Datum(
-            model_input=tt.ModelInput(chunks=[tt.ImageChunk(data=b"\x89PNG", format="png")]),
-            loss_fn_inputs={"target_tokens": [1]},
-        )
-    ]
-    with pytest.raises(InvalidRequestError, match=r"data\[0\].model_input: image"):
-        forward_backward_request(parse_forward_backward(_sdk_request(data, "cross_entropy")))
+def test_image_chunks_travel_from_the_sdk_to_the_journal_and_bad_ones_are_user_errors():
+    png = b"\x89PNG\r\n\x1a\n not decoded here"
+    image = tt.ImageChunk(data=png, format="png", expected_tokens=4)
+    model_input = tt.ModelInput(chunks=[tt.EncodedTextChunk(tokens=[1, 2]), image, tt.EncodedTextChunk(tokens=[3])])
+    assert model_input.length == 7  # Tinker's rule: an image chunk's length is its expected_tokens
+    data = [tt.Datum(model_input=model_input, loss_fn_inputs={"target_tokens": [0] * 7, "weights": [1.0] * 7})]
+    request = forward_backward_request(parse_forward_backward(_sdk_request(data, "cross_entropy")))
+    chunks = request.data[0].model_input.chunks
+    assert [c.type for c in chunks] == ["encoded_text", "image", "encoded_text"]
+    assert (chunks[1].data, chunks[1].format, chunks[1].expected_tokens) == (png, "png", 4)
+    assert request.data[0].model_input.length == 7
+    # The journal holds the request as JSON (the image base64'd) and the worker decodes it back whole.
+    assert ForwardBackwardRequest.decode(request.encode()) == request
+    assert b"image" in request.encode() and png not in request.encode()
+
+    # asample's JSON prompt (the SDK base64s the bytes) becomes chunks; a text-only prompt stays token ids.
+    sample = tt.SampleRequest(prompt=model_input, num_samples=1, sampling_params=tt.SamplingParams(max_tokens=2))
+    parsed = tt.SampleRequest.model_validate_json(sample.model_dump_json())
+    ours = _sample_request(parsed, "tiny", None)[0]
+    assert isinstance(ours.prompt, ModelInput) and ours.prompt_length == 7
+    assert SampleRequest.decode(ours.encode()).prompt_input.chunks[1] == ImageChunk(
+        data=png, format="png", expected_tokens=4
+    )
+    text = tt.SampleRequest(prompt=tt.ModelInput.from_ints([4, 5]), num_samples=1, sampling_params=tt.SamplingParams())
+    assert _sample_request(text, "tiny", None)[0].prompt == [4, 5]
+
+    msg = parse_forward_backward(_sdk_request(data, "cross_entropy"))
+    msg.data[0].model_input[1].image.format = "gif"
+    with pytest.raises(InvalidRequestError, match=r"data\[0\].model_input.chunks\[1\].format: .*'png' or 'jpeg'"):
+        forward_backward_request(msg)
+    msg.data[0].model_input[1].image.format = "png"
+    msg.data[0].model_input[1].image.override_dimensions.width = 8
+    with pytest.raises(InvalidRequestError, match=r"chunks\[1\].override_dimensions: not supported"):
+        forward_backward_request(msg)
     with pytest.raises(InvalidRequestError, match="not a protobuf ForwardBackwardRequest"):
         parse_forward_backward(b"\xff\xff\xff")
 

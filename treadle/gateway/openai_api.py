@@ -1,5 +1,8 @@
 """OpenAI-compatible `/v1/chat/completions`, `/v1/completions` and `/v1/models` over treadle's sampler.
 
+Chat messages may carry `image_url` parts for a vision-language model (`openai_images`: data: URLs, and http(s)
+ones only where the operator allows fetching them).
+
 `model` names what to sample: a sampler checkpoint (`tinker://...` or `treadle://...`), a sampling
 session id from the Tinker API, or a served base model. A checkpoint is sampled with its adapter
 applied (the worker loads that snapshot; it never falls back to the base model). The chat template
@@ -22,10 +25,11 @@ from treadle.errors import InvalidRequestError
 from treadle.gateway.backend import Backend
 from treadle.gateway import openai_render as render
 from treadle.gateway.caller import Call
+from treadle.gateway.openai_images import image_part, placeholder, split_at_images
 from treadle.gateway.openai_stream import EventStream, StreamedCompletion, events
 from treadle.queue.ops import SampleRequest, parse_request
 from treadle.queue.sample_options import MAX_TOPK_SAMPLE_LOGPROBS
-from treadle.types import MAX_TOKENS_PER_SEQUENCE, SEED_MAX, SamplingParams
+from treadle.types import MAX_TOKENS_PER_SEQUENCE, SEED_MAX, EncodedTextChunk, ModelInput, SamplingParams
 
 router = APIRouter()
 
@@ -141,10 +145,9 @@ async def completions(call: Call):
 
 async def _complete(backend: Backend, owner: str, req: ChatCompletionRequest | CompletionRequest, *, chat: bool):
     base_model, model_path = await run_in_threadpool(_resolve_model, backend, owner, req.model)
-    tokenizer = await run_in_threadpool(
-        load_tokenizer, await run_in_threadpool(backend.owners.tokenizer_source, base_model)
-    )
-    prompt = _prompt_tokens(tokenizer, req, chat)
+    source = await run_in_threadpool(backend.owners.tokenizer_source, base_model)
+    tokenizer = await run_in_threadpool(load_tokenizer, source)
+    prompt = await run_in_threadpool(_prompt_tokens, tokenizer, req, chat, backend, source)
     stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     max_tokens = (
         (req.max_completion_tokens or req.max_tokens) if isinstance(req, ChatCompletionRequest) else req.max_tokens
@@ -174,7 +177,16 @@ async def _complete(backend: Backend, owner: str, req: ChatCompletionRequest | C
     if req.stream:
         usage = bool(req.stream_options and req.stream_options.include_usage)
         out = StreamedCompletion(
-            completion_id, tokenizer, req.model, chat, req.n, stops, req.wants_logprobs, req.top > 0, usage, len(prompt)
+            completion_id,
+            tokenizer,
+            req.model,
+            chat,
+            req.n,
+            stops,
+            req.wants_logprobs,
+            req.top > 0,
+            usage,
+            _prompt_length(prompt),
         )
         return EventStream(events(backend, future_id, out))
     result = await run_in_threadpool(backend.wait, future_id, backend.settings.sample_timeout_seconds)
@@ -187,7 +199,7 @@ async def _complete(backend: Backend, owner: str, req: ChatCompletionRequest | C
         "choices": [
             render.choice(i, tokenizer, seq, stops, chat, req.wants_logprobs) for i, seq in enumerate(sequences)
         ],
-        "usage": render.usage(len(prompt), sequences),
+        "usage": render.usage(_prompt_length(prompt), sequences),
     }
 
 
@@ -203,19 +215,38 @@ def _resolve_model(backend: Backend, owner: str, model: str) -> tuple[str, str |
     return model, None
 
 
-def _prompt_tokens(tokenizer, req: _OpenAIRequest, chat: bool) -> list[int]:
+def _prompt_tokens(tokenizer, req: _OpenAIRequest, chat: bool, backend: Backend, source: str) -> list[int] | ModelInput:
+    """The prompt's token ids, or its chunks when a chat message has image parts (`openai_images`)."""
     if not chat:
         prompt = req.prompt
         return list(prompt) if isinstance(prompt, list) else tokenizer.encode(prompt, add_special_tokens=False)
-    messages = []
+    messages, images = [], []
     for i, message in enumerate(req.messages):
         content = message.content
-        if isinstance(content, list):  # content parts: only text is supported
-            if any(part.get("type") != "text" for part in content):
-                raise InvalidRequestError(f"messages[{i}].content: only text parts are supported")
-            content = "".join(part.get("text", "") for part in content)
+        if isinstance(content, list):  # content parts: text, and images as placeholders
+            texts = []
+            for j, part in enumerate(content):
+                if part.get("type") == "image_url":
+                    images.append(image_part(f"messages[{i}].content[{j}]", part, backend.settings))
+                    texts.append(placeholder(tokenizer))
+                elif part.get("type") == "text":
+                    texts.append(part.get("text", ""))
+                else:
+                    raise InvalidRequestError(
+                        f"messages[{i}].content[{j}]: only text and image_url parts are supported"
+                    )
+            content = "".join(texts)
         messages.append({"role": message.role, "content": content or ""})
     if tokenizer.chat_template is None:
         raise InvalidRequestError(f"model: {req.model!r} has a tokenizer without a chat template; use /v1/completions")
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    if images:
+        return split_at_images(tokenizer, text, images, source)
     return tokenizer.encode(text, add_special_tokens=False)
+
+
+def _prompt_length(prompt: list[int] | ModelInput) -> int:
+    """The prompt's tokens as usage counts them (an image's: its expected_tokens, when counted)."""
+    if isinstance(prompt, list):
+        return len(prompt)
+    return sum(len(c.tokens) if isinstance(c, EncodedTextChunk) else c.expected_tokens or 0 for c in prompt.chunks)

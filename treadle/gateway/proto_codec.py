@@ -23,7 +23,9 @@ from treadle.types import (
     MAX_TENSOR_VALUES,
     MAX_TOKENS_PER_SEQUENCE,
     Datum,
+    EncodedTextChunk,
     ForwardBackwardOutput,
+    ImageChunk,
     ModelInput,
     SampleResponse,
     TensorData,
@@ -90,25 +92,46 @@ def _loss_config(msg: pb.ForwardBackwardRequest) -> dict:
 
 
 def _datum(index: int, datum: pb.Datum) -> Datum:
-    chunks = []
+    chunks: list[EncodedTextChunk | ImageChunk] = []
+    total = 0
     for c, chunk in enumerate(datum.model_input):
+        field = f"data[{index}].model_input.chunks[{c}]"
         kind = chunk.WhichOneof("chunk")
-        if kind != "encoded_text":
-            raise InvalidRequestError(f"data[{index}].model_input: {kind} chunks are not supported; only encoded_text")
-        chunks.append(_tokens(f"data[{index}].model_input.chunks[{c}].tokens", chunk.encoded_text.tokens))
-    total = sum(len(c) for c in chunks)
+        if kind == "encoded_text":
+            tokens = _tokens(f"{field}.tokens", chunk.encoded_text.tokens)
+            total += len(tokens)
+            chunks.append(EncodedTextChunk.model_construct(tokens=tokens.tolist()))
+        elif kind == "image":
+            chunks.append(_image(field, chunk.image))
+        else:
+            raise InvalidRequestError(f"{field}: {kind} chunks are not supported; only encoded_text and image")
     if total > MAX_TOKENS_PER_SEQUENCE:
         raise InvalidRequestError(
             f"data[{index}].model_input: {total} tokens; at most {MAX_TOKENS_PER_SEQUENCE} (2^20)"
         )
     inputs = {name: _tensor(f"data[{index}].loss_fn_inputs.{name}", t) for name, t in datum.loss_fn_inputs.items()}
-    tokens = np.concatenate(chunks).tolist() if chunks else []
     try:
-        return Datum(model_input=ModelInput.from_ints(tokens), loss_fn_inputs=inputs)
+        return Datum(model_input=ModelInput(chunks=chunks), loss_fn_inputs=inputs)
     except ValidationError as exc:  # a bound of the wire types (the number of loss inputs, ...)
         err = exc.errors()[0]
         where = ".".join(str(p) for p in err["loc"])
         raise InvalidRequestError(f"data[{index}].{where}: {err['msg']} (got {err.get('input')!r:.80})") from None
+
+
+def _image(field: str, image: pb.ImageChunk) -> ImageChunk:
+    """An image chunk as sent: its bytes, format and expected_tokens; the worker decodes and counts it."""
+    if image.HasField("override_dimensions"):
+        raise InvalidRequestError(f"{field}.override_dimensions: not supported; send the image at the size to use")
+    try:
+        return ImageChunk(
+            data=image.data,
+            format=image.format,  # type: ignore[arg-type]  # checked here: png or jpeg
+            expected_tokens=image.expected_tokens if image.HasField("expected_tokens") else None,
+        )
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        where = ".".join(str(p) for p in err["loc"])
+        raise InvalidRequestError(f"{field}.{where}: {err['msg']} (got {err.get('input')!r:.80})") from None
 
 
 def _tokens(field: str, raw: bytes) -> np.ndarray:

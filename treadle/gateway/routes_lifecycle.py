@@ -79,6 +79,7 @@ async def get_server_capabilities(call: Call) -> dict:
                 "sampleable": True,
                 "family": m.family,
                 "sampler": m.sampler,
+                "inputs": m.inputs,
             }
             for m in served
         ]

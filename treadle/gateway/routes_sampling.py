@@ -21,7 +21,7 @@ from treadle.gateway.sample_targets import dense_target_ids
 from treadle.gateway.store import Sampler
 from treadle.queue import names
 from treadle.queue.ops import SampleRequest, parse_request
-from treadle.types import SamplingParams
+from treadle.types import EncodedTextChunk, ImageChunk, ModelInput, SamplingParams
 
 router = APIRouter()
 
@@ -80,16 +80,12 @@ def _sample_request(
     req: tt.SampleRequest, base_model: str, model_path: str | None
 ) -> tuple[SampleRequest, dict | None]:
     """treadle's request, and the CSR layout of a sparse target_prompt_logprobs (its answer keeps it)."""
-    prompt: list[int] = []
-    for i, chunk in enumerate(req.prompt.chunks):
-        if not isinstance(chunk, tt.EncodedTextChunk):
-            raise InvalidRequestError(f"prompt.chunks[{i}]: {type(chunk).__name__} is not supported; only encoded_text")
-        prompt.extend(chunk.tokens)
+    prompt = _prompt(req.prompt)
     params = parse_request(SamplingParams, req.sampling_params.model_dump(), "sampling_params")
     target, layout = (
         (None, None)
         if req.target_prompt_logprobs is None
-        else dense_target_ids(req.target_prompt_logprobs, len(prompt) - 1)
+        else dense_target_ids(req.target_prompt_logprobs, _length(req.prompt) - 1)
     )
     return SampleRequest.build(
         base_model=base_model,
@@ -103,3 +99,29 @@ def _sample_request(
         target_prompt_logprobs=target,
         prompt_alt_tokens_k=req.prompt_alt_tokens_k,
     ), layout
+
+
+def _prompt(prompt: tt.ModelInput) -> list[int] | ModelInput:
+    """The prompt's token ids, or its chunks when it holds images (the worker's processor turns them into tokens)."""
+    if all(isinstance(c, tt.EncodedTextChunk) for c in prompt.chunks):
+        return [t for c in prompt.chunks for t in c.tokens]  # type: ignore[union-attr]  # text chunks, checked above
+    chunks: list[EncodedTextChunk | ImageChunk] = []
+    for i, chunk in enumerate(prompt.chunks):
+        if isinstance(chunk, tt.EncodedTextChunk):
+            chunks.append(EncodedTextChunk(tokens=chunk.tokens))
+        elif isinstance(chunk, tt.ImageChunk):
+            chunks.append(ImageChunk(data=chunk.data, format=chunk.format, expected_tokens=chunk.expected_tokens))
+        else:
+            raise InvalidRequestError(
+                f"prompt.chunks[{i}]: {type(chunk).__name__} is not supported; only encoded_text and image"
+            )
+    return ModelInput(chunks=chunks)
+
+
+def _length(prompt: tt.ModelInput) -> int:
+    try:
+        return prompt.length
+    except ValueError:  # an image chunk without expected_tokens has no length
+        raise InvalidRequestError(
+            "target_prompt_logprobs: every image chunk of the prompt needs expected_tokens"
+        ) from None

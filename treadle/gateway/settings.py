@@ -70,6 +70,20 @@ class GatewaySettings(BaseSettings):
     sample_timeout_seconds: float = Field(
         default=600.0, gt=0, description="Longest wait for an OpenAI-compatible completion."
     )
+    openai_image_fetch: bool = Field(
+        default=False,
+        description="Fetch http(s) image URLs of OpenAI chat messages (off: only data: URLs; on, a client makes the "
+        "gateway fetch the URLs it names, so only from --openai_image_hosts).",
+    )
+    openai_image_hosts: list[str] = Field(
+        default_factory=list, description="Hosts whose http(s) image URLs the gateway fetches (--openai_image_fetch)."
+    )
+    openai_image_max_bytes: int = Field(
+        default=8 << 20, ge=1, description="Largest image the gateway fetches from an http(s) URL."
+    )
+    openai_image_timeout_s: float = Field(
+        default=10.0, gt=0, description="Longest fetch of one http(s) image URL, connecting and each read."
+    )
     max_body_bytes: int = Field(
         default=64 << 20,
         ge=1024,

@@ -1,14 +1,12 @@
 """The worker's compute engine: one base model, loaded once, serving many training sessions.
 
-Each session is one LoRA adapter plus one AdamW optimizer on the shared base model; each sampler is
-a frozen adapter snapshot (or the bare base model). The engine knows nothing of queues, ordering or
-storage: the Celery worker calls these methods in each session's `seq` order, and the checkpoint
-store moves the directories that `save_state` / `save_sampler_weights` write.
+Each session is one LoRA adapter plus one AdamW on the shared base model; each sampler a frozen adapter snapshot (or
+the bare base model). The engine knows nothing of queues, ordering or storage: the Celery worker calls these methods
+in each session's `seq` order, and the checkpoint store moves what `save_state` / `save_sampler_weights` write.
 
 Every public method but queueing a sample or a `compute_logprobs` request takes the fair `DeviceLock` (the
-active adapter is PeftModel-wide state; the sampler takes it for each forward of its own). The HF `SampleScheduler` batches every pending sample request into one decode loop and takes the lock
-once per forward (a training op waits at most one decode step); vLLM samples in a child process, lock-free.
-Every request is validated completely before any tensor is touched.
+active adapter is PeftModel-wide state; the sampler's batched decode loop takes it per forward, so a training op
+waits at most one decode step); vLLM samples in a child process, lock-free. Requests are validated before any tensor.
 """
 
 from __future__ import annotations
@@ -29,6 +27,7 @@ from treadle.gpu_worker.scheduling.device_lock import DeviceLock, engine_lock, o
 from treadle.gpu_worker.training.logprobs import micro_batches, on_host, target_logprobs
 from treadle.gpu_worker.training.losses import LOSSES
 from treadle.gpu_worker.model.host import ModelHost, microbatch_budget, pick_device
+from treadle.types.base import DEFAULT_MAX_IMAGE_PIXELS
 from treadle.gpu_worker.model_profile import profile
 from treadle.gpu_worker.training.optimizer import SessionOptimizer
 from treadle.gpu_worker.sampling.extras import SampleExtras
@@ -54,11 +53,6 @@ from treadle.types import (
     SamplingParams,
     TensorData,
 )
-
-
-def _gated(datum: PreparedDatum, gate: str) -> np.ndarray:
-    """The positions where the loss's `gate` input is nonzero (any of a position's K columns)."""
-    return (datum.inputs[gate].reshape(datum.length, -1) != 0).any(axis=1)
 
 
 T = TypeVar("T")
@@ -90,11 +84,14 @@ class Engine:
         sampler: SamplerKind = "hf",
         sampler_options: SamplerOptions | None = None,
         shard: bool = False,
+        max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
     ):
         self._lock = engine_lock(pick_device(device), shared=shard)
         # Loaded where it will compute: a load's parallel copies on this thread would give it a thread pool of its own.
         with self._lock:
-            self._host = self._lock.run(ModelHost, model, device=device, dtype=dtype, shard=shard)
+            self._host = self._lock.run(
+                ModelHost, model, device=device, dtype=dtype, shard=shard, max_image_pixels=max_image_pixels
+            )
         self._bank = AdapterBank(self._host)
         self._sessions: dict[str, _Session] = {}
         self._samplers: dict[str, str] = {}  # sampler id -> adapter name
@@ -103,11 +100,16 @@ class Engine:
         self.max_seq_len = self._host.max_seq_len
         self.vocab_size = self._host.vocab_size
         self.tokenizer = self._host.tokenizer
+        self.vision = self._host.vision  # a vision-language model's image path (None: a text model)
+        self._limits = dict(max_seq_len=self.max_seq_len, vocab_size=self.vocab_size, vision=self.vision)
         self.max_tokens_per_microbatch = max_tokens_per_microbatch or microbatch_budget(
             self._host.model, self._host.dtype, self._host.device_memory
         )
         # Family, LoRA targets, sampler path; a model treadle cannot serve is refused here (`model_profile`).
-        self.profile = profile(self._host.model, self._host.targets, str(self._host.dtype).removeprefix("torch."))
+        images = self.vision is not None and not self.vision.refused
+        self.profile = profile(
+            self._host.model, self._host.targets, str(self._host.dtype).removeprefix("torch."), images=images
+        )
         setup = SamplerSetup(
             self._bank,
             self._host,
@@ -187,7 +189,7 @@ class Engine:
             # Everything is validated before the model runs, so a rejected request leaves no gradients.
             session = self._session(session_id)
             config = check_loss(loss_fn, loss_fn_config)
-            prepared = prepare_data(data, loss_fn, max_seq_len=self.max_seq_len, vocab_size=self.vocab_size)
+            prepared = prepare_data(data, loss_fn, **self._limits)
             work = sum(d.length for d in prepared) * self._base_params
             return self._compute(work, self._run, session, prepared, loss_fn, config, backward=backward)
 
@@ -219,7 +221,9 @@ class Engine:
                     [d.inputs["target_tokens"] for d in batch],
                     device=device,
                     pad_token_id=self._host.pad_token_id,
-                    needs_grad=[_gated(d, spec.gradient_gate) for d in batch]
+                    vision=self.vision,
+                    visuals=[d.visual for d in batch],
+                    needs_grad=[d.gated(spec.gradient_gate) for d in batch]
                     if backward and spec.gradient_gate
                     else None,
                 )
@@ -307,14 +311,7 @@ class Engine:
         `stream`: where its tokens go as they are drawn, and whence its client's cancel comes (None: neither)."""
         with self._catalog:
             adapter = self._sampler(sampler_id) if sampler_id is not None else None
-            request = prepare_sample(
-                prompt,
-                num_samples,
-                params,
-                topk_prompt_logprobs,
-                max_seq_len=self.max_seq_len,
-                vocab_size=self.vocab_size,
-            )
+            request = prepare_sample(prompt, num_samples, params, topk_prompt_logprobs, **self._limits)
             extras.check(self.vocab_size)
             stop_ids = frozenset({self._host.eos_token_id, *request.stop_token_ids})
             return self.sampler.sample(
@@ -338,6 +335,9 @@ class Engine:
 
     def compute_logprobs(self, sampler_id: str | None, prompt: ModelInput) -> list[float | None]:
         """Logprob of each prompt token given the ones before it; entry 0 is None (batched with others)."""
+        if not prompt.is_text:  # images are prepared and encoded where a sample's prompt is
+            params = SamplingParams(max_tokens=1)
+            return self.sample(sampler_id, prompt, 1, params, include_prompt_logprobs=True).prompt_logprobs or []
         with self._catalog:
             adapter = self._sampler(sampler_id) if sampler_id is not None else None
             tokens = check_tokens("prompt", prompt.to_ints(), max_seq_len=self.max_seq_len, vocab_size=self.vocab_size)

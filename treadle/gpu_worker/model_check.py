@@ -58,7 +58,15 @@ def smoke(engine, *, rank: int = 32, steps: int = 2, seed: int = 0) -> SmokeResu
     started = time.monotonic()
     rng = np.random.default_rng(seed)
     high = min(engine.vocab_size, 32_000)
-    data = [cross_entropy_datum(rng.integers(0, high, 24).tolist()) for _ in range(4)]
+
+    def draw(n: int) -> list[int]:
+        tokens = rng.integers(0, high, n)
+        # A vision-language model refuses its image token in text (images come as image chunks).
+        if engine.vision is not None:
+            tokens[tokens == engine.vision.image_token_id] = engine.vision.image_token_id + 1
+        return tokens.tolist()
+
+    data = [cross_entropy_datum(draw(24)) for _ in range(4)]
     engine.create_session("check", LoraConfig(rank=rank, alpha=rank, seed=seed))
     try:
         losses = []
@@ -67,7 +75,7 @@ def smoke(engine, *, rank: int = 32, steps: int = 2, seed: int = 0) -> SmokeResu
             engine.optim_step("check", AdamParams(learning_rate=1e-2))
         losses.append(engine.forward("check", data, "cross_entropy").metrics["loss:sum"])
         engine.snapshot_sampler("check", "check-sampler")
-        prompt = rng.integers(0, high, 12).tolist()
+        prompt = draw(12)
         t0 = time.monotonic()
         response = engine.sample(
             "check-sampler", ModelInput.from_ints(prompt), 4, SamplingParams(max_tokens=16, seed=seed, temperature=1.0)
@@ -100,6 +108,7 @@ def render(profile, result: SmokeResult | None) -> str:
         f"sampler       {profile.sampler}",
         f"static decode {profile.static_decode}",
         f"vllm          {profile.vllm}",
+        f"inputs        {', '.join(profile.inputs)}",
     ]
     if result is not None:
         lines += [

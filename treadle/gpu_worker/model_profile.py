@@ -77,10 +77,15 @@ class ModelProfile(BaseModel):
     vllm: str = Field(
         description="Whether the vllm sampler backend serves this family: yes, or no: and why (hf serves every family)."
     )
+    inputs: list[str] = Field(
+        default=["text"],
+        description="What the model reads: text, and vision for a vision-language model (image chunks).",
+    )
 
 
-def profile(model: nn.Module, targets: LoraTargets, dtype: str) -> ModelProfile:
-    """The profile of a loaded model; raises ValueError naming what treadle cannot serve."""
+def profile(model: nn.Module, targets: LoraTargets, dtype: str, *, images: bool = False) -> ModelProfile:
+    """The profile of a loaded model (`images`: its image chunks are served); raises ValueError naming what treadle
+    cannot serve."""
     config = model.config.get_text_config(decoder=True)
     missing = cache_rows.supported(model)
     if missing:
@@ -108,6 +113,7 @@ def profile(model: nn.Module, targets: LoraTargets, dtype: str) -> ModelProfile:
         sampler=SAMPLER_SPLIT if targets.experts else SAMPLER_MIXED,
         static_decode=static_path(model, list(targets.experts)),
         vllm=vllm_serves(family),
+        inputs=["text", "vision"] if images else ["text"],
     )
 
 

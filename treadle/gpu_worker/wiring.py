@@ -205,6 +205,7 @@ def load_engines(config: WorkerConfig) -> tuple[dict[str, Engine], list[ServedMo
                     vllm=options, hf_decode="dynamic" if config.shard else config.sampler_decode
                 ),
                 shard=config.shard,
+                max_image_pixels=config.max_image_pixels,
             )
         except (InvalidRequestError, ValueError) as exc:  # a model treadle cannot serve: say what, and stop
             raise SystemExit(f"treadle worker: cannot serve {name} ({path}): {exc}") from exc
@@ -230,4 +231,5 @@ def _served(name: str, path: str, engine: Engine) -> ServedModel:
         family=engine.profile.family,
         dtype=engine.profile.dtype,
         sampler=engine.sampler.path,
+        inputs=engine.profile.inputs,
     )

@@ -8,6 +8,7 @@ from typing import Literal
 from pydantic import BaseModel, Field
 
 from treadle.queue.celery_app import RESULT_EXPIRES_S
+from treadle.types.base import DEFAULT_MAX_IMAGE_PIXELS
 
 
 class WorkerConfig(BaseModel):
@@ -94,6 +95,12 @@ class WorkerConfig(BaseModel):
         "next turn) is prefilled only from where they end; least recently used first out. One position costs what a "
         "batch position does (2 x layers x kv_heads x head_dim x dtype bytes: 46 KB for SmolLM2-135M in fp32), each "
         "kept prompt also its last logits (vocab x dtype bytes). 0: no reuse (treadle.gpu_worker.sampling.hf.prefix_cache).",
+    )
+    max_image_pixels: int = Field(
+        default=DEFAULT_MAX_IMAGE_PIXELS,
+        ge=1,
+        description="Largest image (width x height) a vision-language model's requests may carry; a larger one is "
+        "refused, naming its chunk, before its pixels are decoded.",
     )
     sampler: Literal["auto", "hf", "vllm"] = Field(
         default="auto",

@@ -14,7 +14,7 @@ from `OPS`, so adding an op is: a request class here (and its entry in `OPS`), a
 
 from __future__ import annotations
 
-from typing import ClassVar, Literal, Self, TypeVar
+from typing import Annotated, ClassVar, Literal, Self, TypeVar
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -29,6 +29,7 @@ from treadle.types import (
     LoadWeightsResponse,
     LoraConfig,
     LossFnType,
+    ModelInput,
     OptimStepResponse,
     SampleResponse,
     SamplingParams,
@@ -224,7 +225,9 @@ class SampleRequest(OpRequest):
 
     base_model: str = Field(description="The served base model; its workers sample.")
     model_path: str | None = Field(default=None, description="A sampler checkpoint path; None samples the base model.")
-    prompt: list[TokenId] = Field(max_length=MAX_TOKENS_PER_SEQUENCE, description="Prompt token ids.")
+    prompt: Annotated[list[TokenId], Field(max_length=MAX_TOKENS_PER_SEQUENCE)] | ModelInput = Field(
+        description="Prompt token ids, or the prompt's chunks when it holds images."
+    )
     num_samples: int = Field(default=1, ge=1, le=1024, description="Independent samples of the prompt.")
     sampling_params: SamplingParams = Field(default_factory=SamplingParams, description="How to sample.")
     include_prompt_logprobs: bool = Field(default=False, description="Also return each prompt token's logprob.")
@@ -258,8 +261,23 @@ class SampleRequest(OpRequest):
 
     @model_validator(mode="after")
     def _target_ids_fit_the_prompt(self) -> "SampleRequest":
-        check_target_ids(self.target_prompt_logprobs, len(self.prompt))
+        if self.target_prompt_logprobs is not None:
+            if isinstance(self.prompt, ModelInput) and any(
+                getattr(c, "expected_tokens", 0) is None for c in self.prompt.chunks
+            ):
+                raise ValueError("target_prompt_logprobs: every image chunk of the prompt needs expected_tokens")
+            check_target_ids(self.target_prompt_logprobs, self.prompt_length)
         return self
+
+    @property
+    def prompt_input(self) -> ModelInput:
+        """The prompt as chunks, whichever form it came in."""
+        return self.prompt if isinstance(self.prompt, ModelInput) else ModelInput.from_ints(self.prompt)
+
+    @property
+    def prompt_length(self) -> int:
+        """Positions of the prompt (an image chunk's: its expected_tokens, which must then be set)."""
+        return self.prompt.length if isinstance(self.prompt, ModelInput) else len(self.prompt)
 
 
 class CreateSessionRequest(OpRequest):

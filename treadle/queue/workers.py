@@ -18,6 +18,7 @@ class ServedModel(BaseModel):
     family: str | None = None  # transformers' model_type (None: announced by an older worker)
     dtype: str | None = None
     sampler: str | None = None  # how the worker's sampler serves it (`model_profile`)
+    inputs: list[str] = ["text"]  # what it reads: text, and vision for a vision-language model
     workers: list[str] = []
 
 

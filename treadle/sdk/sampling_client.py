@@ -30,7 +30,7 @@ class SamplingClient:
         req = SampleRequest.build(
             base_model=self._base_model,
             model_path=self.model_path,
-            prompt=prompt.to_ints(),
+            prompt=prompt.to_ints() if prompt.is_text else prompt,
             num_samples=num_samples,
             sampling_params=sampling_params or SamplingParams(),
             include_prompt_logprobs=include_prompt_logprobs,
@@ -43,7 +43,7 @@ class SamplingClient:
         req = SampleRequest.build(
             base_model=self._base_model,
             model_path=self.model_path,
-            prompt=prompt.to_ints(),
+            prompt=prompt.to_ints() if prompt.is_text else prompt,
             num_samples=1,
             sampling_params=SamplingParams(max_tokens=1),
             include_prompt_logprobs=True,

@@ -88,14 +88,22 @@ class ServiceClient:
         train_unembed: bool = True,
         user_metadata: dict | None = None,
         checkpoint_every: int | None = None,
+        train_vision: bool = False,
     ) -> TrainingClient:
         """A new session with a fresh LoRA adapter; blocks until a worker has created it.
 
         `checkpoint_every` overrides the worker's automatic checkpoint period (optimizer steps) for
-        this session; automatic checkpoints bound how much a crash has to replay.
+        this session; automatic checkpoints bound how much a crash has to replay. `train_vision` also adapts a
+        vision-language model's vision tower and projector (frozen otherwise).
         """
         lora = LoraConfig(
-            rank=rank, alpha=alpha, seed=seed, train_mlp=train_mlp, train_attn=train_attn, train_unembed=train_unembed
+            rank=rank,
+            alpha=alpha,
+            seed=seed,
+            train_mlp=train_mlp,
+            train_attn=train_attn,
+            train_unembed=train_unembed,
+            train_vision=train_vision,
         )
         return self._create(
             base_model=base_model,
@@ -170,6 +178,7 @@ class ServiceClient:
         train_unembed: bool = True,
         user_metadata: dict | None = None,
         checkpoint_every: int | None = None,
+        train_vision: bool = False,
     ) -> TrainingClient:
         return await wait_off_loop(
             self.create_lora_training_client,
@@ -182,6 +191,7 @@ class ServiceClient:
             train_unembed=train_unembed,
             user_metadata=user_metadata,
             checkpoint_every=checkpoint_every,
+            train_vision=train_vision,
         )
 
     async def create_training_client_from_state_async(

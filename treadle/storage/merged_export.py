@@ -1,7 +1,8 @@
 """Merged export: base model + LoRA adapter folded into one plain model directory.
 
 The result loads with `AutoModelForCausalLM.from_pretrained` alone (no peft), for serving with tools
-that cannot apply LoRA themselves. The merge runs in fp32 and the result is cast back to the base
+that cannot apply LoRA themselves; a vision-language model's with `AutoModelForImageTextToText`, its image
+processor beside it. The merge runs in fp32 and the result is cast back to the base
 model's stored dtype.
 
 Models that tie the output layer to the input embeddings (SmolLM2, Qwen2-0.5B, ...) are untied
@@ -14,7 +15,13 @@ from __future__ import annotations
 import torch
 from peft import PeftConfig, PeftModel
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers import (
+    AutoConfig,
+    AutoImageProcessor,
+    AutoModelForCausalLM,
+    AutoModelForImageTextToText,
+    AutoTokenizer,
+)
 
 
 def export_merged(base_model: str, adapter_dir: str, out_dir: str) -> None:
@@ -25,7 +32,9 @@ def export_merged(base_model: str, adapter_dir: str, out_dir: str) -> None:
         bool(getattr(config, "tie_word_embeddings", False))
         and "lm_head" in PeftConfig.from_pretrained(adapter_dir).target_modules
     )
-    model = AutoModelForCausalLM.from_pretrained(base_model, dtype=torch.float32)
+    vision = getattr(config, "vision_config", None) is not None
+    auto = AutoModelForImageTextToText if vision else AutoModelForCausalLM
+    model = auto.from_pretrained(base_model, dtype=torch.float32)
     if untie:
         model.config.tie_word_embeddings = False
         model.get_output_embeddings().weight = nn.Parameter(model.get_input_embeddings().weight.detach().clone())
@@ -34,3 +43,5 @@ def export_merged(base_model: str, adapter_dir: str, out_dir: str) -> None:
         merged = merged.to(stored_dtype)
     merged.save_pretrained(out_dir)
     AutoTokenizer.from_pretrained(base_model).save_pretrained(out_dir)
+    if vision:
+        AutoImageProcessor.from_pretrained(base_model).save_pretrained(out_dir)

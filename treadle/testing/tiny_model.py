@@ -8,7 +8,9 @@ assistant turns with `{% generation %}` so `return_assistant_tokens_mask=True` w
 
     python -m treadle.testing.tiny_model DIR [--arch llama|qwen3_moe|gpt_oss|...] [--seed 0]
 
-`--arch` takes any family of `treadle.testing.families` (llama, the default, is the tests' usual model).
+`--arch` takes any family of `treadle.testing.families` (llama, the default, is the tests' usual model) or
+of `treadle.testing.vision_families` (qwen2_5_vl, qwen3_vl, qwen3_5_vision, gemma3_vision: vision-language models, whose directory also holds its
+image processor, `AutoImageProcessor`'s to load).
 """
 
 from __future__ import annotations
@@ -17,7 +19,10 @@ import argparse
 import random
 from pathlib import Path
 
-from treadle.testing.families import FAMILIES, family_config
+from treadle.testing.families import _COMMON, FAMILIES, family_config
+from treadle.testing.vision_families import TEXT_ONLY_VISION_FAMILIES, VISION_FAMILIES
+
+ALL_VISION = {**VISION_FAMILIES, **TEXT_ONLY_VISION_FAMILIES}
 
 VOCAB_SIZE = 512
 MAX_POSITION_EMBEDDINGS = 512
@@ -55,8 +60,9 @@ def _corpus(seed: int, lines: int = 4000) -> list[str]:
     return out
 
 
-def build_tokenizer(seed: int = 0):
-    """A 512-token byte-level BPE with ChatML special tokens (trains in well under a second)."""
+def build_tokenizer(seed: int = 0, extra_special_tokens: tuple[str, ...] = ()):
+    """A 512-token byte-level BPE with ChatML special tokens, and `extra_special_tokens` after them (a vision
+    model's image markers) within the same 512 (trains in well under a second)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -65,7 +71,7 @@ def build_tokenizer(seed: int = 0):
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=VOCAB_SIZE,
-        special_tokens=SPECIAL_TOKENS,
+        special_tokens=[*SPECIAL_TOKENS, *extra_special_tokens],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
@@ -75,23 +81,33 @@ def build_tokenizer(seed: int = 0):
         eos_token="<|im_end|>",
         pad_token="<|pad|>",
         chat_template=CHATML_TEMPLATE,
+        additional_special_tokens=list(extra_special_tokens) or None,
     )
 
 
 def _config(arch: str, tokenizer, tie_word_embeddings: bool, head_dim: int | None, initializer_range: float | None):
-    config = family_config(
-        arch,
+    sizes = dict(
         vocab_size=VOCAB_SIZE,
         max_position_embeddings=MAX_POSITION_EMBEDDINGS,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
-    if tie_word_embeddings:
-        config.tie_word_embeddings = True
-    if head_dim:
-        config.head_dim = head_dim
-    if initializer_range:
-        config.initializer_range = initializer_range
+    if arch in ALL_VISION:
+        family = ALL_VISION[arch]
+        ids = {name: tokenizer.convert_tokens_to_ids(name) for name in family.special_tokens}
+        config = family.config(ids, **_COMMON, **sizes)
+    else:
+        config = family_config(arch, **sizes)
+    # On a vision-language model these shape its decoder; its weights' spread applies to the tower's too.
+    for part in {id(c): c for c in (config, config.get_text_config(decoder=True))}.values():
+        if tie_word_embeddings:
+            part.tie_word_embeddings = True
+        if head_dim:
+            part.head_dim = head_dim
+        if initializer_range:
+            part.initializer_range = initializer_range
+            if getattr(part, "vision_config", None) is not None:
+                part.vision_config.initializer_range = initializer_range
     return config
 
 
@@ -113,25 +129,29 @@ def build_tiny_model(
     compares two ways of computing logprobs then sees a wrong mask or cache, which a near-uniform model hides.
     """
     import torch
-    from transformers import AutoModelForCausalLM, GenerationConfig
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, GenerationConfig
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tokenizer(seed)
+    vision = ALL_VISION.get(arch)
+    tokenizer = build_tokenizer(seed, vision.special_tokens if vision else ())
     assert len(tokenizer) == VOCAB_SIZE, f"tokenizer has {len(tokenizer)} tokens, expected {VOCAB_SIZE}"
     config = _config(arch, tokenizer, tie_word_embeddings, head_dim, initializer_range)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    auto = AutoModelForImageTextToText if vision else AutoModelForCausalLM
+    model = auto.from_config(config, dtype=torch.float32)
     model.generation_config = GenerationConfig(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
+    if vision:
+        vision.image_processor().save_pretrained(directory)
     return str(directory)
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("directory", help="Output directory (created if missing).")
-    parser.add_argument("--arch", choices=list(FAMILIES), default="llama", help="Model family.")
+    parser.add_argument("--arch", choices=[*FAMILIES, *ALL_VISION], default="llama", help="Model family.")
     parser.add_argument("--seed", type=int, default=0, help="Seed of the weights and the tokenizer corpus.")
     parser.add_argument("--tie-word-embeddings", action="store_true", help="Share lm_head with the input embeddings.")
     parser.add_argument(

@@ -9,7 +9,14 @@ Tensors travel as raw little-endian bytes (`model_dump(context=WIRE)`), never as
 
 from __future__ import annotations
 
-from treadle.types.base import MAX_TENSOR_DIMS, MAX_TENSOR_VALUES, MAX_TOKENS_PER_SEQUENCE, SEED_MAX, TokenId
+from treadle.types.base import (
+    MAX_IMAGE_BYTES,
+    MAX_TENSOR_DIMS,
+    MAX_TENSOR_VALUES,
+    MAX_TOKENS_PER_SEQUENCE,
+    SEED_MAX,
+    TokenId,
+)
 from treadle.types.configs import (
     ALIAS_TARGETS,
     ALIASABLE_LOSSES,
@@ -26,7 +33,7 @@ from treadle.types.configs import (
     PPOConfig,
     SamplingParams,
 )
-from treadle.types.data import Datum, EncodedTextChunk, ModelInput
+from treadle.types.data import Datum, EncodedTextChunk, ImageChunk, ModelInput, ModelInputChunk
 from treadle.types.responses import (
     Checkpoint,
     ForwardBackwardOutput,
@@ -55,11 +62,13 @@ __all__ = [
     "EncodedTextChunk",
     "ForwardBackwardOutput",
     "GetInfoResponse",
+    "ImageChunk",
     "LoadWeightsResponse",
     "LoraConfig",
     "LossFnType",
     "ModelData",
     "ModelInput",
+    "ModelInputChunk",
     "OptimStepResponse",
     "PromptAltTokens",
     "SampleResponse",
@@ -85,6 +94,7 @@ __all__ = [
     "ALIASABLE_LOSSES",
     "ALIAS_TARGETS",
     # The limits requests are held to, and the context that writes tensors as raw bytes (the queue, the gateway).
+    "MAX_IMAGE_BYTES",
     "MAX_TENSOR_DIMS",
     "MAX_TENSOR_VALUES",
     "MAX_TOKENS_PER_SEQUENCE",

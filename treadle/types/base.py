@@ -26,6 +26,9 @@ INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_TENSOR_DIMS = 8
 MAX_TENSOR_VALUES = 2**24
 MAX_LOSS_INPUTS = 64
+# An image chunk's encoded bytes, and the pixels a worker decodes of one by default (`--max_image_pixels`).
+MAX_IMAGE_BYTES = 2**24
+DEFAULT_MAX_IMAGE_PIXELS = 2**24  # 4096 x 4096
 
 
 class _Response(BaseModel):

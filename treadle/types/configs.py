@@ -151,6 +151,10 @@ class LoraConfig(_Request):
     train_mlp: bool = Field(default=True, description="Adapt the MLP projections.")
     train_attn: bool = Field(default=True, description="Adapt the attention projections.")
     train_unembed: bool = Field(default=True, description="Adapt the output embedding (lm_head).")
+    train_vision: bool = Field(
+        default=False,
+        description="Also adapt the vision tower and its projector (vision-language models; frozen otherwise).",
+    )
 
     @model_validator(mode="after")
     def _something_to_train(self) -> "LoraConfig":

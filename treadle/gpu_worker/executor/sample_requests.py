@@ -22,7 +22,6 @@ from treadle.gpu_worker.sampling.extras import SampleExtras
 from treadle.queue.ops import SampleRequest
 from treadle.storage.checkpoint_store import CheckpointStore
 from treadle.storage.paths import CheckpointPath
-from treadle.types import ModelInput
 
 # In-memory sampler snapshots kept per worker; older ones are reloaded from the store on demand.
 MAX_CACHED_SAMPLERS = 8
@@ -93,7 +92,7 @@ class Sampling:
             engine, sampler_id = self.cache.engine_and_sampler(req.base_model, req.model_path)
             return engine.sample_async(
                 sampler_id,
-                ModelInput.from_ints(req.prompt),
+                req.prompt_input,
                 req.num_samples,
                 req.sampling_params,
                 include_prompt_logprobs=req.include_prompt_logprobs,

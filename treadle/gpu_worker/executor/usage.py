@@ -27,17 +27,24 @@ from treadle.observability import metrics
 from treadle.queue.ops import CreateSessionRequest, ForwardRequest, OpRequest, SampleRequest
 from treadle.queue.sessions import SessionRegistry
 from treadle.storage.paths import CheckpointPath
-from treadle.types import SampleResponse
+from treadle.types import EncodedTextChunk, ModelInput, SampleResponse
 
 log = logging.getLogger("treadle.worker")
 
 
+def positions(model_input: ModelInput) -> int:
+    """Tokens of an input as metered: an image chunk counts its expected_tokens (the worker refused any other
+    count; one sent without it counts 0)."""
+    return sum(len(c.tokens) if isinstance(c, EncodedTextChunk) else c.expected_tokens or 0 for c in model_input.chunks)
+
+
 def token_counts(request: OpRequest, response: BaseModel | None) -> dict[str, int]:
     if isinstance(request, ForwardRequest):  # and ForwardBackwardRequest, its subclass
-        tokens = sum(d.model_input.length for d in request.data)
+        tokens = sum(positions(d.model_input) for d in request.data)
         return {"trained_tokens": tokens} if request.stateful else {"prefill_tokens": tokens}
     if isinstance(request, SampleRequest) and isinstance(response, SampleResponse):
-        return {"prefill_tokens": len(request.prompt), "sampled_tokens": sum(len(s.tokens) for s in response.sequences)}
+        prompt = positions(request.prompt) if isinstance(request.prompt, ModelInput) else len(request.prompt)
+        return {"prefill_tokens": prompt, "sampled_tokens": sum(len(s.tokens) for s in response.sequences)}
     return {}
 
 

@@ -36,12 +36,13 @@ def peft_lora_config(lora: LoraConfig, base_model: str, targets: LoraTargets) ->
     """The PEFT config of a session's adapter: train_attn/train_mlp/train_unembed resolved to `targets`,
     the parts of this model they name (`lora_targets`); 3-D expert weights through `target_parameters`."""
     flags = dict(attn=lora.train_attn, mlp=lora.train_mlp, unembed=lora.train_unembed)
-    check_requested(targets, **flags, model_name=base_model)
+    check_requested(targets, **flags, vision=lora.train_vision, model_name=base_model)
     return peft.LoraConfig(
         r=lora.rank,
         lora_alpha=lora.alpha,
         lora_dropout=0.0,  # dropout would make steps depend on RNG state; Tinker has none
-        target_modules=targets.modules(**flags),
+        target_modules=targets.modules(**flags, vision=lora.train_vision),
+        exclude_modules=targets.exclude(vision=lora.train_vision) or None,
         target_parameters=targets.parameters(mlp=lora.train_mlp) or None,
         bias="none",
         task_type="CAUSAL_LM",

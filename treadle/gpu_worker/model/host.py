@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import torch
 from accelerate import PartialState
-from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer, GenerationConfig
 
 from treadle.gpu_worker.model.lora_targets import find_targets
 from treadle.gpu_worker.model.sharding import log_memory, parameter_bytes, shard_model
+from treadle.gpu_worker.model.vision import Vision, is_vision_model
+from treadle.types.base import DEFAULT_MAX_IMAGE_PIXELS
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -98,17 +100,28 @@ def ungroup_latent_attention(model: torch.nn.Module) -> None:
 
 
 class ModelHost:
-    """A causal LM (hub id or local directory) and its tokenizer, on one device, frozen, in eval mode.
+    """A causal LM (hub id or local directory) and its tokenizer, on one device, frozen, in eval mode; a
+    vision-language model also with its image path (`vision`; None for a text model).
 
     `shard`: the weights are sharded over the default process group's ranks (treadle.gpu_worker.model.sharding);
     each rank reads the whole model into host memory once, then keeps its shards on its device."""
 
-    def __init__(self, model: str, *, device: str | None = None, dtype: str | None = None, shard: bool = False):
+    def __init__(
+        self,
+        model: str,
+        *,
+        device: str | None = None,
+        dtype: str | None = None,
+        shard: bool = False,
+        max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
+    ):
         self.name = model
         self.device = pick_device(device)
         self.dtype = pick_dtype(dtype, self.device)
         self.tokenizer = AutoTokenizer.from_pretrained(model)
-        self.model = AutoModelForCausalLM.from_pretrained(model, dtype=self.dtype)
+        multimodal = is_vision_model(AutoConfig.from_pretrained(model))
+        auto = AutoModelForImageTextToText if multimodal else AutoModelForCausalLM
+        self.model = auto.from_pretrained(model, dtype=self.dtype)
         self.model.requires_grad_(False)
         if shard:
             shard_model(self.model, self.device)
@@ -131,6 +144,7 @@ class ModelHost:
         self.pad_token_id: int = (
             self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_token_id
         )
+        self.vision = Vision(self.model, model, max_image_pixels=max_image_pixels) if multimodal else None
         # Sampling settings come from each request only: a model's shipped defaults (temperature,
         # top_p, repetition penalty, ...) would silently change the distribution sampled from.
         self.model.generation_config = GenerationConfig(eos_token_id=self.eos_token_id, pad_token_id=self.pad_token_id)

@@ -13,7 +13,10 @@ whatever its modules are called. So the targets are read off the decoder layers 
   (`experts.gate_up_proj` / `experts.down_proj`: Qwen3-MoE, gpt-oss, DeepSeek-V3), adapted through
   PEFT's `target_parameters`. Routers never are: a router decides which experts run, and adapting it
   would train the routing rather than the experts (Tinker adapts experts, not routers);
-- **unembed**: the output projection (`lm_head`).
+- **unembed**: the output projection (`lm_head`);
+- **vision** (vision-language models): every `nn.Linear` of the vision tower and its projector, by full
+  name. They are trained only when `LoraConfig.train_vision` asks; otherwise PEFT is told to leave them
+  out (`exclude`), since a vision block's `mlp.gate_proj` would match the decoder's suffix.
 
 Targets are suffixes relative to a decoder layer (`self_attn.q_proj`, `mlp.shared_experts.gate_proj`),
 so they match every layer that has them and nothing outside the decoder stack.
@@ -49,9 +52,19 @@ class LoraTargets:
     unembed: tuple[str, ...] = ("lm_head",)
     layers: int = 0
     notes: tuple[str, ...] = field(default=())
+    vision: tuple[str, ...] = ()  # the vision tower's and projector's linears, full names
 
-    def modules(self, *, attn: bool, mlp: bool, unembed: bool) -> list[str]:
-        return [*(self.attention if attn else ()), *(self.mlp if mlp else ()), *(self.unembed if unembed else ())]
+    def modules(self, *, attn: bool, mlp: bool, unembed: bool, vision: bool = False) -> list[str]:
+        return [
+            *(self.attention if attn else ()),
+            *(self.mlp if mlp else ()),
+            *(self.unembed if unembed else ()),
+            *(self.vision if vision else ()),
+        ]
+
+    def exclude(self, *, vision: bool) -> list[str]:
+        """Modules PEFT must not adapt: the vision tower's, unless asked for."""
+        return [] if vision else list(self.vision)
 
     def parameters(self, *, mlp: bool) -> list[str]:
         return list(self.experts) if mlp else []
@@ -60,7 +73,12 @@ class LoraTargets:
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
     """The model's stack of decoder layers: the ModuleList with one entry per hidden layer."""
     count = getattr(model.config.get_text_config(decoder=True), "num_hidden_layers", None)
-    candidates = [m for _, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m) == count]
+    towers = vision_prefixes(model)
+    candidates = [
+        m
+        for name, m in model.named_modules()
+        if isinstance(m, nn.ModuleList) and len(m) == count and not name.startswith(towers)
+    ]
     if not candidates:
         raise InvalidRequestError(
             f"model: no stack of {count} decoder layers found in {type(model).__name__}; treadle cannot place LoRA adapters on it"
@@ -104,9 +122,28 @@ def find_targets(model: nn.Module) -> LoraTargets:
                     raise InvalidRequestError(f"model: a 3-D weight {child_name}.{name} outside a feed-forward block")
                 experts[f"{child_name}.{name}"] = None
     unembed = ("lm_head",) if isinstance(getattr(model, "lm_head", None), nn.Linear) else ()
-    return LoraTargets(
-        attention=tuple(attention), mlp=tuple(mlp), experts=tuple(experts), unembed=unembed, layers=len(layers)
+    towers = vision_prefixes(model)
+    vision = tuple(
+        name for name, m in model.named_modules() if isinstance(m, nn.Linear) and towers and name.startswith(towers)
     )
+    return LoraTargets(
+        attention=tuple(attention),
+        mlp=tuple(mlp),
+        experts=tuple(experts),
+        unembed=unembed,
+        layers=len(layers),
+        vision=vision,
+    )
+
+
+# The vision tower and the projector into the decoder's width, as transformers names them: Qwen-VL's `visual`
+# (its merger inside), Gemma 3's `vision_tower` and `multi_modal_projector`.
+_VISION_PARTS = ("visual", "vision_tower", "multi_modal_projector")
+
+
+def vision_prefixes(model: nn.Module) -> tuple[str, ...]:
+    """Module-name prefixes (with their trailing dot) of the model's vision tower and projector; () for a text model."""
+    return tuple(f"{name}." for name, _ in model.named_modules() if name and name.rsplit(".", 1)[-1] in _VISION_PARTS)
 
 
 def _owner(module: nn.Module, parameter_name: str) -> nn.Module:
@@ -135,8 +172,13 @@ def _is_router(path: str, module: nn.Module) -> bool:
     return bool(_ROUTER.search(path)) or "router" in type(module).__name__.lower()
 
 
-def check_requested(targets: LoraTargets, *, attn: bool, mlp: bool, unembed: bool, model_name: str) -> None:
-    """Refuse a LoRA config that would train nothing on this model (e.g. train_unembed alone on a tied head)."""
+def check_requested(
+    targets: LoraTargets, *, attn: bool, mlp: bool, unembed: bool, model_name: str, vision: bool = False
+) -> None:
+    """Refuse a LoRA config that would train nothing on this model (e.g. train_unembed alone on a tied head), or
+    asks for the vision tower of a model without one."""
+    if vision and not targets.vision:
+        raise InvalidRequestError(f"lora: train_vision=True, but {model_name} has no vision tower")
     if not targets.modules(attn=attn, mlp=mlp, unembed=unembed) and not targets.parameters(mlp=mlp):
         raise InvalidRequestError(
             f"lora: train_attn={attn}, train_mlp={mlp}, train_unembed={unembed} selects no weights of {model_name}"

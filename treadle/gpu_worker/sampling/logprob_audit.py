@@ -76,6 +76,7 @@ class LogprobAudit:
             or params.temperature != 1.0
             or params.top_k not in (-1, 0)
             or params.top_p < 1.0
+            or job.request.visual is not None  # the audit's forward scores token ids alone, not images
         ):
             return
         for sequence in job.sequences:

@@ -15,6 +15,8 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from treadle.gpu_worker.model.vision import Vision, VisualInput, batch_positions
+
 
 def micro_batches(lengths: list[int], budget: int) -> list[list[int]]:
     """Consecutive groups of indices whose padded size (count x longest) stays within `budget` tokens.
@@ -51,6 +53,8 @@ def target_logprobs(
     device: torch.device,
     pad_token_id: int,
     needs_grad: list[np.ndarray] | None = None,
+    vision: Vision | None = None,
+    visuals: list[VisualInput | None] | None = None,
 ) -> list[torch.Tensor]:
     """Per sequence, the float32 logprob of each target token (gradients flow if grad mode is on), in the
     target's shape: `(N,)`, or `(N, K)` for K target tokens a position (one log-softmax, K gathers).
@@ -58,6 +62,7 @@ def target_logprobs(
     Sequences are right-padded: with causal attention, padding after a sequence cannot change it.
     `needs_grad` (a bool per position of each sequence) names the positions whose logprobs the loss can
     differentiate; the others' come from the same forward without a graph (see `_split_head`).
+    `visuals`: each sequence's images (None: text), whose features `vision` computes with the active adapter.
     """
     width = max(len(t) for t in tokens)
     columns = max(t.shape[1] if t.ndim == 2 else 1 for t in targets)
@@ -74,10 +79,11 @@ def target_logprobs(
         graded[row, : len(seq)] = torch.from_numpy(needs_grad[row]) if needs_grad is not None else True
     input_ids, target_ids, attention_mask = input_ids.to(device), target_ids.to(device), attention_mask.to(device)
     graded = graded.to(device)
+    extra = _image_inputs(model, vision, visuals, [len(t) for t in tokens], width, device)
     if torch.is_grad_enabled() and graded.any() and not graded[attention_mask].all():
-        logprobs = _split_logprobs(model, input_ids, attention_mask, target_ids, graded)
+        logprobs = _split_logprobs(model, input_ids, attention_mask, target_ids, graded, extra)
     else:
-        logits = model(input_ids=input_ids, attention_mask=attention_mask.long(), use_cache=False).logits
+        logits = model(input_ids=input_ids, attention_mask=attention_mask.long(), use_cache=False, **extra).logits
         logprobs = torch.log_softmax(logits.float(), dim=-1).gather(-1, target_ids)
     return [
         logprobs[row, : len(seq), : tgt.shape[1]] if tgt.ndim == 2 else logprobs[row, : len(seq), 0]
@@ -85,15 +91,33 @@ def target_logprobs(
     ]
 
 
+def _image_inputs(
+    model: nn.Module,
+    vision: Vision | None,
+    visuals: list[VisualInput | None] | None,
+    lengths: list[int],
+    width: int,
+    device: torch.device,
+) -> dict:
+    """The forward's image features and, for M-RoPE, every row's positions (right-padded rows); {} for text."""
+    if vision is None or visuals is None or not any(v is not None for v in visuals):
+        return {}
+    pictures = [p for v in visuals if v is not None for p in v.pictures]
+    extra: dict = {"mm_encoder_outputs": vision.encode(model, pictures, device)}
+    if any(v is not None and v.positions is not None for v in visuals):
+        extra["position_ids"] = batch_positions(visuals, lengths, width, left=False).to(device)
+    return extra
+
+
 def _split_logprobs(
-    model: nn.Module, input_ids: Tensor, attention_mask: Tensor, target_ids: Tensor, graded: Tensor
+    model: nn.Module, input_ids: Tensor, attention_mask: Tensor, target_ids: Tensor, graded: Tensor, extra: dict
 ) -> Tensor:
     """`(B, T, K)` logprobs where only the `graded` positions carry a graph: the output projection, the
     log-softmax and their backward run at those positions alone with gradients, the rest without."""
     graded = graded & attention_mask
     ungraded = attention_mask & ~graded
     with _split_head(model.get_output_embeddings(), graded, ungraded):
-        logits = model(input_ids=input_ids, attention_mask=attention_mask.long(), use_cache=False).logits
+        logits = model(input_ids=input_ids, attention_mask=attention_mask.long(), use_cache=False, **extra).logits
     if logits.dim() == 3:  # a model whose forward does not call its output embeddings module: every position's
         return torch.log_softmax(logits.float(), dim=-1).gather(-1, target_ids)
     count = int(graded.sum())

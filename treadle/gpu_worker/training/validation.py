@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from treadle.errors import InvalidRequestError
+from treadle.gpu_worker.model.vision import Vision, VisualInput
 from treadle.gpu_worker.training.losses import LOSSES, resolve_config
 from treadle.queue.ops import parse_request
 from treadle.types import Datum, LoraConfig, ModelInput, SamplingParams
@@ -25,10 +26,15 @@ class PreparedDatum:
 
     tokens: np.ndarray
     inputs: dict[str, np.ndarray]
+    visual: VisualInput | None = None  # its images, when it has any
 
     @property
     def length(self) -> int:
         return len(self.tokens)
+
+    def gated(self, gate: str) -> np.ndarray:
+        """The positions where the loss's `gate` input is nonzero (any of a position's K columns)."""
+        return (self.inputs[gate].reshape(self.length, -1) != 0).any(axis=1)
 
 
 def check_loss(loss_fn: str, loss_fn_config: dict[str, float] | None) -> dict[str, float]:
@@ -63,15 +69,35 @@ def check_tokens(field: str, tokens: list[int] | np.ndarray, *, max_seq_len: int
     return array
 
 
-def prepare_data(data: list[Datum], loss_fn: str, *, max_seq_len: int, vocab_size: int) -> list[PreparedDatum]:
+def check_input(
+    field: str, model_input: ModelInput, *, max_seq_len: int, vocab_size: int, vision: Vision | None
+) -> tuple[np.ndarray, VisualInput | None]:
+    """The input's token ids (checked as `check_tokens` does), and its images prepared by the model's processor
+    when it has any; an image for a model without a vision tower is refused, naming the chunk."""
+    if vision is not None:
+        vision.check_text(field, model_input)
+    if model_input.is_text:
+        return check_tokens(field, model_input.to_ints(), max_seq_len=max_seq_len, vocab_size=vocab_size), None
+    if vision is None:
+        c = next(c for c, chunk in enumerate(model_input.chunks) if chunk.type == "image")
+        raise InvalidRequestError(
+            f"{field}.chunks[{c}]: an image chunk, but the served model takes text only (it has no vision tower)"
+        )
+    visual = vision.prepare(field, model_input)
+    return check_tokens(field, visual.tokens, max_seq_len=max_seq_len, vocab_size=vocab_size), visual
+
+
+def prepare_data(
+    data: list[Datum], loss_fn: str, *, max_seq_len: int, vocab_size: int, vision: Vision | None = None
+) -> list[PreparedDatum]:
     """Validate a forward/forward_backward batch for `loss_fn` (already checked) and convert it to arrays."""
     if not data:
         raise InvalidRequestError("data: empty; at least one datum is required")
     needed = ("target_tokens", *LOSSES[loss_fn].inputs)
     prepared = []
     for i, datum in enumerate(data):
-        tokens = check_tokens(
-            f"data[{i}].model_input", datum.model_input.to_ints(), max_seq_len=max_seq_len, vocab_size=vocab_size
+        tokens, visual = check_input(
+            f"data[{i}].model_input", datum.model_input, max_seq_len=max_seq_len, vocab_size=vocab_size, vision=vision
         )
         given = datum.loss_fn_inputs
         for key in given:
@@ -112,7 +138,7 @@ def prepare_data(data: list[Datum], loss_fn: str, *, max_seq_len: int, vocab_siz
                 f"data[{i}].loss_fn_inputs.weights: shape {list(inputs['weights'].shape)} != target_tokens shape "
                 f"{list(inputs['target_tokens'].shape)}; each target token needs its weight"
             )
-        prepared.append(PreparedDatum(tokens=tokens, inputs=inputs))
+        prepared.append(PreparedDatum(tokens=tokens, inputs=inputs, visual=visual))
     return prepared
 
 
@@ -140,6 +166,7 @@ class PreparedSample:
     max_tokens: int
     stop_token_ids: list[int]
     stop_strings: list[str]
+    visual: VisualInput | None = None  # the prompt's images, when it has any
 
 
 def prepare_sample(
@@ -150,9 +177,10 @@ def prepare_sample(
     *,
     max_seq_len: int,
     vocab_size: int,
+    vision: Vision | None = None,
 ) -> PreparedSample:
     """Validate a sample request: the prompt plus max_tokens must fit the context; stop ids must exist."""
-    tokens = check_tokens("prompt", prompt.to_ints(), max_seq_len=max_seq_len, vocab_size=vocab_size)
+    tokens, visual = check_input("prompt", prompt, max_seq_len=max_seq_len, vocab_size=vocab_size, vision=vision)
     if tokens.size >= max_seq_len:
         raise InvalidRequestError(
             f"prompt: length {tokens.size} leaves no room to sample within max sequence length {max_seq_len}"
@@ -175,12 +203,12 @@ def prepare_sample(
             )
     if any(s == "" for s in params.stop_strings):
         raise InvalidRequestError("sampling_params.stop: empty stop string")
-    return PreparedSample(tokens, max_tokens, list(params.stop_token_ids), params.stop_strings)
+    return PreparedSample(tokens, max_tokens, list(params.stop_token_ids), params.stop_strings, visual)
 
 
 def check_same_adapter(session: LoraConfig, checkpoint: LoraConfig, *, source: str) -> None:
     """load_state into a live session keeps its adapter's shape: a checkpoint of another shape is refused."""
-    shape = ("rank", "alpha", "train_mlp", "train_attn", "train_unembed")
+    shape = ("rank", "alpha", "train_mlp", "train_attn", "train_unembed", "train_vision")
     ours, theirs = session.model_dump(include=set(shape)), checkpoint.model_dump(include=set(shape))
     if ours != theirs:
         diff = ", ".join(f"{k} {ours[k]} vs {theirs[k]}" for k in shape if ours[k] != theirs[k])

@@ -56,25 +56,42 @@ class Row:
 def forward_rows(bank: AdapterBank, adapters: list[str | None], **inputs):
     """The model's output (`.logits`, `.cache`) for a left-padded batch whose row i runs with adapter
     `adapters[i]` (None: base); batch-invariant (`row_invariant`): each row's numbers are those it
-    would get alone."""
+    would get alone. `images` (a prefill's): each row's pictures, whose features its own adapter computes."""
+    images = inputs.pop("images", None)
     mask = inputs["attention_mask"]
     if inputs["input_ids"].shape[1] == 1 and mask.shape[1] > 1:  # a decode step: one attention call per layer
         inputs["row_starts"], inputs["decode_masks"] = first_columns(mask), {}
     else:  # read on the host (on a GPU, a sync): only prefills need it
         inputs["row_runs"] = row_runs(mask)
     names = tuple(sorted({a for a in adapters if a is not None}))
-    with torch.no_grad(), invariant_forward(bank.host.model):
-        if not names:
-            with bank.using(None, trainable=False) as model:
-                return model(**inputs)
-        layers = stacks_for(bank, names)
-        if layers is not None:  # one adapter or many: the same grouped LoRA products (`mixed_lora`)
-            with grouped_adapters(bank, adapters, layers) as model:
-                return model(**inputs)
-        if len(set(adapters)) == 1:
+    with torch.no_grad():
+        layers = stacks_for(bank, names) if names else None
+        if names and layers is None and len(set(adapters)) > 1:
+            return _split_forward(bank, adapters, inputs if images is None else {**inputs, "images": images})
+        if images is not None:
+            inputs["mm_encoder_outputs"] = _image_features(bank, adapters, images)
+        with invariant_forward(bank.host.model):
+            if not names:
+                with bank.using(None, trainable=False) as model:
+                    return model(**inputs)
+            if layers is not None:  # one adapter or many: the same grouped LoRA products (`mixed_lora`)
+                with grouped_adapters(bank, adapters, layers) as model:
+                    return model(**inputs)
             with bank.using(adapters[0], trainable=False) as model:
                 return model(**inputs)
-    return _split_forward(bank, adapters, inputs)
+
+
+def _image_features(bank: AdapterBank, adapters: list[str | None], images: list) -> dict:
+    """`mm_encoder_outputs` of a prefill: every row's pictures in row order, each computed on its own with its
+    row's adapter (a vision tower's LoRA, if the session trains one), so no row's numbers depend on the others'."""
+    vision = bank.host.vision
+    assert vision is not None  # a prompt with images passed validation only on a vision model
+    features = []
+    for adapter, pictures in zip(adapters, images):
+        if pictures:
+            with bank.using(adapter, trainable=False) as model:
+                features.extend(vision.features(model, pictures, bank.host.device))
+    return vision.encoder_outputs(features)
 
 
 def _split_forward(bank: AdapterBank, adapters: list[str | None], inputs: dict) -> SimpleNamespace:
@@ -88,10 +105,12 @@ def _split_forward(bank: AdapterBank, adapters: list[str | None], inputs: dict) 
     outputs = []
     for begin, end in runs:
         part = {
-            key: value[begin:end]
+            key: value[:, begin:end] if key == "position_ids" and value.dim() == 3 else value[begin:end]
             for key, value in inputs.items()
             if isinstance(value, torch.Tensor) and key != "logits_to_keep"  # (columns, the same for every row)
         }
+        if "images" in inputs:
+            part["images"] = inputs["images"][begin:end]
         part |= {key: value for key, value in inputs.items() if key not in part and key not in ("cache", "row_runs")}
         part.pop("row_starts", None)
         part.pop("decode_masks", None)
@@ -130,6 +149,7 @@ class Prefilled:
     mask: torch.Tensor  # (rows, width)
     last: torch.Tensor  # (rows,)
     completed: list[SampleJob]  # jobs whose every row ended on its first token
+    positions: torch.Tensor  # (rows,) each row's next position id (M-RoPE's after images is not its length)
 
 
 def prefill(
@@ -170,7 +190,8 @@ def prefill(
     keep = torch.tensor(going, dtype=torch.long, device=device)
     if going:
         cache_rows.select_rows(cache, source[keep])
-    return Prefilled([rows[g] for g in going], cache, mask[source[keep]], first[keep], completed)
+    positions = plan.next_positions(device)[source[keep]]
+    return Prefilled([rows[g] for g in going], cache, mask[source[keep]], first[keep], completed, positions)
 
 
 def choose(logits: torch.Tensor, rows: list[Row]) -> torch.Tensor:
@@ -252,7 +273,7 @@ class DecodeBatch:
         """
         done = prefill(self.bank, self.host, jobs, self.prefixes)
         if done.rows:
-            self._join(done.rows, done.cache, done.mask, done.last)
+            self._join(done.rows, done.cache, done.mask, done.last, done.positions)
         return done.completed
 
     def step(self) -> list[SampleJob]:
@@ -310,21 +331,21 @@ class DecodeBatch:
         prompt and every token but the last one drawn."""
         for i in sorted(set(range(len(self.rows))) - set(going)):
             row = self.rows[i]
-            if row.job.num_samples != 1:
+            if row.job.num_samples != 1 or row.job.request.visual is not None:  # (image prompts are never kept)
                 continue
             length = int(self._positions[i])
             tokens = np.concatenate([row.job.request.prompt, np.asarray(row.tokens[:-1], dtype=np.int64)])
             prefixes.keep(row.job.adapter, tokens, cache_rows.row_kv(self._cache, i, self.width - length), {})
 
-    def _join(self, rows: list[Row], cache, mask: torch.Tensor, last: torch.Tensor) -> None:
-        """Add rows with their (left-padded) prefill cache and mask."""
+    def _join(self, rows: list[Row], cache, mask: torch.Tensor, last: torch.Tensor, positions: torch.Tensor) -> None:
+        """Add rows with their (left-padded) prefill cache and mask, and each one's next position id."""
         width = max(self.width, mask.shape[1])
         if self._cache is None:
             self._cache = cache
         else:
             cache_rows.join(self._cache, cache, width)
         self._mask = torch.cat([F.pad(self._mask, (width - self.width, 0)), F.pad(mask, (width - mask.shape[1], 0))])
-        self._positions = torch.cat([self._positions, mask.sum(dim=1)])
+        self._positions = torch.cat([self._positions, positions])
         self._last = torch.cat([self._last, last])
         self.rows.extend(rows)
 

@@ -8,6 +8,10 @@ layouts need (`row_invariant`). The forward's logits are taken at each row's las
 (`logits_to_keep`), and afterwards those rows are shifted right (`cache_rows.shift_right`) so the cache is
 left-padded, as the decode batch joins it. A prompt kept whole, with the logits after it, needs no row in
 the forward: its cache rows are the kept ones.
+
+A prompt with images is a row of its own, never kept nor resumed: its image tokens' ids do not say which
+image they show. Its image features are computed before the forward, with its row's adapter (`images`),
+and a model with multimodal rotary positions gets the prompt's own (`model.vision`).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import numpy as np
 import torch
 
 from treadle.gpu_worker.model.host import ModelHost
+from treadle.gpu_worker.model.vision import VisualInput, batch_positions
 from treadle.gpu_worker.sampling.backend import SampleJob
 from treadle.gpu_worker.sampling.hf import cache_rows
 from treadle.gpu_worker.sampling.hf.prefix_cache import Kept, PrefixCache
@@ -32,6 +37,12 @@ class Prompt:
     wants_logits: bool  # a job asked for the logits of every prompt position: prefilled whole
     kept: Kept | None = None
     reused: int = 0  # leading tokens whose keys and values come from `kept`
+    visual: VisualInput | None = None  # its images
+
+    @property
+    def next_position(self) -> int:
+        """The position id of the token after the prompt."""
+        return self.visual.next_position if self.visual is not None else len(self.tokens)
 
     @property
     def suffix(self) -> int:
@@ -47,15 +58,16 @@ class PrefillPlan:
         self.prompts: list[Prompt] = []
         self.of_job: list[int] = []
         index: dict[tuple[str | None, bytes], int] = {}
-        for job, wants in zip(jobs, wants_logits):
-            key = (job.adapter, job.request.prompt.tobytes())
+        for j, (job, wants) in enumerate(zip(jobs, wants_logits)):
+            visual = job.request.visual
+            key = (job.adapter, job.request.prompt.tobytes() if visual is None else str(j).encode())
             if key not in index:
                 index[key] = len(self.prompts)
-                self.prompts.append(Prompt(job.adapter, job.request.prompt, False))
+                self.prompts.append(Prompt(job.adapter, job.request.prompt, False, visual=visual))
             self.prompts[index[key]].wants_logits |= wants
             self.of_job.append(index[key])
         for prompt in self.prompts:
-            if prefixes is not None and not prompt.wants_logits:
+            if prefixes is not None and not prompt.wants_logits and prompt.visual is None:
                 prompt.kept, prompt.reused = prefixes.longest(prompt.adapter, prompt.tokens)
         self.run = [p for p in self.prompts if p.suffix]
         # Kept whole, with the logits after them: no forward row.
@@ -88,18 +100,31 @@ class PrefillPlan:
         rows = [p.kept.prefix(p.reused) if p.kept is not None and p.reused else None for p in self.run]
         cache = cache_rows.from_rows(host.model.config, rows, past)
         keep = 0 if any(p.wants_logits for p in self.run) else torch.tensor(sorted({self._last(p) for p in self.run}))
-        return dict(
+        positions = (mask.cumsum(dim=1) - 1).clamp(min=0)[:, past:]
+        if any(p.visual is not None and p.visual.positions is not None for p in self.run):
+            # Rows with images never resume (past is 0 for them), so their columns are the whole prompt's.
+            multimodal = batch_positions(
+                [p.visual for p in self.run], [len(p.tokens) for p in self.run], length, left=True
+            )
+            text = positions.expand(3, -1, -1)
+            has_own = torch.tensor([p.visual is not None and p.visual.positions is not None for p in self.run])
+            positions = torch.where(has_own[None, :, None], multimodal, text)
+        inputs = dict(
             input_ids=ids.to(host.device),
             attention_mask=mask.to(host.device),
-            position_ids=(mask.cumsum(dim=1) - 1).clamp(min=0)[:, past:].to(host.device),
+            position_ids=positions.to(host.device),
             use_cache=True,
             logits_to_keep=keep if isinstance(keep, int) else keep.to(host.device),
             cache=cache,
         )
+        if any(p.visual is not None for p in self.run):
+            inputs["images"] = [p.visual.pictures if p.visual is not None else () for p in self.run]
+        return inputs
 
     def finish(self, out, host: ModelHost) -> tuple[object, torch.Tensor, torch.Tensor]:
         """The cache (left-padded, one row per distinct prompt), its attention mask, and each row's logits after
-        its prompt, from the forward's output (None when nothing ran)."""
+        its prompt, from the forward's output (None when nothing ran). `next_positions` gives each row's next
+        position id."""
         device = host.device
         last, cache = [], None
         if self.run:
@@ -125,6 +150,13 @@ class PrefillPlan:
             mask[self.row[id(p)], width - len(p.tokens) :] = 1
         return cache, mask, torch.stack(last)
 
+    def next_positions(self, device: torch.device) -> torch.Tensor:
+        """Per cache row (as `finish` orders them), the position id of the token after its prompt."""
+        positions = torch.zeros(len(self.prompts), dtype=torch.long)
+        for p in self.prompts:
+            positions[self.row[id(p)]] = p.next_position
+        return positions.to(device)
+
     def prompt_logits(self, out, prompt: Prompt) -> torch.Tensor:
         """The logits at every position of a prompt that asked for them (`wants_logits`: a left-padded run row)."""
         return out.logits[self.row[id(prompt)], self.length - len(prompt.tokens) :]
@@ -133,6 +165,8 @@ class PrefillPlan:
         """Keep each prompt the forward ran, with the logits after it."""
         width = mask.shape[1]
         for p in self.run:
+            if p.visual is not None:
+                continue
             row = self.row[id(p)]
             kv = cache_rows.row_kv(cache, row, width - len(p.tokens))
             prefixes.keep(p.adapter, p.tokens, kv, {len(p.tokens): last[row].clone()})

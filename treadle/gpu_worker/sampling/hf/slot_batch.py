@@ -177,8 +177,9 @@ class SlotBatch:
 
     def _takes(self, job: SampleJob, busy: set) -> bool:
         """Whether the job's rows can run here: its adapter stacks, and a slot for it is free or already its
-        (`busy`: adapters whose slots are not to be taken)."""
-        if not self.table.can_hold(job.adapter):
+        (`busy`: adapters whose slots are not to be taken). A prompt with images decodes dynamically: its rows'
+        next positions are M-RoPE's, not their lengths, which the slots' step takes them to be."""
+        if not self.table.can_hold(job.adapter) or job.request.visual is not None:
             return False
         try:
             self.table.slot(job.adapter, busy)

@@ -177,6 +177,10 @@ class VllmSampler:
     def sample(self, job: SampleJob) -> Future:
         """Queue a sample request; the future resolves to its `SampleResponse`."""
         job.extras.refuse("the vllm sampler backend")  # vLLM scores no target ids, draws nothing from a prompt
+        if job.request.visual is not None:  # treadle's adapters reach vLLM as text-only LoRA requests
+            raise InvalidRequestError(
+                "prompt: image chunks are not served by the vllm sampler backend; run --sampler hf"
+            )
         params = job.params
         # Prompt logprobs go as a request of their own: vLLM 0.32 fails the engine step that computes
         # them for a request of n > 1, and they do not depend on what is sampled.

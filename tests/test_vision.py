@@ -1,0 +1,329 @@
+"""Images in the loop, through the engine: tiny random-init Qwen2.5-VL, Qwen3-VL and Qwen3.5 with vision
+(`tiny_model --arch qwen2_5_vl`, `qwen3_vl`, `qwen3_5_vision`: M-RoPE, Qwen3-VL's deepstack features, Qwen3.5's
+linear-attention layers), fp32 and bf16, with image chunks anywhere in the prompt, beside text rows.
+
+Per dtype: every loss runs on a batch of image and text rows; two LoRA steps lower the loss; an image row's
+logprobs are the same alone and in a mixed batch (the sampler's exactly, the trainer's to rounding); sampled tokens' logprobs
+equal the trainer's forward of the same tokens, image included; the image changes the numbers (its features
+reach the decoder). Then: the vision tower is frozen unless `train_vision`, and each bad image is refused by
+name while the session goes on; a session saves, loads and exports merged with its images' numbers intact.
+
+Tolerances as the family matrix's (tests/test_model_families.py): fp32 to rounding, bf16 to 0.1 nats here
+(one decoder layer's rounding on a 56-pixel image).
+"""
+
+from __future__ import annotations
+
+import io
+import typing
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from treadle.errors import InvalidRequestError
+from treadle.gpu_worker import model_check
+from treadle.gpu_worker.engine import Engine
+from treadle.gpu_worker.training.logprobs import target_logprobs
+from treadle.testing.tiny_model import build_tiny_model
+from treadle.testing.vision_families import VISION_FAMILIES
+from treadle.types import (
+    AdamParams,
+    Datum,
+    EncodedTextChunk,
+    ImageChunk,
+    LoraConfig,
+    LossFnType,
+    ModelInput,
+    SamplingParams,
+)
+
+BOUND = {"float32": 1e-3, "bfloat16": 0.1}
+
+
+def encoded(color: tuple[int, int, int], size=(56, 56), fmt: str = "PNG") -> bytes:
+    out = io.BytesIO()
+    Image.new("RGB", size, color).save(out, format=fmt)
+    return out.getvalue()
+
+
+def image(color: tuple[int, int, int], **kw) -> ImageChunk:
+    return ImageChunk(data=encoded(color), format="png", **kw)
+
+
+def text(*tokens: int) -> EncodedTextChunk:
+    return EncodedTextChunk(tokens=list(tokens))
+
+
+# An image between text, and one at the very start; 56 x 56 pixels are 4 tokens (2 x 2 merged patches) on both.
+RED = ModelInput(chunks=[text(10, 9), image((220, 30, 30), expected_tokens=4), text(50, 30, 40)])
+BLUE_FIRST = ModelInput(chunks=[image((30, 30, 220)), text(12, 13, 14, 15)])
+TEXT = ModelInput.from_ints([10, 20, 30, 40, 50, 60])  # (4 to 7 are the image markers)
+
+
+def datum(model_input: ModelInput, n: int, loss: str = "cross_entropy") -> Datum:
+    inputs: dict = {"target_tokens": [(7 * i + 3) % 500 for i in range(n)], "weights": [1.0] * n}
+    if loss != "cross_entropy":
+        inputs = {"target_tokens": inputs["target_tokens"], "logprobs": [-2.0] * n, "advantages": [0.5] * n}
+    if loss == "gspo":
+        inputs["sequence_ratio_mask"] = [1.0] * n
+    return Datum(model_input=model_input, loss_fn_inputs=inputs)
+
+
+@pytest.fixture(scope="module")
+def vl_dirs(tmp_path_factory) -> dict[str, str]:
+    return {
+        arch: build_tiny_model(tmp_path_factory.mktemp(arch), arch=arch, initializer_range=0.2)
+        for arch in VISION_FAMILIES
+    }
+
+
+@pytest.fixture(scope="module")
+def vl_dir(vl_dirs) -> str:
+    return vl_dirs["qwen2_5_vl"]
+
+
+@pytest.fixture(
+    scope="module", params=[(arch, dtype) for arch in VISION_FAMILIES for dtype in ("float32", "bfloat16")], ids=str
+)
+def engine(request, vl_dirs):
+    arch, dtype = request.param
+    engine = Engine(vl_dirs[arch], device="cpu", dtype=dtype, max_image_pixels=128 * 128)
+    yield engine
+    engine.close()
+
+
+def test_image_rows_train_score_and_sample_alone_as_in_a_mixed_batch(engine):
+    dtype = str(engine._host.dtype).removeprefix("torch.")
+    n = RED.length
+    engine.create_session("s", LoraConfig(rank=4, seed=0))
+    m = len(BLUE_FIRST.chunks[1].tokens) + 4
+    mixed = [datum(TEXT, TEXT.length), datum(RED, n), datum(BLUE_FIRST, m)]
+    for loss in typing.get_args(LossFnType):
+        batch = [datum(d.model_input, len(d.loss_fn_inputs["target_tokens"].tolist()), loss) for d in mixed]
+        out = engine.forward_backward("s", batch, loss)
+        assert np.isfinite(out.metrics["loss:sum"]), loss
+        assert [len(o["logprobs"].tolist()) for o in out.loss_fn_outputs] == [TEXT.length, n, m]
+    engine.drop_session("s")
+
+    engine.create_session("s", LoraConfig(rank=4, seed=0))
+    losses = []
+    for _ in range(3):
+        losses.append(engine.forward_backward("s", mixed, "cross_entropy").metrics["loss:sum"])
+        engine.optim_step("s", AdamParams(learning_rate=2e-2))
+    assert losses[2] < losses[1] < losses[0]
+
+    alone = engine.forward("s", [datum(RED, n)], "cross_entropy").loss_fn_outputs[0]["logprobs"].to_numpy()
+    among = engine.forward("s", mixed, "cross_entropy").loss_fn_outputs[1]["logprobs"].to_numpy()
+    # (the trainer's forward promises rounding-level agreement; Qwen3.5's chunked linear attention reorders sums)
+    np.testing.assert_allclose(alone, among, rtol=0, atol=1e-5)
+
+    engine.snapshot_sampler("s", "snap")
+    params = SamplingParams(max_tokens=6, seed=3, temperature=1.0)
+    futures = [engine.sample_async("snap", p, 2, params) for p in (TEXT, RED, BLUE_FIRST)]
+    together = [f.result(timeout=300) for f in futures]
+    by_itself = engine.sample("snap", RED, 2, params)
+    assert [s.tokens for s in by_itself.sequences] == [s.tokens for s in together[1].sequences]
+    # Bit for bit, as the CPU sampler keeps text rows; a linear-attention layer's chunked scan over a differently
+    # padded batch reorders its sums (text rows of Qwen3.5 move by ~1e-6 nats as well).
+    exact = "linear" not in engine.profile.attention
+    np.testing.assert_allclose(
+        [s.logprobs for s in by_itself.sequences],
+        [s.logprobs for s in together[1].sequences],
+        rtol=0,
+        atol=0 if exact else 1e-5,
+    )
+
+    # The sampler's logprobs are the trainer's, the image included (the trainer's datum is the sequence so far).
+    seq = by_itself.sequences[0]
+    sequence = ModelInput(chunks=[*RED.chunks, text(*seq.tokens[:-1])])
+    targets = [0] * (n - 1) + seq.tokens
+    scored = engine.forward(
+        "s",
+        [Datum(model_input=sequence, loss_fn_inputs={"target_tokens": targets, "weights": [1.0] * len(targets)})],
+        "cross_entropy",
+    )
+    trained = scored.loss_fn_outputs[0]["logprobs"].to_numpy()[n - 1 :]
+    assert np.abs(trained - np.asarray(seq.logprobs)).max() < BOUND[dtype]
+    prompt_logprobs = engine.compute_logprobs("snap", ModelInput(chunks=[*RED.chunks, text(*seq.tokens)]))
+    assert np.abs(np.asarray(prompt_logprobs[n:]) - np.asarray(seq.logprobs)).max() < BOUND[dtype]
+
+    other = ModelInput(chunks=[RED.chunks[0], image((30, 200, 30)), RED.chunks[2]])
+    assert (
+        np.abs(np.asarray(engine.compute_logprobs("snap", other)[-3:]) - np.asarray(prompt_logprobs[n - 3 : n])).max()
+        > 1e-3
+    )
+    engine.drop_sampler("snap")
+    engine.drop_session("s")
+
+
+def test_the_vision_tower_trains_only_when_asked(engine):
+    engine.create_session("frozen", LoraConfig(rank=4, seed=0))
+    engine.create_session("tower", LoraConfig(rank=4, seed=0, train_vision=True))
+    assert not [name for name in engine.trainable_parameters("frozen") if ".visual." in name]
+    tower = {name: p for name, p in engine.trainable_parameters("tower").items() if ".visual." in name}
+    assert any(".merger." in name for name in tower) and any(".blocks.0.attn.qkv." in name for name in tower)
+    engine.forward_backward("tower", [datum(RED, RED.length)], "cross_entropy")
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in tower.values())
+    engine.drop_session("frozen")
+    engine.drop_session("tower")
+
+
+def test_bad_images_are_refused_by_chunk_and_the_session_goes_on(engine):
+    engine.create_session("s", LoraConfig(rank=4, seed=0))
+    good = [datum(RED, RED.length)]
+    before = engine.forward("s", good, "cross_entropy").metrics["loss:sum"]
+
+    def chunk(data: bytes, fmt="png", **kw) -> ModelInput:
+        return ModelInput(chunks=[text(10, 11), ImageChunk(data=data, format=fmt, **kw)])
+
+    bad = {
+        r"chunks\[1\]\.data: does not decode as an image": chunk(b"\x89PNG\r\n\x1a\n" + b"\0" * 40),
+        r"chunks\[1\]\.data: does not decode as a png image": chunk(encoded((1, 2, 3), (64, 64))[:90]),
+        r"chunks\[1\]\.data: 200 x 100 = 20000 pixels; at most 16384": chunk(encoded((1, 2, 3), (200, 100))),
+        r"chunks\[1\]\.format: png, but the data is a JPEG image": chunk(encoded((1, 2, 3), fmt="JPEG")),
+        r"chunks\[1\]\.expected_tokens: 5, but the model's processor makes 4 tokens": chunk(
+            encoded((1, 2, 3)), expected_tokens=5
+        ),
+        r"chunks\[0\]\.tokens\[1\]: 6 is the model's image token": ModelInput.from_ints([10, 6, 11]),
+    }
+    for message, model_input in bad.items():
+        n = len(model_input.chunks[0].tokens) + (4 if len(model_input.chunks) > 1 else 0)
+        with pytest.raises(InvalidRequestError, match=r"data\[1\]\.model_input\." + message):
+            engine.forward_backward("s", [*good, datum(model_input, n)], "cross_entropy")
+        with pytest.raises(InvalidRequestError, match=r"prompt\." + message):
+            engine.sample(None, model_input, 1, SamplingParams(max_tokens=2))
+    # Nothing of the refused batches stayed: no gradients, the same loss, and the session trains on.
+    assert all(p.grad is None or not p.grad.any() for p in engine.trainable_parameters("s").values())
+    assert engine.forward("s", good, "cross_entropy").metrics["loss:sum"] == before
+    engine.forward_backward("s", good, "cross_entropy")
+    engine.optim_step("s", AdamParams(learning_rate=1e-2))
+    assert engine.forward("s", good, "cross_entropy").metrics["loss:sum"] < before
+    engine.drop_session("s")
+
+
+def test_an_image_for_a_text_model_is_refused_by_chunk(tmp_path_factory):
+    engine = Engine(build_tiny_model(tmp_path_factory.mktemp("text")), device="cpu")
+    try:
+        engine.create_session("s", LoraConfig(rank=4, seed=0))
+        with pytest.raises(
+            InvalidRequestError,
+            match=r"data\[0\]\.model_input\.chunks\[1\]: an image chunk, but the served model takes text only",
+        ):
+            engine.forward_backward("s", [datum(RED, RED.length)], "cross_entropy")
+        with pytest.raises(InvalidRequestError, match=r"prompt\.chunks\[1\]: an image chunk"):
+            engine.sample(None, RED, 1, SamplingParams(max_tokens=2))
+        with pytest.raises(InvalidRequestError, match=r"lora: train_vision=True, but .* has no vision tower"):
+            engine.create_session("t", LoraConfig(rank=4, train_vision=True))
+        engine.forward_backward("s", [datum(TEXT, TEXT.length)], "cross_entropy")
+    finally:
+        engine.close()
+
+
+def test_models_check_says_vision_and_passes_its_smoke_run(engine):
+    result = model_check.smoke(engine, rank=8)
+    assert engine.profile.inputs == ["text", "vision"]
+    assert "inputs        text, vision" in model_check.render(engine.profile, result)
+    assert model_check.check_result(engine.profile, result) == []
+
+
+COLOURS = {"red": (200, 40, 40), "green": (40, 180, 60), "blue": (40, 60, 200)}
+
+
+def test_a_vision_lora_learns_to_name_the_colour_of_held_out_images(vl_dir):
+    """Proof of learning: a LoRA on the decoder (the vision tower frozen) learns to answer "what colour is it?"
+    about synthetic images of three colours, each drawn at a random shade and size; scored by greedy sampling
+    on 30 held-out images. The base model names none (0 %; guessing among the three would be 33 %); 12 steps
+    of 12 images later it names >= 90 % (measured: 100 %, in 7.5 s on a 2-core CPU)."""
+    engine = Engine(vl_dir, device="cpu")
+    tokenizer = engine.tokenizer
+    answers = {colour: tokenizer.encode(" " + colour)[0] for colour in COLOURS}
+    before = tokenizer.encode("<|im_start|>user\n")
+    after = tokenizer.encode("what colour is it?<|im_end|>\n<|im_start|>assistant\n")
+    rng = np.random.default_rng(0)
+
+    def example() -> tuple[str, ModelInput]:
+        colour = str(rng.choice(list(COLOURS)))
+        shade = np.clip(np.array(COLOURS[colour]) + rng.integers(-40, 40, 3), 0, 255)
+        size = (int(rng.integers(40, 90)), int(rng.integers(40, 90)))
+        picture = ImageChunk(data=encoded(tuple(int(x) for x in shade), size), format="png")
+        return colour, ModelInput(chunks=[text(*before), picture, text(*after)])
+
+    def accuracy(step: int) -> float:
+        engine.snapshot_sampler("learner", f"step-{step}")
+        greedy = SamplingParams(max_tokens=1, temperature=0.0)
+        futures = [engine.sample_async(f"step-{step}", prompt, 1, greedy) for _, prompt in held_out]
+        named = [f.result(timeout=300).sequences[0].tokens[0] for f in futures]
+        return float(np.mean([token == answers[colour] for token, (colour, _) in zip(named, held_out)]))
+
+    held_out = [example() for _ in range(30)]
+    engine.create_session("learner", LoraConfig(rank=8, seed=0))
+    try:
+        assert accuracy(0) < 0.5
+        for step in range(1, 13):
+            batch = []
+            for colour, prompt in (example() for _ in range(12)):
+                n = engine.vision.prepare("prompt", prompt).tokens.size  # the image's tokens, as the worker counts them
+                targets = {"target_tokens": [0] * (n - 1) + [answers[colour]], "weights": [0.0] * (n - 1) + [1.0]}
+                batch.append(Datum(model_input=prompt, loss_fn_inputs=targets))
+            engine.forward_backward("learner", batch, "cross_entropy")
+            engine.optim_step("learner", AdamParams(learning_rate=3e-3))
+        assert accuracy(12) >= 0.9
+    finally:
+        engine.close()
+
+
+def test_a_vision_session_saves_loads_and_exports_merged(vl_dirs, tmp_path):
+    """save_state -> load_state, and the merged export read by AutoModelForImageTextToText alone (its image processor
+    beside it), give the image datum's logprobs back."""
+    from transformers import AutoImageProcessor, AutoModelForImageTextToText
+
+    from treadle.storage.merged_export import export_merged
+
+    for arch, directory in vl_dirs.items():
+        engine = Engine(directory, device="cpu")
+        try:
+            engine.create_session("s", LoraConfig(rank=4, seed=0))
+            data = [datum(RED, RED.length)]
+            engine.forward_backward("s", data, "cross_entropy")
+            engine.optim_step("s", AdamParams(learning_rate=2e-2))
+            want = engine.forward("s", data, "cross_entropy").loss_fn_outputs[0]["logprobs"].to_numpy()
+            engine.save_state("s", str(tmp_path / arch / "state"))
+            engine.load_state("t", str(tmp_path / arch / "state"), with_optimizer=True)
+            loaded = engine.forward("t", data, "cross_entropy").loss_fn_outputs[0]["logprobs"].to_numpy()
+            np.testing.assert_allclose(loaded, want, rtol=0, atol=1e-6)
+
+            export_merged(directory, str(tmp_path / arch / "state"), str(tmp_path / arch / "merged"))
+            merged = AutoModelForImageTextToText.from_pretrained(tmp_path / arch / "merged")
+            AutoImageProcessor.from_pretrained(tmp_path / arch / "merged")
+            with torch.no_grad():
+                plain = target_logprobs(
+                    merged,
+                    [engine.vision.prepare("x", RED).tokens],
+                    [data[0].loss_fn_inputs["target_tokens"].to_numpy()],
+                    device=torch.device("cpu"),
+                    pad_token_id=0,
+                    vision=engine.vision,
+                    visuals=[engine.vision.prepare("x", RED)],
+                )[0].numpy()
+            np.testing.assert_allclose(plain, want, rtol=0, atol=1e-3)
+        finally:
+            engine.close()
+
+
+def test_gemma3_with_vision_serves_text_and_refuses_images_by_name(tmp_path):
+    engine = Engine(build_tiny_model(tmp_path / "gemma3", arch="gemma3_vision"), device="cpu")
+    try:
+        assert engine.profile.inputs == ["text"]
+        engine.create_session("s", LoraConfig(rank=4, seed=0))
+        engine.forward_backward("s", [datum(TEXT, TEXT.length)], "cross_entropy")
+        with pytest.raises(
+            InvalidRequestError, match=r"data\[0\]\.model_input\.chunks\[1\]: images are not served on this gemma3"
+        ):
+            engine.forward_backward("s", [datum(RED, RED.length)], "cross_entropy")
+        with pytest.raises(InvalidRequestError, match=r"prompt\.chunks\[1\]: images are not served .* both ways"):
+            engine.sample(None, RED, 1, SamplingParams(max_tokens=2))
+        assert engine.sample(None, TEXT, 1, SamplingParams(max_tokens=2, seed=0)).sequences[0].tokens
+    finally:
+        engine.close()

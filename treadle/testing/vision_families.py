@@ -1,0 +1,162 @@
+"""Tiny random-init vision-language models: a decoder as small as `families`' and a one-block vision tower.
+
+A vision family is its model config (from transformers' own config classes), the special tokens its
+processor and chat format need (added to the tiny tokenizer's specials, so the vocabulary stays 512), and
+an image processor built offline from transformers' PIL backend, sized so that a small image is a few
+tokens: Qwen's patches (14 pixels for Qwen2.5-VL, 16 for Qwen3-VL) merged 2 x 2, between 4 and 16 tokens an
+image (56 x 56 pixels: 4 for Qwen2.5-VL).
+
+    python -m treadle.testing.tiny_model DIR --arch qwen2_5_vl
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+QWEN_VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+MIN_IMAGE_TOKENS, MAX_IMAGE_TOKENS = 4, 16
+
+
+@dataclass(frozen=True)
+class VisionFamily:
+    config: Callable[..., Any]  # (token ids by name, **the decoder's common fields) -> the model's config
+    special_tokens: tuple[str, ...]
+    image_processor: Callable[[], Any]
+
+
+def _qwen_image_processor(patch: int = 14):
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    token = (2 * patch) ** 2  # one image token: a 2 x 2 merge of patches
+    return Qwen2VLImageProcessorPil(
+        patch_size=patch, min_pixels=MIN_IMAGE_TOKENS * token, max_pixels=MAX_IMAGE_TOKENS * token
+    )
+
+
+def _qwen2_5_vl(ids: dict[str, int], **text):
+    from transformers import Qwen2_5_VLConfig
+
+    # M-RoPE: the rotary half of each 16-wide head split over time, height and width.
+    text["rope_parameters"] = {"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0}
+    vision = dict(
+        depth=1,
+        hidden_size=32,
+        intermediate_size=64,
+        num_heads=2,
+        out_hidden_size=text["hidden_size"],
+        window_size=56,
+        fullatt_block_indexes=[0],
+    )
+    return Qwen2_5_VLConfig(
+        text_config=text,
+        vision_config=vision,
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+        eos_token_id=text["eos_token_id"],
+        pad_token_id=text["pad_token_id"],
+        tie_word_embeddings=False,
+    )
+
+
+def _qwen3_vl(ids: dict[str, int], **text):
+    from transformers import Qwen3VLConfig
+
+    # Interleaved M-RoPE over 16-wide heads; the tower feeds its first block's features to the decoder's first
+    # layers too (deepstack).
+    text["rope_parameters"] = {"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0}
+    vision = dict(
+        depth=1,
+        hidden_size=32,
+        intermediate_size=64,
+        num_heads=2,
+        patch_size=16,
+        out_hidden_size=text["hidden_size"],
+        num_position_embeddings=64,
+        deepstack_visual_indexes=[0],
+    )
+    return Qwen3VLConfig(
+        text_config=text,
+        vision_config=vision,
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+        tie_word_embeddings=False,
+    )
+
+
+def _qwen3_5_vision(ids: dict[str, int], **text):
+    from transformers import Qwen3_5Config
+
+    # The decoder of `families`' qwen3_5 (a gated-delta-net layer, then a full-attention one) with M-RoPE, and
+    # Qwen3-VL's tower without deepstack.
+    text |= dict(
+        layer_types=["linear_attention", "full_attention"],
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        linear_conv_kernel_dim=4,
+        rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0},
+    )
+    vision = dict(
+        depth=1,
+        hidden_size=32,
+        intermediate_size=64,
+        num_heads=2,
+        patch_size=16,
+        out_hidden_size=text["hidden_size"],
+        num_position_embeddings=64,
+    )
+    return Qwen3_5Config(
+        text_config=text,
+        vision_config=vision,
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+        tie_word_embeddings=False,
+    )
+
+
+GEMMA3_IMAGE_TOKENS = ("<start_of_image>", "<end_of_image>", "<image_soft_token>")
+
+
+def _gemma3_image_processor():
+    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
+    return Gemma3ImageProcessorPil(size={"height": 56, "width": 56})
+
+
+def _gemma3_vision(ids: dict[str, int], **text):
+    from transformers import Gemma3Config
+
+    # `families`' gemma3 decoder (a sliding-window layer, then a full one) under a one-layer SigLIP tower: 56 x 56
+    # pixels, 4 x 4 patches pooled to 4 image tokens.
+    text |= dict(layer_types=["sliding_attention", "full_attention"], sliding_window=8)
+    vision = dict(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=56, patch_size=14
+    )
+    return Gemma3Config(
+        text_config=text,
+        vision_config=vision,
+        mm_tokens_per_image=4,
+        boi_token_index=ids["<start_of_image>"],
+        eoi_token_index=ids["<end_of_image>"],
+        image_token_index=ids["<image_soft_token>"],
+    )
+
+
+VISION_FAMILIES: dict[str, VisionFamily] = {
+    "qwen2_5_vl": VisionFamily(_qwen2_5_vl, QWEN_VISION_TOKENS, _qwen_image_processor),
+    "qwen3_vl": VisionFamily(_qwen3_vl, QWEN_VISION_TOKENS, lambda: _qwen_image_processor(patch=16)),
+    "qwen3_5_vision": VisionFamily(_qwen3_5_vision, QWEN_VISION_TOKENS, lambda: _qwen_image_processor(patch=16)),
+}
+
+# Loaded and served for text, its images refused by name (`treadle.gpu_worker.model.vision.UNSERVED_IMAGES`).
+TEXT_ONLY_VISION_FAMILIES: dict[str, VisionFamily] = {
+    "gemma3_vision": VisionFamily(_gemma3_vision, GEMMA3_IMAGE_TOKENS, _gemma3_image_processor),
+}
