@@ -1,12 +1,20 @@
-"""`treadle worker` whose handler of one op sleeps first: widens the window a recovery test kills in.
+"""`treadle worker` with a slowed step: widens the window a recovery test kills in.
 
 python -m tests.slow_worker OP SECONDS <treadle worker options...>
+    the handler of session op OP sleeps SECONDS first, every time;
+python -m tests.slow_worker --when-asked <treadle worker options...>
+    a sampler prefill, a sampler decode step, a compute_logprobs batch or a session creation sleeps while the
+    test asks for it: the seconds are the value of Redis key `tests:slow:<prefill|step|logprobs|create>`.
 """
 
 from __future__ import annotations
 
+import functools
+import os
 import sys
 import time
+
+import redis
 
 from treadle.cli import main
 from treadle.gpu_worker.sessions import op_handlers
@@ -24,6 +32,32 @@ def slow_down(op: str, seconds: float) -> None:
     op_handlers.HANDLERS[cls] = slow
 
 
+def slow_when_asked() -> None:
+    from treadle.gpu_worker.sampling.hf.scheduler import SampleScheduler
+    from treadle.gpu_worker.sessions.hosting import SessionHost
+
+    client = redis.Redis.from_url(os.environ["TREADLE_BROKER_URL"])
+    for cls, method, point in [
+        (SampleScheduler, "_admit", "prefill"),
+        (SampleScheduler, "_step", "step"),
+        (SampleScheduler, "_answer_logprobs", "logprobs"),
+        (SessionHost, "create", "create"),
+    ]:
+        original = getattr(cls, method)
+
+        @functools.wraps(original)
+        def slow(self, *args, _original=original, _point=point):
+            if seconds := client.get(f"tests:slow:{_point}"):
+                time.sleep(float(seconds))
+            return _original(self, *args)
+
+        setattr(cls, method, slow)
+
+
 if __name__ == "__main__":
-    slow_down(sys.argv[1], float(sys.argv[2]))
-    main(["worker", *sys.argv[3:]])
+    if sys.argv[1] == "--when-asked":
+        slow_when_asked()
+        main(["worker", *sys.argv[2:]])
+    else:
+        slow_down(sys.argv[1], float(sys.argv[2]))
+        main(["worker", *sys.argv[3:]])

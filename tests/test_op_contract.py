@@ -38,9 +38,7 @@ def echo_op(monkeypatch):
 class _Stub:
     def on_doorbell(self, session_id: str, seq: int) -> None: ...
 
-    def create(self, request): ...
-
-    def sample(self, request): ...
+    def run(self, future_id: str) -> bool: ...
 
 
 def test_the_loss_registry_and_loss_fn_type_name_the_same_losses():
@@ -65,7 +63,7 @@ def test_a_new_op_appears_in_handlers_tasks_decoders_and_renderers(echo_op):
     assert op_handlers.handler_for("echo")(request, None) == EchoResponse(text="hi")
     # The worker registers one Celery task per op of the table.
     app = Celery("t", set_as_current=False)
-    register_tasks(app, sequencer=_Stub(), host=_Stub(), sampling=_Stub(), usage=_Stub(), deliver=_Stub())
+    register_tasks(app, sequencer=_Stub(), control=_Stub())
     assert ops.task_name("echo") in app.tasks
     assert {ops.task_name(n) for n in ops.OPS} <= set(app.tasks)
     # The SDK decodes a stored result into the op's response type; the gateway renders it.

@@ -1,41 +1,61 @@
-"""A sample request's answer is stored off the thread that resolved it: that thread holds the device (the
-sampler's decode loop), and the answer's metering and Redis writes must not keep the device or the other rows
-waiting. Its meter record, the release of its rows and the answer are one write, and a redelivered task's second
-answer does not replace the first. Real Redis, the worker's own control task and answer."""
+"""A control request's answer (treadle.gpu_worker.executor.control_ops): stored off the thread that resolved it, which
+holds the device (the sampler's decode loop), so the answer's metering and Redis writes never keep the device or the
+other rows waiting; its meter record, the release of its rows and the answer are one write; and only the worker
+whose claim on the request is live answers it: a doorbell for a request claimed elsewhere runs nothing, a request
+whose claim lapsed is run again by another worker, and the first claimer's late answer is dropped. Real Redis, the
+worker's own `ControlOps`."""
 
 from __future__ import annotations
 
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from types import SimpleNamespace
 
 import pytest
 
 from treadle.errors import ServerError
-from treadle.gpu_worker.executor.celery_tasks import _answer, _control_task
+from treadle.gpu_worker.executor.control_ops import ControlOps
 from treadle.gpu_worker.executor.usage import UsageRecorder
 from treadle.metering import Meter
 from treadle.queue import names
 from treadle.queue.celery_app import make_app
+from treadle.queue.control_requests import ControlRequests
 from treadle.queue.ops import SampleRequest, decode_result
 from treadle.queue.results import ResultStore
 from treadle.queue.sessions import SessionRegistry
 from treadle.types import SampledSequence, SampleResponse
 
 
-def _worker_answer(redis_client, results: ResultStore, seen: list | None = None):
-    """The worker's own answer (`_answer`: meter, release the rows, store) on a real Redis; `seen` collects the
-    thread and outcome of each answer."""
-    host = SimpleNamespace(registry=SessionRegistry(redis_client))
-    usage, one_write = UsageRecorder(redis_client), results.in_redis(results.backend.url)
+class Seen(UsageRecorder):
+    """The worker's own recorder, noting the thread and outcome of each answer it meters."""
 
-    def answer(future_id, request, response, payload, error, seconds):
-        if seen is not None:
-            seen.append((threading.current_thread().name, "ok" if error is None else f"{error.category}_error"))
-        _answer(host, usage, results, one_write, future_id, request, response, payload, error, seconds)
+    def __init__(self, redis_client):
+        super().__init__(redis_client)
+        self.answers: list[tuple[str, str]] = []
 
-    return answer
+    def control_op_finished(self, sessions, future_id, request, response, seconds, outcome):
+        self.answers.append((threading.current_thread().name, outcome))
+        return super().control_op_finished(sessions, future_id, request, response, seconds, outcome)
+
+
+def control_ops(redis_client, results: ResultStore, handler, deliver, holder: str = "w1") -> ControlOps:
+    return ControlOps(
+        ControlRequests(redis_client, holder, ttl_ms=30_000),
+        {SampleRequest: handler},
+        models=["tiny"],
+        registry=SessionRegistry(redis_client),
+        usage=Seen(redis_client),
+        results=results,
+        deliver=deliver,
+        one_write=results.in_redis(results.backend.url),
+    )
+
+
+def hold(redis_client, future_id: str, request: SampleRequest) -> None:
+    """What the client's submit writes before it rings (treadle.queue.ops_client)."""
+    with redis_client.pipeline() as pipe:
+        ControlRequests.queue_hold(pipe, future_id, request)
+        pipe.execute()
 
 
 def _answered(results: ResultStore, future_id: str, timeout: float = 30.0) -> dict:
@@ -51,19 +71,15 @@ def _answered(results: ResultStore, future_id: str, timeout: float = 30.0) -> di
 
 @pytest.mark.parametrize("outcome", ["ok", "error"])
 def test_an_answer_resolved_under_the_device_is_stored_by_the_delivery_thread(redis_client, redis_url, outcome):
-    app = make_app(redis_url)
-    results = ResultStore(app)
+    results = ResultStore(make_app(redis_url))
     pending: Future = Future()
-    metered: list[tuple[str, str]] = []  # (thread that metered the answer, outcome)
     device = threading.Lock()
+    future_id = f"delivery-{outcome}"
+    hold(redis_client, future_id, SampleRequest.build(base_model="tiny", prompt=[5, 6, 7]))
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="treadle-deliver") as deliver:
-        task = _control_task(
-            SampleRequest, lambda request: pending, results, _worker_answer(redis_client, results, metered), deliver
-        )
-        request = SampleRequest.build(base_model="tiny", prompt=[5, 6, 7])
-        future_id = f"delivery-{outcome}"
-        task(SimpleNamespace(request=SimpleNamespace(id=future_id)), request.encode())
-        assert not metered  # the task returned before the answer: nothing stored yet
+        control = control_ops(redis_client, results, lambda request: pending, deliver)
+        assert control.run(future_id)
+        assert not control.usage.answers  # the doorbell returned before the answer: nothing stored yet
 
         def decode_loop():  # resolves the answer holding the device, as the sampler's loop does
             with device:
@@ -76,8 +92,9 @@ def test_an_answer_resolved_under_the_device_is_stored_by_the_delivery_thread(re
         loop.start()
         loop.join(30)
         meta = _answered(results, future_id)
-    [(thread, result)] = metered
+    [(thread, result)] = control.usage.answers
     assert thread.startswith("treadle-deliver")
+    assert not control.requests.is_held(future_id)  # answered: the request is no longer held
     if outcome == "ok":
         assert result == "ok"
         assert decode_result(meta["result"]).sequences[0].tokens == [9]
@@ -87,52 +104,52 @@ def test_an_answer_resolved_under_the_device_is_stored_by_the_delivery_thread(re
 
 
 def test_an_answer_ready_in_the_task_is_stored_before_it_returns(redis_client, redis_url):
-    """create_session and refused requests answer at once: stored by the Celery thread itself, in order."""
-    app = make_app(redis_url)
-    results = ResultStore(app)
+    """create_session and refused requests answer at once: stored by the Celery thread itself, in order; a second
+    doorbell for the answered request runs nothing."""
+    results = ResultStore(make_app(redis_url))
+    hold(redis_client, "delivery-now", SampleRequest.build(base_model="tiny", prompt=[5]))
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="treadle-deliver") as deliver:
-        task = _control_task(
-            SampleRequest,
-            lambda request: SampleResponse(sequences=[]),
-            results,
-            _worker_answer(redis_client, results),
-            deliver,
-        )
-        task(
-            SimpleNamespace(request=SimpleNamespace(id="delivery-now")),
-            SampleRequest.build(base_model="tiny", prompt=[5]).encode(),
-        )
+        control = control_ops(redis_client, results, lambda request: SampleResponse(sequences=[]), deliver)
+        assert control.run("delivery-now")
         assert results.backend.get_task_meta("delivery-now")["status"] == "SUCCESS"
+        assert not control.run("delivery-now")
 
 
-def test_a_redelivered_sample_keeps_its_first_answer_and_is_metered_once(redis_client, redis_url):
-    """A task redelivered after a crash answers again: the stored answer, which a client may have read, stays, and
-    the meter counts the sample once. The answer frees the request's rows from its owner's bound."""
-    app = make_app(redis_url)
-    results = ResultStore(app)
+def test_a_request_whose_claim_lapsed_is_rerun_once_and_the_late_answer_is_dropped(redis_client, redis_url):
+    """Worker A claims a sample and is still decoding it when its claim lapses (A paused, or died); worker B's
+    caretaker runs it again and answers. A's late answer is neither stored nor published, the meter counts the
+    sample once, and the answer frees the request's rows from its owner's bound."""
+    results = ResultStore(make_app(redis_url))
     assert results.in_redis(redis_url)  # the one-write path
-    future_id, owner = "redelivered-sample", "alice"
+    future_id, owner = "rerun-sample", "alice"
     rows_key = names.owner_sample_rows_key(owner)
     redis_client.hset(rows_key, future_id, f"4 {time.time() + 600}")  # what the submit counted against alice
-    answers = iter([[9, 9], [7, 7]])  # the second run samples other tokens
     request = SampleRequest.build(base_model="tiny", prompt=[5, 6], num_samples=1, owner=owner)
+    hold(redis_client, future_id, request)
+    a_decoding: Future = Future()
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="treadle-deliver") as deliver:
-        task = _control_task(
-            SampleRequest,
-            lambda req: SampleResponse(sequences=[SampledSequence(tokens=next(answers), stop_reason="length")]),
+        a = control_ops(redis_client, results, lambda req: a_decoding, deliver, holder="a")
+        b = control_ops(
+            redis_client,
             results,
-            _worker_answer(redis_client, results),
+            lambda req: SampleResponse(sequences=[SampledSequence(tokens=[7, 7], stop_reason="length")]),
             deliver,
+            holder="b",
         )
+        assert a.run(future_id)
+        assert not b.run(future_id)  # a doorbell for a request claimed elsewhere runs nothing
+        assert b.requests.orphans("tiny") == []  # A's claim is live: nobody re-runs it
+        redis_client.delete(names.control_claim_key(future_id))  # A's claim lapses
         with results.watch(future_id) as watch:
-            task(SimpleNamespace(request=SimpleNamespace(id=future_id)), request.encode())
-            first = watch.sleep(30)  # the first answer's publication
-            task(SimpleNamespace(request=SimpleNamespace(id=future_id)), request.encode())
+            b.recover()
+            first = watch.sleep(30)  # B's answer's publication
+            a_decoding.set_result(SampleResponse(sequences=[SampledSequence(tokens=[9, 9], stop_reason="length")]))
             again = watch.sleep(0.5)
-    assert first is not None and again is None  # the second answer was not published
+    assert first is not None and again is None  # A's answer was not published
     meta = results.backend.get_task_meta(future_id)
-    assert decode_result(meta["result"]).sequences[0].tokens == [9, 9]
+    assert decode_result(meta["result"]).sequences[0].tokens == [7, 7]
     assert redis_client.ttl(results.backend.get_key_for_task(future_id)) > 0  # it expires like any result
     assert not redis_client.hexists(rows_key, future_id)
+    assert not b.requests.is_held(future_id) and b.requests.orphans("tiny") == []
     [record] = Meter(redis_client).owner_ops(owner)
     assert record.op_id == future_id and record.sampled_tokens == 2 and record.prefill_tokens == 2

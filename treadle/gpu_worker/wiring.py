@@ -21,6 +21,7 @@ from redis import Redis
 from treadle.errors import InvalidRequestError
 from treadle.gpu_worker.engine import Engine
 from treadle.gpu_worker.executor.celery_tasks import register_tasks
+from treadle.gpu_worker.executor.control_ops import ControlOps
 from treadle.gpu_worker.executor.failover import Failover
 from treadle.gpu_worker.executor.op_record import OpRecorder
 from treadle.gpu_worker.executor.sample_requests import SamplerCache, Sampling
@@ -42,6 +43,9 @@ from treadle.gpu_worker.worker_main import Consumers, WorkerService
 from treadle.observability import metrics
 from treadle.queue.celery_app import make_app
 from treadle.queue.connections import connect_redis
+from treadle.queue.control_requests import ControlRequests
+from treadle.queue.ops import CreateSessionRequest, SampleRequest
+from treadle.queue.results import ResultStore
 from treadle.queue.lease import LeaseManager
 from treadle.queue.workers import ServedModel, WorkerRegistry, parse_model_spec
 from treadle.quotas import SessionQuota
@@ -103,8 +107,19 @@ def build_worker(config: WorkerConfig) -> WorkerService:
         session_idle_ttl_s=config.session_idle_ttl_s,
     )
     deliver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="treadle-deliver")
-    sampling = Sampling(samplers, host.op_lock, SampleStreams(redis))
-    register_tasks(app, sequencer, host, sampling, usage, deliver)
+    results = ResultStore(app)
+    control = ControlOps(
+        ControlRequests(redis, hostname, ttl_ms=lease.ttl_ms),
+        {CreateSessionRequest: host.create, SampleRequest: Sampling(samplers, host.op_lock, SampleStreams(redis)).sample},
+        models=list(engines),
+        registry=host.registry,
+        usage=usage,
+        results=results,
+        deliver=deliver,
+        one_write=results.in_redis(urls.broker),
+        rerun={CreateSessionRequest: failover.resume_create},
+    )
+    register_tasks(app, sequencer, control)
     return WorkerService(
         config=config,
         hostname=hostname,
@@ -117,6 +132,7 @@ def build_worker(config: WorkerConfig) -> WorkerService:
         autosaver=autosaver,
         linger=linger,
         failover=failover,
+        control=control,
         registry=WorkerRegistry(redis),
         deliver=deliver,
     )

@@ -3,11 +3,12 @@
 It loads each base model once, consumes the control queue of each, and subscribes itself to the
 queue of every session it owns. Besides Celery's own thread pool (one thread: one op at a time on the
 accelerator) it runs three background threads: a heartbeat that announces the worker and renews its
-session leases (never blocked by a long op), a caretaker that adopts sessions whose owner died,
-expires sessions idle past `session_idle_ttl_s` and unloads idle ones, and one that stores sample
-answers off the decode loop. With `--metrics_port` it
+session leases and its claims on control requests (never blocked by a long op), a caretaker that adopts
+sessions whose owner died, runs again the control requests whose worker died, expires sessions idle past
+`session_idle_ttl_s` and unloads idle ones, and one that stores sample answers off the decode loop. With `--metrics_port` it
 serves Prometheus metrics (treadle.observability.metrics). SIGTERM is a warm shutdown: the running op
-finishes, owned sessions are checkpointed and their leases released so another worker can adopt them.
+finishes, owned sessions are checkpointed and their leases released so another worker can adopt them, and
+the claims on control requests not yet answered are given back so another worker runs them.
 `build_worker` (treadle.gpu_worker.wiring) makes its parts.
 """
 
@@ -26,6 +27,7 @@ from celery.signals import worker_ready, worker_shutting_down
 from redis import Redis
 
 from treadle.gpu_worker.engine import Engine
+from treadle.gpu_worker.executor.control_ops import ControlOps
 from treadle.gpu_worker.executor.failover import Failover
 from treadle.gpu_worker.scheduling.linger import Linger
 from treadle.gpu_worker.sessions.autosave import Autosaver
@@ -74,6 +76,7 @@ class WorkerService:
     autosaver: Autosaver
     linger: Linger
     failover: Failover
+    control: ControlOps
     registry: WorkerRegistry
     # Stores the answers of sample requests off the decode loop's thread (treadle.gpu_worker.executor.celery_tasks).
     deliver: ThreadPoolExecutor
@@ -107,6 +110,7 @@ class WorkerService:
                 for sid, owned in list(self.host.owned.items()):
                     if not self.lease.renew(sid, owned.epoch):
                         log.warning("could not renew the lease of session %s", sid)
+                self.control.renew()
             except Exception:  # Redis restarting: keep trying, the leases have slack
                 log.warning("heartbeat failed; retrying", exc_info=True)
             self._stop.wait(period)
@@ -116,6 +120,7 @@ class WorkerService:
         while not self._stop.is_set():
             try:
                 self.failover.caretaker_pass()
+                self.control.recover()
             except Exception:
                 log.warning("caretaker pass failed; retrying", exc_info=True)
             self._stop.wait(period)
@@ -174,7 +179,8 @@ class WorkerService:
         finally:
             self._stop.set()
             self._hand_over()
-            for engine in self.engines.values():  # sample requests still waiting fail (and say so to their clients)
+            self.control.release_all()  # other workers run them; the answers given below are dropped
+            for engine in self.engines.values():  # sample requests still waiting fail
                 engine.close()
             self.deliver.shutdown(wait=True)  # ...once their answers are stored
             self.registry.withdraw(self.hostname)

@@ -80,6 +80,25 @@ def tinker_sampler_id(client_session: str, seq: int) -> str:
     return f"{client_session}:sample:{seq}"
 
 
+# Control requests (treadle.queue.control_requests): held until answered, claimed by the worker that runs them.
+CONTROL_PENDING_PREFIX = f"{PREFIX}:creqs:"
+
+
+def control_request_key(future_id: str) -> str:
+    """Hash: op, model, body (the request), at (submitted), epoch (claims so far), worker (the last claimer)."""
+    return f"{PREFIX}:creq:{future_id}"
+
+
+def control_claim_key(future_id: str) -> str:
+    """A worker's claim on a control request it runs: a lease (treadle.queue.lease), `<worker>:<epoch>`."""
+    return f"{PREFIX}:claim:{future_id}"
+
+
+def control_pending_key(base_model: str) -> str:
+    """Sorted set: the future ids of a base model's control requests not yet answered, by submission time."""
+    return CONTROL_PENDING_PREFIX + base_model
+
+
 def submitted_key(future_id: str) -> str:
     """Marks a sample's future id as submitted (see `OpsClient.check_future`)."""
     return f"{PREFIX}:submitted:{future_id}"

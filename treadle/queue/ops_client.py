@@ -27,6 +27,7 @@ from treadle.metering import SDK_OWNER
 from treadle.queue import names
 from treadle.queue.celery_app import RESULT_EXPIRES_S, make_app
 from treadle.queue.connections import connect_redis, ring
+from treadle.queue.control_requests import CONTROL_REQUEST_TTL_S, ControlRequest, ControlRequests
 from treadle.queue.journal import Journal
 from treadle.queue.outages import REDIS_ERRORS, REDIS_OUTAGE_TOLERANCE_S, through_outages
 from treadle.queue.ops import CreateSessionRequest, OpRequest, SampleRequest, task_name
@@ -87,6 +88,7 @@ class OpsClient:
         self.bounds = WaitBounds(self.workers, wait_settings)
         self.progress = RunProgress(self.redis)
         self.journal = Journal(self.redis)
+        self.control = ControlRequests(self.redis)
         self._admit_rows = self.redis.register_script(_ADMIT_ROWS)
         self._publish_lock = threading.Lock()
 
@@ -112,12 +114,7 @@ class OpsClient:
         """Ask a worker serving the model to create the session; returns its record once it exists."""
         self.require_model(request.base_model)
         fid = names.create_future_id(request.session_id)
-        self.app.send_task(
-            task_name(request.op),
-            args=[request.model_dump(mode="json")],
-            queue=names.model_queue(request.base_model),
-            task_id=fid,
-        )
+        self._hold_and_ring(fid, request)
         self.wait(
             fid, timeout=timeout, what=f"creating a session on {request.base_model!r}", base_model=request.base_model
         )
@@ -167,8 +164,30 @@ class OpsClient:
                 f"Redis at {self.broker_url} unreachable for over {REDIS_OUTAGE_TOLERANCE_S:.0f} s: {exc}"
             ) from None
 
+    def _hold_and_ring(
+        self, fid: str, request: ControlRequest, ttl_s: float = CONTROL_REQUEST_TTL_S, marks: dict | None = None
+    ) -> None:
+        """Hold a control request in Redis until a worker answers it or `ttl_s` passes (treadle.queue.control_requests),
+        with `marks` (key -> value, kept as long as a result lives), then ring its base model's control queue: the
+        message names the request, which survives the worker that runs it."""
+
+        def hold() -> None:
+            with self.redis.pipeline(transaction=True) as pipe:
+                self.control.queue_hold(pipe, fid, request, ttl_s)
+                for key, value in (marks or {}).items():
+                    pipe.set(key, value, ex=RESULT_EXPIRES_S)
+                pipe.execute()
+
+        self._retrying(hold)
+        self.app.send_task(
+            task_name(request.op),
+            queue=names.model_queue(request.base_model),
+            task_id=fid,
+            ignore_result=True,
+        )
+
     def submit_sample(self, request: SampleRequest) -> str:
-        """Publish a sample request to its base model's control queue; the message is its only copy.
+        """Hold a sample request until it is answered and ring its base model's control queue (`_hold_and_ring`).
         CapacityError when its owner's queued sample rows would pass the workers' bound (nothing is queued)."""
         fid = names.sample_future_id(uuid.uuid4().hex)
         owner = request.owner or SDK_OWNER
@@ -185,17 +204,12 @@ class OpsClient:
                 retry_after_s=SAMPLE_RETRY_AFTER_S,
                 bound="max_queued_sample_rows_per_owner",
             )
-        # Recorded before it is published, so a wait tells a pending sample from an id never submitted, and knows
-        # its model and lifetime (`treadle.queue.wait_bounds`); kept as long as its result would be.
-        marker = sample_marker(request.base_model, self.bounds.settings.sample_ttl_s)
-        self._retrying(lambda: self.redis.set(names.submitted_key(fid), marker, ex=RESULT_EXPIRES_S))
-        self.app.send_task(
-            task_name(request.op),
-            args=[request.model_dump(mode="json")],
-            queue=names.model_queue(request.base_model),
-            task_id=fid,
-            ignore_result=True,
-        )
+        # Marked submitted before it is published, so a wait tells a pending sample from an id never submitted, and knows
+        # its model and lifetime (`treadle.queue.wait_bounds`); the mark is kept as long as its result would be. The
+        # request is held as long as that lifetime: past it, no worker runs it.
+        ttl_s = self.bounds.settings.sample_ttl_s
+        marker = sample_marker(request.base_model, ttl_s)
+        self._hold_and_ring(fid, request, ttl_s, {names.submitted_key(fid): marker})
         return fid
 
     def tokenizer_files(self, base_model: str) -> dict[str, bytes]:

@@ -15,13 +15,14 @@ import json
 import logging
 import time
 
-from treadle.errors import SessionLostError
+from treadle.errors import ServerError, SessionLostError
 from treadle.gpu_worker.sessions.autosave import Autosaver
 from treadle.gpu_worker.sessions.expiry import expire_idle
 from treadle.gpu_worker.sessions.hosting import OwnedSession, SessionHost
 from treadle.gpu_worker.executor.sequencer import Sequencer
 from treadle.observability import metrics
 from treadle.queue import names
+from treadle.queue.ops import CreateSessionRequest, CreateSessionResponse
 
 log = logging.getLogger("treadle.worker")
 
@@ -112,3 +113,16 @@ class Failover:
             owned.max_seen = max([owned.applied, *host.journal.seqs(session_id)])
             self.sequencer.drain(session_id)
         return True
+
+    def resume_create(self, req: CreateSessionRequest) -> CreateSessionResponse:
+        """Run again a session creation whose worker died in it (treadle.gpu_worker.executor.control_ops): a session
+        it registered is adopted here, unless another worker owns it already; one it did not is created."""
+        host = self.host
+        record = host.registry.get(req.session_id)
+        if record is None or record.status != "active":
+            return host.create(req)
+        owned = req.session_id in host.owned or host.lease.is_held(req.session_id)
+        if not owned and not self.take_over(req.session_id):
+            raise ServerError(f"session {req.session_id}: its creation was interrupted and it could not be adopted")
+        host.publish(record)
+        return CreateSessionResponse(session_id=record.session_id, run_id=record.run_id)

@@ -148,10 +148,7 @@ class SessionHost:
         if self.limits.quota is not None:  # before anything exists, so a refused create leaves nothing behind
             self.limits.quota.admit(owner, req.session_id)
         record = self._new_record(req)
-        if not self.registry.create(record):
-            existing = self.registry.get(req.session_id)
-            if existing is not None and req.session_id in self.owned:  # a redelivered create
-                return CreateSessionResponse(session_id=existing.session_id, run_id=existing.run_id)
+        if not self.registry.create(record):  # (a creation interrupted by a crash re-runs as `Failover.resume_create`)
             raise ServerError(f"session_id: {req.session_id!r} already exists")
         epoch = self.lease.acquire(req.session_id)
         if epoch is None:
@@ -159,9 +156,7 @@ class SessionHost:
         with self.op_lock:
             self._load_new(engine, req, record, epoch)
             self.owned[req.session_id] = OwnedSession(record=record, epoch=epoch, applied=0)
-        if self.limits.max_owner_queued_ops:  # its queued ops count against its owner's bound (a stopped one leaves)
-            self.stores.redis.sadd(names.owner_sessions_key(owner), req.session_id)
-        self._put_run(record)
+        self.publish(record)
         self.subscribe(names.session_queue(req.session_id))
         log.info("session %s created on %s (epoch %d)", req.session_id, req.base_model, epoch)
         return CreateSessionResponse(session_id=record.session_id, run_id=record.run_id)
@@ -207,8 +202,11 @@ class SessionHost:
                 self.limits.quota.release(req.owner or SDK_OWNER, req.session_id)
             raise
 
-    def _put_run(self, record: SessionRecord) -> None:
-        """The session's training run in the checkpoint store, where the REST API lists it."""
+    def publish(self, record: SessionRecord) -> None:
+        """What shows a created session: its queued ops counted against its owner's bound (a stopped one leaves),
+        its training run in the checkpoint store, where the REST API lists it. Doing it again changes nothing."""
+        if self.limits.max_owner_queued_ops:
+            self.stores.redis.sadd(names.owner_sessions_key(record.owner or SDK_OWNER), record.session_id)
         self.store.put_run(
             record.run_id,
             {

@@ -1,0 +1,244 @@
+"""Durable control requests: a worker that dies while it samples, scores prompts or creates a session costs the
+loop nothing (treadle.queue.control_requests, treadle.gpu_worker.executor.control_ops).
+
+One stack for the module: Redis and workers on the tiny model, each able to sleep in a prefill, a decode step, a
+compute_logprobs batch or a session creation while a test asks (`tests.slow_worker --when-asked`), so a kill lands
+where it should. The worker running the requests is SIGKILLed, and every future is answered with what an
+uninterrupted run gives: a seeded request's rows do not depend on their batch on CPU, so a re-run from the prompt
+draws the same tokens with the same logprobs.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from treadle import AdamParams, Datum, ModelInput, SamplingParams, ServiceClient
+from treadle.local_stack import LocalStack
+from treadle.queue import names
+from tests.test_durability import adapter_of, assert_same_adapter
+
+SEED = 5
+ADAM = AdamParams(learning_rate=5e-3)
+PROMPTS = [ModelInput.from_ints([(i * 13 + j * 7) % 240 + 5 for j in range(6 + i)]) for i in range(6)]
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_model_dir, tmp_path_factory):
+    os.environ["OMP_NUM_THREADS"] = "1"
+    s = LocalStack(
+        [f"tiny={tiny_model_dir}"],
+        home=str(tmp_path_factory.mktemp("durable-sampling")),
+        workers=2,
+        worker_args=["--lease_ttl_s", "2", "--checkpoint_every", "5"],
+        worker_command=[sys.executable, "-m", "tests.slow_worker", "--when-asked"],
+    )
+    s.start(wait_for_workers=180)
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def sc(stack) -> ServiceClient:
+    return ServiceClient(broker_url=stack.broker_url, storage_url=stack.storage_url)
+
+
+@pytest.fixture(scope="module")
+def snapshot(sc) -> str:
+    """A sampler snapshot of a trained adapter, which a worker that did not make it loads from the store."""
+    tc = sc.create_lora_training_client("tiny", rank=8, seed=SEED)
+    tc.forward_backward(batch(0), "cross_entropy")
+    tc.optim_step(ADAM).result(timeout=120)
+    return tc.save_weights_for_sampler("snap").result(timeout=120).path
+
+
+def batch(step: int) -> list[Datum]:
+    toks = [(step * 11 + j * 5) % 240 + 5 for j in range(17)]
+    return [Datum(model_input=ModelInput.from_ints(toks[:-1]), loss_fn_inputs={"target_tokens": toks[1:], "weights": [1.0] * 16})]
+
+
+def slow(sc: ServiceClient, **seconds: float) -> None:
+    """Ask the workers to sleep this long at each of these points (see tests.slow_worker); 0 stops asking."""
+    for point, s in seconds.items():
+        if s:
+            sc.ops.redis.set(f"tests:slow:{point}", s)
+        else:
+            sc.ops.redis.delete(f"tests:slow:{point}")
+
+
+def claimed(sc: ServiceClient, future_ids: list[str], timeout: float = 60) -> Counter:
+    """Once every request is claimed: how many each worker holds (bounded wait)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        holders = [sc.ops.control.claimer(fid) for fid in future_ids]
+        if all(holders):
+            return Counter(holders)
+        assert time.monotonic() < deadline, f"requests not claimed: {future_ids}"
+        time.sleep(0.05)
+
+
+def held_creation(sc: ServiceClient, timeout: float = 60) -> str:
+    """The future id of the session creation held for the tiny model (bounded wait)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for fid in sc.ops.redis.zrange(names.control_pending_key("tiny"), 0, -1):
+            if names.is_create_future(fid.decode()):
+                return fid.decode()
+        time.sleep(0.05)
+    raise AssertionError("no session creation was held")
+
+
+def kill_worker(stack: LocalStack, sc: ServiceClient, hostname: str) -> None:
+    """SIGKILL the worker process announced under `hostname`."""
+    [pid] = [w.pid for w in sc.ops.workers.live_workers() if w.hostname == hostname]
+    [proc] = [p for p in stack.workers if p.pid == pid]
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    stack.workers.remove(proc)
+
+
+def kill_busiest(stack: LocalStack, sc: ServiceClient, future_ids: list[str]) -> None:
+    """SIGKILL the worker that holds the most of these requests, once they are all claimed."""
+    kill_worker(stack, sc, claimed(sc, future_ids).most_common(1)[0][0])
+
+
+def six_requests(sampler):
+    """6 seeded sample requests of 4 samples x 96 tokens."""
+    return [
+        sampler.sample(p, num_samples=4, sampling_params=SamplingParams(max_tokens=96, seed=100 + i, temperature=1.0))
+        for i, p in enumerate(PROMPTS)
+    ]
+
+
+def answers(futures) -> list[dict]:
+    return [f.result(timeout=300).model_dump() for f in futures]
+
+
+def test_sample_requests_survive_the_worker_decoding_them(stack, sc, snapshot):
+    """Two workers; the one decoding most of 6 seeded requests is killed mid-batch: the other runs its requests
+    again and every answer is that of the uninterrupted run."""
+    sampler = sc.create_sampling_client(model_path=snapshot)
+    reference = answers(six_requests(sampler))
+    slow(sc, step=0.03)  # ~3 s of decoding: the kill lands inside it
+    futures = six_requests(sampler)
+    claimed(sc, [f.id for f in futures])
+    time.sleep(0.5)
+    kill_busiest(stack, sc, [f.id for f in futures])
+    slow(sc, step=0)
+    assert answers(futures) == reference
+
+
+def test_prefill_scoring_and_creation_survive_the_only_worker(stack, sc, snapshot):
+    """The only worker is killed with 6 sample requests in their prefill, a compute_logprobs batch and a session
+    creation in flight; a worker started afterwards (a supervisor's restart) answers every one of them as an
+    uninterrupted run does, and the created session trains."""
+    sampler = sc.create_sampling_client(model_path=snapshot)
+    slow(sc, prefill=3, logprobs=3, create=3)
+    futures = six_requests(sampler)
+    scored = [sampler.compute_logprobs(p) for p in PROMPTS[:3]]
+    created: list = []
+    creating = threading.Thread(
+        target=lambda: created.append(sc.create_lora_training_client("tiny", rank=8, seed=SEED)), daemon=True
+    )
+    creating.start()
+    [only] = claimed(sc, [f.id for f in futures + scored] + [held_creation(sc)])
+    time.sleep(0.5)
+    kill_worker(stack, sc, only)
+    slow(sc, prefill=0, logprobs=0, create=0)
+    stack.start_worker()
+    assert answers(futures) == answers(six_requests(sampler))
+    assert [f.result(timeout=300) for f in scored] == [sampler.compute_logprobs(p).result(timeout=60) for p in PROMPTS[:3]]
+    creating.join(300)
+    [tc] = created
+    assert tc.forward_backward(batch(1), "cross_entropy").result(timeout=120).metrics["loss:sum"] > 0
+
+
+# ---------------------------------------------------------------- a GRPO loop in math_rl's shape
+
+GROUPS, GROUP_SIZE, TOKENS, STEPS = 2, 4, 6, 20
+
+
+def reward(tokens: list[int]) -> float:
+    return sum(t % 2 == 0 for t in tokens) / max(1, len(tokens))
+
+
+def grpo_datums(prompt: ModelInput, sequences) -> list[Datum]:
+    """One group's datums for importance sampling: advantages are rewards centred on the group's mean."""
+    rewards = [reward(s.tokens) for s in sequences]
+    mean = sum(rewards) / len(rewards)
+    p = prompt.to_ints()
+    out = []
+    for s, r in zip(sequences, rewards):
+        full = p + s.tokens
+        pad = [0.0] * (len(p) - 1)
+        out.append(
+            Datum(
+                model_input=ModelInput.from_ints(full[:-1]),
+                loss_fn_inputs={
+                    "target_tokens": full[1:],
+                    "logprobs": pad + list(s.logprobs),
+                    "advantages": pad + [r - mean] * len(s.tokens),
+                },
+            )
+        )
+    return out
+
+
+def grpo_params(step: int, group: int) -> SamplingParams:
+    return SamplingParams(max_tokens=TOKENS, seed=1000 * step + group, temperature=1.0)
+
+
+def grpo_reference(model_dir: str) -> dict:
+    """The final adapter of the uninterrupted loop, in-process."""
+    from treadle.gpu_worker.engine import Engine
+    from treadle.types import LoraConfig
+
+    torch.set_num_threads(1)
+    engine = Engine(model_dir)
+    engine.create_session("ref", LoraConfig(rank=8, seed=SEED))
+    for step in range(STEPS):
+        engine.snapshot_sampler("ref", f"ref-{step}")
+        datums = []
+        for g in range(GROUPS):
+            response = engine.sample(f"ref-{step}", PROMPTS[g], GROUP_SIZE, grpo_params(step, g))
+            datums += grpo_datums(PROMPTS[g], response.sequences)
+        engine.forward_backward("ref", datums, "importance_sampling")
+        engine.optim_step("ref", ADAM)
+        engine.drop_sampler(f"ref-{step}")
+    with tempfile.TemporaryDirectory() as tmp:
+        engine.save_state("ref", tmp)
+        return load_file(os.path.join(tmp, "adapter_model.safetensors"))
+
+
+def test_grpo_loop_with_three_kills_while_sampling_equals_the_uninterrupted_run(stack, sc, tiny_model_dir):
+    """A worker killed 3 times while the loop samples (the one decoding its groups; it may own the session too):
+    the loop sees no error, and its final adapter is bitwise the uninterrupted run's."""
+    stack.start_worker()
+    stack.wait_for_workers(2, 180)
+    tc = sc.create_lora_training_client("tiny", rank=8, seed=SEED)
+    kill_at = {4, 11, 17}
+    for step in range(STEPS):
+        sampler = tc.save_weights_and_get_sampling_client(f"grpo-{step}")
+        if step in kill_at:
+            slow(sc, step=0.3)  # a window of a couple of seconds in the decode
+        futures = [sampler.sample(PROMPTS[g], GROUP_SIZE, grpo_params(step, g)) for g in range(GROUPS)]
+        if step in kill_at:
+            kill_busiest(stack, sc, [f.id for f in futures])
+            slow(sc, step=0)
+            stack.start_worker()  # a supervisor's restart; the other worker re-runs the groups meanwhile
+        datums = []
+        for g, f in enumerate(futures):
+            datums += grpo_datums(PROMPTS[g], f.result(timeout=300).sequences)
+        tc.forward_backward(datums, "importance_sampling")
+        tc.optim_step(ADAM)
+    final = adapter_of(sc, tc.save_state("final").result(timeout=300).path)
+    assert_same_adapter(final, grpo_reference(tiny_model_dir))
