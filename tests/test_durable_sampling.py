@@ -53,6 +53,17 @@ def sc(stack) -> ServiceClient:
 
 
 @pytest.fixture(scope="module")
+def sampler(sc, snapshot):
+    return sc.create_sampling_client(model_path=snapshot)
+
+
+@pytest.fixture(scope="module")
+def reference(sampler) -> list[dict]:
+    """The answers of `six_requests`, uninterrupted."""
+    return answers(six_requests(sampler))
+
+
+@pytest.fixture(scope="module")
 def snapshot(sc) -> str:
     """A sampler snapshot of a trained adapter, which a worker that did not make it loads from the store."""
     tc = sc.create_lora_training_client("tiny", rank=8, seed=SEED)
@@ -63,7 +74,12 @@ def snapshot(sc) -> str:
 
 def batch(step: int) -> list[Datum]:
     toks = [(step * 11 + j * 5) % 240 + 5 for j in range(17)]
-    return [Datum(model_input=ModelInput.from_ints(toks[:-1]), loss_fn_inputs={"target_tokens": toks[1:], "weights": [1.0] * 16})]
+    return [
+        Datum(
+            model_input=ModelInput.from_ints(toks[:-1]),
+            loss_fn_inputs={"target_tokens": toks[1:], "weights": [1.0] * 16},
+        )
+    ]
 
 
 def slow(sc: ServiceClient, **seconds: float) -> None:
@@ -84,6 +100,13 @@ def claimed(sc: ServiceClient, future_ids: list[str], timeout: float = 60) -> Co
             return Counter(holders)
         assert time.monotonic() < deadline, f"requests not claimed: {future_ids}"
         time.sleep(0.05)
+
+
+def consuming(sc: ServiceClient, count: int, timeout: float = 180) -> None:
+    """Once `count` workers consume their queues (they answer a ping): a worker announces itself a little before."""
+    deadline = time.monotonic() + timeout
+    while len(sc.ops.app.control.ping(timeout=1.0)) < count:
+        assert time.monotonic() < deadline, f"fewer than {count} workers consuming"
 
 
 def held_creation(sc: ServiceClient, timeout: float = 60) -> str:
@@ -107,8 +130,10 @@ def kill_worker(stack: LocalStack, sc: ServiceClient, hostname: str) -> None:
 
 
 def kill_busiest(stack: LocalStack, sc: ServiceClient, future_ids: list[str]) -> None:
-    """SIGKILL the worker that holds the most of these requests, once they are all claimed."""
-    kill_worker(stack, sc, claimed(sc, future_ids).most_common(1)[0][0])
+    """SIGKILL the worker that holds the most of these requests (`claimed` waited until each was claimed)."""
+    holders = Counter(h for h in map(sc.ops.control.claimer, future_ids) if h)
+    assert holders, "every request was answered before the kill"
+    kill_worker(stack, sc, holders.most_common(1)[0][0])
 
 
 def six_requests(sampler):
@@ -123,11 +148,10 @@ def answers(futures) -> list[dict]:
     return [f.result(timeout=300).model_dump() for f in futures]
 
 
-def test_sample_requests_survive_the_worker_decoding_them(stack, sc, snapshot):
+def test_sample_requests_survive_the_worker_decoding_them(stack, sc, sampler, reference):
     """Two workers; the one decoding most of 6 seeded requests is killed mid-batch: the other runs its requests
     again and every answer is that of the uninterrupted run."""
-    sampler = sc.create_sampling_client(model_path=snapshot)
-    reference = answers(six_requests(sampler))
+    consuming(sc, 2)
     slow(sc, step=0.03)  # ~3 s of decoding: the kill lands inside it
     futures = six_requests(sampler)
     claimed(sc, [f.id for f in futures])
@@ -137,11 +161,10 @@ def test_sample_requests_survive_the_worker_decoding_them(stack, sc, snapshot):
     assert answers(futures) == reference
 
 
-def test_prefill_scoring_and_creation_survive_the_only_worker(stack, sc, snapshot):
+def test_prefill_scoring_and_creation_survive_the_only_worker(stack, sc, sampler, reference):
     """The only worker is killed with 6 sample requests in their prefill, a compute_logprobs batch and a session
     creation in flight; a worker started afterwards (a supervisor's restart) answers every one of them as an
     uninterrupted run does, and the created session trains."""
-    sampler = sc.create_sampling_client(model_path=snapshot)
     slow(sc, prefill=3, logprobs=3, create=3)
     futures = six_requests(sampler)
     scored = [sampler.compute_logprobs(p) for p in PROMPTS[:3]]
@@ -155,8 +178,10 @@ def test_prefill_scoring_and_creation_survive_the_only_worker(stack, sc, snapsho
     kill_worker(stack, sc, only)
     slow(sc, prefill=0, logprobs=0, create=0)
     stack.start_worker()
-    assert answers(futures) == answers(six_requests(sampler))
-    assert [f.result(timeout=300) for f in scored] == [sampler.compute_logprobs(p).result(timeout=60) for p in PROMPTS[:3]]
+    assert answers(futures) == reference
+    assert [f.result(timeout=300) for f in scored] == [
+        sampler.compute_logprobs(p).result(timeout=60) for p in PROMPTS[:3]
+    ]
     creating.join(300)
     [tc] = created
     assert tc.forward_backward(batch(1), "cross_entropy").result(timeout=120).metrics["loss:sum"] > 0
@@ -222,19 +247,22 @@ def grpo_reference(model_dir: str) -> dict:
 def test_grpo_loop_with_three_kills_while_sampling_equals_the_uninterrupted_run(stack, sc, tiny_model_dir):
     """A worker killed 3 times while the loop samples (the one decoding its groups; it may own the session too):
     the loop sees no error, and its final adapter is bitwise the uninterrupted run's."""
-    stack.start_worker()
-    stack.wait_for_workers(2, 180)
+    if len(stack.workers) < 2:
+        stack.start_worker()  # ready by the first kill, which needs another worker to re-run what it held
     tc = sc.create_lora_training_client("tiny", rank=8, seed=SEED)
     kill_at = {4, 11, 17}
     for step in range(STEPS):
         sampler = tc.save_weights_and_get_sampling_client(f"grpo-{step}")
         if step in kill_at:
+            consuming(sc, 2)
             slow(sc, step=0.3)  # a window of a couple of seconds in the decode
         futures = [sampler.sample(PROMPTS[g], GROUP_SIZE, grpo_params(step, g)) for g in range(GROUPS)]
         if step in kill_at:
+            claimed(sc, [f.id for f in futures])
             kill_busiest(stack, sc, [f.id for f in futures])
             slow(sc, step=0)
-            stack.start_worker()  # a supervisor's restart; the other worker re-runs the groups meanwhile
+            if step != max(kill_at):
+                stack.start_worker()  # a supervisor's restart; the other worker re-runs the groups meanwhile
         datums = []
         for g, f in enumerate(futures):
             datums += grpo_datums(PROMPTS[g], f.result(timeout=300).sequences)

@@ -7,8 +7,8 @@ kombu's Redis transport would copy every delivered message into an `unacked` has
 on ack (two transactions per message, on the critical path of every op) to redeliver it after a
 visibility timeout. treadle needs neither: a session message is a doorbell for an op the journal
 already holds, and the worker that adopts a dead owner's session runs what the journal holds. A
-control message (create_session, sample) in flight when its worker dies is lost; its client's wait
-is bounded.
+control message (create_session, sample) is a doorbell too: its request is held in Redis until it is
+answered, and run again when its worker dies (treadle.queue.control_requests).
 Task events (for Flower's task views) are off unless a worker asks for them: each event is a fanout
 publish for which kombu builds a Redis client, and with them on they took a third of a worker's CPU
 per op (py-spy, a stream of noops). Publishers never send `task-sent` (Flower lists an op from `received`).

@@ -4,11 +4,11 @@ Each request class says what its op is: its name (`op`), the response type its r
 (`response`), whether it changes session state (`stateful`: journaled until a checkpoint covers it,
 replayed after a crash), and which queue carries it (`route`: a session's ordered queue, or a base
 model's control queue). The SDK and the gateway build these requests; the worker decodes them once
-from the journal (or the message) and hands them to the handler registered for the class. The
+from the journal (or the held control request) and hands them to the handler registered for the class. The
 Celery task names (`treadle.op.<name>`), the SDK's decoders and the gateway's renderers all come
 from `OPS`, so adding an op is: a request class here (and its entry in `OPS`), a handler in
-`gpu_worker/sessions/op_handlers.py` (a session op) or the `control` table of
-`gpu_worker/executor/celery_tasks.py` (a control op), an SDK method, a gateway route, a test row
+`gpu_worker/sessions/op_handlers.py` (a session op) or the handlers of `ControlOps` in
+`gpu_worker/wiring.py` (a control op, also named in `treadle.queue.control_requests.ControlRequest`), an SDK method, a gateway route, a test row
 (the checklist in docs/architecture.md).
 """
 
@@ -79,7 +79,7 @@ class OpRequest(BaseModel):
         return parse_request(cls, fields, cls.op)
 
     def encode(self) -> bytes:
-        """JSON with tensors as raw bytes: what the journal (or a control message) holds."""
+        """JSON with tensors as raw bytes: what the journal (or a held control request) holds."""
         return self.model_dump_json(context=WIRE).encode()
 
     @classmethod

@@ -68,7 +68,7 @@ class ResultStore:
         write: the result's meta under its key, and its publication to waiters. Celery's own store first
         reads the key to never overwrite a SUCCESS; the sequencer stores each seq once, so it need not.
         `first_only`: an answer already stored stays, and this one is neither written nor published (a control
-        task redelivered after a crash answers again)."""
+        request answers under its claim, so a second answer is a guard, not a path)."""
         state = states.SUCCESS if error is None else states.FAILURE
         result = self.backend.encode_result(value if error is None else error, state)
         # The meta Celery's result backend stores for a finished task with no request (its own

@@ -9,7 +9,7 @@ its seq applied (before them when results live in another Redis). A worker kille
 seq unapplied, so the op runs again on the adopting worker, whose record of the same `(session, seq)` the meter ignores: the op is counted once either way.
 Ops a rebuild replays (seq at or below applied) were counted when they first ran and are not seen here.
 
-Control ops are keyed by their task id, which a redelivery keeps. A sample is billed to the session
+Control ops are keyed by their future id, which a re-run after a crash keeps (treadle.queue.control_requests). A sample is billed to the session
 whose snapshot it samples (a run's id is its session's id), a sample of the bare base model to
 `base:<model>`; its owner is the caller the gateway names on the request, else the sampled session's
 owner, else `sdk`. Batched sampling shares each decode step among
