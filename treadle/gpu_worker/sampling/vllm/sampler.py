@@ -21,6 +21,8 @@ What the contract promises and how it is kept:
 - prompt logprobs (raw, like `compute_logprobs`) and top-k prompt logprobs up to `max_logprobs`;
   more, or a snapshot of a rank above `max_lora_rank`, is refused with an error naming the option.
 The tokens drawn for a seed are not those the HF backend draws for it (another RNG and kernel order).
+
+A child that dies is started again and given the requests it had not answered (`link.EngineLink`).
 """
 
 from __future__ import annotations
@@ -30,11 +32,8 @@ import json
 import logging
 import os
 import shutil
-import socket
 import subprocess
 import tempfile
-import threading
-from collections import Counter
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Callable
@@ -45,6 +44,7 @@ from pydantic import BaseModel, Field
 from treadle.errors import InvalidRequestError, ServerError
 from treadle.gpu_worker.model.adapters import AdapterBank
 from treadle.gpu_worker.sampling.backend import LogprobJob, SampleJob
+from treadle.gpu_worker.sampling.vllm.link import EngineLink, EngineProcess
 from treadle.gpu_worker.model.host import ModelHost
 from treadle.types import SampledSequence, SampleResponse
 
@@ -52,7 +52,6 @@ log = logging.getLogger("treadle.sampler.vllm")
 
 SERVER = Path(__file__).with_name("server.py")
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the max_lora_rank values vLLM accepts
-STARTUP_TIMEOUT_S = 900.0
 
 
 class VllmOptions(BaseModel):
@@ -113,28 +112,11 @@ class VllmSampler:
         self.max_lora_rank = next(r for r in VLLM_LORA_RANKS if r >= options.max_lora_rank)
         self._dir = Path(tempfile.mkdtemp(prefix="treadle-vllm-"))
         self._loras: dict[str, dict] = {}  # adapter -> its LoRARequest fields, once written
-        self._ids = itertools.count(1)
-        self._futures: dict[int, tuple] = {}  # message id -> (future, convert, adapter); (None, ...) for remove_lora
-        self._in_flight: Counter = Counter()
-        self._retiring: list[tuple[str, Callable[[], None]]] = []
-        self._lock = threading.Lock()
-        self._closed = False
-        self._conn, child = socket.socketpair()
-        self._proc = subprocess.Popen(
-            [python, str(SERVER), json.dumps(self._engine_args()), str(child.fileno())],
-            pass_fds=[child.fileno()],
-            env=self._env(),
-        )
-        child.close()
-        self._lines = self._conn.makefile("rb")
-        self._conn.settimeout(STARTUP_TIMEOUT_S)
-        first = json.loads(self._lines.readline() or b'{"fatal": "the vLLM process exited while starting"}')
-        if "fatal" in first:
-            self._proc.wait(30)
-            raise ServerError(f"sampler vllm: engine for {host.name} failed to start: {first['fatal']}")
-        self._conn.settimeout(None)
-        log.info("vLLM engine for %s ready (pid %d, %s)", host.name, self._proc.pid, python)
-        threading.Thread(target=self._read, name=f"treadle-vllm-{host.name}", daemon=True).start()
+        self._lora_ids = itertools.count(1)
+        argv = [python, str(SERVER), json.dumps(self._engine_args())]
+        what = f"sampler vllm: engine for {host.name}"
+        self._link = EngineLink(lambda: EngineProcess(argv, self._env(), what), host.name, self._retire)
+        log.info("vLLM engine for %s ready (pid %d, %s)", host.name, self._link.process_id, python)
 
     def _engine_args(self) -> dict:
         return dict(
@@ -253,22 +235,11 @@ class VllmSampler:
 
     def when_unused(self, adapter: str | None, callback: Callable[[], None]) -> None:
         """Run `callback` once no request in flight uses `adapter`; vLLM forgets the adapter too."""
-        with self._lock:
-            if self._in_flight[adapter]:
-                self._retiring.append((adapter, callback))
-                return
-        self._retire(adapter, callback)
+        self._link.when_unused(adapter, callback)
 
     def close(self, timeout: float = 30.0) -> None:
         """Stop the engine process; requests not answered yet fail with a ServerError."""
-        with self._lock:
-            self._closed = True
-        self._conn.shutdown(socket.SHUT_RDWR)  # the child reads EOF and exits
-        try:
-            self._proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self._proc.kill()
-            self._proc.wait()
+        self._link.close(timeout)
         shutil.rmtree(self._dir, ignore_errors=True)
 
     # ------------------------------------------------------------ internals
@@ -294,62 +265,19 @@ class VllmSampler:
                 )
             path = self._dir / adapter
             self.bank.save(adapter, path)
-            self._loras[adapter] = {"name": adapter, "id": next(self._ids), "path": str(path)}
+            self._loras[adapter] = {"name": adapter, "id": next(self._lora_ids), "path": str(path)}
         return self._loras[adapter]
 
     def _submit(self, adapter: str | None, prompt: list[int], params: dict, convert: Callable) -> Future:
         lora = self._lora(adapter)
-        future: Future = Future()
-        with self._lock:
-            if self._closed:
-                raise ServerError(f"sampler of {self.host.name} is shut down")
-            mid = next(self._ids)
-            self._futures[mid] = (future, convert, adapter)
-            self._in_flight[adapter] += 1
-            message = {"id": mid, "op": "sample", "prompt": prompt, "params": params, "lora": lora}
-            self._conn.sendall((json.dumps(message) + "\n").encode())
-        return future
+        return self._link.submit({"op": "sample", "prompt": prompt, "params": params, "lora": lora}, convert, adapter)
 
-    def _read(self) -> None:
-        for line in self._lines:
-            answer = json.loads(line)
-            with self._lock:
-                future, convert, adapter = self._futures.pop(answer["id"])
-                if future is None:
-                    continue  # a remove_lora acknowledgement: no one waits for it
-                self._in_flight[adapter] -= 1
-                ready = [(a, c) for a, c in self._retiring if not self._in_flight[a]]
-                self._retiring = [(a, c) for a, c in self._retiring if self._in_flight[a]]
-            if "error" in answer:
-                future.set_exception(ServerError(f"vLLM sampler: {answer['error']}"))
-            else:
-                try:
-                    future.set_result(convert(answer))
-                except Exception as exc:  # a malformed answer fails its request, not the reader
-                    future.set_exception(ServerError(f"vLLM sampler: bad answer: {type(exc).__name__}: {exc}"))
-            for a, callback in ready:
-                self._retire(a, callback)
-        code = self._proc.wait()
-        with self._lock:
-            self._closed = True
-            waiting, self._futures = [f for f, _, _ in self._futures.values() if f is not None], {}
-        for future in waiting:
-            future.set_exception(
-                ServerError(f"sampler of {self.host.name}: the vLLM engine process exited (code {code})")
-            )
-
-    def _retire(self, adapter: str, callback: Callable[[], None]) -> None:
+    def _retire(self, adapter: str | None, callback: Callable[[], None]) -> None:
         callback()
         lora = self._loras.pop(adapter, None)
         if lora is None:
             return  # never sampled with vLLM
-        with self._lock:
-            if not self._closed:
-                mid = next(self._ids)
-                self._futures[mid] = (None, None, None)
-                self._conn.sendall(
-                    (json.dumps({"id": mid, "op": "remove_lora", "lora_id": lora["id"]}) + "\n").encode()
-                )
+        self._link.notify({"op": "remove_lora", "lora_id": lora["id"]})
         shutil.rmtree(lora["path"], ignore_errors=True)
 
 

@@ -1,0 +1,224 @@
+"""The worker's end of the vLLM engine process (`VllmSampler`): requests out, answers in, a restart when it dies.
+
+`EngineProcess` is one child speaking JSON lines over a socketpair (the protocol is `server`'s): started with the
+socket's descriptor as its last argument, it writes `{"ready": true}` once it can take requests. `EngineLink`
+numbers the messages, resolves each request's future from its answer, and keeps what an adapter's retirement
+waits for (no request in flight uses it).
+
+A child that dies while it runs requests (killed, out of memory, a crash inside vLLM) is started again, and
+every request it had not answered is sent to the new one: each answer comes whole from the one process that
+ran it, and a seeded request draws what it would have drawn. The new engine has no adapter loaded; each
+request names its own, which vLLM loads on first use, so nothing else is re-sent. A request in flight through
+`MAX_TRIES` deaths fails instead, naming them (it may be what kills the engine); so do all of them if the
+engine cannot be started again.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import socket
+import subprocess
+import threading
+from collections import Counter
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Callable
+
+from treadle.errors import ServerError
+
+log = logging.getLogger("treadle.sampler.vllm")
+
+STARTUP_TIMEOUT_S = 900.0
+# Deaths of the engine process a request may be in flight through before it fails.
+MAX_TRIES = 3
+
+
+class EngineProcess:
+    """One engine child: `argv` plus the descriptor of its end of the socketpair; ready once it says so."""
+
+    def __init__(self, argv: list[str], env: dict[str, str], what: str):
+        self._conn, child = socket.socketpair()
+        self.proc = subprocess.Popen([*argv, str(child.fileno())], pass_fds=[child.fileno()], env=env)
+        child.close()
+        self.lines = self._conn.makefile("rb")
+        self._conn.settimeout(STARTUP_TIMEOUT_S)
+        first = json.loads(self.lines.readline() or b'{"fatal": "the process exited while starting"}')
+        if "fatal" in first:
+            self.proc.wait(30)
+            raise ServerError(f"{what} failed to start: {first['fatal']}")
+        self._conn.settimeout(None)
+
+    def send(self, message: dict) -> None:
+        self._conn.sendall((json.dumps(message) + "\n").encode())
+
+    def stop(self, timeout: float) -> None:
+        """Close the socket (the child reads EOF and exits), and wait for it; killed if it does not exit."""
+        self._conn.shutdown(socket.SHUT_RDWR)
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+@dataclass
+class _Pending:
+    message: dict
+    future: Future | None  # None: an acknowledgement nobody waits for (remove_lora)
+    convert: Callable[[dict], object] | None = None
+    adapter: str | None = None
+    tries: int = 1
+
+
+class EngineLink:
+    """Requests to an engine process and their answers (see the module docstring). `start` starts a process;
+    `retire(adapter, callback)` runs once no request in flight uses the adapter (`when_unused`)."""
+
+    def __init__(
+        self, start: Callable[[], EngineProcess], name: str, retire: Callable[[str, Callable[[], None]], None]
+    ):
+        self._start, self.name, self._retire = start, name, retire
+        self._ids = itertools.count(1)
+        self._pending: dict[int, _Pending] = {}
+        self._in_flight: Counter = Counter()
+        self._retiring: list[tuple[str | None, Callable[[], None]]] = []
+        self._lock = threading.Lock()
+        self._closed = False
+        self.process: EngineProcess | None = start()
+        self.restarts = 0
+        threading.Thread(target=self._read, name=f"treadle-vllm-{name}", daemon=True).start()
+
+    def submit(self, message: dict, convert: Callable[[dict], object], adapter: str | None) -> Future:
+        """Send a request (`message` without its id); the future resolves to `convert(answer)`."""
+        future: Future = Future()
+        with self._lock:
+            if self._closed:
+                raise ServerError(f"sampler of {self.name} is shut down")
+            self._in_flight[adapter] += 1
+            self._send(_Pending({**message, "id": next(self._ids)}, future, convert, adapter))
+        return future
+
+    def notify(self, message: dict) -> None:
+        """Send a message whose acknowledgement nobody waits for; nothing once the link is closed."""
+        with self._lock:
+            if not self._closed:
+                self._send(_Pending({**message, "id": next(self._ids)}, None))
+
+    @property
+    def process_id(self) -> int | None:
+        """The engine process's pid (None while it is being started again)."""
+        process = self.process
+        return None if process is None else process.proc.pid
+
+    def when_unused(self, adapter: str | None, callback: Callable[[], None]) -> None:
+        with self._lock:
+            if self._in_flight[adapter]:
+                self._retiring.append((adapter, callback))
+                return
+        self._retire(adapter, callback)
+
+    def close(self, timeout: float) -> None:
+        """Stop the engine process; requests not answered yet fail with a ServerError."""
+        with self._lock:
+            self._closed = True
+            process = self.process
+        if process is not None:
+            process.stop(timeout)
+
+    # ------------------------------------------------------------ internals
+    def _send(self, pending: _Pending) -> None:
+        """Record and send (the caller holds the lock). A process that died meanwhile gets nothing: its
+        successor is sent every pending request."""
+        self._pending[pending.message["id"]] = pending
+        if self.process is not None:
+            try:
+                self.process.send(pending.message)
+            except OSError:
+                pass
+
+    def _read(self) -> None:
+        while (process := self.process) is not None:
+            try:
+                for line in process.lines:
+                    self._answered(json.loads(line))
+            except OSError:  # a killed child can reset the connection rather than close it
+                pass
+            code = process.proc.wait()
+            with self._lock:
+                self.process = None
+                closed = self._closed
+            if closed:
+                self._fail_all(f"the vLLM engine process exited (code {code})")
+                return
+            self._restart(code)
+
+    def _answered(self, answer: dict) -> None:
+        with self._lock:
+            pending = self._pending.pop(answer["id"], None)
+            if pending is None or pending.future is None:
+                return  # an acknowledgement
+            ready = self._settled(pending)
+        if "error" in answer:
+            pending.future.set_exception(ServerError(f"vLLM sampler: {answer['error']}"))
+        else:
+            try:
+                pending.future.set_result(pending.convert(answer) if pending.convert else answer)
+            except Exception as exc:  # a malformed answer fails its request, not the reader
+                pending.future.set_exception(ServerError(f"vLLM sampler: bad answer: {type(exc).__name__}: {exc}"))
+        for adapter, callback in ready:
+            self._retire(adapter, callback)
+
+    def _settled(self, pending: _Pending) -> list[tuple[str | None, Callable[[], None]]]:
+        """A request is out of flight (the caller holds the lock): the retirements that now may run."""
+        self._in_flight[pending.adapter] -= 1
+        ready = [(a, c) for a, c in self._retiring if not self._in_flight[a]]
+        self._retiring = [(a, c) for a, c in self._retiring if self._in_flight[a]]
+        return ready
+
+    def _restart(self, code: int) -> None:
+        """Start the engine again and send it every request the dead one had not answered (see the module)."""
+        with self._lock:
+            for mid in [mid for mid, p in self._pending.items() if p.future is None]:
+                del self._pending[mid]  # the new engine loaded no adapter to remove
+            worn = [mid for mid, p in self._pending.items() if p.tries >= MAX_TRIES]
+        self._fail(worn, f"the vLLM engine process exited {MAX_TRIES} times while this request ran (last code {code})")
+        log.warning("the vLLM engine process of %s exited (code %d); starting it again", self.name, code)
+        try:
+            process = self._start()
+        except Exception as exc:  # nothing can run the requests: say so to each
+            with self._lock:
+                self._closed = True
+            self._fail(
+                list(self._pending), f"the vLLM engine process exited (code {code}) and did not start again: {exc}"
+            )
+            return
+        with self._lock:
+            self.process, self.restarts = process, self.restarts + 1
+            for pending in self._pending.values():
+                pending.tries += 1
+            try:
+                for pending in self._pending.values():
+                    process.send(pending.message)
+            except OSError:  # it died already: the reader starts it again
+                pass
+        log.info("the vLLM engine of %s is back (pid %d); requests sent again", self.name, process.proc.pid)
+
+    def _fail_all(self, reason: str) -> None:
+        with self._lock:
+            ids = list(self._pending)
+        self._fail(ids, reason)
+
+    def _fail(self, ids: list[int], reason: str) -> None:
+        ready, failed = [], []
+        with self._lock:
+            for mid in ids:
+                pending = self._pending.pop(mid, None)
+                if pending is not None and pending.future is not None:
+                    failed.append(pending.future)
+                    ready += self._settled(pending)
+        for future in failed:
+            future.set_exception(ServerError(f"sampler of {self.name}: {reason}"))
+        for adapter, callback in ready:
+            self._retire(adapter, callback)
