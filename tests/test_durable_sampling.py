@@ -4,8 +4,9 @@ loop nothing (treadle.queue.control_requests, treadle.gpu_worker.executor.contro
 One stack for the module: Redis and workers on the tiny model, each able to sleep in a prefill, a decode step, a
 compute_logprobs batch or a session creation while a test asks (`tests.slow_worker --when-asked`), so a kill lands
 where it should. The worker running the requests is SIGKILLed, and every future is answered with what an
-uninterrupted run gives: a seeded request's rows do not depend on their batch on CPU, so a re-run from the prompt
-draws the same tokens with the same logprobs.
+uninterrupted run gives, through the SDK, the gateway's OpenAI endpoint and the official tinker SDK alike: a
+seeded request's rows do not depend on their batch on CPU, so a re-run from the prompt draws the same tokens with
+the same logprobs.
 """
 
 from __future__ import annotations
@@ -14,18 +15,20 @@ import os
 import signal
 import sys
 import tempfile
-import threading
 import time
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
+from tests.fixtures.gateway import ALICE_KEY, gateway_settings
+from tests.test_durability import adapter_of, assert_same_adapter
 from treadle import AdamParams, Datum, ModelInput, SamplingParams, ServiceClient
+from treadle.gateway.server import BackgroundGateway
 from treadle.local_stack import LocalStack
 from treadle.queue import names
-from tests.test_durability import adapter_of, assert_same_adapter
 
 SEED = 5
 ADAM = AdamParams(learning_rate=5e-3)
@@ -109,15 +112,13 @@ def consuming(sc: ServiceClient, count: int, timeout: float = 180) -> None:
         assert time.monotonic() < deadline, f"fewer than {count} workers consuming"
 
 
-def held_creation(sc: ServiceClient, timeout: float = 60) -> str:
-    """The future id of the session creation held for the tiny model (bounded wait)."""
+def held(sc: ServiceClient, count: int, timeout: float = 60) -> list[str]:
+    """The future ids of the control requests held for the tiny model, once there are `count` (bounded wait)."""
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        for fid in sc.ops.redis.zrange(names.control_pending_key("tiny"), 0, -1):
-            if names.is_create_future(fid.decode()):
-                return fid.decode()
+    while len(pending := sc.ops.redis.zrange(names.control_pending_key("tiny"), 0, -1)) < count:
+        assert time.monotonic() < deadline, f"{len(pending)} requests held, not {count}"
         time.sleep(0.05)
-    raise AssertionError("no session creation was held")
+    return [fid.decode() for fid in pending]
 
 
 def kill_worker(stack: LocalStack, sc: ServiceClient, hostname: str) -> None:
@@ -161,29 +162,41 @@ def test_sample_requests_survive_the_worker_decoding_them(stack, sc, sampler, re
     assert answers(futures) == reference
 
 
-def test_prefill_scoring_and_creation_survive_the_only_worker(stack, sc, sampler, reference):
-    """The only worker is killed with 6 sample requests in their prefill, a compute_logprobs batch and a session
-    creation in flight; a worker started afterwards (a supervisor's restart) answers every one of them as an
-    uninterrupted run does, and the created session trains."""
-    slow(sc, prefill=3, logprobs=3, create=3)
-    futures = six_requests(sampler)
-    scored = [sampler.compute_logprobs(p) for p in PROMPTS[:3]]
-    created: list = []
-    creating = threading.Thread(
-        target=lambda: created.append(sc.create_lora_training_client("tiny", rank=8, seed=SEED)), daemon=True
-    )
-    creating.start()
-    [only] = claimed(sc, [f.id for f in futures + scored] + [held_creation(sc)])
-    time.sleep(0.5)
-    kill_worker(stack, sc, only)
-    slow(sc, prefill=0, logprobs=0, create=0)
-    stack.start_worker()
-    assert answers(futures) == reference
-    assert [f.result(timeout=300) for f in scored] == [
-        sampler.compute_logprobs(p).result(timeout=60) for p in PROMPTS[:3]
-    ]
-    creating.join(300)
-    [tc] = created
+def test_prefill_scoring_creation_and_the_gateway_survive_the_only_worker(stack, sc, sampler, reference):
+    """The only worker is killed with 6 sample requests in their prefill, a compute_logprobs batch, a session
+    creation, an OpenAI chat completion and an official tinker SDK sample in flight; a worker started afterwards
+    (a supervisor's restart) answers every one of them as an uninterrupted run does, and the session trains."""
+    import openai
+    import tinker
+    from tinker import types as tt
+
+    chat = dict(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=8, seed=3, temperature=1.0)
+    tinker_params = tt.SamplingParams(max_tokens=8, seed=4, temperature=1.0)
+    with BackgroundGateway(gateway_settings(stack)) as gateway, ThreadPoolExecutor(2) as pool:
+        client = openai.OpenAI(base_url=gateway.url + "/v1", api_key=ALICE_KEY)
+        official = tinker.ServiceClient(base_url=gateway.url, api_key=ALICE_KEY).create_sampling_client(
+            base_model="tiny"
+        )
+        slow(sc, prefill=3, logprobs=3, create=3)
+        futures = six_requests(sampler)
+        scored = [sampler.compute_logprobs(p) for p in PROMPTS[:3]]
+        creating = pool.submit(sc.create_lora_training_client, "tiny", rank=8, seed=SEED)
+        chatting = pool.submit(client.chat.completions.create, **chat)
+        sampling = official.sample(tt.ModelInput.from_ints(PROMPTS[0].to_ints()), 2, tinker_params)
+        [only] = claimed(sc, held(sc, 6 + 3 + 3))
+        time.sleep(0.5)
+        kill_worker(stack, sc, only)
+        slow(sc, prefill=0, logprobs=0, create=0)
+        stack.start_worker()
+        assert answers(futures) == reference
+        assert [f.result(timeout=300) for f in scored] == [
+            sampler.compute_logprobs(p).result(timeout=60) for p in PROMPTS[:3]
+        ]
+        assert chatting.result(timeout=300).choices == client.chat.completions.create(**chat).choices
+        first = sampling.result(timeout=300).sequences
+        again = official.sample(tt.ModelInput.from_ints(PROMPTS[0].to_ints()), 2, tinker_params).result().sequences
+        assert [(s.tokens, s.logprobs) for s in first] == [(s.tokens, s.logprobs) for s in again]
+        tc = creating.result(timeout=300)
     assert tc.forward_backward(batch(1), "cross_entropy").result(timeout=120).metrics["loss:sum"] > 0
 
 

@@ -153,3 +153,15 @@ def test_a_request_whose_claim_lapsed_is_rerun_once_and_the_late_answer_is_dropp
     assert not b.requests.is_held(future_id) and b.requests.orphans("tiny") == []
     [record] = Meter(redis_client).owner_ops(owner)
     assert record.op_id == future_id and record.sampled_tokens == 2 and record.prefill_tokens == 2
+
+
+def test_a_held_request_that_does_not_parse_is_answered_with_its_error(redis_client, redis_url):
+    results = ResultStore(make_app(redis_url))
+    hold(redis_client, "unparsable", SampleRequest.build(base_model="tiny", prompt=[5]))
+    redis_client.hset(names.control_request_key("unparsable"), "body", b'{"base_model": "tiny", "prompt": "x"}')
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="treadle-deliver") as deliver:
+        control = control_ops(redis_client, results, lambda request: SampleResponse(sequences=[]), deliver)
+        assert control.run("unparsable")
+    meta = results.backend.get_task_meta("unparsable")
+    assert meta["status"] == "FAILURE" and "prompt" in str(meta["result"])
+    assert not control.requests.is_held("unparsable") and not control.usage.answers  # answered, not metered

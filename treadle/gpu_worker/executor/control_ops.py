@@ -85,6 +85,8 @@ class ControlOps:
             held = dict(self._held)
         for future_id in self.requests.claims.renew_all(held):
             log.warning("lost the claim on control request %s; its answer will be dropped", future_id)
+            with self._lock:
+                self._held.pop(future_id, None)
 
     def release_all(self) -> None:
         """Give back every claim (a warm shutdown): other workers run those requests at once, and the answers this
@@ -106,7 +108,7 @@ class ControlOps:
         try:
             request = claim.request()
         except TreadleError as exc:
-            self.answer(claim, None, None, exc, 0.0)
+            self.answer(claim, None, None, None, exc, 0.0)
             return True
         handler = self.handlers[type(request)]
         if claim.rerun:
