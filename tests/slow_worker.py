@@ -3,8 +3,8 @@
 python -m tests.slow_worker OP SECONDS <treadle worker options...>
     the handler of session op OP sleeps SECONDS first, every time;
 python -m tests.slow_worker --when-asked <treadle worker options...>
-    a sampler prefill, a sampler decode step, a compute_logprobs batch or a session creation sleeps while the
-    test asks for it: the seconds are the value of Redis key `tests:slow:<prefill|step|logprobs|create>`.
+    a sampler prefill, a sampler decode step, a compute_logprobs batch or a session creation (once it has
+    registered the session) sleeps while the test asks for it: the seconds are the value of Redis key `tests:slow:<prefill|step|logprobs|create>`.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ def slow_when_asked() -> None:
         (SampleScheduler, "_admit", "prefill"),
         (SampleScheduler, "_step", "step"),
         (SampleScheduler, "_answer_logprobs", "logprobs"),
-        (SessionHost, "create", "create"),
+        (SessionHost, "_load_new", "create"),  # the session is registered and leased: a kill leaves it half made
     ]:
         original = getattr(cls, method)
 

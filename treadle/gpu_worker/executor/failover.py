@@ -121,8 +121,8 @@ class Failover:
         record = host.registry.get(req.session_id)
         if record is None or record.status != "active":
             return host.create(req)
-        owned = req.session_id in host.owned or host.lease.is_held(req.session_id)
-        if not owned and not self.take_over(req.session_id):
+        adopted = req.session_id in host.owned or self.take_over(req.session_id)
+        if not adopted and not host.lease.is_held(req.session_id):  # held: another worker adopted it
             raise ServerError(f"session {req.session_id}: its creation was interrupted and it could not be adopted")
         host.publish(record)
         return CreateSessionResponse(session_id=record.session_id, run_id=record.run_id)
