@@ -95,13 +95,13 @@ def slow(sc: ServiceClient, **seconds: float) -> None:
 
 
 def claimed(sc: ServiceClient, future_ids: list[str], timeout: float = 60) -> Counter:
-    """Once every request is claimed: how many each worker holds (bounded wait)."""
+    """Once every request is claimed (or answered already): how many each worker holds (bounded wait)."""
     deadline = time.monotonic() + timeout
     while True:
-        holders = [sc.ops.control.claimer(fid) for fid in future_ids]
-        if all(holders):
-            return Counter(holders)
-        assert time.monotonic() < deadline, f"requests not claimed: {future_ids}"
+        holders = {fid: sc.ops.control.claimer(fid) for fid in future_ids}
+        if all(h or not sc.ops.control.is_held(fid) for fid, h in holders.items()):
+            return Counter(h for h in holders.values() if h)
+        assert time.monotonic() < deadline, f"requests not claimed: {holders}"
         time.sleep(0.05)
 
 
@@ -131,8 +131,8 @@ def kill_worker(stack: LocalStack, sc: ServiceClient, hostname: str) -> None:
 
 
 def kill_busiest(stack: LocalStack, sc: ServiceClient, future_ids: list[str]) -> None:
-    """SIGKILL the worker that holds the most of these requests (`claimed` waited until each was claimed)."""
-    holders = Counter(h for h in map(sc.ops.control.claimer, future_ids) if h)
+    """SIGKILL the worker that holds the most of these requests (once each was claimed)."""
+    holders = claimed(sc, future_ids)
     assert holders, "every request was answered before the kill"
     kill_worker(stack, sc, holders.most_common(1)[0][0])
 
@@ -157,7 +157,7 @@ def test_sample_requests_survive_the_worker_decoding_them(stack, sc, sampler, re
     futures = six_requests(sampler)
     claimed(sc, [f.id for f in futures])
     time.sleep(0.5)
-    kill_busiest(stack, sc, [f.id for f in futures])
+    kill_busiest(stack, sc, [f.id for f in futures])  # mid-batch
     slow(sc, step=0)
     assert answers(futures) == reference
 
@@ -183,9 +183,10 @@ def test_prefill_scoring_creation_and_the_gateway_survive_the_only_worker(stack,
         creating = pool.submit(sc.create_lora_training_client, "tiny", rank=8, seed=SEED)
         chatting = pool.submit(client.chat.completions.create, **chat)
         sampling = official.sample(tt.ModelInput.from_ints(PROMPTS[0].to_ints()), 2, tinker_params)
-        [only] = claimed(sc, held(sc, 6 + 3 + 3))
+        requests = held(sc, 6 + 3 + 3)
+        claimed(sc, requests)
         time.sleep(0.5)
-        kill_worker(stack, sc, only)
+        kill_busiest(stack, sc, requests)  # the only worker
         slow(sc, prefill=0, logprobs=0, create=0)
         stack.start_worker()
         assert answers(futures) == reference
@@ -271,7 +272,6 @@ def test_grpo_loop_with_three_kills_while_sampling_equals_the_uninterrupted_run(
             slow(sc, step=0.3)  # a window of a couple of seconds in the decode
         futures = [sampler.sample(PROMPTS[g], GROUP_SIZE, grpo_params(step, g)) for g in range(GROUPS)]
         if step in kill_at:
-            claimed(sc, [f.id for f in futures])
             kill_busiest(stack, sc, [f.id for f in futures])
             slow(sc, step=0)
             if step != max(kill_at):
