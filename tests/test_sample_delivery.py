@@ -165,3 +165,27 @@ def test_a_held_request_that_does_not_parse_is_answered_with_its_error(redis_cli
     meta = results.backend.get_task_meta("unparsable")
     assert meta["status"] == "FAILURE" and "prompt" in str(meta["result"])
     assert not control.requests.is_held("unparsable") and not control.usage.answers  # answered, not metered
+
+
+def test_a_streamed_sample_whose_worker_died_mid_stream_fails_clearly(redis_client, redis_url):
+    """A re-run would stream the tokens a second time: a streamed sample whose stream has entries is answered with
+    an error that says why, instead of being run again; one that had streamed nothing runs again."""
+    from treadle.queue import sample_stream
+
+    results = ResultStore(make_app(redis_url))
+    for future_id, streamed in [("mid-stream", True), ("stream-not-started", False)]:
+        request = SampleRequest.build(base_model="tiny", prompt=[5], stream_id=f"s-{future_id}")
+        hold(redis_client, future_id, request)
+        redis_client.hset(names.control_request_key(future_id), "epoch", 1)  # its first claimer died
+        if streamed:
+            with redis_client.pipeline() as pipe:
+                sample_stream.append(
+                    pipe, f"s-{future_id}", sample_stream.StreamedTokens(rows=[0], tokens=[9], logprobs=[-1.0])
+                )
+                pipe.execute()
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="treadle-deliver") as deliver:
+        control = control_ops(redis_client, results, lambda request: SampleResponse(sequences=[]), deliver)
+        control.recover()
+    failed = results.backend.get_task_meta("mid-stream")
+    assert failed["status"] == "FAILURE" and "does not resume" in str(failed["result"])
+    assert results.backend.get_task_meta("stream-not-started")["status"] == "SUCCESS"

@@ -110,7 +110,10 @@ def build_worker(config: WorkerConfig) -> WorkerService:
     results = ResultStore(app)
     control = ControlOps(
         ControlRequests(redis, hostname, ttl_ms=lease.ttl_ms),
-        {CreateSessionRequest: host.create, SampleRequest: Sampling(samplers, host.op_lock, SampleStreams(redis)).sample},
+        {
+            CreateSessionRequest: host.create,
+            SampleRequest: Sampling(samplers, host.op_lock, SampleStreams(redis)).sample,
+        },
         models=list(engines),
         registry=host.registry,
         usage=usage,

@@ -68,6 +68,11 @@ def read(redis, stream_id: str, after: str, block_ms: int) -> tuple[str, list[St
     return after, entries
 
 
+def started(redis, stream_id: str) -> bool:
+    """Whether the stream has had an entry written (a re-run of its request would write its tokens again)."""
+    return bool(redis.exists(names.sample_stream_key(stream_id)))
+
+
 def forget(redis, stream_id: str) -> None:
     """Delete the stream (its reader is done with it)."""
     redis.delete(names.sample_stream_key(stream_id))

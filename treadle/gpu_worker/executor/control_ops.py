@@ -5,7 +5,8 @@ claims the request before it runs it, and holds the claim (a lease the heartbeat
 answer is stored; a doorbell for a request claimed elsewhere or answered runs nothing. The caretaker (`recover`)
 runs again every request of a served model whose claimer died: sampling from its prompt and seed (the CPU
 sampler's rows do not depend on their batch, so a re-run gives the same tokens and logprobs), a session creation
-by adopting what its first run made (`rerun` handlers) or making it.
+by adopting what its first run made (`rerun` handlers) or making it. A streamed sample is re-run only if it had
+streamed nothing yet; one whose stream has tokens fails with an error that says so (`_not_rerun`).
 
 A handler may answer with a future (sampling does): its result is stored when it resolves, and the task returns
 at once, so the pool thread is free for the next message meanwhile. The future resolves on the thread that
@@ -35,7 +36,7 @@ from redis.exceptions import WatchError
 from treadle.errors import ServerError, TreadleError
 from treadle.gpu_worker.executor.usage import UsageRecorder
 from treadle.metering import SDK_OWNER
-from treadle.queue import names
+from treadle.queue import names, sample_stream
 from treadle.queue.control_requests import ClaimedRequest, ControlRequests
 from treadle.queue.ops import OpRequest, SampleRequest, encode_result
 from treadle.queue.results import ResultStore
@@ -110,6 +111,9 @@ class ControlOps:
         except TreadleError as exc:
             self.answer(claim, None, None, None, exc, 0.0)
             return True
+        if claim.rerun and (error := self._not_rerun(claim, request)) is not None:
+            self.answer(claim, request, None, None, error, 0.0)
+            return True
         handler = self.handlers[type(request)]
         if claim.rerun:
             handler = self.rerun.get(type(request), handler)
@@ -130,6 +134,17 @@ class ControlOps:
                 lambda done: self.deliver.submit(self._finish, claim, request, started, done.result)
             )
         return True
+
+    def _not_rerun(self, claim: ClaimedRequest, request: OpRequest) -> TreadleError | None:
+        """Why a request an earlier claim ran may not run again: a streamed sample whose stream has tokens (a
+        re-run would stream them a second time; a stream does not resume on another worker)."""
+        stream_id = request.stream_id if isinstance(request, SampleRequest) else None
+        if stream_id is None or not sample_stream.started(self.requests.redis, stream_id):
+            return None
+        return ServerError(
+            f"sample request {claim.future_id}: the worker streaming it stopped after its first tokens, and a stream "
+            "does not resume on another worker: send the request again"
+        )
 
     def _finish(self, claim: ClaimedRequest, request: OpRequest, started: float, result: Callable[[], BaseModel]):
         response, payload, error = None, None, None
