@@ -41,21 +41,21 @@ class LeaseManager:
         self._renew = redis.register_script(_RENEW)
         self._release = redis.register_script(_RELEASE)
 
-    def token(self, epoch: int) -> str:
+    def _token(self, epoch: int) -> str:
         return f"{self.holder}:{epoch}"
 
     def acquire(self, session_id: str) -> int | None:
-        """Take the lease if nobody holds it; returns the new fencing epoch, or None."""
+        """Take a session's lease if nobody holds it; returns the new fencing epoch, or None."""
         placeholder = f"{self.holder}:?"
         if not self.redis.set(self.key(session_id), placeholder, nx=True, px=self.ttl_ms):
             return None
         epoch = int(self.redis.hincrby(names.session_key(session_id), "epoch", 1))
-        self.redis.set(self.key(session_id), self.token(epoch), px=self.ttl_ms)
+        self.redis.set(self.key(session_id), self._token(epoch), px=self.ttl_ms)
         self.redis.hset(names.session_key(session_id), "worker", self.holder)
         return epoch
 
     def renew(self, session_id: str, epoch: int) -> bool:
-        return bool(self._renew(keys=[self.key(session_id)], args=[self.token(epoch), self.ttl_ms]))
+        return bool(self._renew(keys=[self.key(session_id)], args=[self._token(epoch), self.ttl_ms]))
 
     def renew_all(self, held: dict[str, int]) -> list[str]:
         """Renew every lease of `held` (id -> epoch) in one round trip; the ids whose lease was not ours any more."""
@@ -63,7 +63,7 @@ class LeaseManager:
             return []
         with self.redis.pipeline(transaction=False) as pipe:
             for lease_id, epoch in held.items():
-                self._renew(keys=[self.key(lease_id)], args=[self.token(epoch), self.ttl_ms], client=pipe)
+                self._renew(keys=[self.key(lease_id)], args=[self._token(epoch), self.ttl_ms], client=pipe)
             renewed = pipe.execute()
         return [lease_id for lease_id, ok in zip(held, renewed) if not ok]
 
@@ -73,10 +73,10 @@ class LeaseManager:
     def is_ours(self, value: bytes | str | None, epoch: int) -> bool:
         """Whether a value read from the lease key (see `holds`) is this holder's lease at `epoch`."""
         value = value.decode() if isinstance(value, bytes) else value
-        return value == self.token(epoch)
+        return value == self._token(epoch)
 
     def release(self, session_id: str, epoch: int) -> None:
-        self._release(keys=[self.key(session_id)], args=[self.token(epoch)])
+        self._release(keys=[self.key(session_id)], args=[self._token(epoch)])
 
     def is_held(self, session_id: str) -> bool:
         return bool(self.redis.exists(self.key(session_id)))
