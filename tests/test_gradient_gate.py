@@ -46,8 +46,9 @@ def batch(loss_fn: str, *, advantage: float = 1.0) -> list[Datum]:
 
 
 def run(engine: Engine, session_id: str, loss_fn: str, data: list[Datum], *, gated: bool | None = None):
-    """forward_backward on a fresh session; `gated` checks which path ran (the projection's input has no
-    batch dimension when only the gated positions go through it with a graph)."""
+    """forward_backward on a fresh session; `gated` checks which path ran (the model's forward hands the
+    projection its `(B, T, hidden)` states, which it skips; then the projection takes the positions with a graph,
+    and, when only the gated positions have one, the others)."""
     engine.create_session(session_id, LORA)
     inputs = []
     head = engine._host.model.get_output_embeddings()
@@ -55,7 +56,7 @@ def run(engine: Engine, session_id: str, loss_fn: str, data: list[Datum], *, gat
     try:
         out = engine.forward_backward(session_id, data, loss_fn)
         if gated is not None:
-            assert inputs == ([2] if gated else [3])
+            assert inputs == ([3, 2, 2] if gated else [3, 2])
         grads = {
             k: None if p.grad is None else p.grad.clone() for k, p in engine.trainable_parameters(session_id).items()
         }

@@ -24,9 +24,9 @@ from treadle.errors import InvalidRequestError, SessionNotFoundError
 from treadle.gpu_worker.model.adapters import AdapterBank
 from treadle.gpu_worker.scheduling.cpu_threads import CpuThreads
 from treadle.gpu_worker.scheduling.device_lock import DeviceLock, engine_lock, on_device
-from treadle.gpu_worker.training.logprobs import micro_batches, on_host, target_logprobs
+from treadle.gpu_worker.training.logprobs import Checkpointing, MemoryPlan, micro_batches, on_host, target_logprobs
 from treadle.gpu_worker.training.losses import LOSSES
-from treadle.gpu_worker.model.host import ModelHost, microbatch_budget, pick_device
+from treadle.gpu_worker.model.host import ModelHost, pick_device
 from treadle.types.base import DEFAULT_MAX_IMAGE_PIXELS
 from treadle.gpu_worker.model_profile import profile
 from treadle.gpu_worker.training.optimizer import SessionOptimizer
@@ -79,6 +79,7 @@ class Engine:
         device: str | None = None,
         dtype: str | None = None,
         max_tokens_per_microbatch: int | None = None,
+        activation_checkpointing: Checkpointing = "auto",
         sampling_max_batch_tokens: int = 16384,
         sampling_prefix_cache_tokens: int = 16384,
         sampler: SamplerKind = "hf",
@@ -102,9 +103,8 @@ class Engine:
         self.tokenizer = self._host.tokenizer
         self.vision = self._host.vision  # a vision-language model's image path (None: a text model)
         self._limits = dict(max_seq_len=self.max_seq_len, vocab_size=self.vocab_size, vision=self.vision)
-        self.max_tokens_per_microbatch = max_tokens_per_microbatch or microbatch_budget(
-            self._host.model, self._host.dtype, self._host.device_memory
-        )
+        self.memory_plan = MemoryPlan.of(self._host, max_tokens_per_microbatch, activation_checkpointing)
+        self.max_tokens_per_microbatch = self.memory_plan.budget
         # Family, LoRA targets, sampler path; a model treadle cannot serve is refused here (`model_profile`).
         images = self.vision is not None and not self.vision.refused
         self.profile = profile(
@@ -208,8 +208,7 @@ class Engine:
         *,
         backward: bool,
     ) -> ForwardBackwardOutput:
-        spec = LOSSES[loss_fn]
-        device = self._host.device
+        spec, device = LOSSES[loss_fn], self._host.device
         outputs: list[dict[str, TensorData]] = [{} for _ in prepared]
         micro_losses = []  # read back once, after the last micro-batch: each read waits for the device
         with self._bank.using(session.adapter, trainable=backward) as model, torch.set_grad_enabled(backward):
@@ -226,6 +225,7 @@ class Engine:
                     needs_grad=[d.gated(spec.gradient_gate) for d in batch]
                     if backward and spec.gradient_gate
                     else None,
+                    plan=self.memory_plan,
                 )
                 # Flat, like the logprobs below: an [N, K] input's K values a position follow each other.
                 inputs = {

@@ -215,6 +215,7 @@ def load_engines(config: WorkerConfig) -> tuple[dict[str, Engine], list[ServedMo
                 device=group.device if group else config.device,
                 dtype=config.dtype,
                 max_tokens_per_microbatch=config.max_tokens_per_microbatch,
+                activation_checkpointing=config.activation_checkpointing,
                 sampling_max_batch_tokens=config.sampling_max_batch_tokens,
                 sampling_prefix_cache_tokens=config.sampling_prefix_cache_tokens,
                 # A sharded model's forwards gather weights through hooks: the hf sampler's eager steps, nothing

@@ -80,6 +80,13 @@ class WorkerConfig(BaseModel):
         "on a CPU; on CUDA the largest power of two up to 32768 (and at least 4096) whose estimated activations fit "
         "half the memory the weights leave (docs/scaling.md).",
     )
+    activation_checkpointing: Literal["auto", "on", "off"] = Field(
+        default="auto",
+        description="Checkpoint each decoder layer's activations in forward_backward (the backward pass runs the layer "
+        "again instead of keeping what it computed: about a third more compute, a fraction of the memory). auto: for "
+        "a micro-batch whose estimated activations would not fit (one sequence longer than the token budget, or, on "
+        "CUDA, more than half the memory the weights leave); on: every micro-batch; off: never (docs/scaling.md).",
+    )
     sampling_max_batch_tokens: int = Field(
         default=16384,
         ge=64,

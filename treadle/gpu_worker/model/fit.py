@@ -25,7 +25,12 @@ import torch
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from treadle.gpu_worker.model.host import ACTIVATION_SHARE, MAX_MICROBATCH_TOKENS, activation_bytes_per_token
+from treadle.gpu_worker.model.host import (
+    ACTIVATION_SHARE,
+    MAX_MICROBATCH_TOKENS,
+    activation_bytes_per_token,
+    logits_bytes,
+)
 from treadle.gpu_worker.model.lora_targets import decoder_layers, find_targets
 
 GB = 1e9
@@ -115,12 +120,12 @@ def plan(
     lora = lora_parameters(meta, lora_rank)
     session = SESSION_BYTES_PER_LORA_PARAM * lora
     left = memory_gb * GB - OVERHEAD_GB * GB - weights - gathered
-    per_token = activation_bytes_per_token(meta, torch_dtype)
+    per_token, logits = activation_bytes_per_token(meta.config, torch_dtype), logits_bytes(meta.config, torch_dtype)
     tokens = 0
     candidate = MIN_MICROBATCH_TOKENS
-    while candidate <= MAX_MICROBATCH_TOKENS and candidate * per_token <= ACTIVATION_SHARE * left:
+    while candidate <= MAX_MICROBATCH_TOKENS and candidate * per_token + logits <= ACTIVATION_SHARE * left:
         tokens, candidate = candidate, candidate * 2
-    activations = int(tokens * per_token)
+    activations = int(tokens * per_token + logits) if tokens else 0
     sessions = max(0, int((left - activations) // session)) if tokens else 0
     return Fit(
         devices=devices,

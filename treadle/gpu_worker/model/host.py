@@ -9,9 +9,18 @@ On CUDA the host also sets how the worker computes there: fp32 matmuls in TF32 u
 
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
+
 import torch
 from accelerate import PartialState
-from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer, GenerationConfig
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForImageTextToText,
+    AutoTokenizer,
+    GenerationConfig,
+    PretrainedConfig,
+)
 
 from treadle.gpu_worker.model.lora_targets import find_targets
 from treadle.gpu_worker.model.sharding import log_memory, parameter_bytes, shard_model
@@ -49,41 +58,94 @@ def matmul_precision(dtype: torch.dtype) -> str:
 CPU_MICROBATCH_TOKENS = 4096  # the budget on a CPU, and the least one on CUDA
 MAX_MICROBATCH_TOKENS = 32768
 ACTIVATION_SHARE = 0.5  # of the device memory left after the base weights; the rest holds sessions and the KV cache
+# fp32 logits the output projection computes at once (`chunk_tokens`, treadle.gpu_worker.training.logprobs): a
+# micro-batch's logits never exist whole, whatever its length.
+LOGITS_CHUNK_BYTES = 64 * 2**20
 
 
-def activation_bytes_per_token(model: torch.nn.Module, dtype: torch.dtype) -> float:
-    """What one token of a LoRA forward/backward keeps on the device, estimated from the config: per layer 34
-    bytes per unit of hidden size in bf16 with SDPA (docs/scaling.md), plus the fp32 copies PEFT's LoRA
-    layers keep (their inputs and their B products: about 10 hidden sizes and 3 MLP widths of fp32); then
-    the logits and their fp32 log-softmax. On an H200 a 16 x 1024 step of SmolLM2-1.7B's shapes took 4.5 MB
-    a token (6.3 estimated), of SmolLM2-135M's 0.7 MB (2.1 estimated)."""
-    config = model.config.get_text_config(decoder=True)
-    hidden = config.hidden_size
+def chunk_tokens(vocab_size: int) -> int:
+    """Positions whose fp32 logits take `LOGITS_CHUNK_BYTES`: what the output projection computes at once."""
+    return max(1, LOGITS_CHUNK_BYTES // (4 * vocab_size))
+
+
+def activation_bytes_per_token(config: PretrainedConfig, dtype: torch.dtype, *, checkpointed: bool = False) -> float:
+    """What one token of a LoRA forward/backward keeps on the device, estimated from the config's shapes: per layer
+    34 bytes per unit of hidden size in bf16 with SDPA (docs/scaling.md), plus the fp32 copies PEFT's LoRA layers
+    keep (their inputs and their B products: about 10 hidden sizes and 3 MLP widths of fp32). On an H200 a 16 x
+    1024 step of SmolLM2-1.7B's shapes took 4.5 MB a token (6.0 estimated, and 0.3 MB of logits), of
+    SmolLM2-135M's 0.7 MB (1.8 estimated).
+
+    `checkpointed` (every decoder layer checkpointed): each layer keeps only its input, and the backward pass
+    holds one layer's activations at a time while it recomputes them. The logits are not per token: a chunk of
+    them at a time (`logits_bytes`)."""
+    text = config.get_text_config(decoder=True)
+    hidden = text.hidden_size
     # MoE: the widths of the experts one token runs, when the config names them.
     mlp = max(
-        getattr(config, "intermediate_size", None) or 4 * hidden,
-        (getattr(config, "moe_intermediate_size", None) or 0) * (getattr(config, "num_experts_per_tok", None) or 1),
+        getattr(text, "intermediate_size", None) or 4 * hidden,
+        (getattr(text, "moe_intermediate_size", None) or 0) * (getattr(text, "num_experts_per_tok", None) or 1),
     )
     per_layer = 34 * hidden * dtype.itemsize / 2 + 4 * (10 * hidden + 3 * mlp)
-    return config.num_hidden_layers * per_layer + (4 + dtype.itemsize) * model.get_input_embeddings().num_embeddings
+    if checkpointed:
+        return text.num_hidden_layers * hidden * dtype.itemsize + per_layer
+    return text.num_hidden_layers * per_layer
 
 
-def microbatch_budget(model: torch.nn.Module, dtype: torch.dtype, device_memory: int | None) -> int:
+def logits_bytes(config: PretrainedConfig, dtype: torch.dtype) -> float:
+    """The output projection's memory, a fixed amount: one chunk's logits in `dtype`, their fp32 log-softmax, and
+    the gradients of both while the chunk's backward runs."""
+    vocab = config.get_text_config(decoder=True).vocab_size
+    return chunk_tokens(vocab) * vocab * (2 * dtype.itemsize + 8)
+
+
+@dataclass(frozen=True)
+class MicrobatchMemory:
+    """The memory one forward/backward micro-batch takes, with and without activation checkpointing, and the room
+    it has (docs/scaling.md, "Long sequences")."""
+
+    per_token: float  # bytes a token keeps (activation_bytes_per_token)
+    per_token_checkpointed: float  # the same with every decoder layer checkpointed
+    logits: float  # the output projection's chunk (logits_bytes)
+    room: float  # bytes the activations and the logits may take
+
+    def fits(self, tokens: int, *, checkpointed: bool = False) -> bool:
+        per_token = self.per_token_checkpointed if checkpointed else self.per_token
+        return tokens * per_token + self.logits <= self.room
+
+
+def microbatch_memory(
+    model: torch.nn.Module, dtype: torch.dtype, device_memory: int | None, budget: int | None = None
+) -> MicrobatchMemory:
+    """The arithmetic for `model` on a device of `device_memory` bytes (None: a CPU). On CUDA the room is
+    `ACTIVATION_SHARE` of the memory the base weights leave. A CPU's memory is not the worker's to size, so its
+    room is what its token budget holds (`budget`, default `CPU_MICROBATCH_TOKENS`) without checkpointing: a
+    micro-batch over the budget (one sequence longer than it) does not fit unless checkpointed."""
+    memory = MicrobatchMemory(
+        per_token=activation_bytes_per_token(model.config, dtype),
+        per_token_checkpointed=activation_bytes_per_token(model.config, dtype, checkpointed=True),
+        logits=logits_bytes(model.config, dtype),
+        room=0.0,
+    )
+    if device_memory is None:
+        room = (budget or CPU_MICROBATCH_TOKENS) * memory.per_token + memory.logits
+    else:
+        held = parameter_bytes(model)  # a sharded rank's weights: its shards and the units it gathers whole
+        weights = held.local + (held.largest_unit if held.local < held.whole else 0)
+        room = ACTIVATION_SHARE * (device_memory - weights)
+    return replace(memory, room=room)
+
+
+def microbatch_budget(memory: MicrobatchMemory, device_memory: int | None) -> int:
     """Tokens of one forward/backward micro-batch when the worker is not told: 4096 on a CPU
-    (`device_memory` None); on CUDA the largest power of two up to 32768 whose activations
-    (`activation_bytes_per_token`) fit `ACTIVATION_SHARE` of the memory the weights leave, and never less
-    than 4096. A step of a small model then runs in fewer, larger passes: on a GPU each pass costs its
-    kernel launches whatever its size. From the device's total memory, not its free memory, so the same
+    (`device_memory` None); on CUDA the largest power of two up to 32768 whose activations fit `memory`'s room
+    without checkpointing, and never less than 4096 (a model whose 4096 tokens do not fit has them checkpointed:
+    `MicrobatchMemory.fits`). A step of a small model then runs in fewer, larger passes: on a GPU each pass costs
+    its kernel launches whatever its size. From the device's total memory, not its free memory, so the same
     model on the same GPU always splits a batch the same way (recovery replays a step bit for bit)."""
     if device_memory is None:
         return CPU_MICROBATCH_TOKENS
-    # A sharded rank's weights: its shards and the units it gathers whole.
-    held = parameter_bytes(model)
-    weights = held.local + (held.largest_unit if held.local < held.whole else 0)
-    room = ACTIVATION_SHARE * (device_memory - weights)
-    per_token = activation_bytes_per_token(model, dtype)
     budget = CPU_MICROBATCH_TOKENS
-    while budget * 2 <= MAX_MICROBATCH_TOKENS and budget * 2 * per_token <= room:
+    while budget * 2 <= MAX_MICROBATCH_TOKENS and memory.fits(budget * 2):
         budget *= 2
     return budget
 

@@ -125,6 +125,7 @@ def group_spec(config) -> dict:
         "device": config.device,
         "dtype": config.dtype,
         "max_tokens_per_microbatch": config.max_tokens_per_microbatch,
+        "activation_checkpointing": config.activation_checkpointing,
         "loglevel": config.loglevel,
         "backend": backend,
         "shard": config.shard,
@@ -324,6 +325,7 @@ def follower_main(spec: dict) -> None:
             device=rank_device(spec["device"], rank % spec["local_size"]),
             dtype=spec["dtype"],
             max_tokens_per_microbatch=spec["max_tokens_per_microbatch"],
+            activation_checkpointing=spec["activation_checkpointing"],
             shard=spec["shard"],
         )
     if spec["shard"]:
