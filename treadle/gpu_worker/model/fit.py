@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from torch import nn
@@ -120,12 +121,13 @@ def plan(
     lora = lora_parameters(meta, lora_rank)
     session = SESSION_BYTES_PER_LORA_PARAM * lora
     left = memory_gb * GB - OVERHEAD_GB * GB - weights - gathered
-    per_token, logits = activation_bytes_per_token(meta.config, torch_dtype), logits_bytes(meta.config, torch_dtype)
+    per_token = activation_bytes_per_token(meta.config, torch_dtype)
+    logits = partial(logits_bytes, meta.config, torch_dtype)
     tokens = 0
     candidate = MIN_MICROBATCH_TOKENS
-    while candidate <= MAX_MICROBATCH_TOKENS and candidate * per_token + logits <= ACTIVATION_SHARE * left:
+    while candidate <= MAX_MICROBATCH_TOKENS and candidate * per_token + logits(candidate) <= ACTIVATION_SHARE * left:
         tokens, candidate = candidate, candidate * 2
-    activations = int(tokens * per_token + logits) if tokens else 0
+    activations = int(tokens * per_token + logits(tokens))
     sessions = max(0, int((left - activations) // session)) if tokens else 0
     return Fit(
         devices=devices,

@@ -10,6 +10,8 @@ On CUDA the host also sets how the worker computes there: fp32 matmuls in TF32 u
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import partial
+from typing import Callable
 
 import torch
 from accelerate import PartialState
@@ -91,11 +93,11 @@ def activation_bytes_per_token(config: PretrainedConfig, dtype: torch.dtype, *, 
     return text.num_hidden_layers * per_layer
 
 
-def logits_bytes(config: PretrainedConfig, dtype: torch.dtype) -> float:
-    """The output projection's memory, a fixed amount: one chunk's logits in `dtype`, their fp32 log-softmax, and
-    the gradients of both while the chunk's backward runs."""
+def logits_bytes(config: PretrainedConfig, dtype: torch.dtype, tokens: int) -> float:
+    """The output projection's memory for a micro-batch of `tokens`, at most that of one chunk whatever the tokens:
+    its logits in `dtype`, their fp32 log-softmax, and the gradients of both while the chunk's backward runs."""
     vocab = config.get_text_config(decoder=True).vocab_size
-    return chunk_tokens(vocab) * vocab * (2 * dtype.itemsize + 8)
+    return min(tokens, chunk_tokens(vocab)) * vocab * (2 * dtype.itemsize + 8)
 
 
 @dataclass(frozen=True)
@@ -105,12 +107,12 @@ class MicrobatchMemory:
 
     per_token: float  # bytes a token keeps (activation_bytes_per_token)
     per_token_checkpointed: float  # the same with every decoder layer checkpointed
-    logits: float  # the output projection's chunk (logits_bytes)
+    logits: Callable[[int], float]  # the output projection's bytes for a micro-batch of so many tokens (logits_bytes)
     room: float  # bytes the activations and the logits may take
 
     def fits(self, tokens: int, *, checkpointed: bool = False) -> bool:
         per_token = self.per_token_checkpointed if checkpointed else self.per_token
-        return tokens * per_token + self.logits <= self.room
+        return tokens * per_token + self.logits(tokens) <= self.room
 
 
 def microbatch_memory(
@@ -123,11 +125,12 @@ def microbatch_memory(
     memory = MicrobatchMemory(
         per_token=activation_bytes_per_token(model.config, dtype),
         per_token_checkpointed=activation_bytes_per_token(model.config, dtype, checkpointed=True),
-        logits=logits_bytes(model.config, dtype),
+        logits=partial(logits_bytes, model.config, dtype),
         room=0.0,
     )
     if device_memory is None:
-        room = (budget or CPU_MICROBATCH_TOKENS) * memory.per_token + memory.logits
+        budget = budget or CPU_MICROBATCH_TOKENS
+        room = budget * memory.per_token + memory.logits(budget)
     else:
         held = parameter_bytes(model)  # a sharded rank's weights: its shards and the units it gathers whole
         weights = held.local + (held.largest_unit if held.local < held.whole else 0)
