@@ -36,28 +36,32 @@ def batch(step: int) -> list[Datum]:
     return out
 
 
-def reference(model_dir: str, steps: int):
-    """Losses and final adapter tensors of the uninterrupted run, in-process."""
+def reference(model_dir: str, steps: int, full: bool = False):
+    """Losses and final adapter tensors (`full`: a full fine-tuning session's weights) of the uninterrupted run,
+    in-process."""
     from treadle.gpu_worker.engine import Engine
-    from treadle.types import LoraConfig
+    from treadle.types import FullConfig, LoraConfig
 
     torch.set_num_threads(1)
     engine = Engine(model_dir)
-    engine.create_session("ref", LoraConfig(rank=8, seed=SEED))
+    engine.create_session("ref", LoraConfig(rank=8, seed=SEED), full=FullConfig() if full else None)
     losses = []
     for step in range(steps):
         losses.append(engine.forward_backward("ref", batch(step), "cross_entropy").metrics["loss:sum"])
         engine.optim_step("ref", ADAM)
     with tempfile.TemporaryDirectory() as tmp:
         engine.save_state("ref", tmp)
-        weights = load_file(os.path.join(tmp, "adapter_model.safetensors"))
+        weights = load_file(os.path.join(tmp, WEIGHTS[full]))
     return losses, weights
 
 
-def adapter_of(sc: ServiceClient, path: str) -> dict:
+WEIGHTS = {False: "adapter_model.safetensors", True: "model.safetensors"}  # a full session's (tiny: one shard)
+
+
+def adapter_of(sc: ServiceClient, path: str, full: bool = False) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         sc.create_rest_client().download(path, tmp)
-        return load_file(os.path.join(tmp, "adapter_model.safetensors"))
+        return load_file(os.path.join(tmp, WEIGHTS[full]))
 
 
 def assert_same_adapter(a: dict, b: dict) -> None:
@@ -130,6 +134,30 @@ def test_chaos_three_kills_are_invisible(make_stack, tiny_model_dir):
     assert losses == ref_losses
     assert_same_adapter(adapter_of(sc, tc.save_state("final").result(timeout=120).path), ref_weights)
     assert sc.ops.session_info(tc.session_id).epoch == 4  # created once, taken over three times
+
+
+def test_full_session_survives_two_kills_bit_for_bit(make_stack, tiny_model_dir):
+    steps = 30
+    stack = make_stack(workers=2)
+    sc = ServiceClient(broker_url=stack.broker_url, storage_url=stack.storage_url)
+    tc = sc.create_full_training_client("tiny")
+    pairs, prompt = [], ModelInput.from_ints(batch(0)[0].model_input.to_ints())
+    for step in range(steps):
+        pairs.append((tc.forward_backward(batch(step), "cross_entropy"), tc.optim_step(ADAM)))
+        if step == 3:
+            sampler = tc.save_weights_and_get_sampling_client("early")
+            early = sampler.compute_logprobs(prompt).result(timeout=120)
+        if step in (8, 21):  # past an automatic checkpoint (every 5 steps), and with ops after it to replay
+            pairs[step - 1][1].result(timeout=120)
+            kill_owner(stack, sc, tc.session_id, replace=step == 21)  # the other worker adopts; then a new one
+    losses = [fb.result(timeout=300).metrics["loss:sum"] for fb, _ in pairs]
+    assert [opt.result(timeout=300).metrics["step:max"] for _, opt in pairs] == list(range(1, steps + 1))
+    ref_losses, ref_weights = reference(tiny_model_dir, steps, full=True)
+    assert losses == ref_losses
+    assert_same_adapter(adapter_of(sc, tc.save_state("final").result(timeout=120).path, full=True), ref_weights)
+    assert sc.ops.session_info(tc.session_id).epoch == 3  # created once, taken over twice
+    # The snapshot, loaded from the store by a worker that never held it, answers as it did.
+    assert sc.create_sampling_client(sampler.model_path).compute_logprobs(prompt).result(timeout=120) == early
 
 
 @pytest.mark.parametrize("op", ["forward_backward", "optim_step", "save_state"])

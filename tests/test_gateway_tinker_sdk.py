@@ -137,6 +137,24 @@ def test_official_sdk_training_loop_equals_treadle_sdk(clients):
     _assert_same_output(after[1], after[2])
 
 
+def test_official_sdk_rank_0_is_a_full_fine_tuning_session(clients):
+    official, treadle_sdk = clients
+    tc = official.create_lora_training_client(base_model="tiny", rank=0).result()
+    rc = treadle_sdk.create_full_training_client("tiny")
+    info = tc.get_info()
+    assert (info.is_lora, info.lora_rank) == (False, 0)
+    ids = _pairs(tc.get_tokenizer(), TEXTS[:2])
+    for client, types_ in ((tc, tt), (rc, rt)):
+        client.forward_backward(_ce(types_, ids), "cross_entropy")
+        client.optim_step(types_.AdamParams(**ADAM))
+    _assert_same_output(
+        tc.forward(_ce(tt, ids), "cross_entropy").result(), rc.forward(_ce(rt, ids), "cross_entropy").result()
+    )
+    got = tc.save_weights_and_get_sampling_client().result().compute_logprobs(tt.ModelInput.from_ints(ids[0]))
+    want = rc.save_weights_and_get_sampling_client().compute_logprobs(rt.ModelInput.from_ints(ids[0]))
+    np.testing.assert_allclose(got.result()[1:], want.result()[1:], rtol=1e-5, atol=1e-6)
+
+
 def test_chunked_forward_backward_equals_one_batch(clients):
     """Five datums go as three concurrent requests (2+2+1, first chunk last); the worker runs them in seq order."""
     official, treadle_sdk = clients

@@ -76,10 +76,10 @@ class Reference:
             norms.append(self.engine.optim_step(session, ADAM).metrics["grad_norm:mean"])
         return losses, norms
 
-    def adapter(self, session: str) -> dict:
+    def adapter(self, session: str, weights: str = "adapter_model.safetensors") -> dict:
         with tempfile.TemporaryDirectory() as tmp:
             self.engine.save_state(session, tmp)
-            return load_file(os.path.join(tmp, "adapter_model.safetensors"))
+            return load_file(os.path.join(tmp, weights))
 
     def load(self, session: str, sc: ServiceClient, path: str) -> list[str]:
         with tempfile.TemporaryDirectory() as tmp:
@@ -190,6 +190,23 @@ def test_two_ranks_train_like_one_device(stack, sc, ref):
     assert sampler.compute_logprobs(prompt).result(timeout=60)[1:] == pytest.approx(
         ref.engine.compute_logprobs("s", prompt)[1:], rel=TOL, abs=TOL
     )
+
+
+def test_two_ranks_replicate_a_full_fine_tuning_session(stack, sc, ref):
+    from treadle.types import FullConfig
+
+    only_worker(stack, 2)
+    tc = sc.create_full_training_client("tiny")
+    losses, norms = train(tc, range(4))
+    ref.engine.create_session("full", ref.lora, full=FullConfig())
+    ref_losses, ref_norms = ref.run("full", range(4))
+    assert all(close(a, b) for a, b in zip(losses + norms, ref_losses + ref_norms)), (losses, ref_losses)
+    with tempfile.TemporaryDirectory() as tmp:  # a full session's state: a model directory (one shard, tiny)
+        sc.create_rest_client().download(tc.save_state("final").result(timeout=60).path, tmp)
+        assert_close_adapter(
+            load_file(os.path.join(tmp, "model.safetensors")), ref.adapter("full", "model.safetensors")
+        )
+    tc.stop()
 
 
 def test_checkpoints_move_between_worker_sizes(stack, sc, ref):

@@ -44,6 +44,18 @@ def test_per_owner_limits_and_unlimited_owners(redis_client):
     quota.admit("bob", "b2")
 
 
+def test_full_sessions_count_by_their_memory(redis_client):
+    quota, sessions = SessionQuota(redis_client, memory_limit=1000), SessionRegistry(redis_client)
+    quota.admit("erin", "f1", memory_bytes=600)
+    _session(sessions, "f1", owner="erin")
+    with pytest.raises(QuotaExceededError, match=r"holding 600 bytes; this one needs 500 more and the limit is 1000"):
+        quota.admit("erin", "f2", memory_bytes=500)
+    quota.admit("erin", "f3", memory_bytes=400)  # fits beside f1
+    sessions.update("f1", status="stopped")
+    quota.admit("erin", "f2", memory_bytes=500)  # a stopped session's bytes are free again
+    assert quota.active("erin") == ["f2", "f3"]
+
+
 def test_a_create_that_never_made_a_record_stops_counting_after_pending_s(redis_client):
     quota = SessionQuota(redis_client, default_limit=1, pending_s=0.0)
     quota.admit("carol", "never-created")

@@ -206,15 +206,18 @@ def test_math_rl_on_gsm8k_jsonl_with_ppo_and_a_kl_penalty(service_client, tmp_pa
     assert [r["answer"] for r in samples[:3]] == [3, 4, 4]
 
 
-def test_sft_resume_continues_exactly_from_the_checkpoint(service_client, tmp_path):
-    """Drop the last checkpoint (as if the run died after step 2's save) and resume: steps 3-4 come out identical."""
+@pytest.mark.parametrize("full", [False, True])
+def test_sft_resume_continues_exactly_from_the_checkpoint(service_client, tmp_path, full):
+    """Drop the last checkpoint (as if the run died after step 2's save) and resume: steps 3-4 come out identical,
+    with a LoRA adapter and with full fine-tuning (`--full`: the checkpoint is a model directory)."""
     cfg = sft.Config(
         base_model="tiny",
         log_dir=str(tmp_path),
         steps=4,
         batch_size=4,
-        learning_rate=1e-2,
+        learning_rate=1e-3 if full else 1e-2,
         lora_rank=4,
+        full=full,
         eval_every=0,
         save_every=2,
     )
@@ -227,3 +230,6 @@ def test_sft_resume_continues_exactly_from_the_checkpoint(service_client, tmp_pa
     assert [r["step"] for r in resumed] == [0, 1, 2, 3, 4]
     assert [r["train/loss"] for r in resumed[1:]] == [r["train/loss"] for r in original[1:]]
     assert resumed[-1]["eval/loss"] == original[-1]["eval/loss"]
+    assert resumed[-1]["eval/loss"] < resumed[0]["eval/loss"]
+    final = _rows(tmp_path / "checkpoints.jsonl")[-1]["state_path"]
+    assert service_client.create_rest_client().get_weights_info(final).is_lora is not full

@@ -13,6 +13,7 @@ from treadle.queue import names
 from treadle.queue.sessions import SessionRecord, SessionRegistry
 from treadle.queue.workers import ServedModel, WorkerAnnouncement, WorkerRegistry
 from treadle.status import collect_status, queue_depth, render
+from treadle.types import FullConfig
 
 
 def test_queue_depth_counts_every_priority_list(redis_client):
@@ -44,6 +45,8 @@ def test_status_of_a_dead_worker_queued_ops_and_usage(redis_client):
             step=1,
             checkpoint="treadle://r-1/weights/auto-2",
             checkpoint_seq=2,
+            full=FullConfig(),  # a full fine-tuning session: status shows it by its memory
+            memory_bytes=3 * 2**30,
         )
     )
     sessions.create(SessionRecord(session_id="s-old", run_id="r-2", base_model="tiny", status="stopped"))
@@ -74,6 +77,8 @@ def test_status_of_a_dead_worker_queued_ops_and_usage(redis_client):
         lines for lines in zip(text.splitlines(), text.splitlines()[1:]) if lines[0].startswith("SESSION")
     )
     assert row.split()[header.split().index("STEP")] == "1"
+    assert (s.kind, s.memory_bytes) == ("full", 3 * 2**30)
+    assert row.split()[header.split().index("KIND")] == "full" and "3072MiB" in row.split()
 
 
 def test_treadle_status_json_on_the_live_stack(stack, service_client):

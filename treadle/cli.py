@@ -191,10 +191,13 @@ def cmd_usage(ns) -> None:
     if cfg.as_json:
         print(json.dumps({"since": since, "owners": {o: u.model_dump() for o, u in usage.items()}}, indent=2))
         return
-    print(f"{'owner':<20} {'ops':>8} {'prefill':>12} {'sampled':>12} {'trained':>12} {'compute_s':>10}")
+    print(
+        f"{'owner':<20} {'ops':>8} {'prefill':>12} {'sampled':>12} {'trained':>12} {'compute_s':>10} {'memory_gib_s':>12}"
+    )
     for owner, u in usage.items():
         print(
-            f"{owner:<20} {u.ops:>8} {u.prefill_tokens:>12} {u.sampled_tokens:>12} {u.trained_tokens:>12} {u.compute_s:>10.2f}"
+            f"{owner:<20} {u.ops:>8} {u.prefill_tokens:>12} {u.sampled_tokens:>12} {u.trained_tokens:>12} "
+            f"{u.compute_s:>10.2f} {u.memory_gib_s:>12.3f}"
         )
 
 

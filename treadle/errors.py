@@ -100,6 +100,11 @@ class CapacityError(UserError):
         return {**super().to_dict(), "retry_after_s": self.retry_after_s, "bound": self.bound}
 
 
+class InsufficientMemoryError(UserError):
+    """A full fine-tuning session does not fit the worker's memory: the message gives the bytes it needs and the
+    bytes free. Nothing was created, and no other session was touched."""
+
+
 class SessionStoppedError(SessionNotFoundError):
     """The session was stopped (or a stop is queued): nothing can run on it after the stop."""
 
@@ -154,6 +159,7 @@ _REGISTRY: dict[str, type[TreadleError]] = {
         ConflictError,
         QuotaExceededError,
         CapacityError,
+        InsufficientMemoryError,
         SessionExpiredError,
         IntegrityError,
         StorageError,

@@ -21,7 +21,8 @@ from pydantic import BaseModel, Field
 from treadle.queue import names
 
 SDK_OWNER = "sdk"
-METRICS = ("prefill_tokens", "sampled_tokens", "trained_tokens", "compute_s")
+METRICS = ("prefill_tokens", "sampled_tokens", "trained_tokens", "compute_s", "memory_gib_s")
+_FLOAT_METRICS = ("compute_s", "memory_gib_s")
 DEFAULT_RETENTION_S = 400 * 24 * 3600
 
 
@@ -41,6 +42,12 @@ class OpUsage(BaseModel):
         default=0, ge=0, description="Input tokens of forward_backward (the tokens gradients flow from)."
     )
     compute_s: float = Field(default=0.0, ge=0.0, description="Seconds the op held the accelerator.")
+    memory_gib_s: float = Field(
+        default=0.0,
+        ge=0.0,
+        description="GiB the session's trained weights hold on the device (weights, gradients, AdamW moments) times "
+        "the op's seconds: a full fine-tuning session's ops count by its memory.",
+    )
     at: float = Field(default_factory=time.time, description="When the op finished (Unix seconds).")
 
 
@@ -52,6 +59,7 @@ class Usage(BaseModel):
     sampled_tokens: int = Field(default=0, description="Tokens generated.")
     trained_tokens: int = Field(default=0, description="Input tokens of forward_backward.")
     compute_s: float = Field(default=0.0, description="Seconds of accelerator time.")
+    memory_gib_s: float = Field(default=0.0, description="GiB-seconds of trained-weight memory held while ops ran.")
 
     def add(self, op: OpUsage) -> None:
         self.ops += 1
@@ -156,6 +164,6 @@ def _totals(raw: dict) -> Usage:
     values = {(k.decode() if isinstance(k, bytes) else k): float(v) for k, v in raw.items()}
     return Usage(
         ops=int(values.get("ops", 0)),
-        compute_s=values.get("compute_s", 0.0),
-        **{name: int(values.get(name, 0)) for name in METRICS if name != "compute_s"},
+        **{name: values.get(name, 0.0) for name in _FLOAT_METRICS},
+        **{name: int(values.get(name, 0)) for name in METRICS if name not in _FLOAT_METRICS},
     )

@@ -66,6 +66,10 @@ class SessionStatus(BaseModel):
     last_checkpoint: str | None = Field(description="Its latest automatic checkpoint.")
     checkpoint_seq: int = Field(description="The seq that checkpoint covers.")
     usage: Usage = Field(description="What its ops consumed.")
+    kind: str = Field(default="lora", description="lora | full (a full fine-tuning session).")
+    memory_bytes: int = Field(
+        default=0, description="Device bytes its trained weights hold (weights, gradients, AdamW moments)."
+    )
 
 
 class ModelStatus(BaseModel):
@@ -163,6 +167,8 @@ def _session_status(redis, meter: Meter, record: SessionRecord, now: float) -> S
         last_checkpoint=record.checkpoint,
         checkpoint_seq=record.checkpoint_seq,
         usage=meter.session_usage(record.session_id),
+        kind="lora" if record.full is None else "full",
+        memory_bytes=record.memory_bytes,
     )
 
 
@@ -222,6 +228,8 @@ _SESSION_COLUMNS = [
     "SESSION",
     "OWNER",
     "MODEL",
+    "KIND",
+    "MEMORY",
     "STATUS",
     "WORKER",
     "APPLIED",
@@ -245,6 +253,8 @@ def _sessions_table(sessions: list[SessionStatus]) -> list[str]:
                 s.session_id,
                 s.owner or "(sdk)",
                 s.base_model,
+                s.kind,
+                _bytes({"": s.memory_bytes}).removeprefix("=") if s.memory_bytes else "-",
                 s.status,
                 s.worker or "-",
                 str(s.applied),

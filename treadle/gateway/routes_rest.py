@@ -58,7 +58,7 @@ def _run_json(backend: Backend, run_id: str, run: dict) -> dict:
         "training_run_id": run_id,
         "base_model": run["base_model"],
         "model_owner": run.get("owner") or "",
-        "is_lora": True,
+        "is_lora": not run.get("full_config"),
         "corrupted": False,
         "lora_rank": run.get("lora_rank"),
         "last_request_time": _time(last_request or 0.0),
@@ -152,7 +152,7 @@ async def weights_info(call: Call) -> dict:
     lora = manifest.lora_config or {}
     return {
         "base_model": manifest.base_model,
-        "is_lora": True,
+        "is_lora": manifest.lora_config is not None,
         "lora_rank": lora.get("rank"),
         "train_unembed": lora.get("train_unembed"),
         "train_mlp": lora.get("train_mlp"),

@@ -31,7 +31,7 @@ from treadle.queue.ops import (
     parse_request,
 )
 from treadle.queue.sessions import SessionRecord
-from treadle.types import AdamParams, LoraConfig
+from treadle.types import AdamParams, FullConfig, LoraConfig
 
 router = APIRouter()
 
@@ -151,11 +151,14 @@ async def create_model(call: Call) -> dict:
         )
         return _future(call.backend.local.fail(call.owner, "create_model", error), model_id)
     tinker_lora = req.lora_config or tt.LoraConfig(rank=LoraConfig().rank)
-    lora = parse_request(LoraConfig, tinker_lora.model_dump(exclude_none=True), "lora_config")
+    # Rank 0 asks for no adapter: full fine-tuning (docs/gateway.md); train_unembed=False keeps the embeddings.
+    full = FullConfig(train_embeddings=tinker_lora.train_unembed) if tinker_lora.rank == 0 else None
+    lora = LoraConfig() if full else parse_request(LoraConfig, tinker_lora.model_dump(exclude_none=True), "lora_config")
     create = CreateSessionRequest.build(
         session_id=model_id,
         base_model=req.base_model,
         lora=lora,
+        full=full,
         owner=call.owner,
         user_metadata=_run_metadata(call.backend, req.user_metadata),
     )
@@ -172,8 +175,8 @@ async def get_info(call: Call) -> dict:
         "model_id": info.session_id,
         # tokenizer_id is what the SDK's get_tokenizer() loads: the served model's HF id or directory
         "model_data": {"arch": None, "model_name": info.base_model, "tokenizer_id": tokenizer_id},
-        "is_lora": True,
-        "lora_rank": info.lora.rank,
+        "is_lora": info.full is None,
+        "lora_rank": info.lora.rank if info.full is None else 0,
         "model_name": info.base_model,
         "optimizer_config": {"type": "adamw"},
     }

@@ -1,8 +1,9 @@
 """The worker's compute engine: one base model, loaded once, serving many training sessions.
 
-Each session is one LoRA adapter plus one AdamW on the shared base model; each sampler a frozen adapter snapshot (or
-the bare base model). The engine knows nothing of queues, ordering or storage: the Celery worker calls these methods
-in each session's `seq` order, and the checkpoint store moves what `save_state` / `save_sampler_weights` write.
+Each session is one LoRA adapter (or a full session's own weights, `full_weights`) plus one AdamW on the shared base
+model; each sampler a frozen snapshot of either (or the bare base model). The engine knows nothing of queues, ordering
+or storage: the Celery worker calls these methods in each session's `seq` order, and the checkpoint store moves what
+`save_state` / `save_sampler_weights` write.
 
 Every public method but queueing a sample or a `compute_logprobs` request takes the fair `DeviceLock` (the
 active adapter is PeftModel-wide state; the sampler's batched decode loop takes it per forward, so a training op
@@ -13,14 +14,13 @@ from __future__ import annotations
 
 import threading
 from concurrent.futures import Future
-from dataclasses import dataclass
 from typing import Callable, TypeVar
 
 import numpy as np
 import torch
-from peft.utils import load_peft_weights
 
 from treadle.errors import InvalidRequestError, SessionNotFoundError
+from treadle.gpu_worker.model import full_weights
 from treadle.gpu_worker.model.adapters import AdapterBank
 from treadle.gpu_worker.scheduling.cpu_threads import CpuThreads
 from treadle.gpu_worker.scheduling.device_lock import DeviceLock, engine_lock, on_device
@@ -33,11 +33,11 @@ from treadle.gpu_worker.training.optimizer import SessionOptimizer
 from treadle.gpu_worker.sampling.extras import SampleExtras
 from treadle.gpu_worker.sampling.backend import LogprobJob, SampleJob, SamplerSetup, TokenStream
 from treadle.gpu_worker.sampling.registry import SamplerKind, SamplerOptions, make_sampler
-from treadle.gpu_worker.training.state import TrainingState, capture_rng, read_state, restore_rng, write_state
+from treadle.gpu_worker.training.session import Session
+from treadle.gpu_worker.training.state import read_state, restore_rng, write_state
 from treadle.gpu_worker.training.validation import (
     PreparedDatum,
     check_loss,
-    check_same_adapter,
     check_tokens,
     prepare_data,
     prepare_sample,
@@ -46,6 +46,7 @@ from treadle.types import (
     AdamParams,
     Datum,
     ForwardBackwardOutput,
+    FullConfig,
     LoraConfig,
     ModelInput,
     OptimStepResponse,
@@ -59,14 +60,6 @@ T = TypeVar("T")
 
 # Bound on an in-process caller's wait for the sampler thread (which answers or fails every request).
 LOCAL_WAIT_S = 600.0
-
-
-@dataclass
-class _Session:
-    adapter: str
-    lora: LoraConfig
-    optimizer: SessionOptimizer
-    step: int = 0
 
 
 class Engine:
@@ -86,6 +79,7 @@ class Engine:
         sampler_options: SamplerOptions | None = None,
         shard: bool = False,
         max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
+        full_session_memory: int = 0,
     ):
         self._lock = engine_lock(pick_device(device), shared=shard)
         # Loaded where it will compute: a load's parallel copies on this thread would give it a thread pool of its own.
@@ -94,7 +88,7 @@ class Engine:
                 ModelHost, model, device=device, dtype=dtype, shard=shard, max_image_pixels=max_image_pixels
             )
         self._bank = AdapterBank(self._host)
-        self._sessions: dict[str, _Session] = {}
+        self._sessions: dict[str, Session] = {}
         self._samplers: dict[str, str] = {}  # sampler id -> adapter name
         self._catalog = threading.Lock()  # sampler ids; not the device lock, held by every decode step (sample_async)
         self.base_model = model
@@ -124,6 +118,9 @@ class Engine:
         self.sampler = make_sampler(sampler, setup, sampler_options)
         self._threads = CpuThreads(self._host.device)
         self._base_params = sum(p.numel() for p in self._host.model.parameters())
+        self.full_memory = full_weights.FullMemory(
+            self._host, self.max_tokens_per_microbatch, full_session_memory, sharded=shard
+        )
 
     # ------------------------------------------------------------ sessions
 
@@ -134,15 +131,26 @@ class Engine:
         return self._lock
 
     @on_device
-    def create_session(self, session_id: str, lora: LoraConfig) -> None:
+    def create_session(self, session_id: str, lora: LoraConfig, full: FullConfig | None = None) -> None:
+        """A LoRA session (`lora`), or a full fine-tuning one (`full` set; refused if its memory does not fit)."""
         if session_id in self._sessions:
             raise InvalidRequestError(f"session_id: {session_id!r} already exists")
-        self._sessions[session_id] = self._new_session(lora)
+        self._sessions[session_id] = self._new_session(lora, full)
 
-    def _new_session(self, lora: LoraConfig) -> _Session:
+    def _new_session(self, lora: LoraConfig, full: FullConfig | None = None, *, replacing: int = 0) -> Session:
         adapter = self._bank.new_name()
-        self._bank.add(adapter, self._bank.lora_config(lora), seed=lora.seed)
-        return _Session(adapter=adapter, lora=lora, optimizer=SessionOptimizer(self._bank.parameters(adapter)))
+        if full is not None:
+            held = sum(s.memory for s in self._sessions.values() if s.full is not None) - replacing
+            self._bank.add_full(adapter, self.full_memory.admitted(full, held))
+        else:
+            self._bank.add(adapter, self._bank.lora_config(lora), seed=lora.seed)
+        optimizer = SessionOptimizer(self._bank.parameters(adapter))
+        memory = self.full_memory.session_bytes(full) if full else 16 * optimizer.size  # fp32: weights, grads, moments
+        return Session(adapter=adapter, lora=lora, optimizer=optimizer, full=full, memory=memory)
+
+    def session_memory(self, session_id: str) -> int:
+        """Bytes the session's trained weights hold on the device: weights, gradients and AdamW moments."""
+        return self._session(session_id).memory
 
     def has_session(self, session_id: str) -> bool:
         return session_id in self._sessions
@@ -163,7 +171,7 @@ class Engine:
         """The session's adapter parameters by portable name, as its optimizer holds them (gradients included)."""
         return self._session(session_id).optimizer.params
 
-    def _session(self, session_id: str) -> _Session:
+    def _session(self, session_id: str) -> Session:
         if session_id not in self._sessions:
             raise SessionNotFoundError(f"session_id: no session {session_id!r} on base model {self.base_model}")
         return self._sessions[session_id]
@@ -201,7 +209,7 @@ class Engine:
 
     def _run(
         self,
-        session: _Session,
+        session: Session,
         prepared: list[PreparedDatum],
         loss_fn: str,
         config: dict[str, float],
@@ -261,7 +269,7 @@ class Engine:
     def snapshot_sampler(self, session_id: str, sampler_id: str) -> None:
         """A frozen copy of the session's adapter as it is now; later training never changes it."""
         session = self._session(session_id)
-        self._check_new_sampler(sampler_id)
+        self._check_new_sampler(sampler_id, full=session.full is not None)
         adapter = self._bank.new_name()
         self._bank.add_copy(adapter, source=session.adapter)
         self._samplers[sampler_id] = adapter
@@ -269,14 +277,15 @@ class Engine:
     @on_device
     def load_sampler(self, sampler_id: str, adapter_dir: str) -> None:
         """A frozen sampler from a PEFT adapter directory."""
-        self._check_new_sampler(sampler_id)
+        self._check_new_sampler(sampler_id, full=full_weights.is_full_dir(adapter_dir))
         adapter = self._bank.new_name()
         self._bank.add_from_dir(adapter, adapter_dir)
         self._samplers[sampler_id] = adapter
 
-    def _check_new_sampler(self, sampler_id: str) -> None:
+    def _check_new_sampler(self, sampler_id: str, *, full: bool) -> None:
         if sampler_id in self._samplers:
             raise InvalidRequestError(f"sampler_id: {sampler_id!r} already exists")
+        full_weights.check_sampler_serves(self.sampler.path, sampler_id, full=full)
 
     def has_sampler(self, sampler_id: str) -> bool:
         return sampler_id in self._samplers
@@ -352,20 +361,10 @@ class Engine:
 
     @on_device
     def save_state(self, session_id: str, directory: str, *, include_optimizer: bool = True) -> None:
-        """Adapter (PEFT format), optimizer moments, pending gradients, step, LoRA config and RNG state."""
+        """Adapter (PEFT format; a full session's: a model directory), moments, gradients, step, config and RNG."""
         session = self._session(session_id)
         self._bank.save(session.adapter, directory)
-        write_state(
-            directory,
-            TrainingState(
-                base_model=self.base_model,
-                lora=session.lora,
-                step=session.step,
-                optimizer=session.optimizer.state_tensors() if include_optimizer else None,
-                gradients=session.optimizer.grad_tensors(),
-                rng=capture_rng(),
-            ),
-        )
+        write_state(directory, session.state(self.base_model, include_optimizer=include_optimizer))
 
     @on_device
     def load_state(self, session_id: str, directory: str, *, with_optimizer: bool) -> None:
@@ -376,18 +375,16 @@ class Engine:
         adapter first, so a failed load leaves an existing session untouched.
         """
         state = read_state(directory, with_optimizer=with_optimizer)
-        if session_id in self._sessions:
-            check_same_adapter(self._sessions[session_id].lora, state.lora, source=str(directory))
-        fresh = self._new_session(state.lora)
+        current = self._sessions.get(session_id)
+        if current is not None:
+            current.check_loadable(state, source=str(directory))
+        fresh = self._new_session(state.lora, state.full, replacing=current.memory if current else 0)
         try:
-            self._bank.copy_weights(fresh.adapter, load_peft_weights(directory, device="cpu"), source=str(directory))
-            if with_optimizer:
-                fresh.optimizer.load_state_tensors(state.optimizer, source=str(directory))
-                fresh.optimizer.load_grad_tensors(state.gradients, source=str(directory))
+            self._bank.load_weights(fresh.adapter, directory)
+            fresh.restore(state, source=str(directory))
         except Exception:
             self._bank.remove(fresh.adapter)
             raise
-        fresh.step = state.step
         if session_id in self._sessions:
             self.drop_session(session_id)
         self._sessions[session_id] = fresh
@@ -396,5 +393,5 @@ class Engine:
 
     @on_device
     def save_sampler_weights(self, sampler_id: str, directory: str) -> None:
-        """The sampler's adapter as a PEFT directory (adapter only)."""
+        """The sampler's adapter as a PEFT directory (adapter only); a full session's snapshot as a model directory."""
         self._bank.save(self._sampler(sampler_id), directory)

@@ -182,7 +182,12 @@ def _sampler_metrics(config: WorkerConfig) -> None:
 
 def _limits(config: WorkerConfig, redis: Redis) -> SessionLimits:
     return SessionLimits(
-        quota=SessionQuota(redis, config.max_sessions_per_owner, config.owner_session_limits),
+        quota=SessionQuota(
+            redis,
+            config.max_sessions_per_owner,
+            config.owner_session_limits,
+            memory_limit=config.full_session_memory_per_owner,
+        ),
         max_queued_ops=config.max_queued_ops_per_session,
         max_owner_queued_ops=config.max_queued_ops_per_owner,
     )
@@ -226,6 +231,7 @@ def load_engines(config: WorkerConfig) -> tuple[dict[str, Engine], list[ServedMo
                 ),
                 shard=config.shard,
                 max_image_pixels=config.max_image_pixels,
+                full_session_memory=config.full_session_memory,
             )
         except (InvalidRequestError, ValueError) as exc:  # a model treadle cannot serve: say what, and stop
             raise SystemExit(f"treadle worker: cannot serve {name} ({path}): {exc}") from exc

@@ -87,6 +87,13 @@ class WorkerConfig(BaseModel):
         "a micro-batch whose estimated activations would not fit (one sequence longer than the token budget, or, on "
         "CUDA, more than half the memory the weights leave); on: every micro-batch; off: never (docs/scaling.md).",
     )
+    full_session_memory: int = Field(
+        default=0,
+        ge=0,
+        description="Bytes the full fine-tuning sessions of one base model may hold in all (weights, gradients, AdamW "
+        "moments, activations); a session that would pass it is refused. 0: the device's free memory when the session "
+        "is created (the host's available memory on a CPU).",
+    )
     sampling_max_batch_tokens: int = Field(
         default=16384,
         ge=64,
@@ -150,6 +157,12 @@ class WorkerConfig(BaseModel):
         default=86400.0,
         ge=0.0,
         description="Checkpoint and stop (expire) a session after this many idle seconds; its client gets SessionExpiredError naming the checkpoint to resume from (0: never).",
+    )
+    full_session_memory_per_owner: int | None = Field(
+        default=None,
+        ge=1,
+        description="Bytes one owner's full fine-tuning sessions may hold in all (weights, gradients, AdamW moments); a "
+        "create past it fails with QuotaExceededError (None: unlimited). Give every worker the same limit.",
     )
     max_sessions_per_owner: int | None = Field(
         default=None,

@@ -202,6 +202,11 @@ def quota_sessions_key(owner: str) -> str:
     return f"{PREFIX}:quota:sessions:{owner}"
 
 
+def quota_memory_key(owner: str) -> str:
+    """The bytes each of the owner's admitted full fine-tuning sessions holds (treadle.quotas)."""
+    return f"{PREFIX}:quota:memory:{owner}"
+
+
 # ---------------------------------------------------------------- the gateway's own state (treadle.gateway.store)
 
 

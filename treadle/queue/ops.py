@@ -27,6 +27,7 @@ from treadle.types import (
     Datum,
     ForwardBackwardOutput,
     LoadWeightsResponse,
+    FullConfig,
     LoraConfig,
     LossFnType,
     ModelInput,
@@ -288,6 +289,7 @@ class CreateSessionRequest(OpRequest):
     session_id: str = Field(description="The new session's id (also its run id).")
     base_model: str = Field(description="The served base model to train on.")
     lora: LoraConfig = Field(default_factory=LoraConfig, description="The session's adapter.")
+    full: FullConfig | None = Field(default=None, description="Set: a full fine-tuning session instead of an adapter.")
     owner: str | None = Field(default=None, description="Who the session belongs to (the gateway's API key owner).")
     user_metadata: dict | None = Field(default=None, description="Stored with the training run.")
     from_state: str | None = Field(default=None, description="Start from this save_state checkpoint.")

@@ -15,7 +15,7 @@ from treadle.errors import (
     TreadleError,
 )
 from treadle.queue import names
-from treadle.types import LoraConfig
+from treadle.types import FullConfig, LoraConfig
 
 
 class SessionRecord(BaseModel):
@@ -23,6 +23,12 @@ class SessionRecord(BaseModel):
     run_id: str = Field(description="Checkpoints are stored under treadle://<run_id>/...")
     base_model: str
     lora: LoraConfig = Field(default_factory=LoraConfig)
+    full: FullConfig | None = Field(
+        default=None, description="Set for a full fine-tuning session (its `lora` then describes nothing trained)."
+    )
+    memory_bytes: int = Field(
+        default=0, description="Device bytes its trained weights hold on its worker: weights, gradients, AdamW moments."
+    )
     owner: str | None = Field(default=None, description="The API owner (gateway auth); None for the SDK.")
     user_metadata: dict | None = None
     created_at: float = Field(default_factory=time.time)
@@ -105,9 +111,10 @@ _INT_FIELDS = {
     "max_queued_ops",
     "max_owner_queued_ops",
     "queue_position",
+    "memory_bytes",
 }
 _FLOAT_FIELDS = {"created_at", "last_activity", "op_cost_s", "queue_wait_s"}
-_JSON_FIELDS = {"lora", "user_metadata"}
+_JSON_FIELDS = {"lora", "full", "user_metadata"}
 _BOOL_FIELDS = {"checkpoint_with_optimizer"}
 
 

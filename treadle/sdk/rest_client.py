@@ -17,6 +17,8 @@ from treadle.types import Checkpoint, TrainingRun, WeightsInfo
 
 ADAPTER_FILES = ("adapter_model.safetensors", "adapter_config.json")
 MERGED_DIR = "merged"  # where save_weights_for_sampler(merge_weights=True) puts the merged model
+# A training state's own files beside its weights (treadle.gpu_worker.training.state): not part of an export.
+STATE_FILES = ("optimizer.safetensors", "gradients.safetensors", "rng_state.safetensors", "engine_state.json")
 
 
 def _checkpoint(m: Manifest) -> Checkpoint:
@@ -61,7 +63,7 @@ class RestClient:
         lora = m.lora_config or {}
         return WeightsInfo(
             base_model=m.base_model,
-            is_lora=True,
+            is_lora=m.lora_config is not None,
             lora_rank=lora.get("rank"),
             train_unembed=lora.get("train_unembed"),
             train_mlp=lora.get("train_mlp"),
@@ -82,12 +84,18 @@ class RestClient:
 
         A merged model comes from the checkpoint itself when it was saved with `merge_weights=True`;
         otherwise it is built here from the base model the worker loaded, which must be reachable by
-        that name or path from this machine too.
+        that name or path from this machine too. A full fine-tuning session's checkpoint is a whole model
+        directory (`AutoModelForCausalLM.from_pretrained` loads it), whatever `merged` says.
         """
         manifest = self.manifest(path)
         with tempfile.TemporaryDirectory() as tmp:
             self.download(path, tmp)
             os.makedirs(directory, exist_ok=True)
+            if manifest.extra.get("full_config"):
+                for name in os.listdir(tmp):
+                    if name not in STATE_FILES:
+                        shutil.move(os.path.join(tmp, name), os.path.join(directory, name))
+                return directory
             if not merged:
                 for name in ADAPTER_FILES:
                     shutil.move(os.path.join(tmp, name), os.path.join(directory, name))  # tmp may be another filesystem

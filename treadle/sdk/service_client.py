@@ -24,7 +24,7 @@ from treadle.sdk.futures import APIFuture
 from treadle.sdk.sampling_client import SamplingClient
 from treadle.sdk.training_client import TrainingClient, TrainingSession
 from treadle.settings import ConnectionSettings
-from treadle.types import LoraConfig, ServerCapabilities, SupportedModel
+from treadle.types import FullConfig, LoraConfig, ServerCapabilities, SupportedModel
 
 if TYPE_CHECKING:  # imported where it is made: the checkpoint store's clients load only for a REST client
     from treadle.sdk.rest_client import RestClient
@@ -112,6 +112,24 @@ class ServiceClient:
             checkpoint_every=checkpoint_every,
         )
 
+    def create_full_training_client(
+        self,
+        base_model: str,
+        train_embeddings: bool = True,
+        user_metadata: dict | None = None,
+        checkpoint_every: int | None = None,
+    ) -> TrainingClient:
+        """A new full fine-tuning session: every weight of the base model trained (fp32 master weights and AdamW
+        moments, about 16 bytes a parameter on the worker), or every weight but the embeddings
+        (`train_embeddings=False`). The same ops as a LoRA session's; blocks until a worker has created it, and
+        raises `InsufficientMemoryError` (bytes needed, bytes free) when it does not fit the worker."""
+        return self._create(
+            base_model=base_model,
+            full=FullConfig(train_embeddings=train_embeddings),
+            user_metadata=user_metadata or self.user_metadata,
+            checkpoint_every=checkpoint_every,
+        )
+
     def create_training_client_from_state(self, path: str, user_metadata: dict | None = None) -> TrainingClient:
         """A new session from a save_state checkpoint: its weights, with a fresh optimizer."""
         return self._from_state(path, with_optimizer=False, user_metadata=user_metadata)
@@ -140,7 +158,11 @@ class ServiceClient:
         return TrainingClient(
             self.ops,
             TrainingSession(
-                session_id=record.session_id, run_id=record.run_id, base_model=record.base_model, lora=record.lora
+                session_id=record.session_id,
+                run_id=record.run_id,
+                base_model=record.base_model,
+                lora=record.lora,
+                full=record.full,
             ),
             self.capacity_wait,
         )
@@ -192,6 +214,21 @@ class ServiceClient:
             user_metadata=user_metadata,
             checkpoint_every=checkpoint_every,
             train_vision=train_vision,
+        )
+
+    async def create_full_training_client_async(
+        self,
+        base_model: str,
+        train_embeddings: bool = True,
+        user_metadata: dict | None = None,
+        checkpoint_every: int | None = None,
+    ) -> TrainingClient:
+        return await wait_off_loop(
+            self.create_full_training_client,
+            base_model,
+            train_embeddings=train_embeddings,
+            user_metadata=user_metadata,
+            checkpoint_every=checkpoint_every,
         )
 
     async def create_training_client_from_state_async(

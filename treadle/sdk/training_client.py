@@ -32,6 +32,7 @@ from treadle.types import (
     AdamParams,
     Datum,
     ForwardBackwardOutput,
+    FullConfig,
     GetInfoResponse,
     LoadWeightsResponse,
     LoraConfig,
@@ -60,6 +61,7 @@ class TrainingSession:
     run_id: str
     base_model: str
     lora: LoraConfig
+    full: FullConfig | None = None  # set for a full fine-tuning session
 
 
 class TrainingClient:
@@ -163,8 +165,8 @@ class TrainingClient:
         return GetInfoResponse(
             model_id=self.session_id,
             model_data=ModelData(arch=None, model_name=self.base_model, tokenizer_id=self.base_model),
-            is_lora=True,
-            lora_rank=self.session.lora.rank,
+            is_lora=self.session.full is None,
+            lora_rank=self.session.lora.rank if self.session.full is None else 0,
             model_name=self.base_model,
         )
 

@@ -161,3 +161,14 @@ class LoraConfig(_Request):
         if not (self.train_mlp or self.train_attn or self.train_unembed):
             raise ValueError("at least one of train_mlp, train_attn, train_unembed must be true")
         return self
+
+
+class FullConfig(_Request):
+    """A full fine-tuning session: every weight of the base model is trained (fp32 master weights and AdamW
+    moments), or every weight but the embeddings."""
+
+    train_embeddings: bool = Field(
+        default=True,
+        description="Train the input embeddings and the output projection (one matrix when the model ties them); "
+        "false trains every other weight.",
+    )

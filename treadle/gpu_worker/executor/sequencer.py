@@ -166,6 +166,7 @@ class Sequencer:
                 base_model=owned.record.base_model,
                 seconds=seconds,
                 outcome="ok" if error is None else f"{error.category}_error",
+                memory_bytes=owned.record.memory_bytes,
             )
         return FinishedOp(entry, seconds, payload=payload, error=error, usage=usage, step=step)
 

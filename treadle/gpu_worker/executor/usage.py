@@ -63,8 +63,10 @@ class UsageRecorder:
         base_model: str,
         seconds: float,
         outcome: str,
+        memory_bytes: int = 0,
     ) -> OpUsage | None:
-        """The worker's metrics of one op; returns the usage to meter (None for a failed op, which is not billed)."""
+        """The worker's metrics of one op; returns the usage to meter (None for a failed op, which is not billed).
+        `memory_bytes`: what the session's trained weights hold (`SessionRecord.memory_bytes`)."""
         usage = OpUsage(
             session_id=session_id,
             op_id=op_id,
@@ -72,6 +74,7 @@ class UsageRecorder:
             owner=owner or SDK_OWNER,
             base_model=base_model,
             compute_s=seconds,
+            memory_gib_s=memory_bytes / 2**30 * seconds,
             **(token_counts(request, response) if outcome == "ok" else {}),
         )
         metrics.observe_op(request.op, base_model, seconds, outcome, usage if outcome == "ok" else None)
@@ -96,9 +99,13 @@ class UsageRecorder:
         outcome: str,
     ) -> OpUsage | None:
         """Observe an op of a base model's control queue (create_session, sample); returns the usage to meter (`record`)
-        if it succeeded. A sample's owner is read from its session's record only when the request names none."""
+        if it succeeded. A sample's owner is read from its session's record only when the request names none; a
+        create counts the memory its new session holds."""
+        memory = 0
         if isinstance(request, CreateSessionRequest):
             session_id, owner = request.session_id, request.owner
+            if outcome == "ok" and (created := sessions.get(session_id)) is not None:
+                memory = created.memory_bytes
         elif isinstance(request, SampleRequest) and request.model_path is not None:
             session_id, owner = CheckpointPath.parse(request.model_path).run_id, request.owner
             if owner is None and (record := sessions.get(session_id)) is not None:
@@ -114,4 +121,5 @@ class UsageRecorder:
             base_model=request.base_model,
             seconds=seconds,
             outcome=outcome,
+            memory_bytes=memory,
         )

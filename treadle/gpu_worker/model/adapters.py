@@ -5,6 +5,9 @@ the base weights; each adapter has its own tensors, so a session never sees anot
 gradients (only the active adapter takes part in a forward pass). The `PeftModel` is created with
 the first adapter and kept afterwards, even when every adapter is gone.
 
+A full fine-tuning session and its snapshots are named weights here too (`full`, `treadle.gpu_worker.model.
+full_weights`): the sampler and the training forward ask for a name whatever it holds.
+
 Adapter names are internal (`adapter_<n>`): user ids may contain characters that module names may
 not. Tensors are addressed by *portable* names, the parameter name without the adapter segment
 (`...q_proj.lora_A.weight`), which is exactly the key format of a PEFT `adapter_model.safetensors`.
@@ -15,7 +18,7 @@ from __future__ import annotations
 import copy
 import secrets
 import warnings
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Iterator
 
@@ -27,6 +30,8 @@ from safetensors.torch import save_file
 from torch import nn
 
 from treadle.errors import CheckpointNotFoundError, InvalidRequestError
+from treadle.gpu_worker.model import full_weights
+from treadle.gpu_worker.model.full_weights import FullWeights
 from treadle.gpu_worker.model.lora_targets import LoraTargets, check_requested
 from treadle.gpu_worker.model.host import ModelHost
 from treadle.types import LoraConfig
@@ -64,6 +69,8 @@ class AdapterBank:
         self._switchable: bool | None = None  # `switchable`, found once per set of adapters
         self._tensors: dict[str, list[torch.Tensor]] = {}  # `adapter_tensors` per adapter, found once per set
         self.version = 0  # bumped whenever an adapter is added or removed (what caches of adapter tensors key on)
+        self.full: dict[str, FullWeights] = {}  # full fine-tuning sessions and their snapshots, by name
+        self._bindings: tuple[int, dict[str, str]] | None = None  # (version, `full_weights.bindings` of the model)
 
     def lora_config(self, lora: LoraConfig) -> peft.LoraConfig:
         """The PEFT config of a new session's adapter on this model."""
@@ -92,7 +99,13 @@ class AdapterBank:
         self._adapters_changed()  # PEFT leaves a new adapter's tensors trainable: the activation sets every flag
         self._activate(name, trainable=False)  # frozen until a training op activates it
 
+    def add_full(self, name: str, weights: FullWeights) -> None:
+        """A full session's weights (or a snapshot of them) under `name`."""
+        self.full[name] = weights
+
     def remove(self, name: str) -> None:
+        if self.full.pop(name, None) is not None:
+            return
         with warnings.catch_warnings():  # peft warns when the active adapter goes; every op re-activates its own
             warnings.simplefilter("ignore", UserWarning)
             self.peft_model.delete_adapter(name)
@@ -102,7 +115,9 @@ class AdapterBank:
         return self.peft_model.peft_config[name]
 
     def parameters(self, name: str) -> dict[str, nn.Parameter]:
-        """The adapter's parameters by portable name, in a stable order."""
+        """The adapter's parameters by portable name, in a stable order (a full session's: by model name)."""
+        if name in self.full:
+            return self.full[name].params
         segment = f".{name}."
         return {
             param_name.replace(segment, "."): param
@@ -129,11 +144,18 @@ class AdapterBank:
 
     def add_copy(self, name: str, source: str) -> None:
         """A new frozen adapter holding a copy of `source`'s tensors at this moment."""
+        if source in self.full:
+            self.add_full(name, self.full[source].frozen_copy())
+            return
         self.add(name, self.config(source))
         self.copy_weights(name, {k: p.detach() for k, p in self.parameters(source).items()}, source=source)
 
     def add_from_dir(self, name: str, directory: str | Path) -> None:
-        """A new frozen adapter from a PEFT adapter directory (adapter_config.json + adapter_model.*)."""
+        """A new frozen adapter from a PEFT adapter directory (adapter_config.json + adapter_model.*), or a full
+        session's snapshot from its model directory."""
+        if full_weights.is_full_dir(directory):
+            self.add_full(name, FullWeights.from_dir(directory, dtype=self.host.dtype, device=self.host.device))
+            return
         if not (Path(directory) / "adapter_config.json").is_file():
             raise CheckpointNotFoundError(f"{directory}: no adapter_config.json; not a PEFT adapter directory")
         self.add(name, peft.LoraConfig.from_pretrained(str(directory)))
@@ -143,8 +165,19 @@ class AdapterBank:
             self.remove(name)
             raise
 
+    def load_weights(self, name: str, directory: str | Path) -> None:
+        """Copy the weights of a saved state (`save`'s directory) into adapter `name`; every key must match."""
+        if name in self.full:
+            self.full[name].load(full_weights.read_weights(directory), source=str(directory))
+        else:
+            self.copy_weights(name, load_peft_weights(str(directory), device="cpu"), source=str(directory))
+
     def save(self, name: str, directory: str | Path) -> None:
-        """Write the adapter as a PEFT directory that `PeftModel.from_pretrained` loads."""
+        """Write the adapter as a PEFT directory that `PeftModel.from_pretrained` loads (a full session's weights: a
+        model directory that `AutoModelForCausalLM.from_pretrained` loads)."""
+        if name in self.full:
+            self.full[name].save(self.host.model, self.host.tokenizer, directory)
+            return
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         # lm_head is a LoRA target, not a trained embedding: never write the base weight.
@@ -159,7 +192,13 @@ class AdapterBank:
 
     @contextmanager
     def using(self, name: str | None, *, trainable: bool) -> Iterator[nn.Module]:
-        """The model to call with adapter `name` active (None: the bare base model)."""
+        """The model to call with adapter `name` active (None: the bare base model; a full session's name: the base
+        model computing with its weights, every LoRA layer off)."""
+        if name in self.full:
+            with self.adapters_off() if self.peft_model is not None else nullcontext():
+                with self.full[name].swapped(self.host.model, self._full_bindings(), trainable=trainable) as model:
+                    yield model  # type: ignore[misc]  # called as the model is
+            return
         if name is None:
             # The host's model itself, not the PeftModel: PeftModel's forward looks up its active adapter's
             # config, and once the last adapter is removed that name is gone (PEFT leaves it set), so a
@@ -173,6 +212,12 @@ class AdapterBank:
             return
         self._activate(name, trainable=trainable)
         yield self.peft_model
+
+    def _full_bindings(self) -> dict[str, str]:
+        """`full_weights.bindings` of the host's model, found again when adapters wrap other modules."""
+        if self._bindings is None or self._bindings[0] != self.version:
+            self._bindings = (self.version, full_weights.bindings(self.host.model))
+        return self._bindings[1]
 
     def lora_layers(self) -> list[LoraLayer]:
         """The model's LoRA layers (PEFT's wrappers of the targeted modules)."""

@@ -11,6 +11,9 @@ rank on identical gradients: clipping sees the global norm, and the replicas sta
 is the session. The adapters are never FSDP's: a treadle engine adds, switches and removes LoRA adapters per
 session on one shared PeftModel, and FSDP wraps a fixed set of parameters (the frozen base weights only).
 
+A full fine-tuning session is replicated the same way: every rank holds its fp32 weights, gradients and moments
+(`trainable_parameters` are its weights), so a group fits what one device of it fits (docs/scaling.md).
+
 What runs where: session lifecycle, training and `load_state` run on every rank (rank 0 first for
 the calls that can be refused, so a refused request reaches no follower); `save_state` writes rank 0's
 replica, the same PEFT adapter and optimizer files as a one-device worker; sampling, samplers and
@@ -36,7 +39,7 @@ from treadle.queue.ops import (
     LoadStateRequest,
     OptimStepRequest,
 )
-from treadle.types import WIRE, AdamParams, Datum, ForwardBackwardOutput, LoraConfig, OptimStepResponse
+from treadle.types import WIRE, AdamParams, Datum, ForwardBackwardOutput, FullConfig, LoraConfig, OptimStepResponse
 
 _RUNS = {cls.op: cls for cls in (ForwardRequest, ForwardBackwardRequest)}
 
@@ -112,7 +115,8 @@ def execute(engines: dict, call: dict) -> dict | None:
         engine.optim_step(session_id, OptimStepRequest.decode(call["request"]).adam_params)
         log_first_step(engine)
     elif name == CreateSessionRequest.op:
-        engine.create_session(session_id, LoraConfig.model_validate(call["lora"]))
+        full = FullConfig.model_validate(call["full"]) if call.get("full") else None
+        engine.create_session(session_id, LoraConfig.model_validate(call["lora"]), full=full)
     elif name == "drop_session":
         engine.drop_session(session_id)
     elif name == LoadStateRequest.op:
@@ -160,12 +164,17 @@ class GroupEngine:
 
     # ------------------------------------------------------------ sessions
 
-    def create_session(self, session_id: str, lora: LoraConfig) -> None:
+    def create_session(self, session_id: str, lora: LoraConfig, full: FullConfig | None = None) -> None:
         if lora.seed is None:  # every replica must start from the same initialisation
             lora = lora.model_copy(update={"seed": secrets.randbits(31)})
         with self._group_op():
-            self._local.create_session(session_id, lora)
-            self._replicate("create_session", session_id, lora=lora.model_dump(mode="json"))
+            self._local.create_session(session_id, lora, full=full)
+            self._replicate(
+                "create_session",
+                session_id,
+                lora=lora.model_dump(mode="json"),
+                full=full.model_dump(mode="json") if full else None,
+            )
 
     def drop_session(self, session_id: str) -> None:
         with self._group_op():

@@ -1,4 +1,5 @@
-"""External weights: a session's adapter as plain PEFT files for download, optionally age-encrypted.
+"""External weights: a session's adapter as plain PEFT files for download (a full fine-tuning session's weights as
+a model directory), optionally age-encrypted.
 
 Tinker's `save_weights_external` exports a checkpoint whose files the client downloads through signed
 URLs; with `age_encryption_recipients` every file is encrypted to those recipients (native `age1...`
@@ -13,6 +14,7 @@ from pathlib import Path
 import pyrage
 
 from treadle.errors import InvalidRequestError
+from treadle.gpu_worker.model import full_weights
 
 # The files of a PEFT adapter directory; the training state beside them (optimizer, RNG) is not exported.
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
@@ -38,7 +40,8 @@ def export_adapter(state_dir: str, out_dir: str, recipients: list[str] | None) -
     keys = parse_recipients(recipients) if recipients else None
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    for name in ADAPTER_FILES:
+    files = full_weights.model_dir_files(state_dir) if full_weights.is_full_dir(state_dir) else ADAPTER_FILES
+    for name in files:
         source = Path(state_dir) / name
         if keys is None:
             shutil.copyfile(source, out / name)

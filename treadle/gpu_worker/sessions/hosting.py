@@ -29,6 +29,7 @@ from treadle.queue.ops import CreateSessionRequest, CreateSessionResponse
 from treadle.queue.sessions import SessionRecord, SessionRegistry
 from treadle.quotas import SessionQuota
 from treadle.storage.checkpoint_store import CheckpointStore
+from treadle.types import FullConfig
 
 log = logging.getLogger("treadle.worker")
 
@@ -146,7 +147,8 @@ class SessionHost:
         engine = self.engine(req.base_model)
         owner = req.owner or SDK_OWNER
         if self.limits.quota is not None:  # before anything exists, so a refused create leaves nothing behind
-            self.limits.quota.admit(owner, req.session_id)
+            memory = engine.full_memory.session_bytes(req.full) if req.full else 0
+            self.limits.quota.admit(owner, req.session_id, memory)
         record = self._new_record(req)
         if not self.registry.create(record):  # (a creation interrupted by a crash re-runs as `Failover.resume_create`)
             raise ServerError(f"session_id: {req.session_id!r} already exists")
@@ -173,6 +175,7 @@ class SessionHost:
             run_id=req.session_id,
             base_model=req.base_model,
             lora=lora,
+            full=req.full,
             owner=req.owner,
             user_metadata=req.user_metadata,
             checkpoint=req.from_state,
@@ -192,9 +195,14 @@ class SessionHost:
                 if manifest.lora_config:
                     record.lora = record.lora.model_validate(manifest.lora_config)
                     self.registry.update(req.session_id, lora=record.lora)
+                if manifest.extra.get("full_config"):
+                    record.full = FullConfig.model_validate(manifest.extra["full_config"])
+                    self.registry.update(req.session_id, full=record.full)
                 self.registry.update(req.session_id, step=engine.step(req.session_id))
             else:
-                engine.create_session(req.session_id, record.lora)
+                engine.create_session(req.session_id, record.lora, full=record.full)
+            record.memory_bytes = engine.session_memory(req.session_id)  # what status and the meter count it by
+            self.registry.update(req.session_id, memory_bytes=record.memory_bytes)
         except Exception:
             self.registry.delete(req.session_id)
             self.lease.release(req.session_id, epoch)
@@ -212,8 +220,9 @@ class SessionHost:
             {
                 "training_run_id": record.run_id,
                 "base_model": record.base_model,
-                "lora_rank": record.lora.rank,
+                "lora_rank": None if record.full else record.lora.rank,
                 "lora_config": record.lora.model_dump(),
+                "full_config": record.full.model_dump() if record.full else None,
                 "created_at": record.created_at,
                 "owner": record.owner,
                 "user_metadata": record.user_metadata,
@@ -230,7 +239,7 @@ class SessionHost:
         if record.checkpoint:
             load_checkpoint(engine, self.store, record.session_id, record.checkpoint, record.checkpoint_with_optimizer)
         else:
-            engine.create_session(record.session_id, record.lora)
+            engine.create_session(record.session_id, record.lora, full=record.full)
         t1 = time.monotonic()
         replaying = OwnedSession(record=record, epoch=-1, applied=record.checkpoint_seq)
         for seq in range(record.checkpoint_seq + 1, record.applied + 1):

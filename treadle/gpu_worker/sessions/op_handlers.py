@@ -122,13 +122,20 @@ def _store(ctx: OpContext, tmp: str, path: CheckpointPath, kind: str, **options)
         tmp,
         path,
         base_model=ctx.session.base_model,
-        lora_config=ctx.session.lora.model_dump(),
         step=ctx.engine.step(ctx.session_id),
         applied_seq=ctx.seq,
-        extra={"base_model_path": ctx.engine.base_model},
+        **_provenance(ctx.session, base_model_path=ctx.engine.base_model),
         **options,
     )
     metrics.observe_checkpoint(kind, time.monotonic() - started, manifest.size_bytes)
+
+
+def _provenance(session: SessionRecord, **extra) -> dict:
+    """What a checkpoint's manifest says it holds: the LoRA config of an adapter, or (in `extra`) the full config of
+    a full fine-tuning session's weights, whose directory is a whole model."""
+    if session.full is not None:
+        return {"lora_config": None, "extra": {**extra, "full_config": session.full.model_dump()}}
+    return {"lora_config": session.lora.model_dump(), "extra": extra}
 
 
 @handles(SaveWeightsForSamplerRequest)
@@ -142,7 +149,7 @@ def save_weights_for_sampler(req: SaveWeightsForSamplerRequest, ctx: OpContext) 
     ctx.remember_sampler(sampler_id, ctx.session.base_model)
     with tempfile.TemporaryDirectory(prefix="treadle-sampler-") as tmp:
         ctx.engine.save_sampler_weights(sampler_id, tmp)
-        if req.merge_weights:
+        if req.merge_weights and ctx.session.full is None:  # a full session's directory is a whole model already
             from treadle.storage.merged_export import export_merged  # transformers' full model load: only when asked
 
             export_merged(ctx.engine.base_model, tmp, f"{tmp}/merged")
@@ -161,12 +168,11 @@ def save_weights_external(req: SaveWeightsExternalRequest, ctx: OpContext) -> Sa
             f"{tmp}/out",
             path,
             base_model=ctx.session.base_model,
-            lora_config=ctx.session.lora.model_dump(),
             step=ctx.engine.step(ctx.session_id),
             applied_seq=ctx.seq,
             ttl_seconds=req.ttl_seconds,
             overwrite=True,
-            extra={"encrypted": bool(req.age_encryption_recipients)},
+            **_provenance(ctx.session, encrypted=bool(req.age_encryption_recipients)),
         )
     return SaveWeightsExternalResponse(path=path.uri(), size_bytes=manifest.size_bytes)
 

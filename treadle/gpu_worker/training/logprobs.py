@@ -202,7 +202,9 @@ class HeadLogprobs:
     at a time, forward or backward, so memory is bounded by `chunk` whatever the micro-batch's length."""
 
     def __init__(self, model: nn.Module, chunk: int):
-        self.head = model.get_output_embeddings()
+        # A full session's model (`full_weights.SwappedModel`) projects with the session's own weights.
+        own = getattr(model, "output_projection", None)
+        self.head = own() if own is not None else model.get_output_embeddings()
         self.transform = logit_transform(model.config)
         self.chunk = chunk
 

@@ -1,12 +1,13 @@
 """The on-disk layout of a session's training state (what the checkpoint store moves around).
 
-    adapter_model.safetensors, adapter_config.json   the LoRA adapter (PeftModel.from_pretrained loads it)
+    adapter_model.safetensors, adapter_config.json   the LoRA adapter (PeftModel.from_pretrained loads it); a full
+                                                     session's: a model directory instead (`full_weights`)
     optimizer.safetensors                            Adam moments and step per parameter (if saved)
     gradients.safetensors                            gradients accumulated but not yet applied (if any),
                                                      so a checkpoint between forward_backward and
                                                      optim_step loses nothing
     rng_state.safetensors                            torch RNG state(s) of the process
-    engine_state.json                                step count, LoRA config, base model, format
+    engine_state.json                                step count, LoRA or full config, base model, format
 
 Files are plain safetensors and JSON: nothing is pickled.
 """
@@ -21,7 +22,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from treadle.errors import CheckpointNotFoundError, InvalidRequestError
-from treadle.types import LoraConfig
+from treadle.types import FullConfig, LoraConfig
 
 FORMAT_VERSION = 1
 ENGINE_STATE = "engine_state.json"
@@ -38,6 +39,7 @@ class TrainingState:
     optimizer: dict[str, torch.Tensor] | None  # None: saved without optimizer
     gradients: dict[str, torch.Tensor]
     rng: dict[str, torch.Tensor]
+    full: FullConfig | None = None  # set for a full fine-tuning session
 
 
 def capture_rng() -> dict[str, torch.Tensor]:
@@ -67,6 +69,7 @@ def write_state(directory: str | Path, state: TrainingState) -> None:
         "format": FORMAT_VERSION,
         "base_model": state.base_model,
         "lora": state.lora.model_dump(),
+        "full": state.full.model_dump() if state.full else None,
         "step": state.step,
         "has_optimizer": state.optimizer is not None,
         "has_gradients": bool(state.gradients),
@@ -101,4 +104,5 @@ def read_state(directory: str | Path, *, with_optimizer: bool) -> TrainingState:
         optimizer=optimizer,
         gradients=gradients,
         rng=rng,
+        full=FullConfig.model_validate(meta["full"]) if meta.get("full") else None,
     )

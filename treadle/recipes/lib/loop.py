@@ -35,6 +35,7 @@ class LoopConfig(Protocol):
 
     base_model: str
     lora_rank: int
+    full: bool
     seed: int
     resume: bool
     steps: int
@@ -76,19 +77,20 @@ class Run:
 
 def start_run(service: Any, cfg: LoopConfig, init_state: str | None = None) -> Run:
     """The run's log (`RunLog.for_config`) and session: from the last checkpoint with `cfg.resume` (weights and
-    optimizer, and the logged steps after it dropped), else a fresh LoRA, or the weights of the `init_state`
-    checkpoint."""
+    optimizer, and the logged steps after it dropped), else a fresh LoRA (`cfg.full`: a full fine-tuning session),
+    or the weights of the `init_state` checkpoint."""
     log = RunLog.for_config(cfg)
     last = log.last_checkpoint() if cfg.resume else None
     if last is None:
         log.rewind_to(-1)  # --resume before the first checkpoint: start over
-        training = (
-            service.create_training_client_from_state(init_state)
-            if init_state
-            else service.create_lora_training_client(
+        if init_state:
+            training = service.create_training_client_from_state(init_state)
+        elif cfg.full:
+            training = service.create_full_training_client(cfg.base_model)
+        else:
+            training = service.create_lora_training_client(
                 cfg.base_model, rank=cfg.lora_rank, alpha=2 * cfg.lora_rank, seed=cfg.seed
             )
-        )
         return Run(training, log, cfg, 1)
     log.rewind_to(last.step)
     print(f"resuming from {last.state_path} after step {last.step}")

@@ -66,6 +66,11 @@ class RunConfig(BaseModel):
     seed: int = Field(default=0, description="Seed of the data order, the sampler and the LoRA init.")
     steps: int = Field(default=20, ge=1, description="Optimizer steps.")
     lora_rank: int = Field(default=16, ge=1, description="LoRA rank (alpha is 2 x rank).")
+    full: bool = Field(
+        default=False,
+        description="Full fine-tuning: train every weight (fp32 weights and AdamW moments on the worker, about 16 "
+        "bytes a parameter) instead of a LoRA adapter.",
+    )
     learning_rate: float = Field(default=1e-4, gt=0.0, description="AdamW learning rate.")
     eval_every: int = Field(default=5, ge=0, description="Held-out eval every N steps (0: only before and after).")
     save_every: int = Field(default=10, ge=1, description="save_state every N steps (and at the end).")

@@ -44,7 +44,9 @@ KEPT_SETS = 4  # sets of adapters whose stacks are kept (each multi-adapter set 
 def plain_linear_adapters(bank: AdapterBank, adapters: set[str | None]) -> bool:
     """Whether every adapter named lives only in plain LoRA linears (no DoRA or other variant, no LoRA
     embedding, no bias on B): what `grouped_adapters` computes. A PEFT adapter loaded from a user's
-    directory may not be."""
+    directory may not be, nor is a full session's snapshot (its rows run as a model of their own)."""
+    if any(name in bank.full for name in adapters):
+        return False
     for layer in bank.lora_layers():
         if not isinstance(layer, LoraLinear):
             if any(name in layer.lora_embedding_A or name in layer.lora_A for name in adapters):

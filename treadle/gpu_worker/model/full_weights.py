@@ -1,0 +1,308 @@
+"""Full fine-tuning: sessions that train the base model's own weights, beside the LoRA sessions on that model.
+
+A full session holds its own copy of every weight it trains, as fp32 master weights (their gradients and AdamW
+moments live in the session's `SessionOptimizer`). The host's model and its base weights, which LoRA sessions and
+the base-model sampler use, never change: each forward swaps the session's tensors into the host's model for the
+call (`torch.func.functional_call`) while every LoRA layer computes its base layer alone. So a LoRA session's
+numbers are bitwise those it gets alone, and a full session's are those of a model made of its weights.
+
+Precision: the masters are fp32; a forward computes in the host's dtype. On a CPU that is fp32 and the masters are
+the compute weights. Under a bf16 base (CUDA) an op casts them to a bf16 copy, runs forward and backward on it, and
+adds the copy's gradients, in fp32, to the masters'; AdamW steps the masters. A trained parameter costs 16 bytes
+(4 master, 4 gradient, 8 moments), plus 4 transient bytes under bf16 (the copy and its gradient): `session_bytes`.
+
+Which weights: every one, or every one but the embeddings (`FullConfig.train_embeddings`: the input embeddings and
+the output projection, one matrix when the model ties them). Weights a session does not train are the base's.
+
+A frozen snapshot (`frozen_copy`, for the sampler) holds the trained weights in the compute dtype; the sampler runs
+it as a model of its own (`AdapterBank.using`), in runs of rows of its own in a mixed batch.
+
+Names are the parameter names `save_pretrained` writes (`model.layers.0.mlp.up_proj.weight`); the host's model
+under PEFT's wrappers shows `...up_proj.base_layer.weight`, read as the same name. On disk a session's weights are
+a Hugging Face model directory (config, safetensors shards with their index when there are several, tokenizer)
+that `AutoModelForCausalLM.from_pretrained` loads, the untrained weights written from the base, plus
+`FULL_MARKER`, which names the trained weights.
+"""
+
+from __future__ import annotations
+
+import json
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Callable, Iterator
+
+import psutil
+import torch
+from huggingface_hub import save_torch_state_dict
+from safetensors.torch import load_file
+from torch import nn
+from torch.func import functional_call
+
+from treadle.errors import CheckpointNotFoundError, InsufficientMemoryError, InvalidRequestError
+from treadle.gpu_worker.model.host import ModelHost, activation_bytes_per_token
+from treadle.types import FullConfig
+
+FULL_MARKER = "treadle_full.json"  # {"config": FullConfig, "trained": [names]}: a full session's model directory
+SHARD_INDEX = "model.safetensors.index.json"
+MAX_SHARD_SIZE = "2GB"
+# What a model directory holds besides its weights (what `export_adapter` and the REST export copy).
+MODEL_FILES = ("config.json", "generation_config.json", FULL_MARKER)
+
+
+def canonical_name(path: str) -> str | None:
+    """The `save_pretrained` name of a parameter path of the host's model; None for a LoRA adapter's own tensor."""
+    parts = path.split(".")
+    if any(part.startswith("lora_") for part in parts):
+        return None
+    return ".".join(part for part in parts if part != "base_layer")
+
+
+def base_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
+    """The base model's parameters by `save_pretrained` name, each once (tied ones under their first name)."""
+    out = {}
+    for path, param in model.named_parameters():
+        name = canonical_name(path)
+        if name is not None:
+            out[name] = param
+    return out
+
+
+def bindings(model: nn.Module) -> dict[str, str]:
+    """Every parameter path of `model`, tied ones under each of their paths, to its `save_pretrained` name."""
+    first: dict[int, str] = {}
+    out = {}
+    for path, param in model.named_parameters(remove_duplicate=False):
+        name = canonical_name(path)
+        if name is not None:
+            out[path] = first.setdefault(id(param), name)
+    return out
+
+
+def trained_names(model: nn.Module, config: FullConfig) -> list[str]:
+    """The names a session of `config` trains on `model`."""
+    embeddings = {id(_weight(model.get_input_embeddings())), id(_weight(model.get_output_embeddings()))}
+    return [
+        name for name, param in base_parameters(model).items() if config.train_embeddings or id(param) not in embeddings
+    ]
+
+
+def _weight(module: nn.Module | None) -> torch.Tensor | None:
+    return None if module is None else getattr(module, "base_layer", module).weight
+
+
+def session_bytes(model: nn.Module, config: FullConfig, dtype: torch.dtype) -> int:
+    """Device bytes of a session's trained weights: fp32 master, gradient and two moments; under a half-precision
+    base also the compute copy and its gradient."""
+    params = base_parameters(model)
+    count = sum(params[name].numel() for name in trained_names(model, config))
+    return count * (16 + (0 if dtype == torch.float32 else 2 * dtype.itemsize))
+
+
+class FullMemory:
+    """Admission of an engine's full sessions: a session is made only if its state (`session_bytes`) and the
+    activations of one micro-batch of `budget_tokens` fit what is free: `limit` bytes less the full sessions held,
+    or (limit 0) the device's free memory, the host's available memory on a CPU."""
+
+    def __init__(self, host: ModelHost, budget_tokens: int, limit: int, *, sharded: bool = False):
+        self.host = host
+        self.budget_tokens = budget_tokens
+        self.limit = limit
+        self.sharded = sharded  # the host's weights are shards (`--shard`): a full session is not built for them
+
+    def session_bytes(self, config: FullConfig) -> int:
+        return session_bytes(self.host.model, config, self.host.dtype)
+
+    def free(self, held: int) -> int:
+        if self.limit:
+            return max(0, self.limit - held)
+        if self.host.device.type == "cuda":  # what the driver has free, and what torch's allocator holds unused
+            unused = torch.cuda.memory_reserved(self.host.device) - torch.cuda.memory_allocated(self.host.device)
+            return int(torch.cuda.mem_get_info(self.host.device)[0] + unused)
+        return int(psutil.virtual_memory().available)
+
+    def admitted(self, config: FullConfig, held: int) -> "FullWeights":
+        """A new session's weights, if it fits; else `InsufficientMemoryError` with the bytes it needs and the bytes
+        free. `held`: the state bytes of the full sessions the engine holds (less one it replaces)."""
+        if self.sharded:
+            raise InvalidRequestError(
+                f"full fine-tuning of {self.host.name}: this worker shards the model (--shard), and full sessions "
+                "are not sharded; use a worker without --shard"
+            )
+        state = self.session_bytes(config)
+        activations = int(self.budget_tokens * activation_bytes_per_token(self.host.model.config, self.host.dtype))
+        need, free = state + activations, self.free(held)
+        if need > free:
+            raise InsufficientMemoryError(
+                f"full fine-tuning of {self.host.name}: needs {need} bytes ({state} for weights, gradients and AdamW "
+                f"moments, {activations} for activations of {self.budget_tokens} tokens), {free} bytes are free "
+                f"({'--full_session_memory' if self.limit else self.host.device}); train a LoRA adapter, or use a "
+                "worker with more memory"
+            )
+        return FullWeights.fresh(self.host.model, config, self.host.dtype)
+
+
+class FullWeights:
+    """A full session's trained weights (fp32 masters, trainable), or a frozen snapshot of them."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor], *, dtype: torch.dtype, trainable: bool, config: FullConfig):
+        self.params = {name: nn.Parameter(t, requires_grad=trainable) for name, t in tensors.items()}
+        self.dtype = dtype  # what the forward computes in: the host's
+        self.config = config
+
+    @classmethod
+    def fresh(cls, model: nn.Module, config: FullConfig, dtype: torch.dtype) -> "FullWeights":
+        """Masters copied from the base model's weights."""
+        params = base_parameters(model)
+        tensors = {name: params[name].detach().to(torch.float32, copy=True) for name in trained_names(model, config)}
+        return cls(tensors, dtype=dtype, trainable=True, config=config)
+
+    def frozen_copy(self) -> "FullWeights":
+        """A snapshot of the weights as they are now, in the compute dtype; training on never changes it."""
+        tensors = {name: p.detach().to(self.dtype, copy=True) for name, p in self.params.items()}
+        return FullWeights(tensors, dtype=self.dtype, trainable=False, config=self.config)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.params.values())
+
+    @contextmanager
+    def swapped(self, model: nn.Module, paths: dict[str, str], *, trainable: bool) -> Iterator["SwappedModel"]:
+        """`model` computing with these weights in place of the base's (`paths`: `bindings(model)`). Under a
+        half-precision base a trainable call runs on a copy in that dtype whose gradients are added to the
+        masters' when the block ends."""
+        compute = {
+            name: p if p.dtype == self.dtype else p.detach().to(self.dtype).requires_grad_(trainable)
+            for name, p in self.params.items()
+        }
+        tensors = {path: compute[name] for path, name in paths.items() if name in compute}
+        yield SwappedModel(model, tensors)
+        if trainable:
+            for name, copy in compute.items():
+                master = self.params[name]
+                if copy is not master and copy.grad is not None:
+                    grad = copy.grad.to(torch.float32)
+                    master.grad = grad if master.grad is None else master.grad + grad
+
+    def load(self, tensors: dict[str, torch.Tensor], *, source: str) -> None:
+        """Copy the trained weights from `tensors` (a model directory's, by name); all must be there, or none is
+        copied."""
+        missing = sorted(set(self.params) - set(tensors))
+        if missing:
+            raise InvalidRequestError(f"{source}: weights missing for this session ({missing[:3]})")
+        for name, param in self.params.items():
+            if tuple(tensors[name].shape) != tuple(param.shape):
+                raise InvalidRequestError(
+                    f"{source}: {name} has shape {tuple(tensors[name].shape)}, expected {tuple(param.shape)}"
+                )
+        with torch.no_grad():
+            for name, param in self.params.items():
+                param.copy_(tensors[name].to(device=param.device, dtype=param.dtype))
+
+    def save(self, model: nn.Module, tokenizer, directory: str | Path) -> None:
+        """A Hugging Face model directory: these weights, the base's for the rest, the model's config and
+        tokenizer; tied weights written once, as `save_pretrained` does."""
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        tensors = {name: p.detach() for name, p in base_parameters(model).items()}
+        tensors.update({name: p.detach() for name, p in self.params.items()})
+        state = {name: t.contiguous().cpu() for name, t in tensors.items()}
+        save_torch_state_dict(state, str(directory), max_shard_size=MAX_SHARD_SIZE, metadata={"format": "pt"})
+        model.config.save_pretrained(str(directory))
+        tokenizer.save_pretrained(str(directory))
+        marker = {"config": self.config.model_dump(), "trained": sorted(self.params)}
+        (directory / FULL_MARKER).write_text(json.dumps(marker, indent=1))
+
+    @classmethod
+    def from_dir(cls, directory: str | Path, *, dtype: torch.dtype, device: torch.device) -> "FullWeights":
+        """A frozen snapshot from a model directory that `save` wrote."""
+        config, trained = read_marker(directory)
+        tensors = read_weights(directory)
+        return cls(
+            {name: tensors[name].to(device=device, dtype=dtype) for name in trained},
+            dtype=dtype,
+            trainable=False,
+            config=config,
+        )
+
+
+class SwappedModel:
+    """The host's model called with a session's tensors in place of base weights (what `target_logprobs` and the
+    sampler call: `model(**inputs)`, `get_output_embeddings()`, `config`)."""
+
+    def __init__(self, model: nn.Module, tensors: dict[str, torch.Tensor]):
+        self.model = model
+        self.tensors = tensors
+
+    def __call__(self, *args, **kwargs):
+        return functional_call(self.model, self.tensors, args, kwargs, tie_weights=False, strict=False)
+
+    def output_projection(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        """The output projection with the session's weights: the training forward runs the decoder through
+        `__call__` and the projection on its own, chunk by chunk (treadle.gpu_worker.training.logprobs)."""
+        head = self.model.get_output_embeddings()
+        prefix = next(path for path, module in self.model.named_modules() if module is head) + "."
+        own = {path.removeprefix(prefix): t for path, t in self.tensors.items() if path.startswith(prefix)}
+        return lambda hidden: functional_call(head, own, (hidden,), tie_weights=False, strict=False)
+
+    def __getattr__(self, name: str):
+        return getattr(self.model, name)
+
+
+def is_full_dir(directory: str | Path) -> bool:
+    return (Path(directory) / FULL_MARKER).is_file()
+
+
+def read_marker(directory: str | Path) -> tuple[FullConfig, list[str]]:
+    path = Path(directory) / FULL_MARKER
+    if not path.is_file():
+        raise CheckpointNotFoundError(f"{directory}: no {FULL_MARKER}; not a full fine-tuning checkpoint")
+    marker = json.loads(path.read_text())
+    return FullConfig.model_validate(marker["config"]), list(marker["trained"])
+
+
+def weight_files(directory: str | Path) -> list[str]:
+    """The safetensors shards of a model directory (with their index when there are several)."""
+    directory = Path(directory)
+    if (directory / SHARD_INDEX).is_file():
+        shards = sorted(set(json.loads((directory / SHARD_INDEX).read_text())["weight_map"].values()))
+        return [SHARD_INDEX, *shards]
+    return ["model.safetensors"]
+
+
+def read_weights(directory: str | Path) -> dict[str, torch.Tensor]:
+    tensors: dict[str, torch.Tensor] = {}
+    for name in weight_files(directory):
+        if name.endswith(".safetensors"):
+            tensors.update(load_file(str(Path(directory) / name)))
+    return tensors
+
+
+def model_dir_files(directory: str | Path) -> list[str]:
+    """The files of a full session's model directory that a download or export hands over (weights, config,
+    tokenizer), not the optimizer, gradient and RNG files of a training state."""
+    directory = Path(directory)
+    tokenizer = [p.name for p in directory.iterdir() if p.name.startswith(("tokenizer", "special_tokens", "vocab"))]
+    extra = [p.name for p in directory.iterdir() if p.name in ("merges.txt", "chat_template.jinja")]
+    present = [name for name in MODEL_FILES if (directory / name).is_file()]
+    return [*present, *weight_files(directory), *tokenizer, *extra]
+
+
+def check_sampler_serves(sampler_path: str, sampler_id: str, *, full: bool) -> None:
+    """A full snapshot is a model of its own; the vllm sampler is sent LoRA adapters only."""
+    if full and sampler_path == "vllm":
+        raise InvalidRequestError(
+            f"sampler_id: {sampler_id!r} is a full fine-tuning snapshot, which the vllm sampler does not serve; "
+            "sample it on a worker started with --sampler hf"
+        )
+
+
+def check_same_kind(session_full: FullConfig | None, checkpoint_full: FullConfig | None, *, source: str) -> None:
+    """load_state into a live session keeps what it trains: a LoRA checkpoint into a full session (or the other
+    way), or a full one that trains other weights, is refused."""
+    if session_full != checkpoint_full:
+        ours = "full fine-tuning" if session_full else "LoRA"
+        theirs = "full fine-tuning" if checkpoint_full else "LoRA"
+        raise InvalidRequestError(
+            f"path: {source} holds a {theirs} state ({checkpoint_full}) and this session is {ours} ({session_full}); "
+            "create a training client from it instead"
+        )
