@@ -12,19 +12,24 @@ numbers of micro-batches, which a sharded group must run in lockstep (treadle.gp
 from __future__ import annotations
 
 import os
+import json
 import re
 import signal
+import socket
+import subprocess
 import tempfile
+from dataclasses import dataclass
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.test_durability import adapter_of
+from tests.test_durability import adapter_of, assert_same_adapter, owner_process
+from tests.test_multi_device import alive, children, wait_until
 from treadle import AdamParams, Datum, ModelInput, SamplingParams, ServiceClient
 from treadle.gpu_worker.model.fit import plan
 from treadle.local_stack import LocalStack
-from treadle.net import free_port
+from treadle.sdk.training_client import TrainingClient
 from treadle.storage.checkpoint_store import CheckpointStore
 from treadle.testing.tiny_model import build_tiny_model
 from treadle.types import LoraConfig
@@ -128,10 +133,19 @@ def train(tc, steps: range) -> list[float]:
     return [f.result(timeout=300).metrics["loss:sum"] for f in futures]
 
 
-def check_like_one_device(sc: ServiceClient, ref: Reference, tag: str) -> dict:
+@dataclass
+class Run:
+    """A family's uninterrupted run on a group: its client, losses and the checkpoint saved after them."""
+
+    tc: TrainingClient
+    losses: list[float]
+    final: str
+
+
+def check_like_one_device(sc: ServiceClient, ref: Reference, tag: str) -> dict[str, Run]:
     """Every family: 10 steps of CE and IS, the final adapter, seeded samples and prompt logprobs, against one
-    device. Returns the training clients, each trained 10 steps."""
-    clients = {}
+    device. Returns each family's run."""
+    runs = {}
     prompt = ModelInput.from_ints(list(range(5, 25)))
     params = SamplingParams(max_tokens=8, seed=3, temperature=1.0)
     for family in FAMILIES:
@@ -140,9 +154,8 @@ def check_like_one_device(sc: ServiceClient, ref: Reference, tag: str) -> dict:
         session = f"{tag}-{family}"
         ref.engines[family].create_session(session, LoraConfig(rank=8, seed=SEED))
         assert close(losses, ref.run(family, session, range(STEPS))), family
-        assert_close_adapter(
-            adapter_of(sc, tc.save_state(f"{tag}-final").result(timeout=60).path), ref.adapter(family, session)
-        )
+        final = tc.save_state(f"{tag}-final").result(timeout=60).path
+        assert_close_adapter(adapter_of(sc, final), ref.adapter(family, session))
         sampler = tc.save_weights_and_get_sampling_client(f"{tag}-s")
         ref.engines[family].snapshot_sampler(session, f"{tag}-s")
         got = sampler.sample(prompt, 2, params).result(timeout=120).sequences
@@ -153,8 +166,8 @@ def check_like_one_device(sc: ServiceClient, ref: Reference, tag: str) -> dict:
         assert sampler.compute_logprobs(prompt).result(timeout=60)[1:] == pytest.approx(
             ref.engines[family].compute_logprobs(f"{tag}-s", prompt)[1:], rel=0, abs=TOL
         )
-        clients[family] = tc
-    return clients
+        runs[family] = Run(tc, losses, final)
+    return runs
 
 
 _BYTES = re.compile(
@@ -197,20 +210,45 @@ def test_a_two_rank_sharded_group_trains_and_samples_like_one_device(stack, sc, 
     stop_workers(stack)
 
 
-def test_a_group_on_two_hosts_trains_like_one_device_and_moves_checkpoints(stack, sc, ref):
-    """Two `treadle worker` processes (hosts 0 and 1, two ranks each) form one group of four; host 1 consumes
-    nothing. A checkpoint saved on it continues on one device as it does on the group, and one saved on one
-    device continues on the group as it does on one device."""
-    port = str(free_port())
+def start_two_hosts(stack: LocalStack, sc: ServiceClient, port: str) -> None:
+    """One group of four sharded ranks: two `treadle worker` processes (hosts 0 and 1, two ranks each) meeting at
+    `port`. Host 1 consumes nothing."""
     across = ["--devices", "2", "--nnodes", "2", "--master_port", port, *GROUP_ARGS]
-    for log in os.listdir(os.path.join(stack.home, "logs")):  # only this group's lines count below
-        os.truncate(os.path.join(stack.home, "logs", log), 0)
     stack.start_worker([*across, "--node_rank", "1"])
     stack.start_worker([*across, "--node_rank", "0"])
     stack.wait_for_workers(1, 300)
     assert len(sc.ops.workers.live_workers()) == 1
-    tc = check_like_one_device(sc, ref, "four")["llama"]
+
+
+@pytest.fixture(scope="module")
+def master_port() -> str:
+    """A free port whose next one (host 1's calls to rank 0) is free too, both below the kernel's ephemeral range
+    (32768 and up), as the default 29500 is: the next one of a port from that range (treadle.net.free_port) may be
+    taken as the local end of any connection, the ranks' own to the rendezvous included."""
+    for port in range(20000 + os.getpid() % 9000, 32000, 2):
+        try:
+            with socket.create_server(("", port)), socket.create_server(("", port + 1)):
+                return str(port)
+        except OSError:
+            continue
+    raise AssertionError("no two free ports next to each other below 32000")
+
+
+@pytest.fixture(scope="module")
+def four_ranks(stack, sc, ref, master_port) -> dict[str, Run]:
+    """The two-host group, checked like one device: each family's uninterrupted run on it."""
+    for log in os.listdir(os.path.join(stack.home, "logs")):  # only this group's lines count in assert_memory_logged
+        os.truncate(os.path.join(stack.home, "logs", log), 0)
+    start_two_hosts(stack, sc, master_port)
+    return check_like_one_device(sc, ref, "four")
+
+
+def test_a_group_on_two_hosts_trains_like_one_device_and_moves_checkpoints(stack, sc, ref, four_ranks):
+    """Two hosts of two ranks each form one group of four and train like one device. A checkpoint saved on it
+    continues on one device as it does on the group, and one saved on one device continues on the group as it
+    does on one device."""
     assert_memory_logged(stack, 4)
+    tc = four_ranks["llama"].tc
 
     # Four sharded ranks -> one device: both continue the same 5 steps.
     engine = ref.engines["llama"]
@@ -234,6 +272,56 @@ def test_a_group_on_two_hosts_trains_like_one_device_and_moves_checkpoints(stack
     assert_close_adapter(
         adapter_of(sc, resumed.save_state("one-end").result(timeout=60).path), ref.adapter("llama", "four-llama")
     )
+
+
+def ranks_of(proc: subprocess.Popen) -> dict[int, int]:
+    """The ranks a `treadle worker` process spawned (`device_group.spawn_rank`): rank -> pid."""
+    found = {}
+    for pid in children(proc.pid):
+        with open(f"/proc/{pid}/cmdline") as f:
+            found[json.loads(f.read().split("\0")[3])["rank"]] = pid  # python -m MODULE SPEC
+    return found
+
+
+def kill_rank_two(stack: LocalStack, sc: ServiceClient, session_id: str) -> float:
+    """SIGKILL rank 2 of the two-host group that owns the session; returns how long both hosts' processes and all
+    four ranks took to go. Rank 0's process and host 1's exit 1."""
+    host0 = owner_process(stack, sc, session_id)
+    (host1,) = [p for p in stack.workers if p is not host0]
+    ranks = {0: host0.pid, **ranks_of(host0), **ranks_of(host1)}
+    assert sorted(ranks) == [0, 1, 2, 3]
+    os.kill(ranks[2], signal.SIGKILL)
+    gone_s = wait_until(
+        lambda: host0.poll() is not None and host1.poll() is not None and not any(map(alive, ranks.values())),
+        "the group outlived its dead rank 2",
+    )
+    assert (host0.returncode, host1.returncode) == (1, 1)
+    stack.workers.remove(host0)
+    stack.workers.remove(host1)
+    return gone_s
+
+
+def test_a_dead_rank_on_the_other_host_ends_the_group_and_the_loop_sees_nothing(stack, sc, four_ranks, master_port):
+    """SIGKILL of rank 2 (host 1's first rank) mid-run: host 0's rank 0 sees its connection close and ends its host's
+    ranks, host 1's process ends its other rank, and both exit 1. Restarted as a supervisor would (the same command
+    lines), the group adopts the session from its journal once its lease expires, and the loop sees no error: its
+    losses and final adapter are bitwise those of the uninterrupted run on the same group shape (the same ops on the
+    same shards, summed in the same order)."""
+    twin = four_ranks["llama"]
+    tc = sc.create_lora_training_client("llama", rank=8, seed=SEED)
+    kill_at = 4
+    pairs = []
+    for step in range(STEPS):
+        data, loss_fn = batch(step)
+        pairs.append((tc.forward_backward(data, loss_fn), tc.optim_step(ADAM)))
+        if step == kill_at:
+            pairs[step - 1][1].result(timeout=120)  # the run is going on the group: kill one of its ranks
+            print(f"the group was gone {kill_rank_two(stack, sc, tc.session_id):.2f} s after the kill")
+            start_two_hosts(stack, sc, master_port)  # as a supervisor would, with the same command lines
+    assert [opt.result(timeout=300).metrics["step:max"] for _, opt in pairs] == list(range(1, STEPS + 1))
+    assert [fb.result(timeout=300).metrics["loss:sum"] for fb, _ in pairs] == twin.losses
+    assert_same_adapter(adapter_of(sc, tc.save_state("killed-end").result(timeout=60).path), adapter_of(sc, twin.final))
+    assert sc.ops.session_info(tc.session_id).epoch == 2  # created on the group, adopted by its restart
 
 
 def test_the_preflight_says_from_the_config_alone_whether_a_model_fits(family_dirs, capsys):
