@@ -10,17 +10,26 @@ tiny sizes: a script that breaks on the GPU machine costs a whole lent run).
 from __future__ import annotations
 
 import re
-import subprocess
+import runpy
 import sys
 import tomllib
 from pathlib import Path
 
+import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from treadle.testing.tiny_model import build_tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_script(monkeypatch, script: str, *args: str) -> None:
+    """Run a benchmarks/ script as `python benchmarks/SCRIPT ARGS` would, in this process: torch and transformers
+    are imported here already, and a subprocess would spend most of its time importing them again."""
+    monkeypatch.setattr(sys, "argv", [str(ROOT / script), *args])
+    monkeypatch.syspath_prepend(str((ROOT / script).parent))  # a script's folder is on its path
+    runpy.run_path(str(ROOT / script), run_name="__main__")
 
 
 def _pins(requirements: list[str]) -> dict[str, str]:
@@ -44,18 +53,12 @@ def test_the_packed_wheels_are_the_versions_pyproject_pins():
     assert {name: packed[name] for name in shared} == {name: pinned[name] for name in shared}
 
 
-def test_random_weights_keep_the_shapes_and_the_tokenizer(tmp_path):
+def test_random_weights_keep_the_shapes_and_the_tokenizer(tmp_path, monkeypatch):
     source = Path(build_tiny_model(tmp_path / "source", arch="qwen3", seed=0))
     for weights in source.glob("*.safetensors"):  # what scripts/gpu_wheels.sh packs: config and tokenizer only
         weights.unlink()
     out = tmp_path / "random"
-    result = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks/random_weights.py"), str(source), str(out)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stderr[-2000:]
+    run_script(monkeypatch, "benchmarks/random_weights.py", str(source), str(out))
     model = AutoModelForCausalLM.from_pretrained(out)
     reference = AutoModelForCausalLM.from_pretrained(build_tiny_model(tmp_path / "reference", arch="qwen3", seed=0))
     assert type(model) is type(reference)
@@ -66,35 +69,27 @@ def test_random_weights_keep_the_shapes_and_the_tokenizer(tmp_path):
     assert (out / "tokenizer.json").exists()
 
 
-def test_random_weights_take_another_size_of_the_same_architecture(tmp_path):
+def test_random_weights_take_another_size_of_the_same_architecture(tmp_path, monkeypatch):
     """From a model directory with weights (not only a config): those weights must not come along."""
     source = build_tiny_model(tmp_path / "source", arch="llama", seed=0)
     (tmp_path / "source/model.safetensors").rename(tmp_path / "source/consolidated.safetensors")  # as Mistral ships
     out = tmp_path / "deeper"
-    result = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks/random_weights.py"), source, str(out), "--set", "num_hidden_layers=3"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stderr[-2000:]
+    run_script(monkeypatch, "benchmarks/random_weights.py", source, str(out), "--set", "num_hidden_layers=3")
     model = AutoModelForCausalLM.from_pretrained(out)
     assert model.config.num_hidden_layers == len(model.model.layers) == 3
     assert sorted(p.name for p in out.glob("*.safetensors")) == ["model.safetensors"]
     assert model.config.hidden_size == AutoConfig.from_pretrained(source).hidden_size
 
 
-def test_the_decode_benchmark_runs_every_part_on_the_cpu(tmp_path):
+def test_the_decode_benchmark_runs_every_part_on_the_cpu(tmp_path, monkeypatch, capsys):
     model = build_tiny_model(tmp_path / "tiny", arch="llama", seed=0)
     args = ["--device", "cpu", "--prompts", "2", "--samples", "2", "--tokens", "6", "--prompt_length", "6"]
-    result = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks/decode_gpu.py"), "--model", model, *args, "--dynamic_steps", "2"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    rows = [line for line in result.stdout.splitlines() if line.startswith("| ")][2:]  # below the header and rule
+    try:
+        run_script(monkeypatch, "benchmarks/decode_gpu.py", "--model", model, *args, "--dynamic_steps", "2")
+    except SystemExit as failed:  # a part that failed: the script exits non-zero after printing its table
+        pytest.fail(f"{failed}\n{capsys.readouterr().out[-3000:]}")
+    stdout = capsys.readouterr().out
+    rows = [line for line in stdout.splitlines() if line.startswith("| ")][2:]  # below the header and rule
     table = {cells[0]: cells[1:] for cells in ([c.strip() for c in row.strip("|").split(" | ")] for row in rows)}
     figures = " ".join(table)
     for part in (
@@ -107,4 +102,4 @@ def test_the_decode_benchmark_runs_every_part_on_the_cpu(tmp_path):
     assert "roofline step, base" in figures and "sampled vs trainer logprob" in figures
     # On a CPU nothing is judged against the GPU targets, and no part failed.
     assert {check for _, _, check in table.values()} == {"", "not judged (cpu)"}
-    assert "failed" not in result.stdout
+    assert "failed" not in stdout
