@@ -60,11 +60,11 @@ def _training_client(sc: ServiceClient, seed: int = 0) -> TrainingClient:
     return sc.create_lora_training_client("tiny", rank=4, seed=seed, checkpoint_every=0)
 
 
-def test_sixteen_sessions_of_one_owner_each_pipelining_500_ops_all_run_in_order(service_client, caplog):
-    """The owner's 8,000 ops pass its bound of 1,024 many times over: each submit past it waits for room."""
+def test_sixteen_sessions_of_one_owner_each_pipelining_160_ops_all_run_in_order(service_client, caplog):
+    """The owner's 2,560 ops pass its bound of 1,024 more than twice over: each submit past it waits for room."""
     clients = [_training_client(service_client, seed) for seed in range(16)]
     with ThreadPoolExecutor(len(clients)) as pool:
-        submitted = list(pool.map(lambda tc: _pipeline(tc, 500), clients))
+        submitted = list(pool.map(lambda tc: _pipeline(tc, 160), clients))
     assert _waits_logged(caplog, "max_queued_ops_per_owner") == 1
     for tc, futures in zip(clients, submitted):
         _assert_ran_in_order(tc, futures)
@@ -82,10 +82,10 @@ async def _submit_watching_the_loop(tc: TrainingClient, ops: int, caplog) -> tup
     return list(await submits), ran_while_waiting
 
 
-def test_one_session_pipelining_2000_ops_through_the_async_twins_runs_them_in_order(service_client, caplog):
+def test_one_session_pipelining_640_ops_through_the_async_twins_runs_them_in_order(service_client, caplog):
     """Past the session's bound of 256, each twin waits on the session's submitting thread, not the event loop."""
     tc = _training_client(service_client)
-    futures, ran_while_waiting = asyncio.run(_submit_watching_the_loop(tc, 2000, caplog))
+    futures, ran_while_waiting = asyncio.run(_submit_watching_the_loop(tc, 640, caplog))
     assert ran_while_waiting
     assert _waits_logged(caplog, "max_queued_ops_per_session") == 1
     _assert_ran_in_order(tc, futures)
