@@ -902,14 +902,14 @@ HTTP_CASES = [
         "get_info_unknown_model", _post("/get_info", lambda m, s: {"model_id": "s-none:train:0"}), 404, ("model",)
     ),
     HttpCase(
-        "create_model_rank_zero",
+        "create_model_rank_negative",  # rank 0 asks for full fine-tuning (docs/gateway.md)
         _post(
             "/create_model",
             lambda m, s: {
                 "session_id": m.rsplit(":train:", 1)[0],
                 "model_seq_id": 90,
                 "base_model": "tiny",
-                "lora_config": {"rank": 0},
+                "lora_config": {"rank": -1},
             },
         ),
         400,

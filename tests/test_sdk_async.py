@@ -48,7 +48,7 @@ def test_a_twin_has_its_methods_parameters_and_return_type(qualified):
 
 
 def test_every_sdk_op_has_a_twin():
-    assert len(twins()) == 18  # 17 client ops, and APIFuture.result
+    assert len(twins()) == 19  # 18 client ops, and APIFuture.result
 
 
 def batch() -> list[Datum]:
@@ -123,6 +123,9 @@ async def await_every_twin(service: ServiceClient) -> set[str]:
         restored = await call(service, method, saved.path)
         assert restored.base_model == "tiny"
         restored.stop()
+    full = await call(service, "create_full_training_client", "tiny")
+    assert full.base_model == "tiny"
+    full.stop()
     await call(training, "stop")
     with pytest.raises(SessionStoppedError):
         training.forward(batch())
