@@ -6,4 +6,4 @@ bash scripts/setup.sh
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false OMP_NUM_THREADS=1
 # Two processes, each file whole in one of them (module fixtures and in-file order stay as written):
 # most tests wait on their servers and workers, so two share the cores well.
-exec .venv/bin/python -m pytest -q -n "${TREADLE_TEST_PROCESSES:-2}" --dist loadfile "$@"
+exec .venv/bin/python -m pytest -q -n "${TREADLE_TEST_PROCESSES:-2}" --dist loadfile --durations=25 "$@"
