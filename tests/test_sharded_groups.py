@@ -26,6 +26,7 @@ from safetensors.torch import load_file
 
 from tests.test_durability import adapter_of, assert_same_adapter, owner_process
 from tests.test_multi_device import alive, children, wait_until
+from tests.test_multi_device import batch as multi_device_batch
 from treadle import AdamParams, Datum, ModelInput, SamplingParams, ServiceClient
 from treadle.gpu_worker.model.fit import plan
 from treadle.local_stack import LocalStack
@@ -44,21 +45,9 @@ GROUP_ARGS = ["--shard", "--max_tokens_per_microbatch", "64"]
 
 
 def batch(step: int) -> tuple[list[Datum], str]:
-    """Cross-entropy on even steps, importance sampling on odd ones, over `SIZES[step % 3]`."""
-    loss_fn = "importance_sampling" if step % 2 else "cross_entropy"
-    out = []
-    for i, n in enumerate(SIZES[step % 3]):
-        toks = [(step * 7 + i * 19 + j * 5) % 240 + 5 for j in range(n + 1)]
-        if loss_fn == "cross_entropy":
-            inputs = {"target_tokens": toks[1:], "weights": [0.0] * 2 + [1.0] * (n - 2)}
-        else:
-            inputs = {
-                "target_tokens": toks[1:],
-                "logprobs": [-5.0 - 0.1 * (j % 7) for j in range(n)],
-                "advantages": [(1.0 if (i + j) % 3 else -0.5) for j in range(n)],
-            }
-        out.append(Datum(model_input=ModelInput.from_ints(toks[:-1]), loss_fn_inputs=inputs))
-    return out, loss_fn
+    """test_multi_device's batches (cross-entropy on even steps, importance sampling on odd ones) over
+    `SIZES[step % 3]`."""
+    return multi_device_batch(step, SIZES[step % 3])
 
 
 def close(a: list[float], b: list[float]) -> bool:

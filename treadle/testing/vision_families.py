@@ -34,6 +34,16 @@ def _qwen_image_processor(patch: int = 14):
     )
 
 
+def _qwen_image_tokens(ids: dict[str, int]) -> dict[str, int]:
+    """The ids of the special tokens Qwen's vision configs name (the tiny tokenizer's, `ids`)."""
+    return dict(
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+    )
+
+
 def _qwen2_5_vl(ids: dict[str, int], **text):
     from transformers import Qwen2_5_VLConfig
 
@@ -51,10 +61,7 @@ def _qwen2_5_vl(ids: dict[str, int], **text):
     return Qwen2_5_VLConfig(
         text_config=text,
         vision_config=vision,
-        image_token_id=ids["<|image_pad|>"],
-        video_token_id=ids["<|video_pad|>"],
-        vision_start_token_id=ids["<|vision_start|>"],
-        vision_end_token_id=ids["<|vision_end|>"],
+        **_qwen_image_tokens(ids),
         eos_token_id=text["eos_token_id"],
         pad_token_id=text["pad_token_id"],
         tie_word_embeddings=False,
@@ -80,10 +87,7 @@ def _qwen3_vl(ids: dict[str, int], **text):
     return Qwen3VLConfig(
         text_config=text,
         vision_config=vision,
-        image_token_id=ids["<|image_pad|>"],
-        video_token_id=ids["<|video_pad|>"],
-        vision_start_token_id=ids["<|vision_start|>"],
-        vision_end_token_id=ids["<|vision_end|>"],
+        **_qwen_image_tokens(ids),
         tie_word_embeddings=False,
     )
 
@@ -114,10 +118,7 @@ def _qwen3_5_vision(ids: dict[str, int], **text):
     return Qwen3_5Config(
         text_config=text,
         vision_config=vision,
-        image_token_id=ids["<|image_pad|>"],
-        video_token_id=ids["<|video_pad|>"],
-        vision_start_token_id=ids["<|vision_start|>"],
-        vision_end_token_id=ids["<|vision_end|>"],
+        **_qwen_image_tokens(ids),
         tie_word_embeddings=False,
     )
 
