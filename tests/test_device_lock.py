@@ -127,3 +127,16 @@ def test_each_tenants_device_seconds_add_up_over_holds_until_it_is_forgotten():
     assert lock.seconds["a"] > first["a"] and lock.seconds["b"] == first["b"]
     lock.forget("a")
     assert "a" not in lock.seconds and lock.seconds["b"] == first["b"]
+
+
+def test_an_op_inside_a_kept_hold_is_charged_when_its_own_hold_ends_not_when_the_kept_one_does():
+    """The sequencer keeps the device across a session's ops; each op's time must be counted before its result is
+    stored (a client that reads the session's device seconds after a result sees that op in them)."""
+    lock = DeviceLock()
+    with lock.hold({"session-1": 1.0}):  # the hold kept across ops
+        with serving("session-1"), lock:  # one op
+            time.sleep(0.01)
+        after_op = lock.seconds["session-1"]
+        assert after_op >= 0.01
+        time.sleep(0.01)
+    assert lock.seconds["session-1"] >= after_op + 0.01  # the kept hold's remaining time is charged at its end

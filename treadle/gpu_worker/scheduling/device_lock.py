@@ -115,8 +115,12 @@ class DeviceLock:
             if self._owner != self._me():
                 raise RuntimeError("DeviceLock released by a thread that does not hold it")
             self._depth -= 1
+            # Charged at every release, a nested one too: an op run inside a hold kept across ops (the sequencer's
+            # `HeldDevice`) has its time counted before its result is stored, not when the hold ends.
+            now = time.monotonic()
+            self._charge(now - self._held_since)
+            self._held_since = now
             if self._depth == 0:
-                self._charge(time.monotonic() - self._held_since)
                 self._owner = None
                 self._cond.notify_all()
 
