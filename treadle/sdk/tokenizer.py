@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import tempfile
 
 from treadle.errors import NoWorkerError
 
@@ -19,10 +20,12 @@ def load_tokenizer(ops, base_model: str):
         return _CACHE[digest]
     from transformers import AutoTokenizer  # the client needs transformers only for this
 
-    directory = os.path.join(os.path.expanduser("~/.cache/treadle/tokenizers"), digest)
-    os.makedirs(directory, exist_ok=True)
-    for name, data in files.items():
-        with open(os.path.join(directory, name), "wb") as f:
-            f.write(data)
-    _CACHE[digest] = AutoTokenizer.from_pretrained(directory)
+    # A directory of this call's own, gone once loaded: one shared between client processes (a run and its
+    # restarted attempt, two loops side by side) let a reader meet a file another process was rewriting, and a
+    # truncated chat template renders every prompt empty.
+    with tempfile.TemporaryDirectory(prefix="treadle-tokenizer-") as directory:
+        for name, data in files.items():
+            with open(os.path.join(directory, os.path.basename(name)), "wb") as f:
+                f.write(data)
+        _CACHE[digest] = AutoTokenizer.from_pretrained(directory)
     return _CACHE[digest]
