@@ -1,12 +1,14 @@
-"""Images in the loop, through the engine: tiny random-init Qwen2.5-VL, Qwen3-VL and Qwen3.5 with vision
-(`tiny_model --arch qwen2_5_vl`, `qwen3_vl`, `qwen3_5_vision`: M-RoPE, Qwen3-VL's deepstack features, Qwen3.5's
-linear-attention layers), fp32 and bf16, with image chunks anywhere in the prompt, beside text rows.
+"""Images in the loop, through the engine: tiny random-init Qwen2.5-VL, Qwen3-VL, Qwen3.5 with vision and Gemma 3
+with vision (`tiny_model --arch qwen2_5_vl`, `qwen3_vl`, `qwen3_5_vision`, `gemma3_vision`: M-RoPE, Qwen3-VL's
+deepstack features, Qwen3.5's linear-attention layers, Gemma 3's image tokens attending both ways within an image
+beside a sliding-window layer), fp32 and bf16, with image chunks anywhere in the prompt, beside text rows.
 
 Per dtype: every loss runs on a batch of image and text rows; two LoRA steps lower the loss; an image row's
 logprobs are the same alone and in a mixed batch (the sampler's exactly, the trainer's to rounding); sampled tokens' logprobs
 equal the trainer's forward of the same tokens, image included; the image changes the numbers (its features
 reach the decoder). Then: the vision tower is frozen unless `train_vision`, and each bad image is refused by
-name while the session goes on; a session saves, loads and exports merged with its images' numbers intact.
+name while the session goes on; a session saves, loads and exports merged with its images' numbers intact; Gemma 3's
+trainer and sampler compute its attention within an image as transformers' own forward does.
 
 Tolerances as the family matrix's (tests/test_model_families.py): fp32 to rounding, bf16 to 0.1 nats here
 (one decoder layer's rounding on a 56-pixel image).
@@ -56,10 +58,11 @@ def text(*tokens: int) -> EncodedTextChunk:
     return EncodedTextChunk(tokens=list(tokens))
 
 
-# An image between text, and one at the very start; 56 x 56 pixels are 4 tokens (2 x 2 merged patches) on both.
+# An image between text, and one at the very start; 56 x 56 pixels are 4 tokens on every family (Qwen's 2 x 2 merged
+# patches).
 RED = ModelInput(chunks=[text(10, 9), image((220, 30, 30), expected_tokens=4), text(50, 30, 40)])
 BLUE_FIRST = ModelInput(chunks=[image((30, 30, 220)), text(12, 13, 14, 15)])
-TEXT = ModelInput.from_ints([10, 20, 30, 40, 50, 60])  # (4 to 7 are the image markers)
+TEXT = ModelInput.from_ints([10, 20, 30, 40, 50, 60])  # (from 4 up: the image markers, 6 the image token)
 
 
 def datum(model_input: ModelInput, n: int, loss: str = "cross_entropy") -> Datum:
@@ -158,12 +161,20 @@ def test_image_rows_train_score_and_sample_alone_as_in_a_mixed_batch(engine):
     engine.drop_session("s")
 
 
+# Per family: its vision tower's module names, and two of its linears that LoRA adapts when asked.
+TOWERS = {
+    "gemma3": (".vision_tower.", ".mlp.fc1.", ".layers.0.self_attn.q_proj."),
+    "qwen": (".visual.", ".merger.", ".blocks.0.attn.qkv."),
+}
+
+
 def test_the_vision_tower_trains_only_when_asked(engine):
+    tower_name, *linears = TOWERS["gemma3" if engine.vision.bidirectional else "qwen"]
     engine.create_session("frozen", LoraConfig(rank=4, seed=0))
     engine.create_session("tower", LoraConfig(rank=4, seed=0, train_vision=True))
-    assert not [name for name in engine.trainable_parameters("frozen") if ".visual." in name]
-    tower = {name: p for name, p in engine.trainable_parameters("tower").items() if ".visual." in name}
-    assert any(".merger." in name for name in tower) and any(".blocks.0.attn.qkv." in name for name in tower)
+    assert not [name for name in engine.trainable_parameters("frozen") if tower_name in name]
+    tower = {name: p for name, p in engine.trainable_parameters("tower").items() if tower_name in name}
+    assert all(any(linear in name for name in tower) for linear in linears)
     engine.forward_backward("tower", [datum(RED, RED.length)], "cross_entropy")
     assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in tower.values())
     engine.drop_session("frozen")
@@ -312,18 +323,38 @@ def test_a_vision_session_saves_loads_and_exports_merged(vl_dirs, tmp_path):
             engine.close()
 
 
-def test_gemma3_with_vision_serves_text_and_refuses_images_by_name(tmp_path):
-    engine = Engine(build_tiny_model(tmp_path / "gemma3", arch="gemma3_vision"), device="cpu")
+def test_gemma3_images_attend_both_ways_within_an_image_as_transformers_computes(vl_dirs):
+    """Gemma 3's image tokens attend to every token of their own image (transformers' `token_type_ids` mask; causal
+    elsewhere, the sliding-window layer's window kept): the trainer's logprobs and the sampler's prompt logprobs
+    equal those of transformers' own forward of the same model, on a prompt longer than the window with two images.
+    A causal-only mask misses by ~0.4 nats."""
+    from transformers import AutoModelForImageTextToText
+
+    directory = vl_dirs["gemma3_vision"]
+    engine = Engine(directory, device="cpu")
     try:
-        assert engine.profile.inputs == ["text"]
-        engine.create_session("s", LoraConfig(rank=4, seed=0))
-        engine.forward_backward("s", [datum(TEXT, TEXT.length)], "cross_entropy")
-        with pytest.raises(
-            InvalidRequestError, match=r"data\[0\]\.model_input\.chunks\[1\]: images are not served on this gemma3"
-        ):
-            engine.forward_backward("s", [datum(RED, RED.length)], "cross_entropy")
-        with pytest.raises(InvalidRequestError, match=r"prompt\.chunks\[1\]: images are not served .* both ways"):
-            engine.sample(None, RED, 1, SamplingParams(max_tokens=2))
-        assert engine.sample(None, TEXT, 1, SamplingParams(max_tokens=2, seed=0)).sequences[0].tokens
+        prompt = ModelInput(
+            chunks=[text(*range(10, 19)), image((220, 30, 30)), text(50, 51), image((30, 30, 220)), text(60, 61, 62)]
+        )
+        visual = engine.vision.prepare("prompt", prompt)
+        ids = torch.from_numpy(visual.tokens)[None]
+        model = AutoModelForImageTextToText.from_pretrained(directory).eval()
+        with torch.no_grad():
+            logits = model(
+                input_ids=ids,
+                pixel_values=torch.cat([p.pixel_values for p in visual.pictures]),
+                token_type_ids=(ids == engine.vision.image_token_id).long(),
+            ).logits[0]
+        own = torch.log_softmax(logits.float(), dim=-1)[:-1].gather(1, ids[0, 1:, None])[:, 0].numpy()
+
+        engine.create_session("s", LoraConfig(rank=4, seed=0))  # (a new LoRA adds nothing: its B is zero)
+        targets = [*visual.tokens[1:].tolist(), 0]
+        scored = engine.forward(
+            "s",
+            [Datum(model_input=prompt, loss_fn_inputs={"target_tokens": targets, "weights": [1.0] * len(targets)})],
+            "cross_entropy",
+        )
+        np.testing.assert_allclose(scored.loss_fn_outputs[0]["logprobs"].to_numpy()[:-1], own, rtol=0, atol=1e-4)
+        np.testing.assert_allclose(engine.compute_logprobs(None, prompt)[1:], own, rtol=0, atol=1e-4)
     finally:
         engine.close()

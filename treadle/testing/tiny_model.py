@@ -20,9 +20,8 @@ import random
 from pathlib import Path
 
 from treadle.testing.families import _COMMON, FAMILIES, family_config
-from treadle.testing.vision_families import TEXT_ONLY_VISION_FAMILIES, VISION_FAMILIES
+from treadle.testing.vision_families import VISION_FAMILIES
 
-ALL_VISION = {**VISION_FAMILIES, **TEXT_ONLY_VISION_FAMILIES}
 
 VOCAB_SIZE = 512
 MAX_POSITION_EMBEDDINGS = 512
@@ -92,8 +91,8 @@ def _config(arch: str, tokenizer, tie_word_embeddings: bool, head_dim: int | Non
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
-    if arch in ALL_VISION:
-        family = ALL_VISION[arch]
+    if arch in VISION_FAMILIES:
+        family = VISION_FAMILIES[arch]
         ids = {name: tokenizer.convert_tokens_to_ids(name) for name in family.special_tokens}
         config = family.config(ids, **_COMMON, **sizes)
     else:
@@ -133,13 +132,18 @@ def build_tiny_model(
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    vision = ALL_VISION.get(arch)
+    vision = VISION_FAMILIES.get(arch)
     tokenizer = build_tokenizer(seed, vision.special_tokens if vision else ())
     assert len(tokenizer) == VOCAB_SIZE, f"tokenizer has {len(tokenizer)} tokens, expected {VOCAB_SIZE}"
     config = _config(arch, tokenizer, tie_word_embeddings, head_dim, initializer_range)
     torch.manual_seed(seed)
     auto = AutoModelForImageTextToText if vision else AutoModelForCausalLM
     model = auto.from_config(config, dtype=torch.float32)
+    # Gemma 3's projector into the decoder starts at zero in transformers (a model before its training), which would
+    # keep every image's features from the decoder: drawn as the other weights are instead.
+    for name, weight in model.named_parameters():
+        if name.endswith("mm_input_projection_weight"):
+            torch.nn.init.normal_(weight, std=config.get_text_config().initializer_range)
     model.generation_config = GenerationConfig(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
@@ -151,7 +155,7 @@ def build_tiny_model(
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("directory", help="Output directory (created if missing).")
-    parser.add_argument("--arch", choices=[*FAMILIES, *ALL_VISION], default="llama", help="Model family.")
+    parser.add_argument("--arch", choices=[*FAMILIES, *VISION_FAMILIES], default="llama", help="Model family.")
     parser.add_argument("--seed", type=int, default=0, help="Seed of the weights and the tokenizer corpus.")
     parser.add_argument("--tie-word-embeddings", action="store_true", help="Share lm_head with the input embeddings.")
     parser.add_argument(

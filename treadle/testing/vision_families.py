@@ -4,7 +4,7 @@ A vision family is its model config (from transformers' own config classes), the
 processor and chat format need (added to the tiny tokenizer's specials, so the vocabulary stays 512), and
 an image processor built offline from transformers' PIL backend, sized so that a small image is a few
 tokens: Qwen's patches (14 pixels for Qwen2.5-VL, 16 for Qwen3-VL) merged 2 x 2, between 4 and 16 tokens an
-image (56 x 56 pixels: 4 for Qwen2.5-VL).
+image (56 x 56 pixels: 4 for Qwen2.5-VL); Gemma 3's every image resized to 56 x 56 pixels, 4 tokens.
 
     python -m treadle.testing.tiny_model DIR --arch qwen2_5_vl
 """
@@ -155,9 +155,5 @@ VISION_FAMILIES: dict[str, VisionFamily] = {
     "qwen2_5_vl": VisionFamily(_qwen2_5_vl, QWEN_VISION_TOKENS, _qwen_image_processor),
     "qwen3_vl": VisionFamily(_qwen3_vl, QWEN_VISION_TOKENS, lambda: _qwen_image_processor(patch=16)),
     "qwen3_5_vision": VisionFamily(_qwen3_5_vision, QWEN_VISION_TOKENS, lambda: _qwen_image_processor(patch=16)),
-}
-
-# Loaded and served for text, its images refused by name (`treadle.gpu_worker.model.vision.UNSERVED_IMAGES`).
-TEXT_ONLY_VISION_FAMILIES: dict[str, VisionFamily] = {
     "gemma3_vision": VisionFamily(_gemma3_vision, GEMMA3_IMAGE_TOKENS, _gemma3_image_processor),
 }

@@ -3,15 +3,19 @@
 An `ImageChunk` is decoded here with PIL and prepared by the model's own image processor (the one its
 directory ships, `AutoImageProcessor`). It stands for as many image tokens as the processor says (Qwen's:
 the patches of the resized image over the merge size squared, as tinker-cookbook's `image_to_chunk`
-counts them), and takes exactly those positions in the sequence: its `expected_tokens`, Tinker's length
-of the chunk. Markers around an image (`<|vision_start|>`, `<|vision_end|>`) are the client's text
-tokens, as the cookbook's renderers write them.
+counts them; Gemma 3's: its config's `mm_tokens_per_image`, every image resized to one size), and takes
+exactly those positions in the sequence: its `expected_tokens`, Tinker's length of the chunk. Markers
+around an image (`<|vision_start|>`, `<start_of_image>`) are the client's text tokens, as the cookbook's
+renderers write them.
 
 Each image's features are computed on its own, with the adapter of its row (`encode`): a row's numbers
 then do not depend on the other images or rows of its batch, and the model's forward takes them ready
 (`mm_encoder_outputs`) instead of running its vision tower inside a forward the sampler batches. Models
 with multimodal rotary positions (Qwen's M-RoPE) get each sequence's positions from the model's own
-`get_rope_index`, computed once when the request is checked.
+`get_rope_index`, computed once when the request is checked. Gemma 3's image tokens attend to each other
+both ways within an image (`bidirectional`): each run of image tokens is one block (`image_blocks`), which
+the trainer's forward gets as transformers' `token_type_ids` and the sampler's prefill attention applies
+itself (`sampling/hf/image_attention.py`).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from PIL import Image
 from torch import nn
 from transformers import AutoImageProcessor
@@ -38,7 +43,7 @@ class Picture:
     """One image as the model's processor prepared it."""
 
     pixel_values: torch.Tensor
-    grid: torch.Tensor  # (1, 3) image_grid_thw: frames, rows and columns of patches
+    grid: torch.Tensor | None  # (1, 3) image_grid_thw: frames, rows and columns of patches; None: one fixed size
     tokens: int  # image tokens it stands for
 
 
@@ -57,20 +62,20 @@ class VisualInput:
         return int(self.positions.max()) + 1 if self.positions is not None else len(self.tokens)
 
 
-# Vision-language families whose text treadle serves but whose images it refuses, and why.
-UNSERVED_IMAGES = {
-    "gemma3": "Gemma 3's image tokens attend to each other both ways within an image, which the batched sampler's "
-    "attention does not compute (its training forward would, and the two would disagree)",
-}
+# Families whose image tokens attend to each other both ways within an image, causal elsewhere: transformers'
+# Gemma 3 forward does so for the tokens its `token_type_ids` mark as image tokens.
+BIDIRECTIONAL_IMAGES = frozenset({"gemma3"})
 
 
 def is_vision_model(config) -> bool:
     return getattr(config, "vision_config", None) is not None
 
 
-def refused_images(config) -> str | None:
-    """Why a vision-language model's images are refused (`UNSERVED_IMAGES`), or None."""
-    return UNSERVED_IMAGES.get(config.model_type)
+def image_blocks(is_image: torch.Tensor) -> torch.Tensor:
+    """(B, L) block of each position: a run of image tokens is one block (its index in the row), text is -1; the
+    rule of transformers' Gemma 3 mask (`get_block_sequence_ids_for_mask` of its `token_type_ids`)."""
+    starts = is_image & ~F.pad(is_image, (1, 0))[:, :-1]
+    return torch.where(is_image, starts.long().cumsum(dim=1) - 1, -1)
 
 
 class Vision:
@@ -82,12 +87,17 @@ class Vision:
         self.image_token_id = int(getattr(config, "image_token_id", None) or config.image_token_index)
         self.max_image_pixels = max_image_pixels
         self._family = config.model_type
-        # Why this model's images are refused, if they are: a family known not to be served, or an image processor
-        # that does not lay images out as patch grids (Qwen's `image_grid_thw`), which is what `prepare` reads.
+        self.bidirectional = config.model_type in BIDIRECTIONAL_IMAGES
+        # Images laid out as patch grids (Qwen's `image_grid_thw`), or each resized to one size and pooled to
+        # `mm_tokens_per_image` tokens (Gemma 3's; pan and scan would make several crops of an image, each with
+        # markers of its own, which treadle does not lay out).
         grids = hasattr(self.processor, "merge_size") and hasattr(self.processor, "temporal_patch_size")
-        self.refused = refused_images(config) or (
+        self._fixed_tokens = getattr(config, "mm_tokens_per_image", None)
+        fixed = self._fixed_tokens is not None and not getattr(self.processor, "do_pan_and_scan", False)
+        # Why this model's images are refused, if they are: an image processor of neither kind.
+        self.refused = (
             None
-            if grids
+            if grids or fixed
             else f"its image processor ({type(self.processor).__name__}) is not one treadle prepares images for"
         )
         inner = getattr(model, "model", model)
@@ -147,6 +157,8 @@ class Vision:
         except Exception as exc:
             raise InvalidRequestError(f"{where}.data: does not decode as a {fmt} image ({exc})") from None
         out = self.processor(images=[rgb], return_tensors="pt")
+        if self._fixed_tokens is not None:
+            return Picture(out["pixel_values"], None, self._fixed_tokens)
         grid = out["image_grid_thw"]
         tokens = int(grid.prod()) // self.processor.merge_size**2
         return Picture(out["pixel_values"], grid, tokens)
@@ -164,13 +176,17 @@ class Vision:
         out = []
         for picture in pictures:
             pixels = picture.pixel_values.to(device)
-            out.append(model.get_image_features(pixels, picture.grid.to(device), return_dict=True))
+            grid = () if picture.grid is None else (picture.grid.to(device),)
+            out.append(model.get_image_features(pixels, *grid, return_dict=True))
         return out
 
     def encoder_outputs(self, outputs: list) -> dict:
         """`mm_encoder_outputs` of a forward whose image tokens are these outputs' images, in order: Qwen's towers
-        answer a tuple of per-image features (Qwen3-VL's also one per deepstack layer)."""
+        answer a tuple of per-image features (Qwen3-VL's also one per deepstack layer), Gemma 3's a tensor
+        (images, tokens, hidden)."""
         first = outputs[0]
+        if isinstance(first.pooler_output, torch.Tensor):
+            return {"image": type(first)(pooler_output=torch.cat([o.pooler_output for o in outputs]))}
         fields = {"pooler_output": tuple(p for o in outputs for p in o.pooler_output)}
         if getattr(first, "deepstack_features", None) is not None:
             fields["deepstack_features"] = [
@@ -185,6 +201,8 @@ class Vision:
 
 
 def _size(picture: Picture) -> str:
+    if picture.grid is None:
+        return f"resized to {picture.pixel_values.shape[-1]} x {picture.pixel_values.shape[-2]} pixels"
     _, h, w = (int(x) for x in picture.grid[0])
     return f"a grid of {h} x {w} patches"
 

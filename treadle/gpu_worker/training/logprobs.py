@@ -131,7 +131,7 @@ def target_logprobs(
         graded = attention_mask  # no position can have a gradient: a graph anyway, so the backward leaves zeros
     ungraded = attention_mask & ~graded
     input_ids, target_ids = input_ids.to(device), target_ids.to(device)
-    extra = _image_inputs(model, vision, visuals, [len(t) for t in tokens], width, device)
+    extra = _image_inputs(model, vision, visuals, input_ids, [len(t) for t in tokens], device)
     checkpointed = plan.checkpointed(input_ids.numel()) if plan and torch.is_grad_enabled() else ()
     with checkpointed_layers(checkpointed):
         hidden = final_hidden(model, input_ids, attention_mask.to(device), extra)
@@ -156,17 +156,21 @@ def _image_inputs(
     model: nn.Module,
     vision: Vision | None,
     visuals: list[VisualInput | None] | None,
+    input_ids: Tensor,
     lengths: list[int],
-    width: int,
     device: torch.device,
 ) -> dict:
-    """The forward's image features and, for M-RoPE, every row's positions (right-padded rows); {} for text."""
+    """The forward's image features and, for M-RoPE, every row's positions (right-padded rows); for a model whose
+    image tokens attend both ways within an image, which tokens are the images' (`token_type_ids`, from which
+    transformers' forward builds that mask); {} for text."""
     if vision is None or visuals is None or not any(v is not None for v in visuals):
         return {}
     pictures = [p for v in visuals if v is not None for p in v.pictures]
     extra: dict = {"mm_encoder_outputs": vision.encode(model, pictures, device)}
     if any(v is not None and v.positions is not None for v in visuals):
-        extra["position_ids"] = batch_positions(visuals, lengths, width, left=False).to(device)
+        extra["position_ids"] = batch_positions(visuals, lengths, input_ids.shape[1], left=False).to(device)
+    if vision.bidirectional:
+        extra["token_type_ids"] = (input_ids == vision.image_token_id).long()
     return extra
 
 

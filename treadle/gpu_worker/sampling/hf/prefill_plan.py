@@ -10,8 +10,11 @@ left-padded, as the decode batch joins it. A prompt kept whole, with the logits 
 the forward: its cache rows are the kept ones.
 
 A prompt with images is a row of its own, never kept nor resumed: its image tokens' ids do not say which
-image they show. Its image features are computed before the forward, with its row's adapter (`images`),
-and a model with multimodal rotary positions gets the prompt's own (`model.vision`).
+image they show, and where image tokens attend both ways within an image (Gemma 3) a kept prefix that ended
+inside an image would hold keys computed without the image's later tokens. Its image features are computed
+before the forward, with its row's adapter (`images`), a model with multimodal rotary positions gets the
+prompt's own (`model.vision`), and one whose image tokens attend both ways gets each image's columns
+(`image_blocks`, which the attention reads: `image_attention`).
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import numpy as np
 import torch
 
 from treadle.gpu_worker.model.host import ModelHost
-from treadle.gpu_worker.model.vision import VisualInput, batch_positions
+from treadle.gpu_worker.model.vision import VisualInput, batch_positions, image_blocks
 from treadle.gpu_worker.sampling.backend import SampleJob
 from treadle.gpu_worker.sampling.hf import cache_rows
 from treadle.gpu_worker.sampling.hf.prefix_cache import Kept, PrefixCache
@@ -119,7 +122,18 @@ class PrefillPlan:
         )
         if any(p.visual is not None for p in self.run):
             inputs["images"] = [p.visual.pictures if p.visual is not None else () for p in self.run]
+            if host.vision is not None and host.vision.bidirectional:
+                inputs["image_blocks"] = self._image_blocks(host.vision.image_token_id).to(host.device)
         return inputs
+
+    def _image_blocks(self, image_token: int) -> torch.Tensor:
+        """(rows, past + length): the image block of each key column of the forward (`vision.image_blocks`), -1
+        outside images. An image row is its whole prompt, right-aligned in the columns."""
+        is_image = torch.zeros((len(self.run), self.past + self.length), dtype=torch.bool)
+        for r, p in enumerate(self.run):
+            if p.visual is not None:
+                is_image[r, is_image.shape[1] - len(p.tokens) :] = torch.from_numpy(p.tokens == image_token)
+        return image_blocks(is_image)
 
     def finish(self, out, host: ModelHost) -> tuple[object, torch.Tensor, torch.Tensor]:
         """The cache (left-padded, one row per distinct prompt), its attention mask, and each row's logits after

@@ -62,6 +62,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 
 from treadle.gpu_worker.sampling.hf import position_rules
+from treadle.gpu_worker.sampling.hf.image_attention import attend_within_images
 
 ROW_MULTIPLE = 8
 KEY_MULTIPLE = 64  # see 1. above
@@ -119,6 +120,7 @@ def _rows_attention(
     row_runs: list[tuple[int, int, int]] | None = None,
     row_starts: torch.Tensor | None = None,
     decode_masks: dict | None = None,
+    image_blocks: torch.Tensor | None = None,
     sliding_window: int | None = None,
     s_aux: torch.Tensor | None = None,
     softcap: float | None = None,
@@ -130,8 +132,9 @@ def _rows_attention(
     a sliding window (a query at position p sees keys p - window < k <= p: Gemma 3, gpt-oss, OLMo 3),
     attention sinks (one learned logit per head that takes part in the softmax and is then dropped:
     gpt-oss), logit soft-capping (Gemma 2), value heads narrower than query heads (DeepSeek's latent
-    attention), and Llama 4's chunks and position-scaled queries (`position_rules`). The cache always holds
-    every position (`cache_rows`), so the window and the chunk are masks.
+    attention), Llama 4's chunks and position-scaled queries (`position_rules`), and a prefill's image tokens
+    that attend both ways within their image (`image_blocks`: Gemma 3, `image_attention`). The cache always
+    holds every position (`cache_rows`), so the window and the chunk are masks.
     """
     chunk = position_rules.chunk_size(module)
     if row_starts is not None and query.shape[2] == 1:
@@ -148,9 +151,11 @@ def _rows_attention(
     if position_rules.tuned(module):
         query = position_rules.scale_queries(module, query, _prefill_positions(row_runs, query, key))
     limits = (sliding_window, chunk)
-    if invariant_layouts(query.device):
-        return _prefill_as_decode(query, key, value, row_runs, scaling, limits, s_aux, softcap), None
-    return _prefill_attention(query, key, value, row_runs, scaling, limits, s_aux, softcap), None
+    prefill = _prefill_as_decode if invariant_layouts(query.device) else _prefill_attention
+    out = prefill(query, key, value, row_runs, scaling, limits, s_aux, softcap)
+    if image_blocks is not None:
+        attend_within_images(out, query, key, value, image_blocks, row_runs, scaling, sliding_window, s_aux, softcap)
+    return out, None
 
 
 def _prefill_positions(row_runs: list[tuple[int, int, int]], query: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
