@@ -25,6 +25,7 @@ import torch
 from PIL import Image
 
 from treadle.errors import InvalidRequestError
+from treadle.gateway.openai_images import PLACEHOLDER, placeholder
 from treadle.gpu_worker import model_check
 from treadle.gpu_worker.engine import Engine
 from treadle.gpu_worker.training.logprobs import target_logprobs
@@ -356,5 +357,7 @@ def test_gemma3_images_attend_both_ways_within_an_image_as_transformers_computes
         )
         np.testing.assert_allclose(scored.loss_fn_outputs[0]["logprobs"].to_numpy()[:-1], own, rtol=0, atol=1e-4)
         np.testing.assert_allclose(engine.compute_logprobs(None, prompt)[1:], own, rtol=0, atol=1e-4)
+        # The OpenAI endpoint puts a chat's image where Gemma 3's processor does: between its markers, blank lines around.
+        assert placeholder(engine.tokenizer) == f"\n\n<start_of_image>{PLACEHOLDER}<end_of_image>\n\n"
     finally:
         engine.close()

@@ -29,7 +29,9 @@ from treadle.types import MAX_IMAGE_BYTES, EncodedTextChunk, ImageChunk, ModelIn
 
 PLACEHOLDER = "\ue000"  # a private-use character: no chat text holds it
 _MEDIA_TYPES = {"image/png": "png", "image/jpeg": "jpeg", "image/jpg": "jpeg"}
-_VISION_MARKERS = ("<|vision_start|>", "<|vision_end|>")
+# What goes before and after an image in the chat template's text, as each family's processor writes it: Qwen's
+# markers, and Gemma 3's between blank lines.
+_VISION_MARKERS = (("<|vision_start|>", "<|vision_end|>"), ("\n\n<start_of_image>", "<end_of_image>\n\n"))
 
 
 def image_part(field: str, part: dict, settings: GatewaySettings) -> ImageChunk:
@@ -97,8 +99,9 @@ def _chunk(field: str, data: bytes, fmt: str) -> ImageChunk:
 def placeholder(tokenizer) -> str:
     """What an image part becomes in the chat template's text: inside the model's vision markers if it has them."""
     vocab = tokenizer.get_vocab()
-    if all(marker in vocab for marker in _VISION_MARKERS):
-        return f"{_VISION_MARKERS[0]}{PLACEHOLDER}{_VISION_MARKERS[1]}"
+    for before, after in _VISION_MARKERS:
+        if before.strip() in vocab and after.strip() in vocab:
+            return f"{before}{PLACEHOLDER}{after}"
     return PLACEHOLDER
 
 
