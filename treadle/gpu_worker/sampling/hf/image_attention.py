@@ -29,13 +29,12 @@ def attend_within_images(
     softcap: float | None,
 ) -> None:
     """Overwrite, in `out` (B, Lq, H, Dv), the output of every query inside an image block. `image_blocks` (B, Lk):
-    each key column's block (`vision.image_blocks`; -1 outside images), whose columns are the forward's query
-    columns too (an image row never resumes from kept keys); `row_runs`: each row's first real column."""
+    each key column's block (`vision.image_blocks`, on the host; -1 outside images), whose columns are the forward's
+    query columns too (an image row never resumes from kept keys); `row_runs`: each row's first real column."""
     lq, lk = query.shape[2], key.shape[2]
-    blocks = image_blocks.cpu()
     for begin, end, start in row_runs:
         for row in range(begin, end):
-            ids = blocks[row]
+            ids = image_blocks[row]
             for block in ids[ids >= 0].unique().tolist():
                 columns = (ids == block).nonzero().flatten()
                 first, stop = int(columns[0]), int(columns[-1]) + 1

@@ -123,7 +123,8 @@ class PrefillPlan:
         if any(p.visual is not None for p in self.run):
             inputs["images"] = [p.visual.pictures if p.visual is not None else () for p in self.run]
             if host.vision is not None and host.vision.bidirectional:
-                inputs["image_blocks"] = self._image_blocks(host.vision.image_token_id).to(host.device)
+                # On the host: each attention layer reads the images' columns from it, with no device sync.
+                inputs["image_blocks"] = self._image_blocks(host.vision.image_token_id)
         return inputs
 
     def _image_blocks(self, image_token: int) -> torch.Tensor:
