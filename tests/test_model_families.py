@@ -50,9 +50,11 @@ from treadle.gpu_worker.model_check import cross_entropy_datum, forward_logprobs
 from treadle.gpu_worker.sampling.backend import LogprobJob
 from treadle.gpu_worker.model_profile import VLLM_FAMILIES, ModelProfile
 from treadle.testing.families import FAMILIES, SLIDING_WINDOW
+from treadle.testing.vision_families import VISION_FAMILIES
 from treadle.testing.tiny_model import build_tiny_model
 from treadle.types import AdamParams, Datum, LoraConfig, LossFnType, ModelInput, SamplingParams
 
+from tests.image_inputs import BLUE_FIRST, RED, TEXT, datum, image, text
 from tests.reports import MODELS, stale
 
 FAMILY_NAMES = list(FAMILIES)
@@ -64,6 +66,9 @@ BF16_ROUTED_MAX = 2.0  # a routing near-tie resolved differently (module docstri
 LONG = 3 * SLIDING_WINDOW + 6  # tokens scored by compute_logprobs: well past every sliding window
 PASSED: dict[tuple[str, str], ModelProfile] = {}  # (family, dtype) -> its profile, once the engine matrix passed
 STACK_PASSED: set[str] = set()
+VISION_NAMES = list(VISION_FAMILIES)
+VISION_BOUND = {"float32": 1e-3, "bfloat16": 0.1}  # max |sampler - trainer| logprob on a prompt with an image
+VISION_PASSED: dict[tuple[str, str], ModelProfile] = {}
 
 
 @pytest.fixture(scope="module")
@@ -253,6 +258,79 @@ def test_family_sampling_with_accelerator_layouts(family, dtype, family_dirs, mo
         agree(computed[1:], forward_logprobs(engine, "s", long), family, dtype, routed=routed)
     finally:
         engine.close()
+
+
+@pytest.fixture(scope="module")
+def vision_dirs(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("vision-families")
+    return {arch: build_tiny_model(root / arch, arch=arch, initializer_range=0.2) for arch in VISION_NAMES}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("arch", VISION_NAMES)
+def test_vision_family_through_the_engine(arch, dtype, vision_dirs):
+    engine = Engine(vision_dirs[arch], dtype=dtype)
+    try:
+        profile = engine.profile
+        n, m = RED.length, len(BLUE_FIRST.chunks[1].tokens) + 4  # (BLUE_FIRST's image: 4 tokens, not declared)
+        # Every built-in loss on a batch of a text row and two image rows (an image inside the prompt, one first).
+        engine.create_session("s", LoraConfig(rank=4, seed=0))
+        mixed = [datum(TEXT, TEXT.length), datum(RED, n), datum(BLUE_FIRST, m)]
+        for loss in LOSSES:
+            batch = [datum(d.model_input, len(d.loss_fn_inputs["target_tokens"].tolist()), loss) for d in mixed]
+            out = engine.forward_backward("s", batch, loss)
+            assert np.isfinite(out.metrics["loss:sum"]), loss
+            assert [len(o["logprobs"].tolist()) for o in out.loss_fn_outputs] == [TEXT.length, n, m]
+        engine.drop_session("s")
+
+        # Two LoRA steps lower the loss; the image row's logprobs are the same alone and in the mixed batch.
+        engine.create_session("s", LoraConfig(rank=4, seed=0))
+        losses = []
+        for _ in range(3):
+            losses.append(engine.forward_backward("s", mixed, "cross_entropy").metrics["loss:sum"])
+            engine.optim_step("s", AdamParams(learning_rate=2e-2))
+        assert losses[2] < losses[1] < losses[0], f"{arch} {dtype}: losses {losses}"
+        alone = engine.forward("s", [datum(RED, n)], "cross_entropy").loss_fn_outputs[0]["logprobs"].to_numpy()
+        among = engine.forward("s", mixed, "cross_entropy").loss_fn_outputs[1]["logprobs"].to_numpy()
+        # (the trainer's forward promises rounding-level agreement; Qwen3.5's chunked linear attention reorders sums)
+        np.testing.assert_allclose(alone, among, rtol=0, atol=1e-5)
+
+        # The sampler: the image row draws the same tokens, with the same logprobs, alone and beside other rows.
+        engine.snapshot_sampler("s", "snap")
+        params = SamplingParams(max_tokens=6, seed=3, temperature=1.0)
+        futures = [engine.sample_async("snap", p, 2, params) for p in (TEXT, RED, BLUE_FIRST)]
+        together = [f.result(timeout=300) for f in futures]
+        by_itself = engine.sample("snap", RED, 2, params)
+        assert [s.tokens for s in by_itself.sequences] == [s.tokens for s in together[1].sequences]
+        # Bit for bit, as the CPU sampler keeps text rows; a linear-attention layer's chunked scan over a differently
+        # padded batch reorders its sums (text rows of Qwen3.5 move by ~1e-6 nats as well).
+        np.testing.assert_allclose(
+            [s.logprobs for s in by_itself.sequences],
+            [s.logprobs for s in together[1].sequences],
+            rtol=0,
+            atol=1e-5 if "linear" in profile.attention else 0,
+        )
+
+        # Sampled tokens' logprobs equal the trainer's forward of the sequence so far and compute_logprobs, the image
+        # included; another image moves them (its features reach the decoder).
+        seq = by_itself.sequences[0]
+        sequence = ModelInput(chunks=[*RED.chunks, text(*seq.tokens[:-1])])
+        targets = [0] * (n - 1) + seq.tokens
+        scored = engine.forward(
+            "s",
+            [Datum(model_input=sequence, loss_fn_inputs={"target_tokens": targets, "weights": [1.0] * len(targets)})],
+            "cross_entropy",
+        )
+        trained = scored.loss_fn_outputs[0]["logprobs"].to_numpy()[n - 1 :]
+        assert np.abs(trained - np.asarray(seq.logprobs)).max() < VISION_BOUND[dtype]
+        prompt_logprobs = engine.compute_logprobs("snap", ModelInput(chunks=[*RED.chunks, text(*seq.tokens)]))
+        assert np.abs(np.asarray(prompt_logprobs[n:]) - np.asarray(seq.logprobs)).max() < VISION_BOUND[dtype]
+        other = ModelInput(chunks=[RED.chunks[0], image((30, 200, 30)), RED.chunks[2]])
+        moved = np.asarray(engine.compute_logprobs("snap", other)[-3:]) - np.asarray(prompt_logprobs[n - 3 : n])
+        assert np.abs(moved).max() > 1e-3
+    finally:
+        engine.close()
+    VISION_PASSED[(arch, dtype)] = profile
 
 
 @pytest.fixture(scope="module")

@@ -1,29 +1,24 @@
 """Images in the loop, through the engine: tiny random-init Qwen2.5-VL, Qwen3-VL, Qwen3.5 with vision and Gemma 3
 with vision (`tiny_model --arch qwen2_5_vl`, `qwen3_vl`, `qwen3_5_vision`, `gemma3_vision`: M-RoPE, Qwen3-VL's
 deepstack features, Qwen3.5's linear-attention layers, Gemma 3's image tokens attending both ways within an image
-beside a sliding-window layer), fp32 and bf16, with image chunks anywhere in the prompt, beside text rows.
+beside a sliding-window layer), fp32 and bf16, with image chunks anywhere in the prompt.
 
-Per dtype: every loss runs on a batch of image and text rows; two LoRA steps lower the loss; an image row's
-logprobs are the same alone and in a mixed batch (the sampler's exactly, the trainer's to rounding); sampled tokens' logprobs
-equal the trainer's forward of the same tokens, image included; the image changes the numbers (its features
-reach the decoder). Then: the vision tower is frozen unless `train_vision`, and each bad image is refused by
-name while the session goes on; a session saves, loads and exports merged with its images' numbers intact; Gemma 3's
-trainer and sampler compute its attention within an image as transformers' own forward does.
-
-Tolerances as the family matrix's (tests/test_model_families.py): fp32 to rounding, bf16 to 0.1 nats here
-(one decoder layer's rounding on a 56-pixel image).
+Per family and dtype: the vision tower is frozen unless `train_vision`; each bad image is refused by name while
+the session goes on; `treadle models check` says vision. Then: a session saves, loads and exports merged with its
+images' numbers intact; a vision LoRA learns to name colours; Gemma 3's trainer and sampler compute its attention
+within an image as transformers' own forward does; `AutoProcessor` prepares images as the worker does. What every
+vision family proves beside text rows (every loss, two steps lower the loss, the sampler's logprobs equal the
+trainer's, an image row the same alone and in a mixed batch) is the family matrix's
+(tests/test_model_families.py, `test_vision_family_through_the_engine`).
 """
 
 from __future__ import annotations
 
-import io
-import typing
-
 import numpy as np
 import pytest
 import torch
-from PIL import Image
 
+from tests.image_inputs import RED, TEXT, datum, encoded, image, text
 from treadle.errors import InvalidRequestError
 from treadle.gateway.openai_images import PLACEHOLDER, placeholder
 from treadle.gpu_worker import model_check
@@ -31,48 +26,7 @@ from treadle.gpu_worker.engine import Engine
 from treadle.gpu_worker.training.logprobs import target_logprobs
 from treadle.testing.tiny_model import build_tiny_model
 from treadle.testing.vision_families import VISION_FAMILIES
-from treadle.types import (
-    AdamParams,
-    Datum,
-    EncodedTextChunk,
-    ImageChunk,
-    LoraConfig,
-    LossFnType,
-    ModelInput,
-    SamplingParams,
-)
-
-BOUND = {"float32": 1e-3, "bfloat16": 0.1}
-
-
-def encoded(color: tuple[int, int, int], size=(56, 56), fmt: str = "PNG") -> bytes:
-    out = io.BytesIO()
-    Image.new("RGB", size, color).save(out, format=fmt)
-    return out.getvalue()
-
-
-def image(color: tuple[int, int, int], **kw) -> ImageChunk:
-    return ImageChunk(data=encoded(color), format="png", **kw)
-
-
-def text(*tokens: int) -> EncodedTextChunk:
-    return EncodedTextChunk(tokens=list(tokens))
-
-
-# An image between text, and one at the very start; 56 x 56 pixels are 4 tokens on every family (Qwen's 2 x 2 merged
-# patches).
-RED = ModelInput(chunks=[text(10, 9), image((220, 30, 30), expected_tokens=4), text(50, 30, 40)])
-BLUE_FIRST = ModelInput(chunks=[image((30, 30, 220)), text(12, 13, 14, 15)])
-TEXT = ModelInput.from_ints([10, 20, 30, 40, 50, 60])  # (from 4 up: the image markers, 6 the image token)
-
-
-def datum(model_input: ModelInput, n: int, loss: str = "cross_entropy") -> Datum:
-    inputs: dict = {"target_tokens": [(7 * i + 3) % 500 for i in range(n)], "weights": [1.0] * n}
-    if loss != "cross_entropy":
-        inputs = {"target_tokens": inputs["target_tokens"], "logprobs": [-2.0] * n, "advantages": [0.5] * n}
-    if loss == "gspo":
-        inputs["sequence_ratio_mask"] = [1.0] * n
-    return Datum(model_input=model_input, loss_fn_inputs=inputs)
+from treadle.types import AdamParams, Datum, ImageChunk, LoraConfig, ModelInput, SamplingParams
 
 
 @pytest.fixture(scope="module")
@@ -96,70 +50,6 @@ def engine(request, vl_dirs):
     engine = Engine(vl_dirs[arch], device="cpu", dtype=dtype, max_image_pixels=128 * 128)
     yield engine
     engine.close()
-
-
-def test_image_rows_train_score_and_sample_alone_as_in_a_mixed_batch(engine):
-    dtype = str(engine._host.dtype).removeprefix("torch.")
-    n = RED.length
-    engine.create_session("s", LoraConfig(rank=4, seed=0))
-    m = len(BLUE_FIRST.chunks[1].tokens) + 4
-    mixed = [datum(TEXT, TEXT.length), datum(RED, n), datum(BLUE_FIRST, m)]
-    for loss in typing.get_args(LossFnType):
-        batch = [datum(d.model_input, len(d.loss_fn_inputs["target_tokens"].tolist()), loss) for d in mixed]
-        out = engine.forward_backward("s", batch, loss)
-        assert np.isfinite(out.metrics["loss:sum"]), loss
-        assert [len(o["logprobs"].tolist()) for o in out.loss_fn_outputs] == [TEXT.length, n, m]
-    engine.drop_session("s")
-
-    engine.create_session("s", LoraConfig(rank=4, seed=0))
-    losses = []
-    for _ in range(3):
-        losses.append(engine.forward_backward("s", mixed, "cross_entropy").metrics["loss:sum"])
-        engine.optim_step("s", AdamParams(learning_rate=2e-2))
-    assert losses[2] < losses[1] < losses[0]
-
-    alone = engine.forward("s", [datum(RED, n)], "cross_entropy").loss_fn_outputs[0]["logprobs"].to_numpy()
-    among = engine.forward("s", mixed, "cross_entropy").loss_fn_outputs[1]["logprobs"].to_numpy()
-    # (the trainer's forward promises rounding-level agreement; Qwen3.5's chunked linear attention reorders sums)
-    np.testing.assert_allclose(alone, among, rtol=0, atol=1e-5)
-
-    engine.snapshot_sampler("s", "snap")
-    params = SamplingParams(max_tokens=6, seed=3, temperature=1.0)
-    futures = [engine.sample_async("snap", p, 2, params) for p in (TEXT, RED, BLUE_FIRST)]
-    together = [f.result(timeout=300) for f in futures]
-    by_itself = engine.sample("snap", RED, 2, params)
-    assert [s.tokens for s in by_itself.sequences] == [s.tokens for s in together[1].sequences]
-    # Bit for bit, as the CPU sampler keeps text rows; a linear-attention layer's chunked scan over a differently
-    # padded batch reorders its sums (text rows of Qwen3.5 move by ~1e-6 nats as well).
-    exact = "linear" not in engine.profile.attention
-    np.testing.assert_allclose(
-        [s.logprobs for s in by_itself.sequences],
-        [s.logprobs for s in together[1].sequences],
-        rtol=0,
-        atol=0 if exact else 1e-5,
-    )
-
-    # The sampler's logprobs are the trainer's, the image included (the trainer's datum is the sequence so far).
-    seq = by_itself.sequences[0]
-    sequence = ModelInput(chunks=[*RED.chunks, text(*seq.tokens[:-1])])
-    targets = [0] * (n - 1) + seq.tokens
-    scored = engine.forward(
-        "s",
-        [Datum(model_input=sequence, loss_fn_inputs={"target_tokens": targets, "weights": [1.0] * len(targets)})],
-        "cross_entropy",
-    )
-    trained = scored.loss_fn_outputs[0]["logprobs"].to_numpy()[n - 1 :]
-    assert np.abs(trained - np.asarray(seq.logprobs)).max() < BOUND[dtype]
-    prompt_logprobs = engine.compute_logprobs("snap", ModelInput(chunks=[*RED.chunks, text(*seq.tokens)]))
-    assert np.abs(np.asarray(prompt_logprobs[n:]) - np.asarray(seq.logprobs)).max() < BOUND[dtype]
-
-    other = ModelInput(chunks=[RED.chunks[0], image((30, 200, 30)), RED.chunks[2]])
-    assert (
-        np.abs(np.asarray(engine.compute_logprobs("snap", other)[-3:]) - np.asarray(prompt_logprobs[n - 3 : n])).max()
-        > 1e-3
-    )
-    engine.drop_sampler("snap")
-    engine.drop_session("s")
 
 
 # Per family: its vision tower's module names, and two of its linears that LoRA adapts when asked.

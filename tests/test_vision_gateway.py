@@ -30,6 +30,7 @@ from transformers import AutoImageProcessor
 
 from tests.fixtures.gateway import ALICE_KEY
 from tests.fixtures.vision import TINY_VL
+from tests.image_inputs import encoded
 from treadle.errors import InvalidRequestError
 from treadle.gateway.openai_images import image_part
 from treadle.gateway.settings import GatewaySettings
@@ -54,10 +55,12 @@ def test_the_official_sdk_trains_and_samples_on_images(official, tiny_vl_dir):
     processor = AutoImageProcessor.from_pretrained(tiny_vl_dir)
 
     def image_chunk(color: tuple[int, int, int], width: int, height: int, **kw) -> tt.ImageChunk:
-        out = io.BytesIO()
-        Image.new("RGB", (width, height), color).save(out, format="JPEG")
         count = processor.get_number_of_image_patches(height, width, images_kwargs={}) // processor.merge_size**2
-        return tt.ImageChunk(data=out.getvalue(), format="jpeg", expected_tokens=kw.get("expected_tokens", count))
+        return tt.ImageChunk(
+            data=encoded(color, (width, height), "JPEG"),
+            format="jpeg",
+            expected_tokens=kw.get("expected_tokens", count),
+        )
 
     wide = image_chunk((220, 30, 30), 112, 56)
     assert wide.expected_tokens == 8  # 112 x 56 pixels: 8 x 4 patches of 14, merged 2 x 2
@@ -94,15 +97,9 @@ def test_the_official_sdk_trains_and_samples_on_images(official, tiny_vl_dir):
     assert sampler.sample(prompt, 2, params).result().sequences[0].tokens == sampled.tokens
 
 
-def _png(color: tuple[int, int, int], size=(56, 56)) -> bytes:
-    out = io.BytesIO()
-    Image.new("RGB", size, color).save(out, format="PNG")
-    return out.getvalue()
-
-
 def test_the_openai_client_chats_about_a_data_url_image_and_http_urls_are_refused(vision_gateway):
     client = openai.OpenAI(base_url=vision_gateway.url + "/v1", api_key=ALICE_KEY)
-    url = "data:image/png;base64," + base64.b64encode(_png((200, 40, 40))).decode()
+    url = "data:image/png;base64," + base64.b64encode(encoded((200, 40, 40))).decode()
     question = [{"type": "text", "text": "what colour is it?"}, {"type": "image_url", "image_url": {"url": url}}]
     reply = client.chat.completions.create(
         model=TINY_VL, messages=[{"role": "user", "content": question}], max_tokens=4, seed=1, logprobs=True
@@ -133,7 +130,7 @@ class _Images(http.server.BaseHTTPRequestHandler):
             self.send_header("Location", "http://example.invalid/red.png")
             self.end_headers()
             return
-        body = _png((200, 40, 40))
+        body = encoded((200, 40, 40))
         if self.path == "/big.png":  # noise: 30 KB that no PNG compression shrinks
             out = io.BytesIO()
             Image.frombytes("RGB", (100, 100), np.random.default_rng(0).bytes(30000)).save(out, format="PNG")
@@ -159,7 +156,7 @@ def test_image_urls_are_fetched_only_from_allowed_hosts_within_size_and_time():
         openai_image_timeout_s=0.5,
     )
     try:
-        assert image_part("p", {"image_url": {"url": f"{base}/red.png"}}, settings).data == _png((200, 40, 40))
+        assert image_part("p", {"image_url": {"url": f"{base}/red.png"}}, settings).data == encoded((200, 40, 40))
         refused = {
             f"{base}/big.png": r"the image is over 4000 bytes",
             f"{base}/slow.png": r"could not fetch it \(ReadTimeout",
