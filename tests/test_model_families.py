@@ -15,6 +15,13 @@ Per family and dtype, through the engine:
   merged export read by `AutoModelForCausalLM` alone each reproduce the training forward;
 - the same sampler checks with the layouts a GPU runs (no CPU-only batch-invariant layouts).
 
+The vision-language families (`treadle.testing.vision_families`), fp32 and bf16, through the engine with images
+inside and at the start of prompts batched beside a text row: every built-in loss; two LoRA steps lower the
+loss; an image row's logprobs are the same alone and in the mixed batch (the sampler's exactly, the trainer's
+to rounding); sampled tokens' logprobs equal the training forward's and `compute_logprobs` (1e-3 fp32, 0.1 bf16:
+one decoder layer's rounding on a 56-pixel image); another image moves them. tests/test_vision.py has the rest
+of their image path (the tower frozen or trained, bad images, save/load and the merged export).
+
 Then one stack run per family (SDK -> queue -> one worker serving every family), `treadle models check`
 and a worker started on a model treadle cannot serve (subprocesses), and that docs/models.md is the table
 `render` makes of the profiles the matrix passed (`python scripts/report_models.py` writes it).
@@ -450,14 +457,19 @@ def test_models_md_is_current():
     missing = [(f, d) for f in FAMILY_NAMES for d in DTYPES if (f, d) not in PASSED] + [
         (f, "stack") for f in FAMILY_NAMES if f not in STACK_PASSED
     ]
+    missing += [(a, d) for a in VISION_NAMES for d in DTYPES if (a, d) not in VISION_PASSED]
     if missing:
         pytest.skip(f"the matrix did not run in full in this process (missing {missing[:3]}...)")
-    expected = render({family: PASSED[(family, "float32")] for family in FAMILY_NAMES})
+    expected = render(
+        {family: PASSED[(family, "float32")] for family in FAMILY_NAMES},
+        {arch: VISION_PASSED[(arch, "float32")] for arch in VISION_NAMES},
+    )
     assert MODELS.read_text() == expected, stale(MODELS, "scripts/report_models.py")
 
 
-def render(profiles: dict[str, ModelProfile]) -> str:
-    """docs/models.md from each family's profile (in FAMILIES' order); nothing in it depends on the machine."""
+def render(profiles: dict[str, ModelProfile], vision: dict[str, ModelProfile]) -> str:
+    """docs/models.md from each family's profile (in FAMILIES' order) and each vision family's (`VISION_NAMES`, by its
+    `tiny_model --arch`); nothing in it depends on the machine."""
     lines = [
         "# Supported models",
         "",
@@ -520,4 +532,32 @@ def render(profiles: dict[str, ModelProfile]) -> str:
         "  stack; figures in docs/benchmarks.md.",
         "",
     ]
-    return "\n".join(lines)
+    return "\n".join(lines + vision_section(vision))
+
+
+def vision_section(profiles: dict[str, ModelProfile]) -> list[str]:
+    """docs/models.md's vision-language families: one row each, by its `tiny_model --arch`."""
+    lines = [
+        "## Vision-language families",
+        "",
+        "Tiny random-init models with a one-block vision tower (`treadle.testing.vision_families`; `python -m",
+        "treadle.testing.tiny_model DIR --arch ARCH` writes one, its tokenizer and its image processor beside it).",
+        "Where images are served, each passes `test_vision_family_through_the_engine` in fp32 and bf16 on CPU, with",
+        "56 x 56 images (4 image tokens) inside and at the start of prompts batched beside a text row: every built-in",
+        "loss, two LoRA steps lower the loss, sampled-token logprobs equal the training forward's and",
+        f"`compute_logprobs` (max gap {VISION_BOUND['float32']:g} fp32, {VISION_BOUND['bfloat16']:g} bf16), and an image",
+        "row's numbers are the same alone and in a mixed batch. The vision tower is frozen; `LoraConfig`'s",
+        "`train_vision=True` adapts it and its projector too (`tests/test_vision.py`).",
+        "",
+        "| `--arch` | decoder | attention | images | LoRA attn targets | LoRA mlp targets | params at r32 (attn / mlp) | static decode steps |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for arch in VISION_NAMES:
+        p = profiles[arch]
+        counts = p.trainable_at_rank_32
+        images = "yes" if "vision" in p.inputs else "no: refused at the first image chunk, with the reason"
+        lines.append(
+            f"| {arch} | {p.family} | {', '.join(p.attention)} | {images} | {', '.join(p.lora_attention)} | "
+            f"{', '.join(p.lora_mlp)} | {counts['attn']:,} / {counts['mlp']:,} | {p.static_decode} |"
+        )
+    return [*lines, ""]
