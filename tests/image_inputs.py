@@ -1,4 +1,5 @@
-"""Prompts with images for the vision tests (tests/test_vision.py, the family matrix's vision rows, the gateway's).
+"""Prompts with images for the vision tests (tests/test_vision.py, the family matrix's vision rows, the gateway's),
+and the check that a model directory's own processor prepares them as the worker does.
 
 Images are one flat colour, 56 x 56 pixels unless asked: 4 image tokens on every tiny vision family
 (`treadle.testing.vision_families`; Qwen's 2 x 2 merged patches). Text tokens stay clear of 4 to 7, the tiny
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import io
 
+import numpy as np
 from PIL import Image
 
 from treadle.types import Datum, EncodedTextChunk, ImageChunk, ModelInput
@@ -42,3 +44,32 @@ def datum(model_input: ModelInput, n: int, loss: str = "cross_entropy") -> Datum
     if loss == "gspo":
         inputs["sequence_ratio_mask"] = [1.0] * n
     return Datum(model_input=model_input, loss_fn_inputs=inputs)
+
+
+def processor_agrees_with_the_worker(directory: str, *, pixels_atol: float = 1e-6) -> None:
+    """`AutoProcessor` on `directory`, given a chat whose user turn holds text, an image and text (rendered by the
+    directory's chat template), makes the token ids that the worker makes of the same tokens with the image as an
+    image chunk (`Vision.prepare`), and pixel values within `pixels_atol` of the worker's."""
+    import torch
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    from treadle.gpu_worker.model.vision import Vision
+
+    processor = AutoProcessor.from_pretrained(directory)
+    data = encoded((220, 30, 30), (60, 50))
+    parts = [{"type": "text", "text": "what colour is it? "}, {"type": "image"}, {"type": "text", "text": " say"}]
+    prompt = processor.apply_chat_template([{"role": "user", "content": parts}], add_generation_prompt=True)
+    out = processor(images=[Image.open(io.BytesIO(data)).convert("RGB")], text=[prompt], return_tensors="pt")
+    ids = out["input_ids"][0].numpy()
+
+    vision = Vision(AutoModelForImageTextToText.from_pretrained(directory), directory)
+    # The processor's ids as a client sends them: its text tokens, and each run of image tokens as the image.
+    is_image = ids == vision.image_token_id
+    starts = [0, *(np.flatnonzero(np.diff(is_image.astype(int))) + 1), len(ids)]
+    runs = [(int(a), int(b)) for a, b in zip(starts, starts[1:])]
+    chunks = [ImageChunk(data=data, format="png") if is_image[a] else text(*ids[a:b].tolist()) for a, b in runs]
+    assert sum(isinstance(c, ImageChunk) for c in chunks) == 1, chunks
+    prepared = vision.prepare("prompt", ModelInput(chunks=chunks))
+    np.testing.assert_array_equal(prepared.tokens, ids)
+    pixels = torch.cat([picture.pixel_values for picture in prepared.pictures])
+    np.testing.assert_allclose(pixels.numpy(), out["pixel_values"].numpy(), rtol=0, atol=pixels_atol)

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.image_inputs import RED, TEXT, datum, encoded, image, text
+from tests.image_inputs import RED, TEXT, datum, encoded, image, processor_agrees_with_the_worker, text
 from treadle.errors import InvalidRequestError
 from treadle.gateway.openai_images import PLACEHOLDER, placeholder
 from treadle.gpu_worker import model_check
@@ -212,6 +212,14 @@ def test_a_vision_session_saves_loads_and_exports_merged(vl_dirs, tmp_path):
             np.testing.assert_allclose(plain, want, rtol=0, atol=1e-3)
         finally:
             engine.close()
+
+
+def test_autoprocessor_loads_a_tiny_directory_and_prepares_images_as_the_worker_does(tmp_path):
+    """Gemma 3's directory (`tiny_model --arch gemma3_vision`: its processor config, named image tokens and a chat
+    template that writes an image part as `<start_of_image>`). The Qwen families' directories load the same way
+    where torchvision is installed: their processors load a video processor too, whose class needs torchvision,
+    which has no CPU build beside the CPU torch this suite runs on."""
+    processor_agrees_with_the_worker(build_tiny_model(tmp_path / "gemma3", arch="gemma3_vision"))
 
 
 def test_gemma3_images_attend_both_ways_within_an_image_as_transformers_computes(vl_dirs):

@@ -9,34 +9,52 @@ assistant turns with `{% generation %}` so `return_assistant_tokens_mask=True` w
     python -m treadle.testing.tiny_model DIR [--arch llama|qwen3_moe|gpt_oss|...] [--seed 0]
 
 `--arch` takes any family of `treadle.testing.families` (llama, the default, is the tests' usual model) or
-of `treadle.testing.vision_families` (qwen2_5_vl, qwen3_vl, qwen3_5_vision, gemma3_vision: vision-language models, whose directory also holds its
-image processor, `AutoImageProcessor`'s to load).
+of `treadle.testing.vision_families` (qwen2_5_vl, qwen3_vl, qwen3_5_vision, gemma3_vision: vision-language models, whose
+directory also holds what `AutoProcessor` loads: the image processor, which the worker reads, and the
+processor's config).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import random
 from pathlib import Path
 
 from treadle.testing.families import _COMMON, FAMILIES, family_config
-from treadle.testing.vision_families import VISION_FAMILIES
+from treadle.testing.vision_families import VISION_FAMILIES, VisionFamily
 
 
 VOCAB_SIZE = 512
 MAX_POSITION_EMBEDDINGS = 512
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>"]
 
-CHATML_TEMPLATE = (
-    "{% for message in messages %}"
-    "{% if message['role'] == 'assistant' %}"
-    "<|im_start|>assistant\n{% generation %}{{ message['content'] }}<|im_end|>{% endgeneration %}\n"
-    "{% else %}"
-    "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
-    "{% endif %}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
+
+def chatml_template(image_marker: str = "") -> str:
+    """ChatML. With `image_marker` (a vision model's), a message's content may also be a list of parts, as
+    transformers' processors and OpenAI's messages have them: `{"type": "text", "text": ...}`, and an image
+    (`{"type": "image"}`) written as the marker that the model's processor expands into its image tokens."""
+    content = "{{ message['content'] }}"
+    if image_marker:
+        content = (
+            "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+            "{% for part in message['content'] %}"
+            f"{{% if part['type'] == 'image' %}}{image_marker}{{% else %}}{{{{ part['text'] }}}}{{% endif %}}"
+            "{% endfor %}{% endif %}"
+        )
+    return (
+        "{% for message in messages %}"
+        "{% if message['role'] == 'assistant' %}"
+        f"<|im_start|>assistant\n{{% generation %}}{content}<|im_end|>{{% endgeneration %}}\n"
+        "{% else %}"
+        f"<|im_start|>{{{{ message['role'] }}}}\n{content}<|im_end|>\n"
+        "{% endif %}"
+        "{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+
+
+CHATML_TEMPLATE = chatml_template()
 
 _WORDS = (
     "the a one two three four five six seven eight nine ten plus minus times equals answer question "
@@ -59,9 +77,16 @@ def _corpus(seed: int, lines: int = 4000) -> list[str]:
     return out
 
 
-def build_tokenizer(seed: int = 0, extra_special_tokens: tuple[str, ...] = ()):
+def build_tokenizer(
+    seed: int = 0,
+    extra_special_tokens: tuple[str, ...] = (),
+    *,
+    named_tokens: dict[str, str] | None = None,
+    image_marker: str = "",
+):
     """A 512-token byte-level BPE with ChatML special tokens, and `extra_special_tokens` after them (a vision
-    model's image markers) within the same 512 (trains in well under a second)."""
+    model's image markers) within the same 512 (trains in well under a second). `named_tokens` gives some of
+    them a role that the model's processor reads (`tokenizer.boi_token`); `image_marker`: `chatml_template`'s."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -79,7 +104,8 @@ def build_tokenizer(seed: int = 0, extra_special_tokens: tuple[str, ...] = ()):
         tokenizer_object=tok,
         eos_token="<|im_end|>",
         pad_token="<|pad|>",
-        chat_template=CHATML_TEMPLATE,
+        chat_template=chatml_template(image_marker),
+        **({"extra_special_tokens": named_tokens} if named_tokens else {}),
         additional_special_tokens=list(extra_special_tokens) or None,
     )
 
@@ -133,7 +159,12 @@ def build_tiny_model(
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     vision = VISION_FAMILIES.get(arch)
-    tokenizer = build_tokenizer(seed, vision.special_tokens if vision else ())
+    if vision:
+        tokenizer = build_tokenizer(
+            seed, vision.special_tokens, named_tokens=vision.named_tokens, image_marker=vision.image_marker
+        )
+    else:
+        tokenizer = build_tokenizer(seed)
     assert len(tokenizer) == VOCAB_SIZE, f"tokenizer has {len(tokenizer)} tokens, expected {VOCAB_SIZE}"
     config = _config(arch, tokenizer, tie_word_embeddings, head_dim, initializer_range)
     torch.manual_seed(seed)
@@ -148,8 +179,19 @@ def build_tiny_model(
     model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     if vision:
-        vision.image_processor().save_pretrained(directory)
+        _write_processor(directory, vision)
     return str(directory)
+
+
+def _write_processor(directory: Path, vision: VisionFamily) -> None:
+    """What `AutoProcessor` assembles beside the tokenizer and its chat template: the image processor, the
+    processor's own config and, for a model that also takes videos, its video processor's config (written as
+    JSON: the class needs torchvision, which the processor's loading then does too)."""
+    vision.image_processor().save_pretrained(directory)
+    (directory / "processor_config.json").write_text(json.dumps(vision.processor, indent=2) + "\n")
+    if vision.video_processor:
+        config = json.dumps(vision.video_processor, indent=2) + "\n"
+        (directory / "video_preprocessor_config.json").write_text(config)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -4,14 +4,18 @@ A vision family is its model config (from transformers' own config classes), the
 processor and chat format need (added to the tiny tokenizer's specials, so the vocabulary stays 512), and
 an image processor built offline from transformers' PIL backend, sized so that a small image is a few
 tokens: Qwen's patches (14 pixels for Qwen2.5-VL, 16 for Qwen3-VL) merged 2 x 2, between 4 and 16 tokens an
-image (56 x 56 pixels: 4 for Qwen2.5-VL); Gemma 3's every image resized to 56 x 56 pixels, 4 tokens.
+image (56 x 56 pixels: 4 for Qwen2.5-VL); Gemma 3's every image resized to 56 x 56 pixels, 4 tokens. With the
+processor's config, the tokenizer's chat template (an image part written as the family's marker) and, for
+Qwen, a video processor's config, the directory is one that `AutoProcessor` loads: Gemma 3's anywhere, Qwen's
+where torchvision is installed (their video processors' classes need it; PyPI has no CPU build of it for the
+CPU torch that treadle's tests run on).
 
     python -m treadle.testing.tiny_model DIR --arch qwen2_5_vl
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 QWEN_VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
@@ -23,6 +27,12 @@ class VisionFamily:
     config: Callable[..., Any]  # (token ids by name, **the decoder's common fields) -> the model's config
     special_tokens: tuple[str, ...]
     image_processor: Callable[[], Any]
+    # processor_config.json: the class `AutoProcessor` builds and its settings (the directory's other files give
+    # it its image processor, tokenizer and chat template)
+    processor: dict[str, Any]
+    image_marker: str  # what the chat template writes for an image part, which the processor expands
+    named_tokens: dict[str, str] = field(default_factory=dict)  # the tokenizer's special tokens by role (Gemma 3's)
+    video_processor: dict[str, Any] | None = None  # video_preprocessor_config.json (its class needs torchvision)
 
 
 def _qwen_image_processor(patch: int = 14):
@@ -32,6 +42,21 @@ def _qwen_image_processor(patch: int = 14):
     return Qwen2VLImageProcessorPil(
         patch_size=patch, min_pixels=MIN_IMAGE_TOKENS * token, max_pixels=MAX_IMAGE_TOKENS * token
     )
+
+
+def _qwen_video_processor(name: str, patch: int) -> dict[str, Any]:
+    """A Qwen video processor's config, sized as the image processor (a frame is 4 to 16 tokens)."""
+    token = (2 * patch) ** 2
+    return dict(
+        video_processor_type=name,
+        patch_size=patch,
+        temporal_patch_size=2,
+        merge_size=2,
+        size={"shortest_edge": MIN_IMAGE_TOKENS * token, "longest_edge": MAX_IMAGE_TOKENS * token},
+    )
+
+
+QWEN_IMAGE_MARKER = "<|vision_start|><|image_pad|><|vision_end|>"
 
 
 def _qwen_image_tokens(ids: dict[str, int]) -> dict[str, int]:
@@ -151,9 +176,28 @@ def _gemma3_vision(ids: dict[str, int], **text):
     )
 
 
+def _qwen(config: Callable[..., Any], processor: str, video_processor: str, patch: int) -> VisionFamily:
+    return VisionFamily(
+        config,
+        QWEN_VISION_TOKENS,
+        lambda: _qwen_image_processor(patch),
+        {"processor_class": processor},
+        QWEN_IMAGE_MARKER,
+        video_processor=_qwen_video_processor(video_processor, patch),
+    )
+
+
 VISION_FAMILIES: dict[str, VisionFamily] = {
-    "qwen2_5_vl": VisionFamily(_qwen2_5_vl, QWEN_VISION_TOKENS, _qwen_image_processor),
-    "qwen3_vl": VisionFamily(_qwen3_vl, QWEN_VISION_TOKENS, lambda: _qwen_image_processor(patch=16)),
-    "qwen3_5_vision": VisionFamily(_qwen3_5_vision, QWEN_VISION_TOKENS, lambda: _qwen_image_processor(patch=16)),
-    "gemma3_vision": VisionFamily(_gemma3_vision, GEMMA3_IMAGE_TOKENS, _gemma3_image_processor),
+    "qwen2_5_vl": _qwen(_qwen2_5_vl, "Qwen2_5_VLProcessor", "Qwen2VLVideoProcessor", patch=14),
+    "qwen3_vl": _qwen(_qwen3_vl, "Qwen3VLProcessor", "Qwen3VLVideoProcessor", patch=16),
+    "qwen3_5_vision": _qwen(_qwen3_5_vision, "Qwen3VLProcessor", "Qwen3VLVideoProcessor", patch=16),
+    "gemma3_vision": VisionFamily(
+        _gemma3_vision,
+        GEMMA3_IMAGE_TOKENS,
+        _gemma3_image_processor,
+        # an image's tokens, as the model's mm_tokens_per_image
+        {"processor_class": "Gemma3Processor", "image_seq_length": 4},
+        "<start_of_image>",
+        named_tokens=dict(zip(("boi_token", "eoi_token", "image_token"), GEMMA3_IMAGE_TOKENS)),
+    ),
 }
