@@ -541,7 +541,7 @@ def vision_section(profiles: dict[str, ModelProfile]) -> list[str]:
         "## Vision-language families",
         "",
         "Tiny random-init models with a one-block vision tower (`treadle.testing.vision_families`; `python -m",
-        "treadle.testing.tiny_model DIR --arch ARCH` writes one, its tokenizer and its image processor beside it).",
+        "treadle.testing.tiny_model DIR --arch ARCH` writes one, with its tokenizer and what `AutoProcessor` loads).",
         "Where images are served, each passes `test_vision_family_through_the_engine` in fp32 and bf16 on CPU, with",
         "56 x 56 images (4 image tokens) inside and at the start of prompts batched beside a text row: every built-in",
         "loss, two LoRA steps lower the loss, sampled-token logprobs equal the training forward's and",
