@@ -313,6 +313,22 @@ def test_a_dead_rank_on_the_other_host_ends_the_group_and_the_loop_sees_nothing(
     assert sc.ops.session_info(tc.session_id).epoch == 2  # created on the group, adopted by its restart
 
 
+def test_the_other_host_exits_0_when_rank_0_stops_and_1_when_it_dies(stack, sc, master_port):
+    """Host 1's `treadle worker` ends with its group. Stopped in order (SIGTERM), rank 0 ends the group and host 1
+    exits 0; killed, it leaves host 1 exiting 1, so a supervisor that restarts failed processes restarts both."""
+    for how, status in ((signal.SIGTERM, 0), (signal.SIGKILL, 1)):
+        if len(stack.workers) != 2:
+            stop_workers(stack)
+            start_two_hosts(stack, sc, master_port)
+        (host0,) = [p for p in stack.workers if p.args[p.args.index("--node_rank") + 1] == "0"]
+        (host1,) = [p for p in stack.workers if p is not host0]
+        host0.send_signal(how)
+        host0.wait(timeout=120)
+        assert host1.wait(timeout=120) == status, f"host 1 after rank 0's {how.name}"
+        stack.workers.remove(host0)
+        stack.workers.remove(host1)
+
+
 def test_the_preflight_says_from_the_config_alone_whether_a_model_fits(family_dirs, capsys):
     """`treadle models check MODEL --devices N --shard --memory_gb G` builds the model on the meta device: no
     weight is read (the directory's weights file is gone here), and it answers with sessions and tokens."""

@@ -18,8 +18,9 @@ consumer. On a host K > 0, `treadle worker` is no consumer: it spawns its N rank
 Failure: the group lives and dies as one. A follower that exits is seen by rank 0's watchdog within
 `WATCHDOG_PERIOD_S` (or at once, by the call or collective that talks to it); rank 0 then kills the
 remaining followers and exits with status 1, without answering the op in flight. A rank 0 that dies
-closes the sockets: each follower reads end-of-file and exits at once (and the kernel's parent-death
-signal kills a follower stuck in a collective). The sessions' leases then expire and another worker
+closes the sockets: each follower reads end-of-file and exits at once with status 1, and so does the
+`treadle worker` of every other host (the kernel's parent-death signal kills a follower stuck in a
+collective); one that stops in order tells them first (`DeviceGroup.end`), and they exit 0. The sessions' leases then expire and another worker
 adopts them from their checkpoint and journal, as after any worker crash. A follower that hangs
 without dying is bounded by `CALL_TIMEOUT_S`, both on rank 0's wait for its answer and inside the
 collectives.
@@ -27,6 +28,7 @@ collectives.
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import json
 import logging
@@ -180,6 +182,7 @@ class DeviceGroup:
         if self.spec["call_address"]:
             self._accept_remote(self.size - self.spec["local_size"])
         threading.Thread(target=self._watchdog, name="treadle-group-watchdog", daemon=True).start()
+        atexit.register(self.end)
 
     def _accept_remote(self, count: int) -> None:
         listener = socket.create_server(("", self.spec["call_address"][1]))
@@ -235,6 +238,15 @@ class DeviceGroup:
                 self.fail(f"rank {rank} closed its connection")
             replies.append(reply)
         return replies
+
+    def end(self) -> None:
+        """Rank 0's orderly exit (at interpreter exit): the followers exit 0. One that sees rank 0's connection close
+        without this exits 1, so a supervisor that restarts failed processes restarts the other hosts too."""
+        for sock in self.socks:
+            try:
+                send_frame(sock, {"call": "end"})
+            except OSError:  # that follower is gone already
+                pass
 
     def fail(self, reason: str):
         """Take the whole group down now: no answer for the op in flight, so another worker redoes it."""
@@ -347,7 +359,11 @@ def serve_calls(sock: socket.socket, engines: dict, rank: int) -> None:
     while True:
         call = recv_frame(sock)  # idle waits end with rank 0: its exit closes the socket
         if call is None:
-            log.info("rank 0 is gone; rank %d exits", rank)
+            log.error("rank 0 is gone without ending the group; rank %d exits with status 1", rank)
+            logging.shutdown()
+            os._exit(1)
+        if call["call"] == "end":
+            log.info("rank 0 ended the group; rank %d exits", rank)
             return
         try:
             reply = execute(engines, call)
