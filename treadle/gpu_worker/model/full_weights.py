@@ -15,7 +15,8 @@ On a sharded group (`--shard`) each rank holds its shards of the session's state
 are DTensors placed as FSDP places the base weights (treadle.gpu_worker.model.sharding), so a session needs 1/N of
 its bytes on each of N ranks. There an op copies the masters into the base weights' own shards (in place: FSDP
 gathers whole weights from its buffers, whatever tensor a call passes), lets FSDP reduce-scatter their gradients
-into the shards, adds those to the masters', and copies the base weights back. A sampler snapshot of such a session
+into the shards, adds those to the masters', and copies the base weights back (the kept base shards and FSDP's
+gradient: 2 transient bytes each a parameter under bf16, 4 under fp32, over N). A sampler snapshot of such a session
 is refused: rank 0 samples alone, and every rank would have to hold and swap in its shards of the snapshot.
 
 Which weights: every one, or every one but the embeddings (`FullConfig.train_embeddings`: the input embeddings and
@@ -101,16 +102,18 @@ def _weight(module: nn.Module | None) -> torch.Tensor | None:
 
 def session_bytes(model: nn.Module, config: FullConfig, dtype: torch.dtype) -> int:
     """Device bytes of a session's trained weights on this rank (its shards of them on a sharded group): fp32
-    master, gradient and two moments; under a half-precision base also the compute copy and its gradient (sharded:
-    the base shards kept aside during an op, and the gradient FSDP reduces into them)."""
+    master, gradient and two moments, and what an op holds beside them (`bytes_per_parameter`)."""
     params = base_parameters(model)
-    return bytes_per_parameter(dtype) * sum(
-        rank_numel(params[name], is_sharded(model)) for name in trained_names(model, config)
+    sharded = is_sharded(model)
+    return bytes_per_parameter(dtype, sharded) * sum(
+        rank_numel(params[name], sharded) for name in trained_names(model, config)
     )
 
 
-def bytes_per_parameter(dtype: torch.dtype) -> int:
-    return 16 + (0 if dtype == torch.float32 else 2 * dtype.itemsize)
+def bytes_per_parameter(dtype: torch.dtype, sharded: bool) -> int:
+    """16 B of state; during an op under a half-precision base also the compute copy and its gradient, and on a
+    sharded rank (whatever the dtype) the base shards kept aside and the gradient FSDP reduces into them."""
+    return 16 + (2 * dtype.itemsize if sharded or dtype != torch.float32 else 0)
 
 
 class FullMemory:
@@ -191,8 +194,9 @@ class FullWeights:
     @property
     def state_bytes(self) -> int:
         """`session_bytes`, counted from the masters this rank holds (its shards of them on a sharded group)."""
+        sharded = any(isinstance(p, DTensor) for p in self.params.values())
         local = (p.to_local() if isinstance(p, DTensor) else p for p in self.params.values())
-        return bytes_per_parameter(self.dtype) * sum(t.numel() for t in local)
+        return bytes_per_parameter(self.dtype, sharded) * sum(t.numel() for t in local)
 
     @contextmanager
     def swapped(self, model: nn.Module, paths: dict[str, str], *, trainable: bool) -> Iterator["SwappedModel"]:
@@ -238,9 +242,10 @@ class FullWeights:
                 grad, p.grad = p.grad, None
                 p.requires_grad_(False)
                 master = self.params[name]
-                if grad is not None:
-                    grad = grad.to(torch.float32)
-                    master.grad = grad if master.grad is None else master.grad + grad
+                if grad is not None and master.grad is not None:
+                    master.grad.add_(grad)  # in place: no third copy of the shard's gradient
+                elif grad is not None:
+                    master.grad = grad.to(torch.float32)
                 with torch.no_grad():
                     p.to_local().copy_(kept[name])
 
