@@ -19,9 +19,10 @@ the global norm), and `save_state` gathers them whole, every rank taking part (d
 
 What runs where: session lifecycle, training and `load_state` run on every rank (rank 0 first for
 the calls that can be refused, so a refused request reaches no follower); `save_state` writes rank 0's
-replica (a sharded session's gathered), the same PEFT adapter and optimizer files as a one-device worker; sampling, samplers and
-every other read run on rank 0 alone (the other ranks hold no samplers). On a sharded group every rank
-still takes part in each of those forwards, with an idle pass (treadle.gpu_worker.parallel.lockstep).
+replica (a sharded session's gathered), the same PEFT adapter and optimizer files as a one-device worker;
+sampling, samplers and every other read run on rank 0 alone (the other ranks hold no samplers). On a sharded
+group every rank still takes part in each of those forwards, with an idle pass (treadle.gpu_worker.parallel.
+lockstep).
 """
 
 from __future__ import annotations
@@ -276,9 +277,8 @@ class GroupEngine:
             self._local.step(session_id)  # raises for an unknown session, before any rank steps
             request = OptimStepRequest(adam_params=params).encode().decode()
             # Every rank at once: a sharded session's clipping takes the global norm of its shards' gradients.
-            response = self._together(
-                lambda: self._local.optim_step(session_id, params), OptimStepRequest.op, session_id, request=request
-            )
+            step = partial(self._local.optim_step, session_id, params)
+            response = self._together(step, OptimStepRequest.op, session_id, request=request)
             log_first_step(self._local)
             return response
 
