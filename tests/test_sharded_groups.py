@@ -7,6 +7,7 @@ comparison is against one in-process engine per family (what a one-device worker
 losses and gradients in another order than one device, so they agree to float rounding (1e-5), not bitwise.
 Micro-batches of 64 tokens and batches of uneven lengths (one of a single datum) give the ranks different
 numbers of micro-batches, which a sharded group must run in lockstep (treadle.gpu_worker.parallel.lockstep).
+The 2-rank group also holds a full fine-tuning session sharded over its ranks.
 """
 
 from __future__ import annotations
@@ -29,11 +30,13 @@ from tests.test_multi_device import alive, children, wait_until
 from tests.test_multi_device import batch as multi_device_batch
 from treadle import AdamParams, Datum, ModelInput, SamplingParams, ServiceClient
 from treadle.gpu_worker.model.fit import plan
+from treadle.gpu_worker.model.full_weights import bytes_per_parameter
 from treadle.local_stack import LocalStack
 from treadle.sdk.training_client import TrainingClient
 from treadle.storage.checkpoint_store import CheckpointStore
 from treadle.testing.tiny_model import build_tiny_model
-from treadle.types import LoraConfig
+from treadle.errors import InsufficientMemoryError, InvalidRequestError
+from treadle.types import FullConfig, LoraConfig
 
 FAMILIES = ("llama", "qwen3_moe", "gpt_oss")
 SEED = 11
@@ -191,12 +194,112 @@ def stop_workers(stack: LocalStack) -> None:
         stack.workers.remove(proc)
 
 
-def test_a_two_rank_sharded_group_trains_and_samples_like_one_device(stack, sc, ref):
-    stack.start_worker(["--devices", "2", *GROUP_ARGS])
+@dataclass
+class FullNeed:
+    """What one device's admission counts for a full session of the tiny llama (fp32): its state and one
+    micro-batch's activations, and the group's `--full_session_memory`, where it fits only sharded."""
+
+    state: int
+    activations: int
+
+    @property
+    def limit(self) -> int:
+        return self.activations + 7 * self.state // 8
+
+
+@pytest.fixture(scope="module")
+def two_ranks(stack, ref) -> FullNeed:
+    """A group of two sharded ranks, with full sessions' memory limited (`FullNeed.limit`)."""
+    from treadle.gpu_worker.model.host import activation_bytes_per_token
+
+    host = ref.engines["llama"]._host
+    need = FullNeed(
+        state=ref.engines["llama"].full_memory.session_bytes(FullConfig()),
+        activations=int(64 * activation_bytes_per_token(host.model.config, host.dtype)),
+    )
+    stack.start_worker(["--devices", "2", *GROUP_ARGS, "--full_session_memory", str(need.limit)])
     stack.wait_for_workers(1, 300)
+    return need
+
+
+def test_a_two_rank_sharded_group_trains_and_samples_like_one_device(stack, sc, ref, two_ranks):
     check_like_one_device(sc, ref, "two")
     assert_memory_logged(stack, 2)
-    stop_workers(stack)
+
+
+def full_steps(tc: TrainingClient, engine, session: str, steps: range) -> None:
+    """The steps on the group and on one device: the same losses and (clipped) grad norms."""
+    for step in steps:
+        data, loss_fn = batch(step)
+        got = (tc.forward_backward(data, loss_fn), tc.optim_step(ADAM))
+        loss = engine.forward_backward(session, data, loss_fn).metrics["loss:sum"]
+        norm = engine.optim_step(session, ADAM).metrics["grad_norm:mean"]
+        assert close([got[0].result(timeout=120).metrics["loss:sum"]], [loss]), step
+        assert close([got[1].result(timeout=120).metrics["grad_norm:mean"]], [norm]), step
+
+
+def full_state(sc: ServiceClient, path: str) -> tuple[list[str], dict, dict]:
+    """A full session's checkpoint: its files, its weights and its optimizer state."""
+    with tempfile.TemporaryDirectory() as tmp:
+        sc.create_rest_client().download(path, tmp)
+        weights, optimizer = (load_file(os.path.join(tmp, f"{n}.safetensors")) for n in ("model", "optimizer"))
+        return sorted(os.listdir(tmp)), weights, optimizer
+
+
+def test_a_full_session_on_a_sharded_group_holds_its_shards_and_trains_like_one_device(stack, sc, ref, two_ranks):
+    """A full session on the two sharded ranks holds half its state on each: admitted under a limit that one
+    device's session exceeds, a second one beside it refused with its bytes per rank against the bytes free. It
+    trains like one device, saves the model directory one device saves, and resumes from it exactly on the group
+    and on one device. LoRA sessions and the base model's samples after its ops are one device's; a sampler
+    snapshot of it is refused."""
+    engine = ref.engines["llama"]
+    tc = sc.create_full_training_client("llama")
+    held = sc.ops.session_info(tc.session_id).memory_bytes
+    assert two_ranks.state + two_ranks.activations > two_ranks.limit
+    # A rank's bytes a parameter count, beside the 16 B of state, the base shards an op keeps aside and the gradient
+    # FSDP reduces into them: half the parameters' state on each rank.
+    per_rank = held / bytes_per_parameter(torch.float32, sharded=True)
+    whole = two_ranks.state / bytes_per_parameter(torch.float32, sharded=False)
+    assert abs(per_rank - whole / 2) <= 0.02 * whole / 2, (per_rank, whole)
+    with pytest.raises(InsufficientMemoryError) as refused:
+        sc.create_full_training_client("llama")
+    assert f"needs {held + two_ranks.activations} bytes per rank" in str(refused.value)
+    assert f"{two_ranks.limit - held} bytes are free" in str(refused.value)
+
+    engine.create_session("full", LoraConfig(rank=8, seed=SEED), full=FullConfig())
+    full_steps(tc, engine, "full", range(4))
+    data, loss_fn = batch(4)  # a forward alone: the same loss, no gradient kept
+    got = tc.forward(data, loss_fn).result(timeout=120).metrics["loss:sum"]
+    assert close([got], [engine.forward("full", data, loss_fn).metrics["loss:sum"]])
+    path = tc.save_state("full-4").result(timeout=120).path
+    files, weights, moments = full_state(sc, path)
+    with tempfile.TemporaryDirectory() as tmp:
+        engine.save_state("full", tmp)
+        assert files == sorted(os.listdir(tmp))
+        assert_close_adapter(weights, load_file(os.path.join(tmp, "model.safetensors")))
+        assert_close_adapter(moments, load_file(os.path.join(tmp, "optimizer.safetensors")))
+    with pytest.raises(InvalidRequestError, match="sharded"):
+        tc.save_weights_and_get_sampling_client("full-s")
+
+    # The base weights are the base's again: a LoRA session and the base model's samples are one device's.
+    lora = sc.create_lora_training_client("llama", rank=8, seed=SEED)
+    engine.create_session("after-full", LoraConfig(rank=8, seed=SEED))
+    assert close(train(lora, range(2)), ref.run("llama", "after-full", range(2)))
+    prompt, params = ModelInput.from_ints(list(range(5, 25))), SamplingParams(max_tokens=8, seed=3, temperature=1.0)
+    got = sc.create_sampling_client(base_model="llama").sample(prompt, 2, params).result(timeout=120).sequences
+    assert [s.tokens for s in got] == [s.tokens for s in engine.sample(None, prompt, 2, params).sequences]
+
+    # The group's checkpoint resumes exactly on the group and on one device.
+    tc.stop()
+    resumed = sc.create_training_client_from_state_with_optimizer(path)
+    with tempfile.TemporaryDirectory() as tmp:
+        sc.create_rest_client().download(path, tmp)
+        engine.load_state("full-resumed", tmp, with_optimizer=True)
+    full_steps(resumed, engine, "full-resumed", range(4, 6))
+    _, weights, _ = full_state(sc, resumed.save_state("full-6").result(timeout=120).path)
+    with tempfile.TemporaryDirectory() as tmp:
+        engine.save_state("full-resumed", tmp)
+        assert_close_adapter(weights, load_file(os.path.join(tmp, "model.safetensors")))
 
 
 def start_two_hosts(stack: LocalStack, sc: ServiceClient, port: str) -> None:
@@ -226,6 +329,7 @@ def master_port() -> str:
 @pytest.fixture(scope="module")
 def four_ranks(stack, sc, ref, master_port) -> dict[str, Run]:
     """The two-host group, checked like one device: each family's uninterrupted run on it."""
+    stop_workers(stack)  # the two-rank group
     for log in os.listdir(os.path.join(stack.home, "logs")):  # only this group's lines count in assert_memory_logged
         os.truncate(os.path.join(stack.home, "logs", log), 0)
     start_two_hosts(stack, sc, master_port)

@@ -145,7 +145,7 @@ class Engine:
         else:
             self._bank.add(adapter, self._bank.lora_config(lora), seed=lora.seed)
         optimizer = SessionOptimizer(self._bank.parameters(adapter))
-        memory = self.full_memory.session_bytes(full) if full else 16 * optimizer.size  # fp32: weights, grads, moments
+        memory = self._bank.full[adapter].state_bytes if full else 16 * optimizer.size  # fp32: weights, grads, moments
         return Session(adapter=adapter, lora=lora, optimizer=optimizer, full=full, memory=memory)
 
     def session_memory(self, session_id: str) -> int:
@@ -285,7 +285,7 @@ class Engine:
     def _check_new_sampler(self, sampler_id: str, *, full: bool) -> None:
         if sampler_id in self._samplers:
             raise InvalidRequestError(f"sampler_id: {sampler_id!r} already exists")
-        full_weights.check_sampler_serves(self.sampler.path, sampler_id, full=full)
+        self.full_memory.check_snapshot(self.sampler.path, sampler_id, full=full)
 
     def has_sampler(self, sampler_id: str) -> bool:
         return sampler_id in self._samplers

@@ -11,6 +11,14 @@ the compute weights. Under a bf16 base (CUDA) an op casts them to a bf16 copy, r
 adds the copy's gradients, in fp32, to the masters'; AdamW steps the masters. A trained parameter costs 16 bytes
 (4 master, 4 gradient, 8 moments), plus 4 transient bytes under bf16 (the copy and its gradient): `session_bytes`.
 
+On a sharded group (`--shard`) each rank holds its shards of the session's state: masters, gradients and moments
+are DTensors placed as FSDP places the base weights (treadle.gpu_worker.model.sharding), so a session needs 1/N of
+its bytes on each of N ranks. There an op copies the masters into the base weights' own shards (in place: FSDP
+gathers whole weights from its buffers, whatever tensor a call passes), lets FSDP reduce-scatter their gradients
+into the shards, adds those to the masters', and copies the base weights back (the kept base shards and FSDP's
+gradient: 2 transient bytes each a parameter under bf16, 4 under fp32, over N). A sampler snapshot of such a session
+is refused: rank 0 samples alone, and every rank would have to hold and swap in its shards of the snapshot.
+
 Which weights: every one, or every one but the embeddings (`FullConfig.train_embeddings`: the input embeddings and
 the output projection, one matrix when the model ties them). Weights a session does not train are the base's.
 
@@ -36,10 +44,12 @@ import torch
 from huggingface_hub import save_torch_state_dict
 from safetensors.torch import load_file
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.func import functional_call
 
 from treadle.errors import CheckpointNotFoundError, InsufficientMemoryError, InvalidRequestError
 from treadle.gpu_worker.model.host import ModelHost, activation_bytes_per_token
+from treadle.gpu_worker.model.sharding import is_sharded, placed_like, rank_numel, reshard_all, whole
 from treadle.types import FullConfig
 
 FULL_MARKER = "treadle_full.json"  # {"config": FullConfig, "trained": [names]}: a full session's model directory
@@ -91,11 +101,19 @@ def _weight(module: nn.Module | None) -> torch.Tensor | None:
 
 
 def session_bytes(model: nn.Module, config: FullConfig, dtype: torch.dtype) -> int:
-    """Device bytes of a session's trained weights: fp32 master, gradient and two moments; under a half-precision
-    base also the compute copy and its gradient."""
+    """Device bytes of a session's trained weights on this rank (its shards of them on a sharded group): fp32
+    master, gradient and two moments, and what an op holds beside them (`bytes_per_parameter`)."""
     params = base_parameters(model)
-    count = sum(params[name].numel() for name in trained_names(model, config))
-    return count * (16 + (0 if dtype == torch.float32 else 2 * dtype.itemsize))
+    sharded = is_sharded(model)
+    return bytes_per_parameter(dtype, sharded) * sum(
+        rank_numel(params[name], sharded) for name in trained_names(model, config)
+    )
+
+
+def bytes_per_parameter(dtype: torch.dtype, sharded: bool) -> int:
+    """16 B of state; during an op under a half-precision base also the compute copy and its gradient, and on a
+    sharded rank (whatever the dtype) the base shards kept aside and the gradient FSDP reduces into them."""
+    return 16 + (2 * dtype.itemsize if sharded or dtype != torch.float32 else 0)
 
 
 class FullMemory:
@@ -107,7 +125,7 @@ class FullMemory:
         self.host = host
         self.budget_tokens = budget_tokens
         self.limit = limit
-        self.sharded = sharded  # the host's weights are shards (`--shard`): a full session is not built for them
+        self.sharded = sharded  # the host's weights are shards (`--shard`): so are a full session's, on each rank
 
     def session_bytes(self, config: FullConfig) -> int:
         return session_bytes(self.host.model, config, self.host.dtype)
@@ -123,22 +141,33 @@ class FullMemory:
     def admitted(self, config: FullConfig, held: int) -> "FullWeights":
         """A new session's weights, if it fits; else `InsufficientMemoryError` with the bytes it needs and the bytes
         free. `held`: the state bytes of the full sessions the engine holds (less one it replaces)."""
-        if self.sharded:
-            raise InvalidRequestError(
-                f"full fine-tuning of {self.host.name}: this worker shards the model (--shard), and full sessions "
-                "are not sharded; use a worker without --shard"
-            )
         state = self.session_bytes(config)
         activations = int(self.budget_tokens * activation_bytes_per_token(self.host.model.config, self.host.dtype))
         need, free = state + activations, self.free(held)
         if need > free:
             raise InsufficientMemoryError(
-                f"full fine-tuning of {self.host.name}: needs {need} bytes ({state} for weights, gradients and AdamW "
+                f"full fine-tuning of {self.host.name}: needs {need} bytes{' per rank' if self.sharded else ''} "
+                f"({state} for weights, gradients and AdamW "
                 f"moments, {activations} for activations of {self.budget_tokens} tokens), {free} bytes are free "
                 f"({'--full_session_memory' if self.limit else self.host.device}); train a LoRA adapter, or use a "
                 "worker with more memory"
             )
         return FullWeights.fresh(self.host.model, config, self.host.dtype)
+
+    def check_snapshot(self, sampler_path: str, sampler_id: str, *, full: bool) -> None:
+        """A full snapshot is a model of its own, which neither the vllm sampler (sent LoRA adapters only) nor a
+        sharded group serves."""
+        if full and sampler_path == "vllm":
+            raise InvalidRequestError(
+                f"sampler_id: {sampler_id!r} is a full fine-tuning snapshot, which the vllm sampler does not serve; "
+                "sample it on a worker started with --sampler hf"
+            )
+        if full and self.sharded:
+            raise InvalidRequestError(
+                f"sampler_id: {sampler_id!r} would be a full fine-tuning snapshot on a sharded worker (--shard), "
+                "where rank 0 samples alone and the snapshot's weights would be sharded over every rank; save_state "
+                "and sample the checkpoint on a worker without --shard"
+            )
 
 
 class FullWeights:
@@ -151,7 +180,8 @@ class FullWeights:
 
     @classmethod
     def fresh(cls, model: nn.Module, config: FullConfig, dtype: torch.dtype) -> "FullWeights":
-        """Masters copied from the base model's weights."""
+        """Masters copied from the base model's weights (on a sharded model: from this rank's shards)."""
+        reshard_all(model)
         params = base_parameters(model)
         tensors = {name: params[name].detach().to(torch.float32, copy=True) for name in trained_names(model, config)}
         return cls(tensors, dtype=dtype, trainable=True, config=config)
@@ -162,14 +192,21 @@ class FullWeights:
         return FullWeights(tensors, dtype=self.dtype, trainable=False, config=self.config)
 
     @property
-    def nbytes(self) -> int:
-        return sum(p.numel() * p.element_size() for p in self.params.values())
+    def state_bytes(self) -> int:
+        """`session_bytes`, counted from the masters this rank holds (its shards of them on a sharded group)."""
+        sharded = any(isinstance(p, DTensor) for p in self.params.values())
+        local = (p.to_local() if isinstance(p, DTensor) else p for p in self.params.values())
+        return bytes_per_parameter(self.dtype, sharded) * sum(t.numel() for t in local)
 
     @contextmanager
     def swapped(self, model: nn.Module, paths: dict[str, str], *, trainable: bool) -> Iterator["SwappedModel"]:
         """`model` computing with these weights in place of the base's (`paths`: `bindings(model)`). Under a
         half-precision base a trainable call runs on a copy in that dtype whose gradients are added to the
         masters' when the block ends."""
+        if is_sharded(model):
+            with self._in_shards(model, trainable=trainable):
+                yield model  # type: ignore[misc]  # called as a SwappedModel is
+            return
         compute = {
             name: p if p.dtype == self.dtype else p.detach().to(self.dtype).requires_grad_(trainable)
             for name, p in self.params.items()
@@ -182,6 +219,35 @@ class FullWeights:
                 if copy is not master and copy.grad is not None:
                     grad = copy.grad.to(torch.float32)
                     master.grad = grad if master.grad is None else master.grad + grad
+
+    @contextmanager
+    def _in_shards(self, model: nn.Module, *, trainable: bool) -> Iterator[None]:
+        """A sharded `model` computing with these weights: each rank's master shards copied into the base weights'
+        shards for the block (every unit sharded at both ends, so that no unit is whole with the other weights).
+        Trainable: the base weights require gradients, which FSDP reduce-scatters (summed over the ranks) into
+        their shards; those are added to the masters' when the block ends."""
+        reshard_all(model)
+        base = {name: p for name, p in base_parameters(model).items() if name in self.params}
+        with torch.no_grad():  # in place: FSDP all-gathers from the buffers these local tensors are views of
+            kept = {name: p.to_local().clone() for name, p in base.items()}
+            for name, p in base.items():
+                p.to_local().copy_(self.params[name].to_local())
+        for p in base.values():
+            p.requires_grad_(trainable)
+        try:
+            yield
+        finally:
+            reshard_all(model)
+            for name, p in base.items():
+                grad, p.grad = p.grad, None
+                p.requires_grad_(False)
+                master = self.params[name]
+                if grad is not None and master.grad is not None:
+                    master.grad.add_(grad)  # in place: no third copy of the shard's gradient
+                elif grad is not None:
+                    master.grad = grad.to(torch.float32)
+                with torch.no_grad():
+                    p.to_local().copy_(kept[name])
 
     def load(self, tensors: dict[str, torch.Tensor], *, source: str) -> None:
         """Copy the trained weights from `tensors` (a model directory's, by name); all must be there, or none is
@@ -196,16 +262,22 @@ class FullWeights:
                 )
         with torch.no_grad():
             for name, param in self.params.items():
-                param.copy_(tensors[name].to(device=param.device, dtype=param.dtype))
+                param.copy_(placed_like(tensors[name].to(device=param.device, dtype=param.dtype), param))
+
+    def whole_tensors(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """Every weight of the model by name, these for the trained ones, the base's for the rest, whole (on a
+        sharded group gathered: every rank calls it, in the same order), on the CPU."""
+        reshard_all(model)  # every rank gathers the same weights: a weight whole on one rank only gathers nothing
+        tensors = {name: p.detach() for name, p in base_parameters(model).items()}
+        tensors.update({name: p.detach() for name, p in self.params.items()})
+        return {name: whole(t).contiguous().cpu() for name, t in tensors.items()}
 
     def save(self, model: nn.Module, tokenizer, directory: str | Path) -> None:
         """A Hugging Face model directory: these weights, the base's for the rest, the model's config and
         tokenizer; tied weights written once, as `save_pretrained` does."""
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
-        tensors = {name: p.detach() for name, p in base_parameters(model).items()}
-        tensors.update({name: p.detach() for name, p in self.params.items()})
-        state = {name: t.contiguous().cpu() for name, t in tensors.items()}
+        state = self.whole_tensors(model)
         save_torch_state_dict(state, str(directory), max_shard_size=MAX_SHARD_SIZE, metadata={"format": "pt"})
         model.config.save_pretrained(str(directory))
         tokenizer.save_pretrained(str(directory))
@@ -285,15 +357,6 @@ def model_dir_files(directory: str | Path) -> list[str]:
     extra = [p.name for p in directory.iterdir() if p.name in ("merges.txt", "chat_template.jinja")]
     present = [name for name in MODEL_FILES if (directory / name).is_file()]
     return [*present, *weight_files(directory), *tokenizer, *extra]
-
-
-def check_sampler_serves(sampler_path: str, sampler_id: str, *, full: bool) -> None:
-    """A full snapshot is a model of its own; the vllm sampler is sent LoRA adapters only."""
-    if full and sampler_path == "vllm":
-        raise InvalidRequestError(
-            f"sampler_id: {sampler_id!r} is a full fine-tuning snapshot, which the vllm sampler does not serve; "
-            "sample it on a worker started with --sampler hf"
-        )
 
 
 def check_same_kind(session_full: FullConfig | None, checkpoint_full: FullConfig | None, *, source: str) -> None:

@@ -10,6 +10,11 @@ swaps between shard and whole), and its A and B are plain tensors that FSDP neve
 created, switched and removed with no re-wrap, exactly as on one device, and the group replicates and
 all-reduces them as the replicated group does (docs/scaling.md says why replicated).
 
+A full fine-tuning session on a sharded group trains these weights themselves, each rank its shards: its fp32
+masters, gradients and AdamW moments are DTensors placed as the base parameters are (treadle.gpu_worker.model.
+full_weights). FSDP reduce-scatters the gradients of base weights that require them into each rank's shards; the
+losses are sums over tokens, so the shards' gradients are summed over the ranks, not averaged.
+
 Every all-gather is a collective: every rank must run the same units in the same order (forward, backward,
 no-grad forward), whatever data it holds. The group's ops see to that (treadle.gpu_worker.parallel.distributed).
 """
@@ -25,7 +30,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from treadle.gpu_worker.model.lora_targets import decoder_layers
 
@@ -42,6 +47,10 @@ def shard_model(model: nn.Module, device: torch.device) -> None:
     # The root keeps its weights whole after its forward until its backward ends (or `reshard_all`): a loss may
     # call the output projection itself after the model's forward.
     fully_shard(model, mesh=mesh)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):  # full sessions' gradients: a sum over the ranks, as the losses are
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no pre-multiplied sum)
 
 
 def reshard_all(model: nn.Module) -> None:
@@ -56,6 +65,29 @@ def reshard_all(model: nn.Module) -> None:
 
 def is_sharded(model: nn.Module) -> bool:
     return isinstance(model, FSDPModule)
+
+
+def whole(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of a DTensor (an all-gather: every rank must call it), or `tensor` itself."""
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def placed_like(tensor: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """A whole tensor as `like` holds it: this rank's shard of it when `like` is a DTensor (cut here, no
+    collective: every rank holds the whole tensor), else `tensor` itself."""
+    if not isinstance(like, DTensor):
+        return tensor
+    return distribute_tensor(tensor.to(like.device), like.device_mesh, like.placements, src_data_rank=None)
+
+
+def rank_numel(param: torch.Tensor, sharded: bool) -> int:
+    """Elements of a base weight that this rank holds as its shard when `sharded` (dim 0 cut into chunks of
+    ceil(rows / N), as `fully_shard` cuts it), whether `param` is that shard or the whole weight a forward gathered."""
+    if not sharded:
+        return param.numel()
+    rows, ranks = param.shape[0], dist.get_world_size()
+    chunk = -(-rows // ranks)
+    return max(0, min(chunk, rows - dist.get_rank() * chunk)) * (param.numel() // max(rows, 1))
 
 
 @dataclass(frozen=True)

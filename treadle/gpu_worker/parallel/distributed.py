@@ -11,23 +11,30 @@ rank on identical gradients: clipping sees the global norm, and the replicas sta
 is the session. The adapters are never FSDP's: a treadle engine adds, switches and removes LoRA adapters per
 session on one shared PeftModel, and FSDP wraps a fixed set of parameters (the frozen base weights only).
 
-A full fine-tuning session is replicated the same way: every rank holds its fp32 weights, gradients and moments
-(`trainable_parameters` are its weights), so a group fits what one device of it fits (docs/scaling.md).
+A full fine-tuning session is replicated the same way on a replicated group: every rank holds its fp32 weights,
+gradients and moments (`trainable_parameters` are its weights), so a group fits what one device of it fits. On a
+sharded group each rank holds its shards of them instead (DTensors, treadle.gpu_worker.model.full_weights): FSDP
+sums their gradients over the ranks in each backward, `optim_step` runs on every rank at once (clipping gathers
+the global norm), and `save_state` gathers them whole, every rank taking part (docs/scaling.md).
 
 What runs where: session lifecycle, training and `load_state` run on every rank (rank 0 first for
 the calls that can be refused, so a refused request reaches no follower); `save_state` writes rank 0's
-replica, the same PEFT adapter and optimizer files as a one-device worker; sampling, samplers and
-every other read run on rank 0 alone (the other ranks hold no samplers). On a sharded group every rank
-still takes part in each of those forwards, with an idle pass (treadle.gpu_worker.parallel.lockstep).
+replica (a sharded session's gathered), the same PEFT adapter and optimizer files as a one-device worker;
+sampling, samplers and every other read run on rank 0 alone (the other ranks hold no samplers). On a sharded
+group every rank still takes part in each of those forwards, with an idle pass (treadle.gpu_worker.parallel.
+lockstep).
 """
 
 from __future__ import annotations
 
 import secrets
 from contextlib import ExitStack
+from functools import partial
+from typing import Callable, TypeVar
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from treadle.gpu_worker.model.sharding import is_sharded, log_memory
 from treadle.gpu_worker.parallel.lockstep import Mirror, end_of_op, idle_pass, rounds_of
@@ -38,9 +45,11 @@ from treadle.queue.ops import (
     ForwardRequest,
     LoadStateRequest,
     OptimStepRequest,
+    SaveStateRequest,
 )
 from treadle.types import WIRE, AdamParams, Datum, ForwardBackwardOutput, FullConfig, LoraConfig, OptimStepResponse
 
+T = TypeVar("T")
 _RUNS = {cls.op: cls for cls in (ForwardRequest, ForwardBackwardRequest)}
 
 
@@ -60,25 +69,22 @@ def split_by_tokens(lengths: list[int], ranks: int) -> list[list[int]]:
 def run_shard(engine, session_id: str, request: ForwardRequest, idle: int = 0) -> ForwardBackwardOutput | None:
     """This rank's share of a data-parallel forward(_backward); gradients summed over all ranks after.
     `idle`: idle passes to run after its own micro-batches (a sharded group's lockstep)."""
-    if not request.stateful:
-        out = (
-            engine.forward(session_id, request.data, request.loss_fn, request.loss_fn_config) if request.data else None
-        )
-        for _ in range(idle):
-            idle_pass(engine, session_id, backward=False)
-        end_of_op(engine)
-        return out
     params = engine.trainable_parameters(session_id)
-    # The call's gradients are computed apart from the pending ones, so that only they are summed.
+    # A sharded full session's gradients are summed over the ranks by FSDP, into each rank's shards, during each
+    # backward; every other session's are summed here, the call's apart from the pending ones.
+    summed_here = request.stateful and not holds_shards(params)
     pending = {name: p.grad for name, p in params.items()}
-    for p in params.values():
-        p.grad = None
-    out = None
-    if request.data:  # a rank with no datum still takes part in the sum
-        out = engine.forward_backward(session_id, request.data, request.loss_fn, request.loss_fn_config)
+    if summed_here:
+        for p in params.values():
+            p.grad = None
+    run = engine.forward_backward if request.stateful else engine.forward
+    # A rank with no datum still takes part in the sum (and, sharded, in every unit's collectives).
+    out = run(session_id, request.data, request.loss_fn, request.loss_fn_config) if request.data else None
     for _ in range(idle):
-        idle_pass(engine, session_id, backward=True)
+        idle_pass(engine, session_id, backward=request.stateful)
     end_of_op(engine)
+    if not summed_here:
+        return out
     flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params.values()])
     dist.all_reduce(flat, op=dist.ReduceOp.SUM)
     offset = 0
@@ -87,6 +93,11 @@ def run_shard(engine, session_id: str, request: ForwardRequest, idle: int = 0) -
         offset += p.numel()
         p.grad = grad.clone() if pending[name] is None else pending[name] + grad
     return out
+
+
+def holds_shards(params: dict[str, torch.Tensor]) -> bool:
+    """Whether a session's trained tensors are each rank's shards (a full session on a sharded group)."""
+    return any(isinstance(p, DTensor) for p in params.values())
 
 
 _LOGGED: set[int] = set()
@@ -119,12 +130,23 @@ def execute(engines: dict, call: dict) -> dict | None:
         engine.create_session(session_id, LoraConfig.model_validate(call["lora"]), full=full)
     elif name == "drop_session":
         engine.drop_session(session_id)
+    elif name == SaveStateRequest.op:
+        gather_state(engine, session_id, include_optimizer=call["include_optimizer"])
     elif name == LoadStateRequest.op:
         # Every rank is on one host, so a follower reads the directory rank 0 holds open for the call.
         engine.load_state(session_id, call["directory"], with_optimizer=call["with_optimizer"])
     else:
         raise ValueError(f"call: unknown {name!r}")
     return {}
+
+
+def gather_state(engine, session_id: str, *, include_optimizer: bool) -> None:
+    """A follower's part in rank 0's `save_state` of a sharded full session: the same gathers in the same order as
+    `Engine.save_state` (the weights, then the optimizer's moments and gradients), whose results rank 0 alone
+    writes."""
+    session = engine._session(session_id)
+    engine._bank.full[session.adapter].whole_tensors(engine._host.model)
+    session.state(engine.base_model, include_optimizer=include_optimizer)
 
 
 class GroupEngine:
@@ -252,7 +274,29 @@ class GroupEngine:
 
     def optim_step(self, session_id: str, params: AdamParams) -> OptimStepResponse:
         with self._group_op():
-            response = self._local.optim_step(session_id, params)
-            self._replicate("optim_step", session_id, request=OptimStepRequest(adam_params=params).encode().decode())
+            self._local.step(session_id)  # raises for an unknown session, before any rank steps
+            request = OptimStepRequest(adam_params=params).encode().decode()
+            # Every rank at once: a sharded session's clipping takes the global norm of its shards' gradients.
+            step = partial(self._local.optim_step, session_id, params)
+            response = self._together(step, OptimStepRequest.op, session_id, request=request)
             log_first_step(self._local)
             return response
+
+    def save_state(self, session_id: str, directory: str, *, include_optimizer: bool = True) -> None:
+        """Rank 0's replica, as a one-device worker writes it; a sharded session's gathered whole first, every rank
+        taking part (`gather_state`)."""
+        save = partial(self._local.save_state, session_id, directory, include_optimizer=include_optimizer)
+        if not holds_shards(self._local.trainable_parameters(session_id)):
+            return save()
+        with self._group_op():
+            self._together(save, SaveStateRequest.op, session_id, include_optimizer=include_optimizer)
+
+    def _together(self, local: Callable[[], T], name: str, session_id: str, **fields) -> T:
+        """`local()` on rank 0 while every follower runs call `name`: a call whose collectives every rank enters."""
+        self._group.send([{"call": name, "model": self._model, "session_id": session_id, **fields}] * (self.ranks - 1))
+        try:
+            result = local()
+        except Exception as exc:  # the followers are in the call: the replicas can no longer be trusted
+            self._group.fail(f"{name} on session {session_id}: {exc!r}")
+        self._group.receive()
+        return result

@@ -6,6 +6,10 @@ across `forward_backward` calls and are applied and cleared here.
 
 State travels by portable parameter name (`<param>.exp_avg`, `<param>.exp_avg_sq`, `<param>.step`),
 never by position, so a checkpoint restores exactly onto the right tensors or fails loudly.
+
+A full session on a sharded group trains DTensors (each rank's shards, treadle.gpu_worker.model.full_weights): its
+AdamW steps each rank's shards, clipping sees the global norm (torch's norm of DTensor gradients is a collective),
+and its state travels whole (gathered to write, cut into this rank's shards to read).
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import torch
 from torch import nn
 
 from treadle.errors import InvalidRequestError
+from treadle.gpu_worker.model.sharding import placed_like, whole
 from treadle.types import AdamParams
 
 _MOMENT_KEYS = ("exp_avg", "exp_avg_sq", "step")
@@ -63,7 +68,7 @@ class SessionOptimizer:
         out = {}
         for name, param in self.params.items():
             for key, value in self.adamw.state.get(param, {}).items():
-                out[f"{name}.{key}"] = value.detach().cpu().clone().reshape(value.shape)
+                out[f"{name}.{key}"] = whole(value.detach()).cpu().clone().reshape(value.shape)
         return out
 
     def load_state_tensors(self, tensors: dict[str, torch.Tensor], *, source: str) -> None:
@@ -85,12 +90,13 @@ class SessionOptimizer:
                     raise InvalidRequestError(
                         f"{source}: {name}.{key} has shape {tuple(tensors[f'{name}.{key}'].shape)}, expected {tuple(param.shape)}"
                     )
-            state_dict["state"][index] = {key: tensors[f"{name}.{key}"].clone() for key in _MOMENT_KEYS}
+            moments = {key: tensors[f"{name}.{key}"].clone() for key in _MOMENT_KEYS}
+            state_dict["state"][index] = {key: placed_like(t, param) if t.dim() else t for key, t in moments.items()}
         self.adamw.load_state_dict(state_dict)
 
     def grad_tensors(self) -> dict[str, torch.Tensor]:
         """Accumulated gradients not yet applied, by parameter name (CPU copies)."""
-        return {name: p.grad.detach().cpu().clone() for name, p in self.params.items() if p.grad is not None}
+        return {name: whole(p.grad.detach()).cpu().clone() for name, p in self.params.items() if p.grad is not None}
 
     def load_grad_tensors(self, tensors: dict[str, torch.Tensor], *, source: str) -> None:
         unexpected = sorted(set(tensors) - set(self.params))
@@ -99,4 +105,4 @@ class SessionOptimizer:
         self.zero_grad()
         for name, grad in tensors.items():
             param = self.params[name]
-            param.grad = grad.to(device=param.device, dtype=param.dtype).clone()
+            param.grad = placed_like(grad.to(device=param.device, dtype=param.dtype).clone(), param)
