@@ -5,6 +5,9 @@ python -m tests.slow_worker OP SECONDS <treadle worker options...>
 python -m tests.slow_worker --when-asked <treadle worker options...>
     a sampler prefill, a sampler decode step, a compute_logprobs batch or a session creation (once it has
     registered the session) sleeps while the test asks for it: the seconds are the value of Redis key `tests:slow:<prefill|step|logprobs|create>`.
+python -m tests.slow_worker --fail-when-asked <treadle worker options...>
+    every decoder layer of this process's models raises RuntimeError while Redis key `tests:fail:layer` is set: a
+    forward that fails part-way, as one out of device memory does (a device group's followers are not affected).
 """
 
 from __future__ import annotations
@@ -54,8 +57,25 @@ def slow_when_asked() -> None:
         setattr(cls, method, slow)
 
 
+def fail_when_asked() -> None:
+    from transformers.modeling_layers import GradientCheckpointingLayer  # every decoder layer's class derives from it
+
+    client = redis.Redis.from_url(os.environ["TREADLE_BROKER_URL"])
+    call = GradientCheckpointingLayer.__call__
+
+    def failing(self, *args, **kwargs):
+        if client.exists("tests:fail:layer"):
+            raise RuntimeError("tests: this decoder layer was asked to fail")
+        return call(self, *args, **kwargs)
+
+    GradientCheckpointingLayer.__call__ = failing
+
+
 if __name__ == "__main__":
-    if sys.argv[1] == "--when-asked":
+    if sys.argv[1] == "--fail-when-asked":
+        fail_when_asked()
+        main(["worker", *sys.argv[2:]])
+    elif sys.argv[1] == "--when-asked":
         slow_when_asked()
         main(["worker", *sys.argv[2:]])
     else:

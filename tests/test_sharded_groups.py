@@ -18,6 +18,7 @@ import re
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 from dataclasses import dataclass
 
@@ -431,6 +432,38 @@ def test_the_other_host_exits_0_when_rank_0_stops_and_1_when_it_dies(stack, sc, 
         assert host1.wait(timeout=120) == status, f"host 1 after rank 0's {how.name}"
         stack.workers.remove(host0)
         stack.workers.remove(host1)
+
+
+def test_a_forward_of_rank_0_alone_that_fails_part_way_takes_the_group_down_at_once(stack, sc):
+    """A sample's forward on rank 0 raises in a decoder layer while the followers run its idle pass: they wait in a
+    collective rank 0 will not enter, so the group goes down then (status 1, the reason logged), not after the
+    followers' collective timeout (CALL_TIMEOUT_S, 600 s), and the request waits for the next worker."""
+    stop_workers(stack)
+    # A worker killed by the test before leaves its registration until its heartbeat lapses: the wait below is for
+    # this worker's.
+    wait_until(lambda: not sc.ops.workers.live_workers(), "a killed worker's registration outlived its heartbeat", 120)
+    command, stack.worker_command = (
+        stack.worker_command,
+        [sys.executable, "-m", "tests.slow_worker", "--fail-when-asked"],
+    )
+    log_path = os.path.join(stack.home, "logs", f"worker-{len(stack.workers)}.log")  # as LocalStack names it
+    try:
+        worker = stack.start_worker(["--devices", "2", *GROUP_ARGS])
+    finally:
+        stack.worker_command = command
+    stack.wait_for_workers(1, 300)
+    sc.ops.redis.set("tests:fail:layer", 1)
+    try:
+        sc.create_sampling_client(base_model="llama").sample(
+            ModelInput.from_ints([5, 6, 7]), 1, SamplingParams(max_tokens=2)
+        )
+        assert worker.wait(timeout=120) == 1  # well inside CALL_TIMEOUT_S
+    finally:
+        sc.ops.redis.delete("tests:fail:layer")
+    stack.workers.remove(worker)
+    with open(log_path) as f:
+        log = f.read()
+    assert "raised part-way" in log, log[-3000:]
 
 
 def test_the_preflight_says_from_the_config_alone_whether_a_model_fits(family_dirs, capsys):

@@ -164,7 +164,7 @@ class GroupEngine:
         # Calls reach the followers in the order rank 0 runs them, and on a sharded group no forward of rank 0's
         # may come between a call's sending and its end: every call holds the device.
         self._lock = local.device
-        self._mirror = Mirror(local._host.model, self._announce) if group.shard else None
+        self._mirror = Mirror(local._host.model, self._announce, group.fail) if group.shard else None
 
     def _announce(self) -> None:
         self._group.send([{"call": "mirror", "model": self._model}] * (self.ranks - 1))

@@ -62,13 +62,19 @@ def _idle_pass(engine, session_id: str | None, backward: bool) -> None:
 
 class Mirror:
     """Rank 0's hook on its sharded model: every forward it runs outside a group op is first announced to the
-    followers (`announce`), so that they run an idle pass beside it. Group ops run inside `group_op()`."""
+    followers (`announce`), so that they run an idle pass beside it. Group ops run inside `group_op()`.
 
-    def __init__(self, model: torch.nn.Module, announce: Callable[[], None]):
+    Such a forward that raises part-way (out of memory, say) leaves the followers inside a collective rank 0 will
+    never enter, and the next forward's collectives would pair with it: `fail` takes the group down at once."""
+
+    def __init__(self, model: torch.nn.Module, announce: Callable[[], None], fail: Callable[[str], None]):
         self._announce = announce
+        self._fail = fail
         self._in_group_op = False
         # Before FSDP's own pre-forward hook (which gathers the root's weights): the followers must be on their way.
         model.register_forward_pre_hook(self._before_forward, prepend=True)
+        # Called when the forward raised too, with no result (torch's `always_call`).
+        model.register_forward_hook(self._after_forward, always_call=True)
         self._model = model
 
     def _before_forward(self, module, args) -> None:
@@ -77,6 +83,10 @@ class Mirror:
             # the model's forward); the followers' are sharded, their idle passes ended so.
             reshard_all(module)
             self._announce()
+
+    def _after_forward(self, module, args, result) -> None:
+        if result is None and not self._in_group_op:
+            self._fail("a forward of rank 0's alone raised part-way; its followers wait in a collective it left")
 
     @contextmanager
     def group_op(self) -> Iterator[None]:
