@@ -421,10 +421,11 @@ def test_a_cancelled_stream_leaves_the_batch_and_the_others_go_on(bank, decode):
         waiting.stream = gone = CancelAfter(0)  # its client left before its first round
         with scheduler.device_lock:
             futures = [scheduler.sample(j) for j in (streamed, job(bank, PROMPTS[1], **other), waiting)]
-        with pytest.raises(SampleCancelledError, match="cancelled it after 3 tokens"):
+        with pytest.raises(SampleCancelledError, match="cancelled it after 3 tokens") as after:
             futures[0].result(timeout=WAIT)
-        with pytest.raises(SampleCancelledError, match="before it started"):
+        with pytest.raises(SampleCancelledError, match="before it started") as before:
             futures[2].result(timeout=WAIT)
+        assert (after.value.sampled_tokens, before.value.sampled_tokens) == (6, None)  # what the owner is billed
         assert gone.drawn == [] and gone.ended is not None and gone.ended[0] == [0]
         assert stream.ended == ([3, 3], 1)  # each row's tokens when dropped; the other request's row goes on
         assert [row for row, _ in stream.drawn] == [0, 1] * 3  # every token reached the stream as it was drawn

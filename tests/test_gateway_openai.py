@@ -11,6 +11,7 @@ import tinker
 from tinker import types as tt
 
 from tests.fixtures.gateway import ALICE_KEY
+from treadle.metering import Meter
 from treadle.queue import names, sample_stream
 from treadle.queue.connections import connect_redis
 
@@ -135,11 +136,12 @@ def test_streamed_completion_and_top_logprobs_limits(client):
 
 def test_a_client_that_disconnects_mid_stream_frees_its_rows(client, stack):
     """The greedy answer to this prompt runs to max_tokens on the tiny model (a few seconds of decoding); the client
-    leaves after its first text, and the worker records that it dropped the rows before their end."""
+    leaves after its first text, and the worker records that it dropped the rows before their end. The owner is
+    metered for the prompt and the tokens drawn until then."""
     max_tokens = 490
     redis = connect_redis(stack.broker_url)
     owed = names.owner_sample_rows_key("alice")  # the owner's sample rows not yet answered
-    before = set(redis.hkeys(owed))
+    before, started = set(redis.hkeys(owed)), time.time()
     stream = client.completions.create(
         model="tiny", prompt="the cat is", max_tokens=max_tokens, temperature=0, stream=True
     )
@@ -156,5 +158,7 @@ def test_a_client_that_disconnects_mid_stream_frees_its_rows(client, stack):
     while set(redis.hkeys(owed)) - before and time.monotonic() < deadline:
         time.sleep(0.05)
     assert set(redis.hkeys(owed)) - before == set()  # answered (as cancelled): its rows no longer count
+    (metered,) = [o for o in Meter(redis).owner_ops("alice", since=started) if o.op == "sample"]
+    assert metered.sampled_tokens == cancelled.tokens[0] and metered.prefill_tokens > 0
     after = client.completions.create(model="tiny", prompt="the cat is", max_tokens=3, temperature=0)
     assert after.choices[0].finish_reason == "length"  # the worker goes on

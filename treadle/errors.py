@@ -50,7 +50,13 @@ class InvalidRequestError(UserError):
 
 
 class SampleCancelledError(UserError):
-    """A streamed sample's client went away; its rows left the sampler's batch unfinished."""
+    """A streamed sample's client went away; its rows left the sampler's batch unfinished. `sampled_tokens`, on the
+    worker only: the tokens its rows drew before they left, metered with its prompt (None: it left the queue before
+    its prefill, and costs nothing)."""
+
+    def __init__(self, message: str, sampled_tokens: int | None = None):
+        super().__init__(message)
+        self.sampled_tokens = sampled_tokens
 
 
 class UnknownModelError(UserError):

@@ -175,7 +175,7 @@ class ControlOps:
         if request is not None:
             outcome = "ok" if error is None else f"{error.category}_error"
             metered = self.usage.control_op_finished(
-                self.registry, claim.future_id, request, response, seconds, outcome
+                self.registry, claim.future_id, request, response, seconds, outcome, error
             )
         claim_key = names.control_claim_key(claim.future_id)
         with self.requests.redis.pipeline(transaction=True) as pipe:
@@ -185,7 +185,7 @@ class ControlOps:
                     log.warning("dropped the answer to %s: this worker's claim on it lapsed", claim.future_id)
                     return False
                 pipe.multi()
-                if metered is not None:  # a successful op: metered before its answer shows
+                if metered is not None:  # a billed op: metered before its answer shows
                     self.usage.record(metered, client=pipe)
                 if isinstance(request, SampleRequest):
                     pipe.hdel(names.owner_sample_rows_key(request.owner or SDK_OWNER), claim.future_id)

@@ -12,16 +12,19 @@ Ops a rebuild replays (seq at or below applied) were counted when they first ran
 Control ops are keyed by their future id, which a re-run after a crash keeps (treadle.queue.control_requests). A sample is billed to the session
 whose snapshot it samples (a run's id is its session's id), a sample of the bare base model to
 `base:<model>`; its owner is the caller the gateway names on the request, else the sampled session's
-owner, else `sdk`. Batched sampling shares each decode step among
+owner, else `sdk`. A streamed sample whose client cancelled it is billed for its prompt and the tokens its rows
+drew before they left the batch (nothing if it left before its prefill). Batched sampling shares each decode step among
 the requests in the batch, so a sample's compute_s is its time in the scheduler, not an exclusive share.
 """
 
 from __future__ import annotations
 
 import logging
+from typing import cast
 
 from pydantic import BaseModel
 
+from treadle.errors import SampleCancelledError, TreadleError
 from treadle.metering import SDK_OWNER, Meter, OpUsage
 from treadle.observability import metrics
 from treadle.queue.ops import CreateSessionRequest, ForwardRequest, OpRequest, SampleRequest
@@ -38,13 +41,18 @@ def positions(model_input: ModelInput) -> int:
     return sum(len(c.tokens) if isinstance(c, EncodedTextChunk) else c.expected_tokens or 0 for c in model_input.chunks)
 
 
+def cancelled_counts(request: SampleRequest, sampled_tokens: int) -> dict[str, int]:
+    """A cancelled stream's tokens: its prompt, prefilled, and what its rows drew before they left the batch."""
+    prompt = positions(request.prompt) if isinstance(request.prompt, ModelInput) else len(request.prompt)
+    return {"prefill_tokens": prompt, "sampled_tokens": sampled_tokens}
+
+
 def token_counts(request: OpRequest, response: BaseModel | None) -> dict[str, int]:
     if isinstance(request, ForwardRequest):  # and ForwardBackwardRequest, its subclass
         tokens = sum(positions(d.model_input) for d in request.data)
         return {"trained_tokens": tokens} if request.stateful else {"prefill_tokens": tokens}
     if isinstance(request, SampleRequest) and isinstance(response, SampleResponse):
-        prompt = positions(request.prompt) if isinstance(request.prompt, ModelInput) else len(request.prompt)
-        return {"prefill_tokens": prompt, "sampled_tokens": sum(len(s.tokens) for s in response.sequences)}
+        return cancelled_counts(request, sum(len(s.tokens) for s in response.sequences))
     return {}
 
 
@@ -64,9 +72,14 @@ class UsageRecorder:
         seconds: float,
         outcome: str,
         memory_bytes: int = 0,
+        billed_tokens: dict[str, int] | None = None,
     ) -> OpUsage | None:
-        """The worker's metrics of one op; returns the usage to meter (None for a failed op, which is not billed).
+        """The worker's metrics of one op; returns the usage to meter (None for a failed op, which is not billed,
+        unless `billed_tokens` says what it consumed all the same: a cancelled stream's).
         `memory_bytes`: what the session's trained weights hold (`SessionRecord.memory_bytes`)."""
+        billed = outcome == "ok" or billed_tokens is not None
+        if billed_tokens is None:
+            billed_tokens = token_counts(request, response) if outcome == "ok" else {}
         usage = OpUsage(
             session_id=session_id,
             op_id=op_id,
@@ -75,10 +88,10 @@ class UsageRecorder:
             base_model=base_model,
             compute_s=seconds,
             memory_gib_s=memory_bytes / 2**30 * seconds,
-            **(token_counts(request, response) if outcome == "ok" else {}),
+            **billed_tokens,
         )
-        metrics.observe_op(request.op, base_model, seconds, outcome, usage if outcome == "ok" else None)
-        return usage if outcome == "ok" else None
+        metrics.observe_op(request.op, base_model, seconds, outcome, usage if billed else None)
+        return usage if billed else None
 
     def record(self, usage: OpUsage, client=None) -> None:
         """Meter it durably, once per (session, op id); `client`: a pipeline to queue the record on."""
@@ -97,11 +110,15 @@ class UsageRecorder:
         response: BaseModel | None,
         seconds: float,
         outcome: str,
+        error: TreadleError | None = None,
     ) -> OpUsage | None:
         """Observe an op of a base model's control queue (create_session, sample); returns the usage to meter (`record`)
-        if it succeeded. A sample's owner is read from its session's record only when the request names none; a
+        if it succeeded, or if it is a stream its client cancelled after its prefill (`error`), which is billed for the
+        tokens it consumed. A sample's owner is read from its session's record only when the request names none; a
         create counts the memory its new session holds."""
-        memory = 0
+        memory, billed_tokens = 0, None
+        if isinstance(error, SampleCancelledError) and error.sampled_tokens is not None:
+            outcome, billed_tokens = "cancelled", cancelled_counts(cast(SampleRequest, request), error.sampled_tokens)
         if isinstance(request, CreateSessionRequest):
             session_id, owner = request.session_id, request.owner
             if outcome == "ok" and (created := sessions.get(session_id)) is not None:
@@ -122,4 +139,5 @@ class UsageRecorder:
             seconds=seconds,
             outcome=outcome,
             memory_bytes=memory,
+            billed_tokens=billed_tokens,
         )

@@ -233,7 +233,8 @@ class SampleScheduler:
             drawn = {row.index: len(row.tokens) for row in self._batch.drop(job)}
             tokens = [len(s.tokens) if s is not None else drawn.get(k, 0) for k, s in enumerate(job.sequences)]
             cast(TokenStream, job.stream).dropped(tokens, len(self._batch))
-            self._finish(job, SampleCancelledError(f"sample: its client cancelled it after {max(tokens)} tokens"))
+            cancelled = f"sample: its client cancelled it after {max(tokens)} tokens"
+            self._finish(job, SampleCancelledError(cancelled, sampled_tokens=sum(tokens)))
 
     def _tenants(self) -> dict[str, float]:
         """Whom the next round serves, by rows: the running batch's requests and the waiting ones."""
