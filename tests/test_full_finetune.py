@@ -262,3 +262,20 @@ def test_full_session_trains_with_every_loss(tiny_stack):
     saved = saved_tensors(client(stack), tc.save_state("frozen-embeddings").result(timeout=60).path)
     assert "model.embed_tokens.weight" in saved  # the directory is a whole model; the embeddings are the base's
     tc.stop()
+
+
+def test_a_follower_rank_builds_the_full_session_its_rank_0_admitted(tiny_model_dir):
+    """Rank 0 admits a full session for its whole device group; a follower that refused one rank 0 had made (its own
+    free memory a little lower) would take the group down each time the session came back to it."""
+    from treadle.gpu_worker.engine import Engine
+    from treadle.types import LoraConfig
+
+    engine = Engine(tiny_model_dir, full_session_memory=1)  # one byte: no full session fits
+    try:
+        with pytest.raises(InsufficientMemoryError):
+            engine.create_session("refused", LoraConfig(rank=4), full=FullConfig())
+        engine.full_memory.decides = False  # as treadle.gpu_worker.parallel.device_group sets it on a follower
+        engine.create_session("replica", LoraConfig(rank=4), full=FullConfig())
+        assert engine.step("replica") == 0
+    finally:
+        engine.close()

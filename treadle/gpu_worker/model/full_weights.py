@@ -126,6 +126,7 @@ class FullMemory:
         self.budget_tokens = budget_tokens
         self.limit = limit
         self.sharded = sharded  # the host's weights are shards (`--shard`): so are a full session's, on each rank
+        self.decides = True  # False on a device group's follower ranks: rank 0 admits for the group
 
     def session_bytes(self, config: FullConfig) -> int:
         return session_bytes(self.host.model, config, self.host.dtype)
@@ -144,7 +145,7 @@ class FullMemory:
         state = self.session_bytes(config)
         activations = int(self.budget_tokens * activation_bytes_per_token(self.host.model.config, self.host.dtype))
         need, free = state + activations, self.free(held)
-        if need > free:
+        if self.decides and need > free:
             raise InsufficientMemoryError(
                 f"full fine-tuning of {self.host.name}: needs {need} bytes{' per rank' if self.sharded else ''} "
                 f"({state} for weights, gradients and AdamW "

@@ -131,8 +131,6 @@ def group_spec(config) -> dict:
         "loglevel": config.loglevel,
         "backend": backend,
         "shard": config.shard,
-        # A full session rank 0 admits must fit every rank: they count against the same limit.
-        "full_session_memory": config.full_session_memory,
         "init_method": f"tcp://{config.master_addr}:{config.master_port}"
         if across
         else f"tcp://127.0.0.1:{free_port()}",
@@ -344,8 +342,10 @@ def follower_main(spec: dict) -> None:
             max_tokens_per_microbatch=spec["max_tokens_per_microbatch"],
             activation_checkpointing=spec["activation_checkpointing"],
             shard=spec["shard"],
-            full_session_memory=spec["full_session_memory"],
         )
+        # Rank 0 admits a full session for the whole group (by its own free memory or --full_session_memory): a
+        # follower that refused one after rank 0 made it would take the group down, every time the session came back.
+        engines[name].full_memory.decides = False
     if spec["shard"]:
         for engine in engines.values():  # a probe forward at load (every rank's) may have left a unit whole
             end_of_op(engine)
