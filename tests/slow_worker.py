@@ -4,7 +4,9 @@ python -m tests.slow_worker OP SECONDS <treadle worker options...>
     the handler of session op OP sleeps SECONDS first, every time;
 python -m tests.slow_worker --when-asked <treadle worker options...>
     a sampler prefill, a sampler decode step, a compute_logprobs batch or a session creation (once it has
-    registered the session) sleeps while the test asks for it: the seconds are the value of Redis key `tests:slow:<prefill|step|logprobs|create>`.
+    registered the session) sleeps while the test asks for it: the seconds are the value of Redis key `tests:slow:<prefill|step|logprobs|create>`;
+    and the worker SIGKILLs itself, as a worker that a request crashes does (an OOM kill, a segfault), when it
+    starts a sample or a forward_backward whose tokens hold the token id that Redis key `tests:poison` names.
 python -m tests.slow_worker --fail-when-asked <treadle worker options...>
     every decoder layer of this process's models raises RuntimeError while Redis key `tests:fail:layer` is set: a
     forward that fails part-way, as one out of device memory does (a device group's followers are not affected).
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import os
+import signal
 import sys
 import time
 
@@ -21,7 +24,7 @@ import redis
 
 from treadle.cli import main
 from treadle.gpu_worker.sessions import op_handlers
-from treadle.queue.ops import op_request
+from treadle.queue.ops import ForwardBackwardRequest, op_request
 
 
 def slow_down(op: str, seconds: float) -> None:
@@ -55,6 +58,35 @@ def slow_when_asked() -> None:
             return _original(self, *args)
 
         setattr(cls, method, slow)
+    die_when_poisoned(client)
+
+
+def die_when_poisoned(client: redis.Redis) -> None:
+    """A sample or forward_backward holding the token `tests:poison` names kills this process (SIGKILL)."""
+    from treadle.gpu_worker.executor.sample_requests import Sampling
+
+    def poisoned(tokens: list[int]) -> bool:
+        token = client.get("tests:poison")
+        return token is not None and int(token) in tokens
+
+    sample = Sampling.sample
+
+    @functools.wraps(sample)
+    def sample_or_die(self, req):
+        prompt = req.prompt if isinstance(req.prompt, list) else req.prompt.to_ints()
+        if poisoned(prompt):
+            os.kill(os.getpid(), signal.SIGKILL)
+        return sample(self, req)
+
+    Sampling.sample = sample_or_die
+    forward_backward = op_handlers.HANDLERS[ForwardBackwardRequest]
+
+    def forward_backward_or_die(request, ctx):
+        if poisoned([t for d in request.data for t in d.model_input.to_ints()]):
+            os.kill(os.getpid(), signal.SIGKILL)
+        return forward_backward(request, ctx)
+
+    op_handlers.HANDLERS[ForwardBackwardRequest] = forward_backward_or_die
 
 
 def fail_when_asked() -> None:

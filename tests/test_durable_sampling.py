@@ -6,7 +6,8 @@ compute_logprobs batch or a session creation while a test asks (`tests.slow_work
 where it should. The worker running the requests is SIGKILLed, and every future is answered with what an
 uninterrupted run gives, through the SDK, the gateway's OpenAI endpoint and the official tinker SDK alike: a
 seeded request's rows do not depend on their batch on CPU, so a re-run from the prompt draws the same tokens with
-the same logprobs.
+the same logprobs. The workers also kill themselves on a request holding the token a test names: such a request
+is answered with CrashingRequestError once it has killed two of them.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from tests.fixtures.gateway import ALICE_KEY, gateway_settings
 from tests.test_durability import adapter_of, assert_same_adapter
 from treadle import AdamParams, Datum, ModelInput, SamplingParams, ServiceClient
 from treadle.gateway.server import BackgroundGateway
+from treadle.errors import CrashingRequestError
 from treadle.local_stack import LocalStack
 from treadle.queue import names
 
@@ -283,3 +285,82 @@ def test_grpo_loop_with_three_kills_while_sampling_equals_the_uninterrupted_run(
         tc.optim_step(ADAM)
     final = adapter_of(sc, tc.save_state("final").result(timeout=300).path)
     assert_same_adapter(final, grpo_reference(tiny_model_dir))
+
+
+# ---------------------------------------------------------------- a request that kills every worker that runs it
+
+POISON = 300  # a token id no other request of the module holds: a worker that runs it SIGKILLs itself
+
+
+def let_it_kill(stack: LocalStack, deaths: int = 2) -> None:
+    """Wait until `deaths` workers died (SIGKILLed by the poisoned request), starting a worker whenever none is
+    left, as a supervisor would; then one live worker is there to answer the request (bounded wait)."""
+    dead, deadline = 0, time.monotonic() + 300
+    while dead < deaths:
+        for proc in [p for p in stack.workers if p.poll() is not None]:
+            assert proc.returncode == -signal.SIGKILL
+            stack.workers.remove(proc)
+            dead += 1
+        if not stack.workers:
+            stack.start_worker()
+        assert time.monotonic() < deadline, f"{dead} workers died, not {deaths}"
+        time.sleep(0.2)
+    if not stack.workers:
+        stack.start_worker()
+
+
+def poison_batch() -> list[Datum]:
+    return [
+        Datum(
+            model_input=ModelInput.from_ints([5, POISON, 7]),
+            loss_fn_inputs={"target_tokens": [POISON, 7, 9], "weights": [1.0] * 3},
+        )
+    ]
+
+
+def test_a_request_that_kills_its_workers_is_answered_with_an_error(stack, sc, sampler):
+    """A sample that kills each worker that runs it, then a forward_backward that kills each owner of its session:
+    each kills two workers, and the third answers it with CrashingRequestError (the SDK raises it, naming the
+    request, the op, the deaths and the option), serves what follows, and logs it. The session goes on as if the
+    op had never been sent, also when it is rebuilt from its journal (which holds the op) after another death."""
+    reference = sc.create_lora_training_client("tiny", rank=8, seed=SEED)
+    reference.forward_backward(batch(1), "cross_entropy")
+    reference.optim_step(ADAM)
+    expected = adapter_of(sc, reference.save_state("without-poison").result(timeout=300).path)
+    while len(stack.workers) < 2:
+        stack.start_worker()
+    consuming(sc, 2)
+    sc.ops.redis.set("tests:poison", POISON)
+    try:
+        poisoned = sampler.sample(ModelInput.from_ints([5, POISON, 7]), 1, SamplingParams(max_tokens=4, seed=1))
+        let_it_kill(stack)
+        with pytest.raises(CrashingRequestError) as failed:
+            poisoned.result(timeout=300)
+        for part in (poisoned.id, "sample request", "2 workers died", "max_request_crashes=2"):
+            assert part in failed.value.message
+        sample_id = poisoned.id
+        assert sampler.sample(PROMPTS[0], 1, SamplingParams(max_tokens=4, seed=1)).result(timeout=120).sequences
+
+        while len(stack.workers) < 2:
+            stack.start_worker()
+        consuming(sc, 2)
+        tc = sc.create_lora_training_client("tiny", rank=8, seed=SEED)
+        poisoned = tc.forward_backward(poison_batch(), "cross_entropy")
+        let_it_kill(stack)
+        with pytest.raises(CrashingRequestError) as failed:
+            poisoned.result(timeout=300)
+        for part in (poisoned.id, "forward_backward request", "2 workers died"):
+            assert part in failed.value.message
+        tc.forward_backward(batch(1), "cross_entropy")
+        tc.optim_step(ADAM).result(timeout=120)
+        kill_worker(stack, sc, sc.ops.session_info(tc.session_id).worker or "")
+        stack.start_worker()  # it rebuilds the session from its journal, poisoned op included: it must not run it
+        assert_same_adapter(adapter_of(sc, tc.save_state("after-poison").result(timeout=300).path), expected)
+    finally:
+        sc.ops.redis.delete("tests:poison")
+    assert all(p.poll() is None for p in stack.workers)
+    logs = "".join(
+        open(os.path.join(stack.home, "logs", f)).read() for f in os.listdir(os.path.join(stack.home, "logs"))
+    )
+    assert f"not running sample request {sample_id}" in logs
+    assert f"of session {tc.session_id}: 2 workers died running it" in logs

@@ -147,6 +147,20 @@ class RequestExpiredError(ServerError):
     """A request went unanswered past its lifetime (`sample_ttl_s`): its wait ends, as nothing will answer it."""
 
 
+class CrashingRequestError(ServerError):
+    """Every worker that ran the request died running it (`max_request_crashes` of them): it is answered with this
+    instead of being run again, so that one request cannot take down each worker of its model in turn."""
+
+    @classmethod
+    def after(cls, op: str, request_id: str, crashes: int, limit: int) -> "CrashingRequestError":
+        """The answer to request `request_id` (its future id) whose workers died running it `crashes` times."""
+        return cls(
+            f"{op} request {request_id} was not run again: {crashes} workers died while running it "
+            f"(max_request_crashes={limit}, the workers' --max_request_crashes); it likely crashes any worker (out of "
+            "memory, a kernel fault): change the request, or raise the limit once the cause is fixed"
+        )
+
+
 _REGISTRY: dict[str, type[TreadleError]] = {
     cls.__name__: cls
     for cls in [
@@ -174,5 +188,6 @@ _REGISTRY: dict[str, type[TreadleError]] = {
         SessionLostError,
         FutureTimeoutError,
         RequestExpiredError,
+        CrashingRequestError,
     ]
 }

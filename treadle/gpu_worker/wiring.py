@@ -98,7 +98,15 @@ def build_worker(config: WorkerConfig) -> WorkerService:
     linger = Linger(redis, hostname, config.linger_ms / 1000, config.anticipate_ms / 1000)
     turns = TurnScheduler(host, linger, fair=FairShare(config.owner_weights), metrics=TURN_METRICS)
     recorder = OpRecorder(app, stores, usage, linger)
-    sequencer = Sequencer(host, app, stores=stores, turns=turns, recorder=recorder, autosaver=autosaver)
+    sequencer = Sequencer(
+        host,
+        app,
+        stores=stores,
+        turns=turns,
+        recorder=recorder,
+        autosaver=autosaver,
+        max_crashes=config.max_request_crashes,
+    )
     failover = Failover(
         host,
         sequencer,
@@ -121,6 +129,7 @@ def build_worker(config: WorkerConfig) -> WorkerService:
         deliver=deliver,
         one_write=results.in_redis(urls.broker),
         rerun={CreateSessionRequest: failover.resume_create},
+        max_crashes=config.max_request_crashes,
     )
     register_tasks(app, sequencer, control)
     return WorkerService(

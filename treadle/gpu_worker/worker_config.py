@@ -191,6 +191,11 @@ class WorkerConfig(BaseModel):
         ge=0,
         description="Sample rows (num_samples summed over requests) one owner may have submitted and not yet answered; past it a sample request is refused with CapacityError (HTTP 429 with Retry-After; the treadle SDK waits for room) and queues nothing, unless nothing of the owner is queued (0: no bound). Published for clients to check; give every worker the same.",
     )
+    max_request_crashes: int = Field(
+        default=2,
+        ge=1,
+        description="A request (sample, compute_logprobs, create_session, a session's op) whose workers died while running it this many times is not run again: the next worker answers it with CrashingRequestError and logs it, so that one request that crashes its worker (a prefill that gets the process OOM-killed, a kernel that segfaults) cannot take down every worker of its model in turn. Give every worker the same.",
+    )
     logprob_audit_fraction: float = Field(
         default=0.01,
         ge=0.0,

@@ -15,6 +15,12 @@ claim in the transaction that stores it (`queue_done`), and only while the claim
 (treadle.gpu_worker.executor.control_ops): an answer is stored once, and a worker that lost its claim has its
 late answer dropped.
 
+A claim that lapsed (its claimer died, or stalled past the lease) is counted in the request's record when the
+request is claimed next (`crashes`); a claim given back at a warm shutdown (`release`) is not. A request that
+kills every worker that runs it (a prefill that gets the process OOM-killed, a kernel that crashes it) would
+otherwise take down each worker of its model in turn: the worker that claims it after `max_request_crashes`
+such deaths answers it with an error instead of running it (treadle.gpu_worker.executor.control_ops).
+
 A request not answered within its lifetime expires: its record goes, no worker runs it any more, and `is_held`
 says so. A sample's lifetime is the one its waits are bounded by (`sample_ttl_s`, treadle.queue.wait_bounds), so a
 wait that gives up on a sample gives up on a request no worker would still run; a session creation's is
@@ -39,16 +45,30 @@ CONTROL_REQUEST_TTL_S = 24 * 3600
 # long behind a busy worker's long training op, and running such a request early is harmless (claims dedupe).
 UNCLAIMED_RERUN_S = 60.0
 
-# KEYS: the request's hash, its claim. ARGV: the claimer, the claim's TTL (ms). Answers {epoch, op, body, model}
-# when claimed, {-1} when the request is not held (answered, or expired), {-2} when another worker's claim is live.
+# KEYS: the request's hash, its claim. ARGV: the claimer, the claim's TTL (ms). Answers {epoch, op, body, model,
+# crashes} when claimed, {-1} when the request is not held (answered, or expired), {-2} when another worker's claim
+# is live. An earlier claim that is gone and was not given back (`released`) lapsed: its claimer died.
 _CLAIM = """
-local req = redis.call('HMGET', KEYS[1], 'op', 'body', 'model')
+local req = redis.call('HMGET', KEYS[1], 'op', 'body', 'model', 'epoch', 'released', 'crashes')
 if not req[2] then return {-1} end
 if redis.call('EXISTS', KEYS[2]) == 1 then return {-2} end
+local last = tonumber(req[4]) or 0
+local crashes = tonumber(req[6]) or 0
+if last > 0 and tonumber(req[5]) ~= last then
+  crashes = redis.call('HINCRBY', KEYS[1], 'crashes', 1)
+end
 local epoch = redis.call('HINCRBY', KEYS[1], 'epoch', 1)
 redis.call('HSET', KEYS[1], 'worker', ARGV[1])
 redis.call('SET', KEYS[2], ARGV[1] .. ':' .. epoch, 'PX', ARGV[2])
-return {epoch, req[1], req[2], req[3]}
+return {epoch, req[1], req[2], req[3], crashes}
+"""
+# KEYS: the request's hash, its claim. ARGV: the claim's token, its epoch. Gives the claim back if it is still
+# this one, and marks it given back in the record (if the request is still held) so that it counts no death.
+_RELEASE = """
+if redis.call('GET', KEYS[2]) ~= ARGV[1] then return 0 end
+redis.call('DEL', KEYS[2])
+if redis.call('EXISTS', KEYS[1]) == 1 then redis.call('HSET', KEYS[1], 'released', ARGV[2]) end
+return 1
 """
 
 
@@ -61,6 +81,7 @@ class ClaimedRequest:
     op: str
     raw_request: bytes
     base_model: str
+    crashes: int = 0  # earlier claims that ended with their claimer's death (they lapsed, not given back)
 
     @property
     def rerun(self) -> bool:
@@ -79,6 +100,7 @@ class ControlRequests:
         self.redis = redis
         self.claims = LeaseManager(redis, holder, ttl_ms, key=names.control_claim_key)
         self._claim = redis.register_script(_CLAIM)
+        self._release = redis.register_script(_RELEASE)
 
     # ------------------------------------------------------------ the client
     @staticmethod
@@ -109,7 +131,13 @@ class ControlRequests:
         if int(answer[0]) < 0:
             return None
         op, model = (v.decode() if isinstance(v, bytes) else v for v in (answer[1], answer[3]))
-        return ClaimedRequest(future_id, int(answer[0]), op, answer[2], model)
+        return ClaimedRequest(future_id, int(answer[0]), op, answer[2], model, int(answer[4]))
+
+    def release(self, future_id: str, epoch: int) -> None:
+        """Give back this worker's claim at `epoch` (a warm shutdown): the next claim runs the request at once, and
+        does not count this one as a death."""
+        keys = [names.control_request_key(future_id), names.control_claim_key(future_id)]
+        self._release(keys=keys, args=[self.claims.token(epoch), epoch])
 
     def orphans(self, base_model: str, unclaimed_after_s: float = UNCLAIMED_RERUN_S) -> list[str]:
         """The model's held requests that nobody runs: claimed before and the claim lapsed, or never claimed for

@@ -6,7 +6,7 @@ thread that a long op does not block. Every takeover bumps the session's epoch; 
 partitioned) can never write over its successor's state.
 
 The same lease, under another key, is a worker's claim on a control request it runs
-(`treadle.queue.control_requests`): one token format, one renewal, one release.
+(`treadle.queue.control_requests`): one token format, one renewal (a claim's release also marks its request).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ class LeaseManager:
         self._renew = redis.register_script(_RENEW)
         self._release = redis.register_script(_RELEASE)
 
-    def _token(self, epoch: int) -> str:
+    def token(self, epoch: int) -> str:
         return f"{self.holder}:{epoch}"
 
     def acquire(self, session_id: str) -> int | None:
@@ -50,12 +50,12 @@ class LeaseManager:
         if not self.redis.set(self.key(session_id), placeholder, nx=True, px=self.ttl_ms):
             return None
         epoch = int(self.redis.hincrby(names.session_key(session_id), "epoch", 1))
-        self.redis.set(self.key(session_id), self._token(epoch), px=self.ttl_ms)
+        self.redis.set(self.key(session_id), self.token(epoch), px=self.ttl_ms)
         self.redis.hset(names.session_key(session_id), "worker", self.holder)
         return epoch
 
     def renew(self, session_id: str, epoch: int) -> bool:
-        return bool(self._renew(keys=[self.key(session_id)], args=[self._token(epoch), self.ttl_ms]))
+        return bool(self._renew(keys=[self.key(session_id)], args=[self.token(epoch), self.ttl_ms]))
 
     def renew_all(self, held: dict[str, int]) -> list[str]:
         """Renew every lease of `held` (id -> epoch) in one round trip; the ids whose lease was not ours any more."""
@@ -63,7 +63,7 @@ class LeaseManager:
             return []
         with self.redis.pipeline(transaction=False) as pipe:
             for lease_id, epoch in held.items():
-                self._renew(keys=[self.key(lease_id)], args=[self._token(epoch), self.ttl_ms], client=pipe)
+                self._renew(keys=[self.key(lease_id)], args=[self.token(epoch), self.ttl_ms], client=pipe)
             renewed = pipe.execute()
         return [lease_id for lease_id, ok in zip(held, renewed) if not ok]
 
@@ -73,10 +73,10 @@ class LeaseManager:
     def is_ours(self, value: bytes | str | None, epoch: int) -> bool:
         """Whether a value read from the lease key (see `holds`) is this holder's lease at `epoch`."""
         value = value.decode() if isinstance(value, bytes) else value
-        return value == self._token(epoch)
+        return value == self.token(epoch)
 
     def release(self, session_id: str, epoch: int) -> None:
-        self._release(keys=[self.key(session_id)], args=[self._token(epoch)])
+        self._release(keys=[self.key(session_id)], args=[self.token(epoch)])
 
     def is_held(self, session_id: str) -> bool:
         return bool(self.redis.exists(self.key(session_id)))

@@ -76,6 +76,16 @@ class SessionRecord(BaseModel):
         default=0.0,
         description="Estimated seconds until its next op starts, from the measured costs of the ops ahead of it.",
     )
+    # ops that crash their worker (treadle.gpu_worker.executor.failover)
+    running: int = Field(
+        default=0, description="Seq of the op its worker started last: above `applied`, the worker died running it."
+    )
+    crashed_seq: int = Field(default=0, description="Seq of the last op whose worker died running it.")
+    crashes: int = Field(default=0, description="Workers that died running op `crashed_seq`.")
+    crashed_ops: list[int] = Field(
+        default_factory=list,
+        description="Seqs answered with CrashingRequestError instead of running: a rebuild does not replay them.",
+    )
 
 
 def inactive_error(session_id: str, record: SessionRecord | None) -> TreadleError:
@@ -112,15 +122,39 @@ _INT_FIELDS = {
     "max_owner_queued_ops",
     "queue_position",
     "memory_bytes",
+    "running",
+    "crashed_seq",
+    "crashes",
 }
 _FLOAT_FIELDS = {"created_at", "last_activity", "op_cost_s", "queue_wait_s"}
-_JSON_FIELDS = {"lora", "full", "user_metadata"}
+_JSON_FIELDS = {"lora", "full", "user_metadata", "crashed_ops"}
 _BOOL_FIELDS = {"checkpoint_with_optimizer"}
+
+
+# KEYS: a session's record. Answers {crashed_seq, crashes, 1 if a death was counted now}: the op marked running
+# above `applied` killed its worker (the mark is taken, so one death counts once, whoever adopts the session).
+_COUNT_CRASH = """
+local f = redis.call('HMGET', KEYS[1], 'running', 'applied', 'crashed_seq', 'crashes')
+local running, applied = tonumber(f[1]) or 0, tonumber(f[2]) or 0
+local seq, crashes = tonumber(f[3]) or 0, tonumber(f[4]) or 0
+if running <= applied then return {seq, crashes, 0} end
+redis.call('HDEL', KEYS[1], 'running')
+if seq == running then crashes = crashes + 1 else seq, crashes = running, 1 end
+redis.call('HSET', KEYS[1], 'crashed_seq', seq, 'crashes', crashes)
+return {seq, crashes, 1}
+"""
 
 
 class SessionRegistry:
     def __init__(self, redis):
         self.redis = redis
+        self._count_crash = redis.register_script(_COUNT_CRASH)
+
+    def count_crash(self, session_id: str) -> tuple[int, int, bool]:
+        """On adoption: count a death of the previous owner while it ran an op (see `SessionRecord.running`). The
+        seq of the last op that killed a worker, how many workers it killed (0, 0: none), whether one counted now."""
+        seq, crashes, counted = self._count_crash(keys=[names.session_key(session_id)])
+        return int(seq), int(crashes), bool(counted)
 
     def create(self, record: SessionRecord) -> bool:
         key = names.session_key(record.session_id)

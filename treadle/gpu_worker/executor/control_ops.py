@@ -6,7 +6,9 @@ answer is stored; a doorbell for a request claimed elsewhere or answered runs no
 runs again every request of a served model whose claimer died: sampling from its prompt and seed (the CPU
 sampler's rows do not depend on their batch, so a re-run gives the same tokens and logprobs), a session creation
 by adopting what its first run made (`rerun` handlers) or making it. A streamed sample is re-run only if it had
-streamed nothing yet; one whose stream has tokens fails with an error that says so (`_not_rerun`).
+streamed nothing yet; one whose stream has tokens fails with an error that says so (`_not_rerun`). A request
+whose earlier claimers died running it `max_crashes` times is answered with CrashingRequestError instead (it
+would most likely kill this worker too), and logged.
 
 A handler may answer with a future (sampling does): its result is stored when it resolves, and the task returns
 at once, so the pool thread is free for the next message meanwhile. The future resolves on the thread that
@@ -33,7 +35,7 @@ from typing import Callable
 from pydantic import BaseModel
 from redis.exceptions import WatchError
 
-from treadle.errors import ServerError, TreadleError
+from treadle.errors import CrashingRequestError, ServerError, TreadleError
 from treadle.gpu_worker.executor.usage import UsageRecorder
 from treadle.metering import SDK_OWNER
 from treadle.queue import names, sample_stream
@@ -63,10 +65,13 @@ class ControlOps:
         deliver: Executor,
         one_write: bool,
         rerun: dict[type[OpRequest], Handler] | None = None,
+        max_crashes: int = 2,
     ):
         """`one_write`: results live in the broker's Redis (`ResultStore.in_redis`), so an answer is one transaction.
-        `rerun`: the handler of a request an earlier claim ran (in part), where it differs from the first run's."""
+        `rerun`: the handler of a request an earlier claim ran (in part), where it differs from the first run's.
+        `max_crashes`: the worker's `max_request_crashes`."""
         self.requests, self.handlers, self.rerun = requests, handlers, rerun or {}
+        self.max_crashes = max_crashes
         self.models, self.registry, self.usage, self.results = models, registry, usage, results
         self.deliver, self.one_write = deliver, one_write
         self._held: dict[str, int] = {}  # future id -> epoch of this worker's claim
@@ -95,7 +100,7 @@ class ControlOps:
         with self._lock:
             held, self._held = dict(self._held), {}
         for future_id, epoch in held.items():
-            self.requests.claims.release(future_id, epoch)
+            self.requests.release(future_id, epoch)
 
     # ------------------------------------------------------------ a request
     def run(self, future_id: str) -> bool:
@@ -136,8 +141,19 @@ class ControlOps:
         return True
 
     def _not_rerun(self, claim: ClaimedRequest, request: OpRequest) -> TreadleError | None:
-        """Why a request an earlier claim ran may not run again: a streamed sample whose stream has tokens (a
-        re-run would stream them a second time; a stream does not resume on another worker)."""
+        """Why a request an earlier claim ran may not run again: its claimers died running it `max_crashes` times (it
+        would most likely kill this worker too), or it is a streamed sample whose stream has tokens (a re-run would
+        stream them a second time; a stream does not resume on another worker)."""
+        if claim.crashes >= self.max_crashes:
+            log.error(
+                "not running %s request %s: %d workers died running it (--max_request_crashes %d); answered with "
+                "CrashingRequestError",
+                request.op,
+                claim.future_id,
+                claim.crashes,
+                self.max_crashes,
+            )
+            return CrashingRequestError.after(request.op, claim.future_id, claim.crashes, self.max_crashes)
         stream_id = request.stream_id if isinstance(request, SampleRequest) else None
         if stream_id is None or not sample_stream.started(self.requests.redis, stream_id):
             return None

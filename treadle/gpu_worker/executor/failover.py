@@ -5,6 +5,11 @@ the session from its last checkpoint and journal, subscribes to the queue, and r
 journal holds. The client's futures simply resolve later. A caretaker pass does this for every orphan,
 and unloads sessions that sat idle.
 
+The adopter also counts the death against the op the owner was running, if it was running one (its seq is
+marked running in the record before it runs, treadle.gpu_worker.executor.sequencer): an op that killed
+`max_request_crashes` workers is answered with CrashingRequestError instead of being run again, so one op
+that crashes its worker cannot take down every worker of its model in turn.
+
 Nothing is taken back from the dead owner's Celery messages: they are doorbells, and the journal has
 every op they rang for (the broker runs without kombu's ack emulation, see treadle.queue.celery_app).
 """
@@ -72,11 +77,16 @@ class Failover:
             return False
         t0 = time.monotonic()
         with host.op_lock:
+            crashed = self._count_crash(session_id)
             record = host.registry.get(session_id)
             # Owned before the rebuild, so the heartbeat renews the lease while a long replay runs
             # (a replay longer than the lease TTL would otherwise lose the session it is rebuilding).
             host.owned[session_id] = OwnedSession(
-                record=record, epoch=epoch, applied=record.applied, checkpointed=record.checkpoint_seq
+                record=record,
+                epoch=epoch,
+                applied=record.applied,
+                checkpointed=record.checkpoint_seq,
+                crashed=crashed if crashed[0] == record.applied + 1 else None,
             )
             try:
                 timings = host.rebuild(record)
@@ -113,6 +123,16 @@ class Failover:
             owned.max_seen = max([owned.applied, *host.journal.seqs(session_id)])
             self.sequencer.drain(session_id)
         return True
+
+    def _count_crash(self, session_id: str) -> tuple[int, int]:
+        """The op that killed the previous owner, counted (`SessionRegistry.count_crash`): (seq, deaths) when its
+        deaths reach `max_request_crashes`, else (0, 0)."""
+        seq, deaths, counted = self.host.registry.count_crash(session_id)
+        if counted:
+            log.warning(
+                "session %s: its worker died running op %d (workers that died running it: %d)", session_id, seq, deaths
+            )
+        return (seq, deaths) if deaths >= self.sequencer.max_crashes else (0, 0)
 
     def resume_create(self, req: CreateSessionRequest) -> CreateSessionResponse:
         """Run again a session creation whose worker died in it (treadle.gpu_worker.executor.control_ops): a session

@@ -13,6 +13,11 @@ marked applied rings no doorbell at all (treadle.queue.journal): this read is wh
 client (`forward_backward` then `optim_step`) costs one Celery message per burst. Should a doorbell ever be
 missing (a drain that died with an op next in line), the caretaker's `nudge_stalled` rings it.
 
+Before an op runs, its seq is marked running in the session's record (one write): a worker that adopts the
+session after its owner died finds there the op that was running, and counts the death against it
+(treadle.gpu_worker.executor.failover). An op that killed `max_request_crashes` workers is answered with
+CrashingRequestError instead of running, like an op that raised: it changes nothing, and a rebuild skips it.
+
 Which owned session's op runs next, how far a pass reads ahead and what a Celery task takes after its drain
 are the turn scheduler's (treadle.gpu_worker.executor.turn_scheduler); this module runs what it is given.
 """
@@ -20,12 +25,13 @@ are the turn scheduler's (treadle.gpu_worker.executor.turn_scheduler); this modu
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import time
 
 from celery import Celery
 
-from treadle.errors import ServerError, TreadleError
+from treadle.errors import CrashingRequestError, ServerError, TreadleError
 from treadle.gpu_worker.executor.op_record import FinishedOp, NextEntry, OpRecorder
 from treadle.gpu_worker.executor.turn_scheduler import Due, Turn, TurnScheduler
 from treadle.gpu_worker.scheduling.device_lock import serving
@@ -53,7 +59,9 @@ class Sequencer:
         turns: TurnScheduler,
         recorder: OpRecorder,
         autosaver: Autosaver,
+        max_crashes: int = 2,
     ):
+        """`max_crashes`: the worker's `max_request_crashes` (see the module docstring)."""
         self.sessions = sessions  # the owned sessions and their life (release, finish)
         self.app = app
         self.registry, self.journal, self.lease = stores.registry, stores.journal, stores.lease
@@ -62,6 +70,7 @@ class Sequencer:
         self.recorder = recorder
         self.results = recorder.results
         self.autosaver = autosaver  # checkpoints after an op; an idle-unloaded session comes back before its next op
+        self.max_crashes = max_crashes
 
     def on_doorbell(self, session_id: str, seq: int) -> None:
         """A Celery task: run the session's ops up to `seq` (and what follows), then take the ops handed to
@@ -136,9 +145,15 @@ class Sequencer:
     def _run(self, owned: OwnedSession, entry: JournalEntry) -> FinishedOp:
         """Run one op and meter it."""
         started, request, response, payload, error = time.monotonic(), None, None, None, None
+        crashed = owned.crashed is not None and owned.crashed[0] == entry.seq
+        if not crashed:
+            mark = functools.partial(self.registry.update, entry.session_id, running=entry.seq)
+            through_outages(mark, what="marking an op running")
         try:
             handler = handler_for(entry.op)
             request: OpRequest = entry.request()
+            if crashed:
+                raise self._crashing(owned, entry)
             with serving(entry.session_id):  # the device's turns count this op's time for its session
                 response = handler(request, self.sessions.context(owned, entry.seq))
             payload = encode_result(entry.op, response)
@@ -169,6 +184,28 @@ class Sequencer:
                 memory_bytes=owned.record.memory_bytes,
             )
         return FinishedOp(entry, seconds, payload=payload, error=error, usage=usage, step=step)
+
+    def _crashing(self, owned: OwnedSession, entry: JournalEntry) -> CrashingRequestError:
+        """The answer to the op that killed `max_crashes` workers, recorded first among the ops a rebuild skips."""
+        _, deaths = owned.crashed or (entry.seq, 0)
+        owned.crashed = None
+        owned.record.crashed_ops = [*owned.record.crashed_ops, entry.seq]
+        through_outages(
+            lambda: self.registry.update(entry.session_id, crashed_ops=owned.record.crashed_ops),
+            what="recording an op that crashes its workers",
+        )
+        log.error(
+            "not running op %d (%s) of session %s: %d workers died running it (--max_request_crashes %d); answered "
+            "with CrashingRequestError",
+            entry.seq,
+            entry.op,
+            entry.session_id,
+            deaths,
+            self.max_crashes,
+        )
+        return CrashingRequestError.after(
+            entry.op, names.future_id(entry.session_id, entry.seq), deaths, self.max_crashes
+        )
 
     def _step(self, owned: OwnedSession) -> int | None:
         engine, session_id = self.sessions.engine(owned.record.base_model), owned.record.session_id

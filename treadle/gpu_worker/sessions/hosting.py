@@ -55,6 +55,8 @@ class OwnedSession:
     last_checkpoint_at: float = field(default_factory=time.monotonic)
     checkpointed: int = 0  # the seq its last checkpoint covers (taken by this worker, or the one it was rebuilt from)
     pending_upload: Future | None = None
+    # (seq, deaths): the next op, which killed `max_request_crashes` workers; answered with an error, not run
+    crashed: tuple[int, int] | None = None
 
     @property
     def session_id(self) -> str:
@@ -246,7 +248,7 @@ class SessionHost:
             entry = self.journal.get(record.session_id, seq)
             if entry is None:
                 raise SessionLostError(f"session {record.session_id}: op {seq} is neither checkpointed nor journaled")
-            if entry.stateful:
+            if entry.stateful and seq not in record.crashed_ops:  # an op answered without running changed nothing
                 try:
                     handler_for(entry.op)(entry.request(), self.context(replaying, seq))
                 except TreadleError:
