@@ -2,8 +2,8 @@
 holds the device (the sampler's decode loop), so the answer's metering and Redis writes never keep the device or the
 other rows waiting; its meter record, the release of its rows and the answer are one write; and only the worker
 whose claim on the request is live answers it: a doorbell for a request claimed elsewhere runs nothing, a request
-whose claim lapsed is run again by another worker, and the first claimer's late answer is dropped. Real Redis, the
-worker's own `ControlOps`."""
+whose claim lapsed is run again by another worker, and the first claimer's late answer is dropped; one whose claims
+lapsed `max_request_crashes` times is answered with an error instead. Real Redis, the worker's own `ControlOps`."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import pytest
 
-from treadle.errors import ServerError
+from treadle.errors import CrashingRequestError, ServerError
 from treadle.gpu_worker.executor.control_ops import ControlOps
 from treadle.gpu_worker.executor.usage import UsageRecorder
 from treadle.metering import Meter
@@ -153,6 +153,37 @@ def test_a_request_whose_claim_lapsed_is_rerun_once_and_the_late_answer_is_dropp
     assert not b.requests.is_held(future_id) and b.requests.orphans("tiny") == []
     [record] = Meter(redis_client).owner_ops(owner)
     assert record.op_id == future_id and record.sampled_tokens == 2 and record.prefill_tokens == 2
+
+
+def test_claims_given_back_count_no_death_and_lapsed_ones_stop_the_request_at_the_limit(redis_client, redis_url):
+    """A claim given back at a warm shutdown counts no death; each claim that lapsed counts one, and the claimer
+    after two such deaths (the default max_request_crashes) answers with CrashingRequestError through the normal
+    answer path (rows freed, metered as a failure, the request ended) without running it."""
+    results = ResultStore(make_app(redis_url))
+    future_id, owner = "crashing-sample", "bob"
+    rows_key = names.owner_sample_rows_key(owner)
+    redis_client.hset(rows_key, future_id, f"1 {time.time() + 600}")
+    hold(redis_client, future_id, SampleRequest.build(base_model="tiny", prompt=[5, 6], owner=owner))
+    ran: list[str] = []
+
+    def running(holder: str):
+        return lambda request: ran.append(holder) or Future()  # a decode that never ends: its worker dies in it
+
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="treadle-deliver") as deliver:
+        shutting_down = control_ops(redis_client, results, running("a"), deliver, holder="a")
+        assert shutting_down.run(future_id)
+        shutting_down.release_all()
+        for holder in ["b", "c"]:  # each claims it, and dies in it: the claim lapses
+            assert control_ops(redis_client, results, running(holder), deliver, holder=holder).run(future_id)
+            redis_client.delete(names.control_claim_key(future_id))
+        last = control_ops(redis_client, results, running("d"), deliver, holder="d")
+        last.recover()
+    assert ran == ["a", "b", "c"]
+    meta = results.backend.get_task_meta(future_id)
+    assert meta["status"] == "FAILURE" and isinstance(meta["result"], CrashingRequestError)
+    assert "2 workers died" in meta["result"].message and future_id in meta["result"].message
+    assert last.usage.answers == [("MainThread", "server_error")]
+    assert not redis_client.hexists(rows_key, future_id) and not last.requests.is_held(future_id)
 
 
 def test_a_held_request_that_does_not_parse_is_answered_with_its_error(redis_client, redis_url):
