@@ -83,7 +83,7 @@ class ControlOps:
         for model in self.models:
             for future_id in self.requests.orphans(model):
                 if self.run(future_id):
-                    log.info("re-running control request %s, whose worker stopped", future_id)
+                    log.info("took over control request %s, whose worker stopped", future_id)
 
     def renew(self) -> None:
         """Renew this worker's claims (the heartbeat's, with the session leases)."""
