@@ -33,9 +33,9 @@ class Seen(UsageRecorder):
         super().__init__(redis_client)
         self.answers: list[tuple[str, str]] = []
 
-    def control_op_finished(self, sessions, future_id, request, response, seconds, outcome):
+    def control_op_finished(self, sessions, future_id, request, response, seconds, outcome, error=None):
         self.answers.append((threading.current_thread().name, outcome))
-        return super().control_op_finished(sessions, future_id, request, response, seconds, outcome)
+        return super().control_op_finished(sessions, future_id, request, response, seconds, outcome, error)
 
 
 def control_ops(redis_client, results: ResultStore, handler, deliver, holder: str = "w1") -> ControlOps:
