@@ -322,4 +322,6 @@ def test_an_owner_that_loses_its_lease_inside_an_op_hands_it_over_and_the_loop_s
     ref_losses, ref_weights = reference(tiny_model_dir, 2)
     assert fb1.result(timeout=120).metrics["loss:sum"] == ref_losses[1]
     assert_same_adapter(adapter_of(sc, tc.save_state("end").result(timeout=120).path), ref_weights)
-    assert sc.ops.session_info(tc.session_id).epoch == epoch + 1  # adopted after the other holder's lease ended
+    record = sc.ops.session_info(tc.session_id)
+    assert record.epoch == epoch + 1  # adopted after the other holder's lease ended
+    assert record.crashes == 0  # its owner was alive: no death counted against the op (--max_request_crashes)

@@ -145,10 +145,22 @@ return {seq, crashes, 1}
 """
 
 
+# KEYS: a session's record. ARGV: a seq. The running mark goes if it is that seq's.
+_CLEAR_RUNNING = """
+if tonumber(redis.call('HGET', KEYS[1], 'running') or 0) == tonumber(ARGV[1]) then redis.call('HDEL', KEYS[1], 'running') end
+"""
+
+
 class SessionRegistry:
     def __init__(self, redis):
         self.redis = redis
         self._count_crash = redis.register_script(_COUNT_CRASH)
+        self._clear_running = redis.register_script(_CLEAR_RUNNING)
+
+    def clear_running(self, session_id: str, seq: int) -> None:
+        """The worker that marked op `seq` running is alive and hands the session over (it lost the lease inside the
+        op): no death to count against the op."""
+        self._clear_running(keys=[names.session_key(session_id)], args=[seq])
 
     def count_crash(self, session_id: str) -> tuple[int, int, bool]:
         """On adoption: count a death of the previous owner while it ran an op (see `SessionRecord.running`). The

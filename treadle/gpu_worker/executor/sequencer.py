@@ -139,6 +139,7 @@ class Sequencer:
         """The session's lease is gone: drop it from this worker, unapplied ops stay in the journal for its next
         owner (the caretaker of any worker serving the model adopts it once the lease is free)."""
         log.warning("lost the lease of session %s; handing it over", owned.session_id)
+        self.registry.clear_running(owned.session_id, seq)  # alive: its next owner counts no crash against the op
         self.sessions.release(owned.session_id, drop_lease=False)
         self._not_ours(owned.session_id, seq)
 
