@@ -11,6 +11,14 @@ ran it, and a seeded request draws what it would have drawn. The new engine has 
 request names its own, which vLLM loads on first use, so nothing else is re-sent. A request in flight through
 `MAX_TRIES` deaths fails instead, naming them (it may be what kills the engine); so do all of them if the
 engine cannot be started again.
+
+A streamed request (one submitted with a `TokenStream`) hands each partial message's tokens to its stream as they
+arrive, and its answer resolves its future as any other's. `_watch` reads the open streams' `cancelled` every
+`POLL_S`; a cancelled one is sent an abort, and its future fails with `SampleCancelledError` carrying the tokens its
+rows drew (what its owner is billed) once the engine says it dropped it (`TokenStream.dropped`). A streamed request
+is re-sent to a restarted engine only while it has streamed nothing: one whose tokens went out fails instead, as
+a worker refuses to re-run a sample whose stream has tokens (treadle.gpu_worker.executor.control_ops), since a
+re-run would stream them a second time.
 """
 
 from __future__ import annotations
@@ -21,18 +29,24 @@ import logging
 import socket
 import subprocess
 import threading
+import time
 from collections import Counter
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable, cast
 
-from treadle.errors import ServerError
+from treadle.errors import SampleCancelledError, ServerError
+
+if TYPE_CHECKING:
+    from treadle.gpu_worker.sampling.backend import TokenStream
 
 log = logging.getLogger("treadle.sampler.vllm")
 
 STARTUP_TIMEOUT_S = 900.0
 # Deaths of the engine process a request may be in flight through before it fails.
 MAX_TRIES = 3
+# How often the streamed requests in flight are checked for their client's cancel.
+POLL_S = 0.1
 
 
 class EngineProcess:
@@ -70,6 +84,9 @@ class _Pending:
     convert: Callable[[dict], object] | None = None
     adapter: str | None = None
     tries: int = 1
+    stream: TokenStream | None = None
+    drawn: list[int] | None = None  # a streamed request's tokens streamed so far, per row
+    aborted: bool = False  # its client cancelled it and the engine was told
 
 
 class EngineLink:
@@ -85,19 +102,33 @@ class EngineLink:
         self._in_flight: Counter = Counter()
         self._retiring: list[tuple[str | None, Callable[[], None]]] = []
         self._lock = threading.Lock()
+        self._streaming = threading.Condition(self._lock)  # notified when a streamed request is submitted
         self._closed = False
         self.process: EngineProcess | None = start()
         self.restarts = 0
         threading.Thread(target=self._read, name=f"treadle-vllm-{name}", daemon=True).start()
+        threading.Thread(target=self._watch, name=f"treadle-vllm-cancels-{name}", daemon=True).start()
 
-    def submit(self, message: dict, convert: Callable[[dict], object], adapter: str | None) -> Future:
-        """Send a request (`message` without its id); the future resolves to `convert(answer)`."""
+    def submit(
+        self,
+        message: dict,
+        convert: Callable[[dict], object],
+        adapter: str | None,
+        stream: TokenStream | None = None,
+    ) -> Future:
+        """Send a request (`message` without its id); the future resolves to `convert(answer)`. With a `stream`, its
+        tokens go there as the engine draws them, and its client's cancel aborts it (see the module docstring)."""
         future: Future = Future()
         with self._lock:
             if self._closed:
                 raise ServerError(f"sampler of {self.name} is shut down")
             self._in_flight[adapter] += 1
-            self._send(_Pending({**message, "id": next(self._ids)}, future, convert, adapter))
+            pending = _Pending({**message, "id": next(self._ids)}, future, convert, adapter)
+            if stream is not None:
+                pending.message["stream"] = True
+                pending.stream, pending.drawn = stream, [0] * message["params"].get("n", 1)
+                self._streaming.notify()
+            self._send(pending)
         return future
 
     def notify(self, message: dict) -> None:
@@ -123,6 +154,7 @@ class EngineLink:
         """Stop the engine process; requests not answered yet fail with a ServerError."""
         with self._lock:
             self._closed = True
+            self._streaming.notify()
             process = self.process
         if process is not None:
             process.stop(timeout)
@@ -155,20 +187,48 @@ class EngineLink:
             self._restart(code)
 
     def _answered(self, answer: dict) -> None:
+        if "rows" in answer:
+            self._streamed(answer)
+            return
         with self._lock:
             pending = self._pending.pop(answer["id"], None)
             if pending is None or pending.future is None:
                 return  # an acknowledgement
             ready = self._settled(pending)
-        if "error" in answer:
+        if "cancelled" in answer:
+            _cancelled(pending, answer["cancelled"], answer["rows_left"])
+        elif "error" in answer:
             pending.future.set_exception(ServerError(f"vLLM sampler: {answer['error']}"))
         else:
             try:
                 pending.future.set_result(pending.convert(answer) if pending.convert else answer)
             except Exception as exc:  # a malformed answer fails its request, not the reader
                 pending.future.set_exception(ServerError(f"vLLM sampler: bad answer: {type(exc).__name__}: {exc}"))
-        for adapter, callback in ready:
-            self._retire(adapter, callback)
+        self._retire_all(ready)
+
+    def _streamed(self, partial: dict) -> None:
+        """A streamed request's new tokens, to its stream (on the reader's thread, which also restarts the engine,
+        so `drawn` is what went out when it restarts)."""
+        with self._lock:
+            pending = self._pending.get(partial["id"])
+        if pending is None or pending.stream is None or pending.drawn is None:
+            return
+        for row, token, logprob in zip(partial["rows"], partial["tokens"], partial["logprobs"]):
+            pending.drawn[row] += 1
+            pending.stream.drew(row, token, logprob, None)
+
+    def _watch(self) -> None:
+        """Send an abort for each streamed request in flight whose client cancelled it, every `POLL_S`."""
+        while True:
+            with self._lock:
+                self._streaming.wait_for(lambda: self._closed or any(p.stream for p in self._pending.values()))
+                if self._closed:
+                    return
+                gone = [p for p in self._pending.values() if p.stream and not p.aborted and p.stream.cancelled]
+                for pending in gone:
+                    pending.aborted = True
+                    self._send(_Pending({"op": "abort", "request": pending.message["id"], "id": next(self._ids)}, None))
+            time.sleep(POLL_S)
 
     def _settled(self, pending: _Pending) -> list[tuple[str | None, Callable[[], None]]]:
         """A request is out of flight (the caller holds the lock): the retirements that now may run."""
@@ -181,8 +241,18 @@ class EngineLink:
         """Start the engine again and send it every request the dead one had not answered (see the module)."""
         with self._lock:
             for mid in [mid for mid, p in self._pending.items() if p.future is None]:
-                del self._pending[mid]  # the new engine loaded no adapter to remove
+                del self._pending[mid]  # the new engine loaded no adapter to remove, and aborts nothing it never ran
+            aborted, ready = self._pop([mid for mid, p in self._pending.items() if p.aborted])
+            streamed = [mid for mid, p in self._pending.items() if p.drawn and any(p.drawn)]
             worn = [mid for mid, p in self._pending.items() if p.tries >= MAX_TRIES]
+        for pending in aborted:  # its client is gone: it is answered as cancelled with what it streamed
+            _cancelled(pending, pending.drawn or [], 0)
+        self._retire_all(ready)
+        self._fail(
+            streamed,
+            f"the vLLM engine process exited (code {code}) after this request streamed its first tokens, and a "
+            "stream does not resume: send the request again",
+        )
         self._fail(worn, f"the vLLM engine process exited {MAX_TRIES} times while this request ran (last code {code})")
         log.warning("the vLLM engine process of %s exited (code %d); starting it again", self.name, code)
         try:
@@ -190,6 +260,7 @@ class EngineLink:
         except Exception as exc:  # nothing can run the requests: say so to each
             with self._lock:
                 self._closed = True
+                self._streaming.notify()
             self._fail(
                 list(self._pending), f"the vLLM engine process exited (code {code}) and did not start again: {exc}"
             )
@@ -211,14 +282,37 @@ class EngineLink:
         self._fail(ids, reason)
 
     def _fail(self, ids: list[int], reason: str) -> None:
-        ready, failed = [], []
         with self._lock:
-            for mid in ids:
-                pending = self._pending.pop(mid, None)
-                if pending is not None and pending.future is not None:
-                    failed.append(pending.future)
-                    ready += self._settled(pending)
-        for future in failed:
-            future.set_exception(ServerError(f"sampler of {self.name}: {reason}"))
+            failed, ready = self._pop(ids)
+        for pending in failed:
+            cast(Future, pending.future).set_exception(ServerError(f"sampler of {self.name}: {reason}"))
+        self._retire_all(ready)
+
+    def _pop(self, ids: list[int]) -> tuple[list[_Pending], list[tuple[str | None, Callable[[], None]]]]:
+        """Take these requests out of flight (the caller holds the lock): those with a future, and the retirements
+        that now may run."""
+        taken, ready = [], []
+        for mid in ids:
+            pending = self._pending.pop(mid, None)
+            if pending is not None and pending.future is not None:
+                taken.append(pending)
+                ready += self._settled(pending)
+        return taken, ready
+
+    def _retire_all(self, ready: list[tuple[str | None, Callable[[], None]]]) -> None:
         for adapter, callback in ready:
             self._retire(adapter, callback)
+
+
+def _cancelled(pending: _Pending, drawn: list[int], rows_left: int) -> None:
+    """Answer a streamed request its client cancelled, as the hf sampler does (`SampleScheduler._drop_cancelled`):
+    the stream's end record, and SampleCancelledError with the tokens drawn (None: it never started, and costs
+    nothing)."""
+    cast("TokenStream", pending.stream).dropped(drawn, rows_left)
+    if any(drawn):
+        error = SampleCancelledError(
+            f"sample: its client cancelled it after {max(drawn)} tokens", sampled_tokens=sum(drawn)
+        )
+    else:
+        error = SampleCancelledError("sample: its client cancelled it before it started")
+    cast(Future, pending.future).set_exception(error)

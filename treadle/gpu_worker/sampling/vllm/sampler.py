@@ -22,6 +22,9 @@ What the contract promises and how it is kept:
   more, or a snapshot of a rank above `max_lora_rank`, is refused with an error naming the option.
 The tokens drawn for a seed are not those the HF backend draws for it (another RNG and kernel order).
 
+A streamed request (`SampleJob.stream`) gets its rows' tokens as vLLM draws them, step by step, and its client's
+cancel aborts it in vLLM, which frees its rows (`link.EngineLink`).
+
 A child that dies is started again and given the requests it had not answered (`link.EngineLink`).
 """
 
@@ -43,7 +46,7 @@ from pydantic import BaseModel, Field
 
 from treadle.errors import InvalidRequestError, ServerError
 from treadle.gpu_worker.model.adapters import AdapterBank
-from treadle.gpu_worker.sampling.backend import LogprobJob, SampleJob
+from treadle.gpu_worker.sampling.backend import LogprobJob, SampleJob, TokenStream
 from treadle.gpu_worker.sampling.vllm.link import EngineLink, EngineProcess
 from treadle.gpu_worker.model.host import ModelHost
 from treadle.types import SampledSequence, SampleResponse
@@ -195,7 +198,8 @@ class VllmSampler:
                 ]
             )
 
-        samples = self._submit(job.adapter, job.request.prompt.tolist(), request, convert)
+        stream = job.stream if job.stream is None or not greedy else _PointMass(job.stream)
+        samples = self._submit(job.adapter, job.request.prompt.tolist(), request, convert, stream)
         if prompt_part is None:
             return samples
         combined: Future = Future()
@@ -268,9 +272,12 @@ class VllmSampler:
             self._loras[adapter] = {"name": adapter, "id": next(self._lora_ids), "path": str(path)}
         return self._loras[adapter]
 
-    def _submit(self, adapter: str | None, prompt: list[int], params: dict, convert: Callable) -> Future:
+    def _submit(
+        self, adapter: str | None, prompt: list[int], params: dict, convert: Callable, stream: TokenStream | None = None
+    ) -> Future:
         lora = self._lora(adapter)
-        return self._link.submit({"op": "sample", "prompt": prompt, "params": params, "lora": lora}, convert, adapter)
+        message = {"op": "sample", "prompt": prompt, "params": params, "lora": lora}
+        return self._link.submit(message, convert, adapter, stream)
 
     def _retire(self, adapter: str | None, callback: Callable[[], None]) -> None:
         callback()
@@ -279,6 +286,23 @@ class VllmSampler:
             return  # never sampled with vLLM
         self._link.notify({"op": "remove_lora", "lora_id": lora["id"]})
         shutil.rmtree(lora["path"], ignore_errors=True)
+
+
+class _PointMass:
+    """A greedy request's `TokenStream`: its tokens' logprobs go out as 0.0, as its answer gives them."""
+
+    def __init__(self, stream: TokenStream):
+        self._stream = stream
+
+    def drew(self, row: int, token: int, logprob: float, top: list[tuple[int, float]] | None) -> None:
+        self._stream.drew(row, token, 0.0, top)
+
+    @property
+    def cancelled(self) -> bool:
+        return self._stream.cancelled
+
+    def dropped(self, tokens: list[int], rows_left: int) -> None:
+        self._stream.dropped(tokens, rows_left)
 
 
 def _stop_reason(finish_reason: str) -> str:

@@ -13,13 +13,21 @@ It speaks JSON lines over the inherited socket (never pickle). The first line it
 - `{"id": 7, "op": "sample", "prompt": [...], "params": {...vllm SamplingParams...}, "lora": null |
   {"name": "s3", "id": 3, "path": "/dir"}}` -> `{"id": 7, "sequences": [{"tokens": [...],
   "logprobs": [...], "finish_reason": "stop"}], "prompt_logprobs": null | [null, [[token, logprob,
-  rank], ...], ...]}` once every one of its `n` samples has finished, or `{"id": 7, "error": "..."}`;
+  rank], ...], ...]}` once every one of its `n` samples has finished, or `{"id": 7, "error": "..."}`.
+  With `"stream": true` it is answered the same way, and before that, after each engine step that drew
+  tokens for it, `{"id": 7, "rows": [...], "tokens": [...], "logprobs": [...]}`: the tokens drawn by that
+  step, each with its sample's index (0 to n-1) and its logprob, so the partials of a row add up to its
+  sequence in the answer;
+- `{"id": 9, "op": "abort", "request": 7}` -> `{"id": 7, "cancelled": [3, 2], "rows_left": 4}` (what each of
+  its samples had drawn, in tokens, and the rows vLLM still runs) in place of request 7's answer, if it was
+  not answered yet; then `{"id": 9, "aborted": true}` (false: it was answered already);
 - `{"id": 8, "op": "remove_lora", "lora_id": 3}` -> `{"id": 8, "removed": true}`.
 
 One thread reads the socket; the main thread runs the engine: it adds the requests that arrived,
 runs one engine step, answers what finished, and repeats (vLLM's continuous batching decides what
 each step holds), except that a request for prompt logprobs runs alone (`_Loop._admit`). With no
-request in flight it blocks on the socket.
+request in flight it blocks on the socket. An abort takes effect between two steps: vLLM's `abort_request`
+frees the request's rows and KV cache.
 """
 
 from __future__ import annotations
@@ -73,6 +81,7 @@ class _Loop:
         self.pending: dict[str, int] = {}  # vLLM request id -> our message id
         self.waiting: deque = deque()  # sample requests not yet given to the engine, in arrival order
         self.alone = False  # the request in flight asked for prompt logprobs: nothing joins it
+        self.streamed: dict[str, list[dict]] = {}  # streamed request -> per sample, what it drew so far
 
     def run(self, inbox: queue.Queue) -> None:
         while True:
@@ -93,6 +102,8 @@ class _Loop:
             if message["op"] == "remove_lora":
                 removed = bool(self.engine.remove_lora(message["lora_id"]))
                 _send(self.conn, {"id": message["id"], "removed": removed})
+            elif message["op"] == "abort":
+                _send(self.conn, {"id": message["id"], "aborted": self._abort(message["request"])})
             else:
                 self.waiting.append(message)
             message = _next(inbox)
@@ -117,9 +128,15 @@ class _Loop:
         try:
             lora = message["lora"]
             request = LoRARequest(lora["name"], lora["id"], lora["path"]) if lora else None
-            params = SamplingParams(**message["params"], output_kind=RequestOutputKind.FINAL_ONLY)
+            # A streamed request gets each step's new tokens (DELTA); the others their whole sequences at the end.
+            kind = RequestOutputKind.DELTA if message.get("stream") else RequestOutputKind.FINAL_ONLY
+            params = SamplingParams(**message["params"], output_kind=kind)
             self.engine.add_request(str(mid), {"prompt_token_ids": message["prompt"]}, params, lora_request=request)
             self.pending[str(mid)] = mid
+            if message.get("stream"):
+                self.streamed[str(mid)] = [
+                    {"tokens": [], "logprobs": [], "finish_reason": None} for _ in range(params.n)
+                ]
         except Exception as exc:  # a request vLLM refuses: only this request fails
             _send(self.conn, {"id": mid, "error": f"{type(exc).__name__}: {exc}"})
 
@@ -131,10 +148,52 @@ class _Loop:
                 _send(self.conn, {"id": mid, "error": f"vLLM engine step failed: {type(exc).__name__}: {exc}"})
             self.engine.abort_request(list(self.pending))
             self.pending.clear()
+            self.streamed.clear()
             return
         for out in outputs:
-            if out.finished:
+            if out.request_id not in self.pending:
+                continue  # aborted between steps
+            if out.request_id in self.streamed:
+                self._stream(out)
+            elif out.finished:
                 _send(self.conn, _answer(self.pending.pop(out.request_id), out))
+
+    def _stream(self, out) -> None:
+        """Send a streamed request's new tokens; once it has finished, its answer, from what it drew."""
+        rows = self.streamed[out.request_id]
+        mid = self.pending[out.request_id]
+        partial: dict = {"id": mid, "rows": [], "tokens": [], "logprobs": []}
+        for c in out.outputs:  # DELTA: only the tokens this step drew
+            tokens = list(c.token_ids)
+            logprobs = [step[token].logprob for token, step in zip(tokens, c.logprobs)]
+            partial["rows"] += [c.index] * len(tokens)
+            partial["tokens"] += tokens
+            partial["logprobs"] += logprobs
+            row = rows[c.index]
+            row["tokens"] += tokens
+            row["logprobs"] += logprobs
+            row["finish_reason"] = c.finish_reason or row["finish_reason"]
+        if partial["tokens"]:
+            _send(self.conn, partial)
+        if out.finished:
+            del self.pending[out.request_id], self.streamed[out.request_id]
+            _send(self.conn, {"id": mid, "sequences": rows, "prompt_logprobs": None})
+
+    def _abort(self, mid: int) -> bool:
+        """Drop request `mid` (its rows and KV cache freed) and answer it as cancelled; False if it was answered."""
+        rid = str(mid)
+        waiting = next((m for m in self.waiting if m["id"] == mid), None)
+        if waiting is not None:  # never given to the engine: nothing drawn
+            self.waiting.remove(waiting)
+            drawn = [0] * waiting["params"].get("n", 1)
+        elif rid in self.pending:
+            self.engine.abort_request([rid])
+            del self.pending[rid]
+            drawn = [len(row["tokens"]) for row in self.streamed.pop(rid, [])]
+        else:
+            return False
+        _send(self.conn, {"id": mid, "cancelled": drawn, "rows_left": self.engine.get_num_unfinished_requests()})
+        return True
 
 
 def _mask_rows_without_lora() -> None:
