@@ -4,10 +4,11 @@ with its dynamic decode steps and with its static-shape ones (run eagerly here, 
 Each case trains real LoRA sessions on a tiny model (head size 32: vLLM's CPU attention takes no less)
 and samples their snapshots and the base model: sampled-token logprobs at T=1 against the trainer's
 own `forward`, a snapshot frozen while its session trains on, same seed same tokens, stops and
-stop_reason, prompt logprobs with top-k. The whole suite runs on the tiny llama; every other family
-the vllm backend serves (`VLLM_FAMILIES`) runs the cases that depend on the model (`FAMILY_CASES`) on
-its own tiny model. The vllm cases need .venv-vllm (scripts/setup_vllm.sh cpu, which CI runs); without
-it they are skipped, except in CI (CI set), where they must run.
+stop_reason, prompt logprobs with top-k, a streamed sample's tokens and its client's cancel. The whole
+suite runs on the tiny llama; every other family the vllm backend serves (`VLLM_FAMILIES`) runs the cases
+that depend on the model (`FAMILY_CASES`) on its own tiny model. The vllm cases need .venv-vllm
+(scripts/setup_vllm.sh cpu, which CI runs); without it they are skipped, except in CI (CI set), where they
+must run.
 """
 
 import os
@@ -223,6 +224,60 @@ def test_base_model_sampling(trained):
     # The base model is not any session's snapshot: a trained adapter scores the same tokens otherwise.
     seq = response.sequences[0]
     assert np.abs(trainer_logprobs(engine, "b", PROMPT + seq.tokens)[len(PROMPT) - 1 :] - seq.logprobs).max() > 1e-2
+
+
+class Stream:
+    """A streamed request's `TokenStream` (what the worker publishes), its client going away after `cancel_after`
+    tokens."""
+
+    def __init__(self, cancel_after: int | None = None):
+        self.cancel_after = cancel_after
+        self.drawn: list[tuple[int, int, float]] = []
+        self.ended: tuple[list[int], int] | None = None
+
+    def drew(self, row, token, logprob, top):
+        self.drawn.append((row, token, logprob))
+
+    @property
+    def cancelled(self) -> bool:
+        return self.cancel_after is not None and len(self.drawn) >= self.cancel_after
+
+    def dropped(self, tokens, rows_left):
+        self.ended = (tokens, rows_left)
+
+
+def test_a_stream_carries_the_answer_and_a_cancel_frees_its_rows(trained):
+    from treadle.errors import SampleCancelledError
+
+    engine = trained
+    sampler = snapshot(engine, "b", "b-stream")
+    stream, params = Stream(), SamplingParams(max_tokens=8, seed=13)
+    answer = engine.sample_async(sampler, ModelInput.from_ints(PROMPT), 3, params, stream=stream).result(timeout=WAIT)
+    # Each row's tokens reached the stream as they were drawn, each once, with the answer's logprobs.
+    assert [[(t, lp) for r, t, lp in stream.drawn if r == k] for k in range(3)] == [
+        list(zip(s.tokens, s.logprobs)) for s in answer.sequences
+    ]
+    assert stream.ended is None
+    point = Stream()  # at temperature 0 the stream's logprobs are the answer's, those of a point mass
+    prompt, greedy = ModelInput.from_ints(PROMPT), SamplingParams(max_tokens=4, temperature=0)
+    seq = engine.sample_async(sampler, prompt, 1, greedy, stream=point).result(timeout=WAIT).sequences[0]
+    assert point.drawn == [(0, t, 0.0) for t in seq.tokens] and seq.logprobs == [0.0] * len(seq.tokens)
+    unstreamed = sample(engine, sampler, n=3, max_tokens=8, seed=13)
+    assert [s.tokens for s in unstreamed.sequences] == [s.tokens for s in answer.sequences]
+    np.testing.assert_allclose(
+        [s.logprobs for s in unstreamed.sequences], [s.logprobs for s in answer.sequences], atol=1e-6
+    )
+    # A client that goes away: its rows leave at a step boundary; what they drew is what went out and is billed.
+    gone = Stream(cancel_after=4)
+    long = SamplingParams(max_tokens=400, seed=0, top_k=1)  # (vLLM takes no n > 1 at temperature 0)
+    future = engine.sample_async(None, ModelInput.from_ints(PROMPT), 2, long, stream=gone)
+    with pytest.raises(SampleCancelledError, match="cancelled it after") as cancelled:
+        future.result(timeout=WAIT)
+    assert gone.ended is not None
+    tokens, rows_left = gone.ended
+    assert len(tokens) == 2 and 2 <= max(tokens) < 400 and rows_left == 0  # dropped, not run to its end
+    assert sum(tokens) == len(gone.drawn) == cancelled.value.sampled_tokens
+    assert sample(engine, None, n=1, max_tokens=2, seed=0).sequences[0].tokens  # the sampler goes on
 
 
 def reference_prompt_logprobs(engine, sampler: str | None, tokens: list[int], k: int):

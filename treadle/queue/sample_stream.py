@@ -4,8 +4,8 @@ A sample request that names a `stream_id` (`SampleRequest.stream_id`; the gatewa
 `stream=true`) still gets its whole answer as its future's result. Besides, its worker appends what its rows drew
 since the last entry to a Redis stream (`names.sample_stream_key`) from a thread of its own
 (treadle.gpu_worker.executor.sample_stream), so a reader follows the rows token by token. The answer stays the
-one authority: a reader that sees the result stored takes the rest from it, so an entry that comes late, or a
-backend that streams nothing (vLLM), loses nothing.
+one authority: a reader that sees the result stored takes the rest from it, so an entry that comes late loses
+nothing.
 
 The reader cancels by setting `names.sample_cancel_key`; the worker checks it with each write (and a few times a
 second while a request waits for the batch), drops the request's rows at the next step boundary, answers its future

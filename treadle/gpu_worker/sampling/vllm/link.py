@@ -221,10 +221,14 @@ class EngineLink:
         """Send an abort for each streamed request in flight whose client cancelled it, every `POLL_S`."""
         while True:
             with self._lock:
-                self._streaming.wait_for(lambda: self._closed or any(p.stream for p in self._pending.values()))
+                self._streaming.wait_for(
+                    lambda: self._closed or any(p.stream is not None for p in self._pending.values())
+                )
                 if self._closed:
                     return
-                gone = [p for p in self._pending.values() if p.stream and not p.aborted and p.stream.cancelled]
+                gone = [
+                    p for p in self._pending.values() if p.stream is not None and not p.aborted and p.stream.cancelled
+                ]
                 for pending in gone:
                     pending.aborted = True
                     self._send(_Pending({"op": "abort", "request": pending.message["id"], "id": next(self._ids)}, None))
