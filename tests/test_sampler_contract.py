@@ -260,8 +260,11 @@ def test_a_stream_carries_the_answer_and_a_cancel_frees_its_rows(trained):
     assert stream.ended is None
     point = Stream()  # at temperature 0 the stream's logprobs are the answer's, those of a point mass
     prompt, greedy = ModelInput.from_ints(PROMPT), SamplingParams(max_tokens=4, temperature=0)
-    seq = engine.sample_async(sampler, prompt, 1, greedy, stream=point).result(timeout=WAIT).sequences[0]
-    assert point.drawn == [(0, t, 0.0) for t in seq.tokens] and seq.logprobs == [0.0] * len(seq.tokens)
+    seqs = engine.sample_async(sampler, prompt, 3, greedy, stream=point).result(timeout=WAIT).sequences
+    seq = seqs[0]  # greedy rows are one row, three times (vLLM draws it once)
+    assert [s.tokens for s in seqs] == [seq.tokens] * 3 and seq.logprobs == [0.0] * len(seq.tokens)
+    assert sorted(point.drawn) == sorted((row, t, 0.0) for row in range(3) for t in seq.tokens)
+    assert [[t for r, t, _ in point.drawn if r == row] for row in range(3)] == [seq.tokens] * 3
     unstreamed = sample(engine, sampler, n=3, max_tokens=8, seed=13)
     assert [s.tokens for s in unstreamed.sequences] == [s.tokens for s in answer.sequences]
     np.testing.assert_allclose(

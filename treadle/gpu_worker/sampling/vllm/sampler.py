@@ -172,8 +172,11 @@ class VllmSampler:
         prompt_part = None
         if job.include_prompt_logprobs or job.topk_prompt_logprobs > 0:
             prompt_part = self.compute_logprobs(LogprobJob(job.adapter, job.request.prompt, job.topk_prompt_logprobs))
+        greedy = params.temperature == 0
+        # vLLM takes no n > 1 at temperature 0; greedy rows are all the same row, so one is drawn and repeated.
+        rows = job.num_samples
         request = {
-            "n": job.num_samples,
+            "n": 1 if greedy else rows,
             "max_tokens": job.request.max_tokens,
             "temperature": params.temperature,
             "top_k": params.top_k,
@@ -184,9 +187,9 @@ class VllmSampler:
             "ignore_eos": True,
             "logprobs": 0,
         }
-        greedy = params.temperature == 0
 
         def convert(answer: dict) -> SampleResponse:
+            drawn = answer["sequences"] * (rows if greedy else 1)
             return SampleResponse(
                 sequences=[
                     SampledSequence(
@@ -194,11 +197,11 @@ class VllmSampler:
                         logprobs=[0.0] * len(s["tokens"]) if greedy else s["logprobs"],
                         stop_reason=_stop_reason(s["finish_reason"]),
                     )
-                    for s in answer["sequences"]
+                    for s in drawn
                 ]
             )
 
-        stream = job.stream if job.stream is None or not greedy else _PointMass(job.stream)
+        stream = job.stream if job.stream is None or not greedy else _PointMass(job.stream, rows)
         samples = self._submit(job.adapter, job.request.prompt.tolist(), request, convert, stream)
         if prompt_part is None:
             return samples
@@ -289,20 +292,22 @@ class VllmSampler:
 
 
 class _PointMass:
-    """A greedy request's `TokenStream`: its tokens' logprobs go out as 0.0, as its answer gives them."""
+    """A greedy request's `TokenStream`: vLLM draws its one row, which goes out as each of the request's `rows`, its
+    tokens' logprobs as 0.0, as its answer gives them."""
 
-    def __init__(self, stream: TokenStream):
-        self._stream = stream
+    def __init__(self, stream: TokenStream, rows: int):
+        self._stream, self._rows = stream, rows
 
     def drew(self, row: int, token: int, logprob: float, top: list[tuple[int, float]] | None) -> None:
-        self._stream.drew(row, token, 0.0, top)
+        for copy in range(self._rows):
+            self._stream.drew(copy, token, 0.0, top)
 
     @property
     def cancelled(self) -> bool:
         return self._stream.cancelled
 
     def dropped(self, tokens: list[int], rows_left: int) -> None:
-        self._stream.dropped(tokens, rows_left)
+        self._stream.dropped(tokens * self._rows, rows_left)
 
 
 def _stop_reason(finish_reason: str) -> str:
