@@ -11,7 +11,8 @@ memory pool and warm-up per bucket, which graph trees keep.)
 What stays fixed within a bucket of (rows, capacity), rows in 8, 16, 32, ... and capacity a power of
 two of at least `KEY_MULTIPLE` positions:
 
-- the KV cache (`slot_cache.SlotCache`): one slot per row, rows join and leave without reshaping it;
+- the KV cache (`slot_cache.SlotCache`, recurrent states in `state_slots`): one slot per row, rows join and
+  leave without reshaping it;
 - the step's inputs, device tensors updated in place: each slot's last token, its length (the position
   of that token, where its key is written) and its adapter slot;
 - the adapters (`lora_table.LoraTable`): stacked static weights, indexed per row by the adapter slots,
@@ -20,7 +21,7 @@ two of at least `KEY_MULTIPLE` positions:
 A step runs the whole bucket (free slots compute garbage that nothing reads) and returns the last
 logits of every slot; the token draw (per-request generators, `token_choice`) and its logprobs run
 right after, eagerly, on the running rows, and one host transfer reads the tokens for the stop checks.
-Prefill stays eager (`batch_decode.prefill`), and its K and V are copied into the rows' slots.
+Prefill stays eager (`batch_decode.prefill`), and its K, V and states are copied into the rows' slots.
 
 Requests this path cannot take run beside it in a dynamic batch (`DecodeBatch`), stepped in the same
 round: an adapter that is not a plain LoRA linear (`LoraTable.can_hold`), or a step whose rows would use
@@ -30,20 +31,18 @@ more adapters than the table's slots. Which families take the path at all is `sl
 from __future__ import annotations
 
 from collections import OrderedDict
-from contextlib import contextmanager
-from typing import Callable, Iterator
+from typing import Callable
 
 import torch
 
 from treadle.gpu_worker.model.adapters import AdapterBank
 from treadle.gpu_worker.model.host import ModelHost
 from treadle.gpu_worker.sampling.backend import SampleJob
-from treadle.gpu_worker.sampling.hf import cache_rows, position_rules
 from treadle.gpu_worker.sampling.hf.batch_decode import DecodeBatch, Row, choose, prefill, record
 from treadle.gpu_worker.sampling.hf.prefix_cache import PrefixCache
 from treadle.gpu_worker.sampling.hf.lora_table import SLOTS, LoraTable, static_address
 from treadle.gpu_worker.sampling.hf.row_invariant import KEY_MULTIPLE, ROW_MULTIPLE
-from treadle.gpu_worker.sampling.hf.slot_cache import IMPLEMENTATION, SlotCache
+from treadle.gpu_worker.sampling.hf.slot_cache import SlotCache, attending
 
 
 KEPT_BUCKETS = 2  # buckets whose buffers stay allocated (`SlotBatch._fit`)
@@ -122,7 +121,7 @@ class SlotBatch:
         if not self.rows:
             return completed
         assert self._cache is not None
-        with torch.no_grad(), _attention(self.host.model), self.table.installed():
+        with torch.no_grad(), attending(self.host.model), self.table.installed():
             logits = self._run(self._cache, self._tokens, self._lengths, self._adapters)
         active = torch.tensor(self.slots, device=self.host.device)
         tokens = choose(logits[active], self.rows)
@@ -188,23 +187,14 @@ class SlotBatch:
         return True
 
     def _place(self, rows: list[Row], cache, mask: torch.Tensor, last: torch.Tensor) -> None:
-        """Give the prefilled rows slots, their K and V, first tokens, lengths and adapter slots."""
+        """Give the prefilled rows slots, their K, V and states, first tokens, lengths and adapter slots."""
         lengths = mask.sum(dim=1).tolist()  # the prompts' lengths: one read at admission
         needed = max(length + row.job.request.max_tokens for row, length in zip(rows, lengths))
         self._fit(len(self.rows) + len(rows), needed)
         assert self._cache is not None
         free = sorted(set(range(self._cache.rows)) - set(self.slots))[: len(rows)]
         slots = torch.tensor(free, device=self.host.device)
-        width = mask.shape[1]
-        for layer, kv in enumerate(cache.layers):
-            if not cache_rows._kv_ready(kv):
-                continue
-            for length in set(lengths):
-                which = [i for i, n in enumerate(lengths) if n == length]
-                index = torch.tensor(which, device=self.host.device)
-                self._cache.fill(
-                    layer, slots[index], kv.keys[index, :, width - length :], kv.values[index, :, width - length :]
-                )
+        self._cache.fill_rows(cache, slots, lengths, mask.shape[1])
         busy = {r.job.adapter for r in [*self.rows, *rows] if r.job.adapter is not None}
         adapter_slots = [self.table.slot(row.job.adapter, busy) for row in rows]
         self._tokens[slots] = last
@@ -253,16 +243,3 @@ def _compiled(forward: Callable[..., torch.Tensor], how: str | None) -> Callable
     if how == "graphs":
         return torch.compile(forward, mode="reduce-overhead", fullgraph=True, dynamic=False)
     return torch.compile(forward, backend=how, fullgraph=True, dynamic=False)
-
-
-@contextmanager
-def _attention(model: torch.nn.Module) -> Iterator[None]:
-    """The model's attention layers call the slots' attention (`slot_cache`) within the block."""
-    config = model.config
-    previous = config._attn_implementation
-    config._attn_implementation = IMPLEMENTATION
-    try:
-        with position_rules.own_positions(model):
-            yield
-    finally:
-        config._attn_implementation = previous

@@ -20,18 +20,22 @@ sums, so a row's numbers depend on neither the bucket's row count nor its capaci
 blocks of `KEY_MULTIPLE` keys from column 0, added in order in fp32 (one product over the whole
 capacity would order its reduction by the capacity). On an accelerator w @ v is one product.
 
-Only attention layers have slots: a model with recurrent-state layers takes the dynamic path
-(`static_path` says which families take this one).
+Linear-attention and Mamba layers have slots of their own (`state_slots`, which this cache presents to
+them), so hybrid families take this path as well (`static_path` says which families take it).
 """
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+from typing import Iterator
+
 import torch
-from transformers import AttentionInterface
+from transformers import AttentionInterface, DynamicCache
 
 from treadle.gpu_worker.sampling.hf import cache_rows, position_rules
 from treadle.gpu_worker.sampling.hf import row_invariant
 from treadle.gpu_worker.sampling.hf.row_invariant import KEY_MULTIPLE
+from treadle.gpu_worker.sampling.hf.state_slots import StateSlots
 
 IMPLEMENTATION = "treadle_slots"
 
@@ -40,23 +44,64 @@ def static_path(model: torch.nn.Module, expert_targets: list[str]) -> str:
     """ "yes" if the model's decode steps take the static-shape path, else "no: " and why not; shown by `treadle
     models check` and docs/models.md. A MoE model takes it for the base model and for adapters without expert
     weights; rows of an expert adapter decode beside them on the dynamic path (`LoraTable.can_hold`)."""
-    cache = cache_rows.new_cache(model.config)
-    if any(cache_rows._has_states(layer) for layer in cache.layers):
-        return "no: recurrent-state layers (linear attention, Mamba) have no fixed-shape slots"
+    failure = _decode_failure(model)
+    if failure is not None:
+        return f"no: its decode step does not run on slots ({failure})"
     if expert_targets:
         return "yes, but rows of adapters on expert weights (3-D tensors, not stacked per row) decode dynamically"
     return "yes"
 
 
-class SlotCache:
-    """Per attention layer, K and V of shape (rows, kv_heads, capacity, dim), made on the first `fill`.
+def _decode_failure(model: torch.nn.Module) -> str | None:
+    """None if the model's decode step runs on slots as `SlotBatch` runs it (a prefill of two tokens on the dynamic
+    path's cache, placed in a slot, then one step), else what it raised. A model whose layers call on their cache
+    what the slots do not present (`state_slots` presents what HF's linear-attention and Mamba mixers call) takes
+    the dynamic path, named here, rather than failing at its first sample."""
+    device = model.device
+    tokens = torch.zeros((1, 2), dtype=torch.long, device=device)
+    cache, slots = cache_rows.new_cache(model.config), SlotCache(1, KEY_MULTIPLE)
+    lengths = torch.full((1,), 2, dtype=torch.long, device=device)
+    try:
+        with torch.no_grad():
+            model(input_ids=tokens, position_ids=torch.arange(2, device=device)[None], cache=cache, use_cache=True)
+            slots.fill_rows(cache, torch.zeros(1, dtype=torch.long, device=device), [2], 2)
+            with attending(model):
+                model(
+                    input_ids=tokens[:, :1],
+                    position_ids=lengths[:, None],
+                    cache=slots,
+                    use_cache=True,
+                    slot_lengths=lengths,
+                    logits_to_keep=1,
+                )
+    except Exception as exc:  # what the model raises is the reason it takes the dynamic path
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+@contextmanager
+def attending(model: torch.nn.Module) -> Iterator[None]:
+    """The model's attention layers call the slots' attention within the block."""
+    config = model.config
+    previous = config._attn_implementation
+    config._attn_implementation = IMPLEMENTATION
+    try:
+        with position_rules.own_positions(model):
+            yield
+    finally:
+        config._attn_implementation = previous
+
+
+class SlotCache(StateSlots):
+    """Per attention layer, K and V of shape (rows, kv_heads, capacity, dim), made on the first `fill`; per
+    recurrent layer, its states (`StateSlots`).
 
     HF's attention modules call `update` with each step's new key and value; it writes them at each row's
     `slot_lengths` (passed to the model call, which hands its keyword arguments to the cache) and returns the
     whole buffers."""
 
     def __init__(self, rows: int, capacity: int):
-        self.rows = rows
+        super().__init__(rows)
         self.capacity = capacity
         self.keys: dict[int, torch.Tensor] = {}
         self.values: dict[int, torch.Tensor] = {}
@@ -70,8 +115,23 @@ class SlotCache:
         self.keys[layer][slots, :, :length] = keys
         self.values[layer][slots, :, :length] = values
 
+    def fill_rows(self, cache: DynamicCache, slots: torch.Tensor, lengths: list[int], width: int) -> None:
+        """Copy the rows of a prefill's cache (left-padded to `width` positions, row i's prompt `lengths[i]` long)
+        into `slots`: their K and V into the slots' first columns, their states (`StateSlots`) whole."""
+        for layer, kv in enumerate(cache.layers):
+            if cache_rows._has_states(kv):
+                self.fill_states(layer, slots, kv.conv_states, kv.recurrent_states)
+            if not cache_rows._kv_ready(kv):
+                continue
+            for length in set(lengths):
+                index = torch.tensor([i for i, n in enumerate(lengths) if n == length], device=slots.device)
+                self.fill(
+                    layer, slots[index], kv.keys[index, :, width - length :], kv.values[index, :, width - length :]
+                )
+
     def move(self, other: SlotCache) -> None:
         """Copy every slot of `other` (a smaller bucket) into the same slots here."""
+        self.move_states(other)
         for layer, keys in other.keys.items():
             rows, _, capacity, _ = keys.shape
             if layer not in self.keys:
