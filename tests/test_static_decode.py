@@ -150,16 +150,24 @@ def test_rows_beyond_the_adapter_slots_decode_beside_on_the_dynamic_path(family_
 
 def test_a_later_round_in_the_same_bucket_replays_on_the_same_buffers(family_dirs):
     # A captured graph replays on its inputs' addresses: an emptied batch keeps its bucket's buffers, so the next
-    # round in that bucket neither traces again nor (on a GPU) re-records the graph.
-    engine = trained_engine(family_dirs["llama"], "float32")
+    # round in that bucket neither traces again nor (on a GPU) re-records the graph. Nemotron-H: KV and recurrent
+    # states both; the second round's rows take slots whose states the first left behind.
+    engine = trained_engine(family_dirs["nemotron_h"], "float32")
     try:
         torch._dynamo.reset()
         counters.clear()
         batch = SlotBatch(engine._bank, engine._host, compile="eager")
         first = decode(engine, batch)
-        addresses = [t.data_ptr() for t in (batch._tokens, batch._lengths, *batch._cache.keys.values())]
+
+        def addresses() -> list[int]:
+            cache = batch._cache
+            buffers = (*cache.keys.values(), *cache.conv.values(), *cache.recurrent.values())
+            return [t.data_ptr() for t in (batch._tokens, batch._lengths, *buffers)]
+
+        kept = addresses()
+        assert batch._cache.keys and batch._cache.conv and batch._cache.recurrent
         second = decode(engine, batch)
         assert second == first and counters["stats"]["unique_graphs"] == 1
-        assert [t.data_ptr() for t in (batch._tokens, batch._lengths, *batch._cache.keys.values())] == addresses
+        assert addresses() == kept
     finally:
         engine.close()
