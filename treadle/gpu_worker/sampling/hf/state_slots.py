@@ -65,7 +65,9 @@ class StateSlots:
         return states
 
 
-def _allocated(buffers: dict[tuple[int, int], torch.Tensor], key: tuple[int, int], rows: int, like: torch.Tensor):
+def _allocated(
+    buffers: dict[tuple[int, int], torch.Tensor], key: tuple[int, int], rows: int, like: torch.Tensor
+) -> torch.Tensor:
     """The buffer at `key`, made if missing: (rows, *like's other axes) zeros of like's dtype, marked as a static
     address (a captured step updates it in place)."""
     if key not in buffers:
