@@ -4,11 +4,11 @@ with its dynamic decode steps and with its static-shape ones (run eagerly here, 
 Each case trains real LoRA sessions on a tiny model (head size 32: vLLM's CPU attention takes no less)
 and samples their snapshots and the base model: sampled-token logprobs at T=1 against the trainer's
 own `forward`, a snapshot frozen while its session trains on, same seed same tokens, stops and
-stop_reason, prompt logprobs with top-k, a streamed sample's tokens and its client's cancel. The whole
-suite runs on the tiny llama; every other family the vllm backend serves (`VLLM_FAMILIES`) runs the cases
-that depend on the model (`FAMILY_CASES`) on its own tiny model. The vllm cases need .venv-vllm
-(scripts/setup_vllm.sh cpu, which CI runs); without it they are skipped, except in CI (CI set), where they
-must run.
+stop_reason, prompt logprobs with top-k, each sampled token's top-k, a streamed sample's tokens and its
+client's cancel. The whole suite runs on the tiny llama; every other family the vllm backend serves
+(`VLLM_FAMILIES`) runs the cases that depend on the model (`FAMILY_CASES`) on its own tiny model. The vllm
+cases need .venv-vllm (scripts/setup_vllm.sh cpu, which CI runs); without it they are skipped, except in CI
+(CI set), where they must run.
 """
 
 import os
@@ -19,9 +19,12 @@ import torch
 
 from treadle.gpu_worker.engine import Engine
 from treadle.gpu_worker.sampling.backend import LogprobJob
+from treadle.gpu_worker.sampling.extras import SampleExtras, top_of_rows
+from treadle.gpu_worker.sampling.hf.token_choice import processed_logprobs
 from treadle.gpu_worker.sampling.registry import SamplerOptions
 from treadle.gpu_worker.model_profile import VLLM_FAMILIES, VLLM_REFUSED
 from treadle.gpu_worker.sampling.vllm.sampler import VllmOptions, vllm_python
+from treadle.queue.sample_options import MAX_TOPK_SAMPLE_LOGPROBS
 from treadle.testing.families import FAMILIES, family_config
 from treadle.testing.tiny_model import build_tiny_model
 from treadle.types import AdamParams, Datum, LoraConfig, ModelInput, SamplingParams
@@ -233,10 +236,12 @@ class Stream:
     def __init__(self, cancel_after: int | None = None):
         self.cancel_after = cancel_after
         self.drawn: list[tuple[int, int, float]] = []
+        self.tops: list[tuple[int, list[tuple[int, float]] | None]] = []  # (row, the token's top-k)
         self.ended: tuple[list[int], int] | None = None
 
     def drew(self, row, token, logprob, top):
         self.drawn.append((row, token, logprob))
+        self.tops.append((row, top))
 
     @property
     def cancelled(self) -> bool:
@@ -321,6 +326,57 @@ def test_compute_logprobs_with_topk(trained, sampler_of):
     assert engine.sampler.compute_logprobs(LogprobJob(None, np.array([9]), 2)).result(timeout=WAIT) == ([None], [None])
 
 
+def processed_top(engine, sampler: str | None, tokens: list[int], params: SamplingParams) -> torch.Tensor:
+    """Per token sampled after PROMPT, the distribution it was drawn from as the hf backend computes it
+    (`processed_logprobs`: temperature, top-k, top-p), from the trainer's model in this process."""
+    adapter = engine._samplers[sampler] if sampler else None
+    with engine._bank.using(adapter, trainable=False) as model, torch.no_grad():
+        logits = model(input_ids=torch.tensor([PROMPT + tokens])).logits[0, len(PROMPT) - 1 : -1]
+    rows = len(tokens)
+    return processed_logprobs(logits, [params.temperature] * rows, [params.top_k] * rows, [params.top_p] * rows)
+
+
+def test_topk_sample_logprobs_are_the_top_of_the_distribution_sampled_from(trained):
+    """Each sampled token's top-k, answered and streamed, n > 1: sorted, the sampled token's entry its own logprob,
+    and the top-k of the hf backend's distribution on the same tokens (after temperature and top-k: not the raw one),
+    tokens it excludes left out; at temperature 0, the token alone with 0.0, in each replicated row."""
+    engine = trained
+    sampler = snapshot(engine, "a", "a-top")
+    prompt, worst = ModelInput.from_ints(PROMPT), 0.0
+    for k, params in (
+        (MAX_TOPK_SAMPLE_LOGPROBS, SamplingParams(max_tokens=5, seed=3)),  # the most a request may ask
+        (8, SamplingParams(max_tokens=5, seed=5, temperature=0.7, top_k=5)),
+    ):
+        stream, width = Stream(), k if params.top_k < 0 else min(k, params.top_k)
+        seqs = (
+            engine.sample_async(sampler, prompt, 2, params, extras=SampleExtras(topk_sample_logprobs=k), stream=stream)
+            .result(timeout=WAIT)
+            .sequences
+        )
+        for row, seq in enumerate(seqs):
+            assert [top for r, top in stream.tops if r == row] == seq.topk_logprobs
+            distribution = processed_top(engine, sampler, seq.tokens, params)
+            expected = top_of_rows(distribution, [k] * len(seq.tokens))
+            for token, logprob, top, ref, dist in zip(
+                seq.tokens, seq.logprobs, seq.topk_logprobs, expected, distribution
+            ):
+                values = [v for _, v in top]
+                assert values == sorted(values, reverse=True) and len(top) == len(ref) == width
+                assert dict(top).get(token, logprob) == logprob
+                assert token in dict(top) or width == k  # with top_k 5 < k, every token it may draw is listed
+                # Tie-proof: the values are the reference's top values, and each is its token's in the reference.
+                worst = max(worst, *(abs(v - w) for (_, v), (_, w) in zip(top, ref)))
+                worst = max(worst, *(abs(v - float(dist[t])) for t, v in top))
+    print(f"\n{engine.kind}: max |top-k sample logprob - hf processed logprob|: {worst:.2e}")
+    assert worst < TOLERANCE[engine.kind]
+    greedy, point = SamplingParams(max_tokens=4, temperature=0), Stream()
+    extras = SampleExtras(topk_sample_logprobs=3)
+    seqs = engine.sample_async(sampler, prompt, 3, greedy, extras=extras, stream=point).result(timeout=WAIT).sequences
+    for row, seq in enumerate(seqs):
+        assert seq.topk_logprobs == [[(t, 0.0)] for t in seq.tokens]
+        assert [top for r, top in point.tops if r == row] == seq.topk_logprobs
+
+
 def test_dropped_snapshot_stops_being_served(trained):
     engine = trained
     sampler = snapshot(engine, "a", "a-dropped")
@@ -348,9 +404,9 @@ def test_what_vllm_cannot_honour_is_refused_by_name(trained):
 
 
 def test_prompt_and_sample_side_logprob_options_are_served_or_refused_by_name(trained):
-    """hf serves them (tests/test_batch_sampling.py checks their values); vllm refuses each by name."""
+    """hf serves them (tests/test_batch_sampling.py checks their values); vllm serves the sample-side one (its values:
+    the test above) and refuses each prompt-side one by name."""
     from treadle.errors import InvalidRequestError
-    from treadle.gpu_worker.sampling.extras import SampleExtras
 
     engine = trained
     targets = np.full((len(PROMPT) - 1, 1), -1)
@@ -366,11 +422,10 @@ def test_prompt_and_sample_side_logprob_options_are_served_or_refused_by_name(tr
                 None, ModelInput.from_ints(PROMPT), 1, SamplingParams(max_tokens=2, seed=0), extras=extras
             )
 
-        if engine.kind == "vllm":
+        if engine.kind == "vllm" and extras.from_prompt:
             asked = next(
                 name
                 for name, on in (
-                    ("topk_sample_logprobs", extras.topk_sample_logprobs),
                     ("target_prompt_logprobs", extras.target_ids is not None),
                     ("prompt_alt_tokens_k", extras.prompt_alt_tokens_k),
                 )

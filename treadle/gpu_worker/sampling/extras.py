@@ -11,7 +11,8 @@ Tinker 0.38's semantics (`tinker.types.SampleRequest`, `SampleResponse`, `Prompt
   tokens sampled for a seed.
 - `topk_sample_logprobs`: per sampled token, the k most likely tokens of the distribution it was drawn
   from (after temperature, top-k and top-p, like the sampled token's own logprob); tokens that
-  distribution excludes are left out, so a row may hold fewer than k (one at temperature 0).
+  distribution excludes are left out, so a row may hold fewer than k (one at temperature 0). The vllm
+  backend serves this one too, from vLLM's processed logprobs; the prompt-side ones only the HF backend.
 
 Each value comes from its own request's rows of a batch-invariant forward, and row-wise ops after it,
 so a request batched with others gets what it would get alone.
@@ -43,10 +44,9 @@ class SampleExtras:
         """Whether the prefill's logits over the whole prompt are needed."""
         return self.target_ids is not None or self.prompt_alt_tokens_k > 0
 
-    def refuse(self, backend: str) -> None:
-        """For a backend that serves none of them: an error naming the first one asked for."""
+    def refuse_prompt_side(self, backend: str) -> None:
+        """For a backend that serves the sample-side option only: an error naming the first prompt-side one asked for."""
         asked = {
-            "topk_sample_logprobs": self.topk_sample_logprobs,
             "target_prompt_logprobs": self.target_ids is not None,
             "prompt_alt_tokens_k": self.prompt_alt_tokens_k,
         }

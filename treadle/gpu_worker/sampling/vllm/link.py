@@ -213,9 +213,10 @@ class EngineLink:
             pending = self._pending.get(partial["id"])
         if pending is None or pending.stream is None or pending.drawn is None:
             return
-        for row, token, logprob in zip(partial["rows"], partial["tokens"], partial["logprobs"]):
+        tops = [[(t, lp) for t, lp in step] for step in partial["top"]] if "top" in partial else None
+        for i, (row, token, logprob) in enumerate(zip(partial["rows"], partial["tokens"], partial["logprobs"])):
             pending.drawn[row] += 1
-            pending.stream.drew(row, token, logprob, None)
+            pending.stream.drew(row, token, logprob, None if tops is None else tops[i])
 
     def _watch(self) -> None:
         """Send an abort for each streamed request in flight whose client cancelled it, every `POLL_S`."""

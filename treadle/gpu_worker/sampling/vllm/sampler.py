@@ -14,6 +14,8 @@ What the contract promises and how it is kept:
 - logprobs of the distribution sampled from: the engine runs with `logprobs_mode="processed_logprobs"`
   (after temperature, top-k, top-p); at temperature 0 that distribution is a point mass, so 0.0 is
   reported, as the HF backend does (vLLM would give the raw logprob);
+- per sampled token, the top-k of that same distribution (`topk_sample_logprobs`, vLLM's `logprobs=k`),
+  the tokens it excludes left out: one entry, the token with 0.0, at temperature 0;
 - stops exactly where the HF backend stops: `ignore_eos` with the tokenizer's EOS among the stop ids,
   so a model's generation_config cannot add stop tokens; the stopping token is kept;
 - no sampling default from the model's generation_config (`generation_config="vllm"`);
@@ -49,6 +51,7 @@ from treadle.gpu_worker.model.adapters import AdapterBank
 from treadle.gpu_worker.sampling.backend import LogprobJob, SampleJob, TokenStream
 from treadle.gpu_worker.sampling.vllm.link import EngineLink, EngineProcess
 from treadle.gpu_worker.model.host import ModelHost
+from treadle.queue.sample_options import MAX_TOPK_SAMPLE_LOGPROBS
 from treadle.types import SampledSequence, SampleResponse
 
 log = logging.getLogger("treadle.sampler.vllm")
@@ -131,7 +134,8 @@ class VllmSampler:
             max_lora_rank=self.max_lora_rank,
             max_loras=self.options.max_loras,
             max_cpu_loras=max(self.options.max_cpu_loras, self.options.max_loras),
-            max_logprobs=self.options.max_logprobs,
+            # Sample-side top-k up to treadle's own bound (`SampleRequest`), whatever the prompt-side limit.
+            max_logprobs=max(self.options.max_logprobs, MAX_TOPK_SAMPLE_LOGPROBS),
             logprobs_mode="processed_logprobs",
             generation_config="vllm",
             gpu_memory_utilization=self.options.gpu_memory_share,
@@ -161,7 +165,8 @@ class VllmSampler:
 
     def sample(self, job: SampleJob) -> Future:
         """Queue a sample request; the future resolves to its `SampleResponse`."""
-        job.extras.refuse("the vllm sampler backend")  # vLLM scores no target ids, draws nothing from a prompt
+        # vLLM scores no target ids and draws nothing from a prompt; each sampled token's top-k it serves.
+        job.extras.refuse_prompt_side("the vllm sampler backend")
         if job.request.visual is not None:  # treadle's adapters reach vLLM as text-only LoRA requests
             raise InvalidRequestError(
                 "prompt: image chunks are not served by the vllm sampler backend; run --sampler hf"
@@ -174,7 +179,7 @@ class VllmSampler:
             prompt_part = self.compute_logprobs(LogprobJob(job.adapter, job.request.prompt, job.topk_prompt_logprobs))
         greedy = params.temperature == 0
         # vLLM takes no n > 1 at temperature 0; greedy rows are all the same row, so one is drawn and repeated.
-        rows = job.num_samples
+        rows, k = job.num_samples, job.extras.topk_sample_logprobs
         request = {
             "n": 1 if greedy else rows,
             "max_tokens": job.request.max_tokens,
@@ -185,23 +190,14 @@ class VllmSampler:
             "stop": job.request.stop_strings,
             "stop_token_ids": sorted(job.stop_ids),
             "ignore_eos": True,
-            "logprobs": 0,
+            "logprobs": 0 if greedy else k,  # a point mass's top-k is its token: vLLM's would be the raw logprobs
         }
 
         def convert(answer: dict) -> SampleResponse:
             drawn = answer["sequences"] * (rows if greedy else 1)
-            return SampleResponse(
-                sequences=[
-                    SampledSequence(
-                        tokens=s["tokens"],
-                        logprobs=[0.0] * len(s["tokens"]) if greedy else s["logprobs"],
-                        stop_reason=_stop_reason(s["finish_reason"]),
-                    )
-                    for s in drawn
-                ]
-            )
+            return SampleResponse(sequences=[_sequence(s, greedy, k) for s in drawn])
 
-        stream = job.stream if job.stream is None or not greedy else _PointMass(job.stream, rows)
+        stream = job.stream if job.stream is None or not greedy else _PointMass(job.stream, rows, k > 0)
         samples = self._submit(job.adapter, job.request.prompt.tolist(), request, convert, stream)
         if prompt_part is None:
             return samples
@@ -293,14 +289,14 @@ class VllmSampler:
 
 class _PointMass:
     """A greedy request's `TokenStream`: vLLM draws its one row, which goes out as each of the request's `rows`, its
-    tokens' logprobs as 0.0, as its answer gives them."""
+    tokens' logprobs as 0.0 (and their top-k, when asked for, as the token alone), as its answer gives them."""
 
-    def __init__(self, stream: TokenStream, rows: int):
-        self._stream, self._rows = stream, rows
+    def __init__(self, stream: TokenStream, rows: int, topk: bool):
+        self._stream, self._rows, self._topk = stream, rows, topk
 
     def drew(self, row: int, token: int, logprob: float, top: list[tuple[int, float]] | None) -> None:
         for copy in range(self._rows):
-            self._stream.drew(copy, token, 0.0, top)
+            self._stream.drew(copy, token, 0.0, [(token, 0.0)] if self._topk else None)
 
     @property
     def cancelled(self) -> bool:
@@ -308,6 +304,18 @@ class _PointMass:
 
     def dropped(self, tokens: list[int], rows_left: int) -> None:
         self._stream.dropped(tokens * self._rows, rows_left)
+
+
+def _sequence(answer: dict, greedy: bool, k: int) -> SampledSequence:
+    """One of the engine's sequences as the contract's: a greedy row's logprobs are a point mass's."""
+    tokens = answer["tokens"]
+    if greedy:
+        logprobs, top = [0.0] * len(tokens), [[(t, 0.0)] for t in tokens] if k else None
+    else:
+        logprobs, top = answer["logprobs"], [[(t, lp) for t, lp in step] for step in answer["top"]] if k else None
+    return SampledSequence(
+        tokens=tokens, logprobs=logprobs, stop_reason=_stop_reason(answer["finish_reason"]), topk_logprobs=top
+    )
 
 
 def _stop_reason(finish_reason: str) -> str:

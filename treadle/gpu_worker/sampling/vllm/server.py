@@ -14,10 +14,13 @@ It speaks JSON lines over the inherited socket (never pickle). The first line it
   {"name": "s3", "id": 3, "path": "/dir"}}` -> `{"id": 7, "sequences": [{"tokens": [...],
   "logprobs": [...], "finish_reason": "stop"}], "prompt_logprobs": null | [null, [[token, logprob,
   rank], ...], ...]}` once every one of its `n` samples has finished, or `{"id": 7, "error": "..."}`.
+  With `"logprobs": k` > 0 in its params, each sequence also has `"top": [[[token, logprob], ...], ...]`:
+  per sampled token, the k most likely tokens of the distribution it was drawn from, most likely first,
+  those that distribution excludes (logprob -inf) left out.
   With `"stream": true` it is answered the same way, and before that, after each engine step that drew
-  tokens for it, `{"id": 7, "rows": [...], "tokens": [...], "logprobs": [...]}`: the tokens drawn by that
-  step, each with its sample's index (0 to n-1) and its logprob, so the partials of a row add up to its
-  sequence in the answer;
+  tokens for it, `{"id": 7, "rows": [...], "tokens": [...], "logprobs": [...]}` (and `"top": [...]` when
+  k > 0): the tokens drawn by that step, each with its sample's index (0 to n-1), its logprob (and its
+  top-k), so the partials of a row add up to its sequence in the answer;
 - `{"id": 9, "op": "abort", "request": 7}` -> `{"id": 7, "cancelled": [3, 2], "rows_left": 4}` (what each of
   its samples had drawn, in tokens, and the rows vLLM still runs) in place of request 7's answer, if it was
   not answered yet; then `{"id": 9, "aborted": true}` (false: it was answered already);
@@ -33,6 +36,7 @@ frees the request's rows and KV cache.
 from __future__ import annotations
 
 import json
+import math
 import os
 import queue
 import socket
@@ -79,6 +83,7 @@ class _Loop:
     def __init__(self, engine, conn: socket.socket):
         self.engine, self.conn = engine, conn
         self.pending: dict[str, int] = {}  # vLLM request id -> our message id
+        self.widths: dict[str, int] = {}  # vLLM request id -> the top-k it asked of each sampled token
         self.waiting: deque = deque()  # sample requests not yet given to the engine, in arrival order
         self.alone = False  # the request in flight asked for prompt logprobs: nothing joins it
         self.streamed: dict[str, list[dict]] = {}  # streamed request -> per sample, what it drew so far
@@ -133,9 +138,11 @@ class _Loop:
             params = SamplingParams(**message["params"], output_kind=kind)
             self.engine.add_request(str(mid), {"prompt_token_ids": message["prompt"]}, params, lora_request=request)
             self.pending[str(mid)] = mid
+            self.widths[str(mid)] = params.logprobs or 0
             if message.get("stream"):
+                fields = ("tokens", "logprobs", "top") if params.logprobs else ("tokens", "logprobs")
                 self.streamed[str(mid)] = [
-                    {"tokens": [], "logprobs": [], "finish_reason": None} for _ in range(params.n)
+                    {**{key: [] for key in fields}, "finish_reason": None} for _ in range(params.n)
                 ]
         except Exception as exc:  # a request vLLM refuses: only this request fails
             _send(self.conn, {"id": mid, "error": f"{type(exc).__name__}: {exc}"})
@@ -148,6 +155,7 @@ class _Loop:
                 _send(self.conn, {"id": mid, "error": f"vLLM engine step failed: {type(exc).__name__}: {exc}"})
             self.engine.abort_request(list(self.pending))
             self.pending.clear()
+            self.widths.clear()
             self.streamed.clear()
             return
         for out in outputs:
@@ -156,27 +164,26 @@ class _Loop:
             if out.request_id in self.streamed:
                 self._stream(out)
             elif out.finished:
-                _send(self.conn, _answer(self.pending.pop(out.request_id), out))
+                _send(self.conn, _answer(self.pending.pop(out.request_id), out, self.widths.pop(out.request_id)))
 
     def _stream(self, out) -> None:
         """Send a streamed request's new tokens; once it has finished, its answer, from what it drew."""
         rows = self.streamed[out.request_id]
-        mid = self.pending[out.request_id]
-        partial: dict = {"id": mid, "rows": [], "tokens": [], "logprobs": []}
+        mid, k = self.pending[out.request_id], self.widths[out.request_id]
+        fields = ("tokens", "logprobs", "top") if k else ("tokens", "logprobs")
+        partial: dict = {"id": mid, "rows": [], **{key: [] for key in fields}}
         for c in out.outputs:  # DELTA: only the tokens this step drew
-            tokens = list(c.token_ids)
-            logprobs = [step[token].logprob for token, step in zip(tokens, c.logprobs)]
-            partial["rows"] += [c.index] * len(tokens)
-            partial["tokens"] += tokens
-            partial["logprobs"] += logprobs
+            drawn = _sequence(c, k)
+            partial["rows"] += [c.index] * len(drawn["tokens"])
             row = rows[c.index]
-            row["tokens"] += tokens
-            row["logprobs"] += logprobs
+            for key in fields:
+                partial[key] += drawn[key]
+                row[key] += drawn[key]
             row["finish_reason"] = c.finish_reason or row["finish_reason"]
         if partial["tokens"]:
             _send(self.conn, partial)
         if out.finished:
-            del self.pending[out.request_id], self.streamed[out.request_id]
+            del self.pending[out.request_id], self.widths[out.request_id], self.streamed[out.request_id]
             _send(self.conn, {"id": mid, "sequences": rows, "prompt_logprobs": None})
 
     def _abort(self, mid: int) -> bool:
@@ -188,7 +195,7 @@ class _Loop:
             drawn = [0] * waiting["params"].get("n", 1)
         elif rid in self.pending:
             self.engine.abort_request([rid])
-            del self.pending[rid]
+            del self.pending[rid], self.widths[rid]
             drawn = [len(row["tokens"]) for row in self.streamed.pop(rid, [])]
         else:
             return False
@@ -230,16 +237,30 @@ def _next(inbox: queue.Queue):
         return None
 
 
-def _answer(mid: int, out) -> dict:
-    sequences = [
-        {
-            "tokens": list(c.token_ids),
-            # FINAL_ONLY with logprobs=0: per step, the sampled token's logprob (and no others).
-            "logprobs": [step[token].logprob for token, step in zip(c.token_ids, c.logprobs)],
-            "finish_reason": c.finish_reason,
-        }
-        for c in sorted(out.outputs, key=lambda c: c.index)
-    ]
+def _sequence(c, k: int) -> dict:
+    """One sample's tokens (all of them, or with DELTA those of one step), their logprobs (per step, vLLM's entries
+    hold the sampled token's), and with k > 0 their top-k."""
+    tokens = list(c.token_ids)
+    sequence = {
+        "tokens": tokens,
+        "logprobs": [step[token].logprob for token, step in zip(tokens, c.logprobs)],
+        "finish_reason": c.finish_reason,
+    }
+    if k:
+        sequence["top"] = [_top(step, k) for step in c.logprobs]
+    return sequence
+
+
+def _top(step: dict, k: int) -> list[list]:
+    """The top k of one step's entries, most likely first, [token, logprob] each. vLLM's entries are the top k's,
+    ranked 1 to k, and the sampled token's: outside the top k, its rank is the count of tokens at least as likely,
+    so above k. With the processed logprobs, the tokens top-k or top-p removed have -inf: they are left out."""
+    ranked = sorted((entry.rank, token, entry.logprob) for token, entry in step.items() if entry.rank <= k)
+    return [[token, logprob] for _, token, logprob in ranked if logprob > -math.inf]
+
+
+def _answer(mid: int, out, k: int) -> dict:
+    sequences = [_sequence(c, k) for c in sorted(out.outputs, key=lambda c: c.index)]
     prompt = None
     if out.prompt_logprobs is not None:
         prompt = [
