@@ -49,8 +49,8 @@ NOTES = {
     "TrainingClient.save_weights_and_get_sampling_client": "kind='inflight': every inflight client of the model samples its newest "
     "inflight save (Tinker's contract); between two saves it stays on the last one, not on each optim_step",
     "TrainingClient.save_weights_for_sampler": "user_metadata is not stored on sampler checkpoints",
-    "SamplingClient.sample": "topk_sample_logprobs (k <= 20), target_prompt_logprobs (dense or sparse, <= 64 ids a position) and "
-    "prompt_alt_tokens_k (k <= 20) are served by the hf sampler; the vllm sampler refuses them by name",
+    "SamplingClient.sample": "topk_sample_logprobs (k <= 20) is served by both samplers; target_prompt_logprobs (dense or sparse, "
+    "<= 64 ids a position) and prompt_alt_tokens_k (k <= 20) by the hf sampler, and the vllm sampler refuses them by name",
     "ServiceClient.create_custom_loss": "the gateway's session says custom_loss_server_side: false, so the SDK traces the loss and "
     "keeps it client-side: forward_backward_custom runs the LossHandle as it runs a callable",
 }
