@@ -8,6 +8,7 @@ from typing import Literal
 from pydantic import BaseModel, Field
 
 from treadle.queue.celery_app import RESULT_EXPIRES_S
+from treadle.queue.sample_options import MAX_TOPK_SAMPLE_LOGPROBS
 from treadle.types.base import DEFAULT_MAX_IMAGE_PIXELS
 
 
@@ -151,7 +152,10 @@ class WorkerConfig(BaseModel):
     )
     vllm_cpu_kv_cache_gib: int = Field(default=1, ge=1, description="vLLM on CPU: KV cache size in GiB.")
     vllm_max_logprobs: int = Field(
-        default=64, ge=0, description="vLLM: most top-k prompt logprobs a request may ask for."
+        default=64,
+        ge=0,
+        description="vLLM: most top-k prompt logprobs a request may ask for (a sampled token's top-k, at most "
+        f"{MAX_TOPK_SAMPLE_LOGPROBS}, is served whatever this is).",
     )
     session_idle_ttl_s: float = Field(
         default=86400.0,

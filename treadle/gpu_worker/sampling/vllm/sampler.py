@@ -77,7 +77,12 @@ class VllmOptions(BaseModel):
     max_cpu_loras: int = Field(
         default=16, ge=1, description="Adapters kept loaded in vLLM, least recently used out first."
     )
-    max_logprobs: int = Field(default=64, ge=0, description="Most top-k prompt logprobs one request may ask for.")
+    max_logprobs: int = Field(
+        default=64,
+        ge=0,
+        description="Most top-k prompt logprobs one request may ask for (a sampled token's top-k, at most "
+        f"{MAX_TOPK_SAMPLE_LOGPROBS}, is served whatever this is).",
+    )
     gpu_memory_share: float = Field(
         default=0.3,
         gt=0.0,
