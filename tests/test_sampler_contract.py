@@ -338,16 +338,16 @@ def processed_top(engine, sampler: str | None, tokens: list[int], params: Sampli
 
 def test_topk_sample_logprobs_are_the_top_of_the_distribution_sampled_from(trained):
     """Each sampled token's top-k, answered and streamed, n > 1: sorted, the sampled token's entry its own logprob,
-    and the top-k of the hf backend's distribution on the same tokens (after temperature and top-k: not the raw one),
-    tokens it excludes left out; at temperature 0, the token alone with 0.0, in each replicated row."""
+    and the top-k of the hf backend's distribution on the same tokens (after temperature, top-k and top-p: not the
+    raw one), tokens it excludes left out; at temperature 0, the token alone with 0.0, in each replicated row."""
     engine = trained
     sampler = snapshot(engine, "a", "a-top")
-    prompt, worst = ModelInput.from_ints(PROMPT), 0.0
+    prompt, worst, widths = ModelInput.from_ints(PROMPT), 0.0, {}
     for k, params in (
         (MAX_TOPK_SAMPLE_LOGPROBS, SamplingParams(max_tokens=5, seed=3)),  # the most a request may ask
-        (8, SamplingParams(max_tokens=5, seed=5, temperature=0.7, top_k=5)),
+        (8, SamplingParams(max_tokens=5, seed=5, temperature=0.7, top_k=5, top_p=0.6)),
     ):
-        stream, width = Stream(), k if params.top_k < 0 else min(k, params.top_k)
+        stream, widths[k] = Stream(), set()
         seqs = (
             engine.sample_async(sampler, prompt, 2, params, extras=SampleExtras(topk_sample_logprobs=k), stream=stream)
             .result(timeout=WAIT)
@@ -361,14 +361,17 @@ def test_topk_sample_logprobs_are_the_top_of_the_distribution_sampled_from(train
                 seq.tokens, seq.logprobs, seq.topk_logprobs, expected, distribution
             ):
                 values = [v for _, v in top]
-                assert values == sorted(values, reverse=True) and len(top) == len(ref) == width
+                assert values == sorted(values, reverse=True) and len(top) == len(ref)
                 assert dict(top).get(token, logprob) == logprob
-                assert token in dict(top) or width == k  # with top_k 5 < k, every token it may draw is listed
+                assert token in dict(top) or params.top_k < 0  # top_k 5 < k: every token it may draw is listed
                 # Tie-proof: the values are the reference's top values, and each is its token's in the reference.
                 worst = max(worst, *(abs(v - w) for (_, v), (_, w) in zip(top, ref)))
                 worst = max(worst, *(abs(v - float(dist[t])) for t, v in top))
-    print(f"\n{engine.kind}: max |top-k sample logprob - hf processed logprob|: {worst:.2e}")
+                widths[k].add(len(top))
+    print(f"\n{engine.kind}: max |top-k sample logprob - hf processed logprob|: {worst:.2e}; widths {widths}")
     assert worst < TOLERANCE[engine.kind]
+    assert widths[MAX_TOPK_SAMPLE_LOGPROBS] == {MAX_TOPK_SAMPLE_LOGPROBS}  # T=1 excludes nothing
+    assert max(widths[8]) <= 5 and min(widths[8]) < 5  # top-k 5 leaves at most 5, top-p 0.6 fewer
     greedy, point = SamplingParams(max_tokens=4, temperature=0), Stream()
     extras = SampleExtras(topk_sample_logprobs=3)
     seqs = engine.sample_async(sampler, prompt, 3, greedy, extras=extras, stream=point).result(timeout=WAIT).sequences
