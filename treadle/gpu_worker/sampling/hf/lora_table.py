@@ -16,9 +16,10 @@ step's `adapter_slots` device tensor inside the graph. The extra work is small: 
 32, x @ a is a (rows, in) x (in, 256) product beside the base layer's (rows, in) x (in, out).
 
 A new snapshot is copied into a free slot (or the least recently used slot no running row uses) in
-place, so a graph captured earlier reads it without being captured again. Only plain LoRA linears
-can be stacked (`mixed_lora.plain_linear_adapters`); a request on any other adapter (MoE expert
-adapters, DoRA) takes the dynamic path.
+place, so a graph captured earlier reads it without being captured again. Plain LoRA linears are
+stacked here (`mixed_lora.plain_linear_adapters`), and an adapter's weights on MoE expert tensors in
+the same slot by `expert_table`; a request on any other adapter (DoRA, a LoRA embedding) takes the
+dynamic path.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import torch
 from peft.tuners.lora import Linear as LoraLinear
 
 from treadle.gpu_worker.model.adapters import AdapterBank
+from treadle.gpu_worker.sampling.hf.expert_table import ExpertTable, stackable_wrapper
 from treadle.gpu_worker.sampling.hf.mixed_lora import forwards_replaced, plain_linear_adapters
 
 SLOTS = 8  # adapters one table holds; a step's rows use at most this many
@@ -45,7 +47,8 @@ def static_address(tensor: torch.Tensor) -> torch.Tensor:
 
 
 class LoraTable:
-    """Per LoRA linear layer of the bank's model, the stacked A and B of the adapters in the table's slots."""
+    """Per LoRA linear layer of the bank's model, the stacked A and B of the adapters in the table's slots; their
+    expert weights in `experts`, slot for slot."""
 
     def __init__(self, bank: AdapterBank, slots: int = SLOTS):
         self.bank = bank
@@ -57,10 +60,11 @@ class LoraTable:
         self._b: dict[LoraLinear, torch.Tensor] = {}
         self._forwards: dict[LoraLinear, object] = {}
         self._version = bank.version
+        self.experts = ExpertTable(bank, slots, MIN_RANK)
 
     def can_hold(self, adapter: str | None) -> bool:
         """Whether rows of `adapter` can run here (None, the base model, always can)."""
-        return adapter is None or plain_linear_adapters(self.bank, {adapter})
+        return adapter is None or plain_linear_adapters(self.bank, {adapter}, besides=stackable_wrapper)
 
     def slot(self, adapter: str | None, busy: set[str]) -> int:
         """The slot of `adapter` (-1: the base model), copying it in if it is not there; `busy` are the adapters of
@@ -88,17 +92,20 @@ class LoraTable:
         """Set the step's per-row mask from its (rows,) adapter slots (-1: none); traced into the step's graph."""
         columns = torch.arange(self.slots * self.rank, device=adapter_slots.device) // max(self.rank, 1)
         self.mask = (columns == adapter_slots[:, None]).to(next(iter(self._a.values())).dtype) if self._a else None
+        self.experts.select(adapter_slots)
 
     @contextmanager
     def installed(self) -> Iterator[None]:
-        """Within the block every LoRA linear of the table computes its base layer plus the rows' deltas, and every
-        other LoRA layer its base layer alone (`AdapterBank.adapters_off`). The forwards are made once per table
+        """Within the block every LoRA linear of the table computes its base layer plus the rows' deltas, so do the
+        experts modules of stacked expert tensors (`ExpertTable.forwards`), and every other LoRA layer its base layer
+        alone (`AdapterBank.adapters_off`). The forwards are made once per table
         shape: a compiled step guards on them, so new function objects at every step would trace it again."""
         layers = [layer for layer in _layers(self.bank) if isinstance(layer, LoraLinear)]
         for layer in layers:
             if layer not in self._forwards:
                 self._forwards[layer] = self._forward(layer)
-        with forwards_replaced(self.bank, {layer: self._forwards[layer] for layer in layers}):
+        forwards = {layer: self._forwards[layer] for layer in layers} | self.experts.forwards()
+        with forwards_replaced(self.bank, forwards):
             yield
 
     # ------------------------------------------------------------ internals
@@ -111,8 +118,11 @@ class LoraTable:
 
         def forward(x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
             output = base_layer(x, *args, **kwargs)
-            flat = x.reshape(-1, x.shape[-1]).to(a.dtype)
-            delta = torch.matmul(torch.matmul(flat, a) * self.mask, b)
+            assert self.mask is not None
+            # x is (rows, tokens, in): one token per row, or every cached position of a row (DeepSeek's latent
+            # attention expands its whole cache through kv_b_proj), each token masked by its row's adapter.
+            flat = x.reshape(x.shape[0], -1, x.shape[-1]).to(a.dtype)
+            delta = torch.matmul(torch.matmul(flat, a) * self.mask[:, None], b)
             return output + delta.to(output.dtype).view(output.shape)
 
         return forward
@@ -132,6 +142,7 @@ class LoraTable:
             self._write(slot, name)
 
     def _write(self, slot: int, adapter: str) -> None:
+        self.experts.write(slot, adapter)
         columns = slice(slot * self.rank, (slot + 1) * self.rank)
         for layer, a in self._a.items():
             b = self._b[layer]

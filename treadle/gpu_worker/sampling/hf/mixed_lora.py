@@ -24,15 +24,17 @@ the split forwards of `batch_decode`.) Sampling is inference: LoRA dropout is no
 
 from __future__ import annotations
 
+import math
 import weakref
 from collections import OrderedDict
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
 from peft.tuners.lora import Linear as LoraLinear
+from peft.tuners.lora import LoraLayer
 
 from treadle.gpu_worker.model.adapters import AdapterBank
 from treadle.gpu_worker.sampling.hf import row_invariant
@@ -41,13 +43,18 @@ SMALL_BMM = 400  # torch's CPU bmm computes products of fewer multiply-adds with
 KEPT_SETS = 4  # sets of adapters whose stacks are kept (each multi-adapter set holds a copy of its weights)
 
 
-def plain_linear_adapters(bank: AdapterBank, adapters: set[str | None]) -> bool:
+def plain_linear_adapters(
+    bank: AdapterBank, adapters: set[str | None], besides: Callable[[LoraLayer], bool] = lambda _: False
+) -> bool:
     """Whether every adapter named lives only in plain LoRA linears (no DoRA or other variant, no LoRA
-    embedding, no bias on B): what `grouped_adapters` computes. A PEFT adapter loaded from a user's
-    directory may not be, nor is a full session's snapshot (its rows run as a model of their own)."""
+    embedding, no bias on B), or in LoRA layers `besides` accepts: what `grouped_adapters` computes. A PEFT
+    adapter loaded from a user's directory may not be, nor is a full session's snapshot (its rows run as a
+    model of their own)."""
     if any(name in bank.full for name in adapters):
         return False
     for layer in bank.lora_layers():
+        if besides(layer):
+            continue
         if not isinstance(layer, LoraLinear):
             if any(name in layer.lora_embedding_A or name in layer.lora_A for name in adapters):
                 return False
@@ -164,11 +171,16 @@ def _prefix_block(flat: torch.Tensor, slots: _Slots, n: int) -> torch.Tensor:
     return flat if slots.tiled else F.pad(flat, (0, 0, 0, n * slots.rows - flat.shape[0]))
 
 
+def _per_row(x: torch.Tensor) -> int:
+    """Tokens per row of a linear's input (rows, ..., in): DeepSeek's latent attention passes (rows, 1, tokens, in)."""
+    return math.prod(x.shape[1:-1])
+
+
 def _add_deltas(x: torch.Tensor, output: torch.Tensor, stacks: list[Stack], slots_of) -> None:
     """output += every stack's LoRA deltas of x, each row by its own adapter; in place."""
     flat_out = output.view(-1, output.shape[-1])
     for stack in stacks:
-        slots = slots_of(stack.names, x.shape[-2] if x.dim() == 3 else 1, stack.min_rows)
+        slots = slots_of(stack.names, _per_row(x), stack.min_rows)
         flat = x.reshape(-1, x.shape[-1])
         n = len(stack.names)
         if slots.prefix:  # adapters' runs of equal length
@@ -192,7 +204,7 @@ def _lora_forward(layer: LoraLinear, stacks: list[Stack], slots_of):
     def forward(x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         if len(stacks) == 1 and not args and not kwargs:
             stack = stacks[0]
-            slots = slots_of(stack.names, x.shape[-2] if x.dim() == 3 else 1, stack.min_rows)
+            slots = slots_of(stack.names, _per_row(x), stack.min_rows)
             if slots.prefix:
                 flat, n = x.reshape(-1, x.shape[-1]), len(stack.names)
                 block = _prefix_block(flat, slots, n)
