@@ -40,10 +40,11 @@ def family_dirs(tmp_path_factory) -> dict[str, str]:
 
 
 def trained_engine(directory: str, dtype: str) -> Engine:
+    """Two snapshots: "a" adapts every target (a MoE model's 3-D expert tensors included), "b" attention and lm_head."""
     engine = Engine(directory, dtype=dtype)
     rng = np.random.default_rng(0)
     for name in ("a", "b"):
-        engine.create_session(name, LoraConfig(rank=8, alpha=16, seed=len(name)))
+        engine.create_session(name, LoraConfig(rank=8, alpha=16, seed=len(name), train_mlp=name == "a"))
         batch = [cross_entropy_datum(rng.integers(5, 500, 24).tolist()) for _ in range(2)]
         engine.forward_backward(name, batch, "cross_entropy")
         engine.optim_step(name, AdamParams(learning_rate=1e-2))  # B is no longer zero: the deltas count
@@ -96,6 +97,10 @@ def test_the_decode_step_traces_as_one_graph_while_rows_join_and_leave(family, d
         assert dict(counters["graph_break"]) == {}
         assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
         assert not traced_batch.rows and int(traced_batch._lengths.max()) == 0  # every row ended, its slot freed
+        # Both snapshots decoded in the table's slots (none beside, on the dynamic path), expert weights included.
+        assert set(traced_batch.table.names) == {engine._samplers["a"], engine._samplers["b"]}
+        expert_slots = traced_batch.table.experts.held
+        assert list(expert_slots.values()) == ([engine._samplers["a"]] if engine._host.targets.experts else [])
         assert all(len(rows) for rows in traced)
         assert traced == eager
         if dtype == "float32":  # the dynamic path draws the same tokens; logprobs agree to rounding

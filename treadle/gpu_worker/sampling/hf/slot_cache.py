@@ -32,7 +32,7 @@ from typing import Iterator
 import torch
 from transformers import AttentionInterface, DynamicCache
 
-from treadle.gpu_worker.sampling.hf import cache_rows, position_rules
+from treadle.gpu_worker.sampling.hf import cache_rows, expert_table, position_rules
 from treadle.gpu_worker.sampling.hf import row_invariant
 from treadle.gpu_worker.sampling.hf.row_invariant import KEY_MULTIPLE
 from treadle.gpu_worker.sampling.hf.state_slots import StateSlots
@@ -42,13 +42,13 @@ IMPLEMENTATION = "treadle_slots"
 
 def static_path(model: torch.nn.Module, expert_targets: list[str]) -> str:
     """ "yes" if the model's decode steps take the static-shape path, else "no: " and why not; shown by `treadle
-    models check` and docs/models.md. A MoE model takes it for the base model and for adapters without expert
-    weights; rows of an expert adapter decode beside them on the dynamic path (`LoraTable.can_hold`)."""
+    models check` and docs/models.md. A MoE model's expert adapters are stacked per row and expert (`expert_table`);
+    an experts module of a kind the table does not know is named, its adapters' rows decode dynamically."""
     failure = _decode_failure(model)
     if failure is not None:
         return f"no: its decode step does not run on slots ({failure})"
-    if expert_targets:
-        return "yes, but rows of adapters on expert weights (3-D tensors, not stacked per row) decode dynamically"
+    if unknown := expert_table.unstackable(model, expert_targets):
+        return f"yes, but rows of adapters on the expert weights of {', '.join(unknown)} decode dynamically"
     return "yes"
 
 
