@@ -4,7 +4,8 @@ A GPU replays its decode step as a captured CUDA graph; what makes that possible
 one graph and keeps tracing to the same graph while rows join and leave. That is checked here for every
 family (the hybrid ones' recurrent states in slots too), in fp32 and bf16: `torch.compile(fullgraph=True)` (no
 graph break) with the "eager" backend, staggered requests of two snapshots and the base model in one bucket,
-exactly one graph.
+exactly one graph; on MoE families one snapshot adapts the 3-D expert tensors and the other does not, so
+expert-adapter rows, other adapters' rows and base rows share the step.
 The traced step computes what the eager one does, and in fp32 the same tokens as the dynamic path with
 logprobs to rounding. A model that does not take it is refused by name; rows the table cannot hold decode
 beside on the dynamic path; a row's numbers do not depend on its batch (CPU batch invariance).

@@ -48,7 +48,7 @@ def vllm_serves(family: str) -> str:
 
 
 SAMPLER_MIXED = "hf: continuous batching, mixed adapters in one forward"
-SAMPLER_SPLIT = "hf: continuous batching, one forward per adapter in mixed steps (expert adapters)"
+SAMPLER_SPLIT = "hf: continuous batching, mixed adapters in one forward (expert adapters: one each on dynamic steps)"
 
 
 class ModelProfile(BaseModel):

@@ -164,7 +164,7 @@ Factors = tuple[torch.Tensor, torch.Tensor] | None  # an expert tensor's (left, 
 
 
 def _plus_delta(out: torch.Tensor, x: torch.Tensor, pairs: torch.Tensor, factors: Factors) -> torch.Tensor:
-    """out (S, out) plus each pair's delta: x (S, in) by its factors left[pairs[s]] (in, r), right[pairs[s]] (r, out)."""
+    """out (S, out) plus each pair's delta: x (S, in) times its left[pairs[s]] (in, r) and right[pairs[s]] (r, out)."""
     if factors is None:
         return out
     left, right = factors

@@ -16,7 +16,8 @@ two of at least `KEY_MULTIPLE` positions:
 - the step's inputs, device tensors updated in place: each slot's last token, its length (the position
   of that token, where its key is written) and its adapter slot;
 - the adapters (`lora_table.LoraTable`): stacked static weights, indexed per row by the adapter slots,
-  one pair of products per LoRA layer whatever the mix.
+  one pair of products per LoRA layer whatever the mix (expert tensors' factors gathered per routed token,
+  `expert_table`).
 
 A step runs the whole bucket (free slots compute garbage that nothing reads) and returns the last
 logits of every slot; the token draw (per-request generators, `token_choice`) and its logprobs run
@@ -24,7 +25,7 @@ right after, eagerly, on the running rows, and one host transfer reads the token
 Prefill stays eager (`batch_decode.prefill`), and its K, V and states are copied into the rows' slots.
 
 Requests this path cannot take run beside it in a dynamic batch (`DecodeBatch`), stepped in the same
-round: an adapter that is not a plain LoRA linear (`LoraTable.can_hold`), or a step whose rows would use
+round: an adapter the table cannot stack (`LoraTable.can_hold`: DoRA, a LoRA embedding), or a step whose rows would use
 more adapters than the table's slots. Which families take the path at all is `slot_cache.static_path`.
 """
 
