@@ -25,7 +25,7 @@ experts class is not stacked (`unstackable`): rows of adapters on its weights de
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, TypeGuard
 
 import torch
 from peft.tuners.lora.layer import ParamWrapper
@@ -44,7 +44,7 @@ def stackable(module: nn.Module) -> bool:
     return isinstance(module, Llama4TextExperts) or hasattr(module, "has_gate")
 
 
-def stackable_wrapper(layer: nn.Module) -> bool:
+def stackable_wrapper(layer: object) -> TypeGuard[ParamWrapper]:
     """Whether a LoRA layer is an expert tensor's `ParamWrapper` the table stacks."""
     return (
         isinstance(layer, ParamWrapper) and layer.parameter_name in (*FIRST, LAST) and stackable(layer.get_base_layer())
@@ -139,7 +139,7 @@ class ExpertTable:
 def _wrappers(bank: AdapterBank) -> list[ParamWrapper]:
     if bank.peft_model is None:
         return []
-    return [layer for layer in bank.lora_layers() if isinstance(layer, ParamWrapper) and stackable_wrapper(layer)]
+    return [layer for layer in bank.lora_layers() if stackable_wrapper(layer)]
 
 
 def _input_on_left(wrapper: ParamWrapper) -> bool:
