@@ -7,7 +7,7 @@ comparison is against one in-process engine per family (what a one-device worker
 losses and gradients in another order than one device, so they agree to float rounding (1e-5), not bitwise.
 Micro-batches of 64 tokens and batches of uneven lengths (one of a single datum) give the ranks different
 numbers of micro-batches, which a sharded group must run in lockstep (treadle.gpu_worker.parallel.lockstep).
-The 2-rank group also holds a full fine-tuning session sharded over its ranks.
+The 2-rank group also holds a full fine-tuning session sharded over its ranks, and samples its snapshot.
 """
 
 from __future__ import annotations
@@ -30,13 +30,14 @@ from tests.test_durability import adapter_of, assert_same_adapter, owner_process
 from tests.test_multi_device import alive, children, wait_until
 from tests.test_multi_device import batch as multi_device_batch
 from treadle import AdamParams, Datum, ModelInput, SamplingParams, ServiceClient
+from treadle.gpu_worker.executor.sample_requests import MAX_CACHED_SAMPLERS
 from treadle.gpu_worker.model.fit import plan
 from treadle.gpu_worker.model.full_weights import bytes_per_parameter
 from treadle.local_stack import LocalStack
 from treadle.sdk.training_client import TrainingClient
 from treadle.storage.checkpoint_store import CheckpointStore
 from treadle.testing.tiny_model import build_tiny_model
-from treadle.errors import InsufficientMemoryError, InvalidRequestError
+from treadle.errors import InsufficientMemoryError
 from treadle.types import FullConfig, LoraConfig
 
 FAMILIES = ("llama", "qwen3_moe", "gpt_oss")
@@ -247,12 +248,14 @@ def full_state(sc: ServiceClient, path: str) -> tuple[list[str], dict, dict]:
         return sorted(os.listdir(tmp)), weights, optimizer
 
 
-def test_a_full_session_on_a_sharded_group_holds_its_shards_and_trains_like_one_device(stack, sc, ref, two_ranks):
+def test_a_full_session_on_a_sharded_group_holds_its_shards_trains_and_samples_like_one_device(
+    stack, sc, ref, two_ranks
+):
     """A full session on the two sharded ranks holds half its state on each: admitted under a limit that one
     device's session exceeds, a second one beside it refused with its bytes per rank against the bytes free. It
     trains like one device, saves the model directory one device saves, and resumes from it exactly on the group
-    and on one device. LoRA sessions and the base model's samples after its ops are one device's; a sampler
-    snapshot of it is refused."""
+    and on one device. LoRA sessions and the base model's samples after its ops are one device's. Its sampler
+    snapshot samples with the session's weights (`check_full_snapshot`)."""
     engine = ref.engines["llama"]
     tc = sc.create_full_training_client("llama")
     held = sc.ops.session_info(tc.session_id).memory_bytes
@@ -279,9 +282,6 @@ def test_a_full_session_on_a_sharded_group_holds_its_shards_and_trains_like_one_
         assert files == sorted(os.listdir(tmp))
         assert_close_adapter(weights, load_file(os.path.join(tmp, "model.safetensors")))
         assert_close_adapter(moments, load_file(os.path.join(tmp, "optimizer.safetensors")))
-    with pytest.raises(InvalidRequestError, match="sharded"):
-        tc.save_weights_and_get_sampling_client("full-s")
-
     # The base weights are the base's again: a LoRA session and the base model's samples are one device's.
     lora = sc.create_lora_training_client("llama", rank=8, seed=SEED)
     engine.create_session("after-full", LoraConfig(rank=8, seed=SEED))
@@ -301,6 +301,76 @@ def test_a_full_session_on_a_sharded_group_holds_its_shards_and_trains_like_one_
     with tempfile.TemporaryDirectory() as tmp:
         engine.save_state("full-resumed", tmp)
         assert_close_adapter(weights, load_file(os.path.join(tmp, "model.safetensors")))
+    check_full_snapshot(stack, sc, resumed, engine, "full-resumed", two_ranks.limit)
+
+
+def check_full_snapshot(
+    stack: LocalStack, sc: ServiceClient, tc: TrainingClient, engine, session: str, limit: int
+) -> None:
+    """A full session's sampler snapshot on the sharded group: each rank swaps its shards of it into the base
+    weights' for every forward rank 0 samples with it. Its seeded samples' logprobs are the session's forward of the
+    same tokens (which the base model's are not), the base model's samples (asked beside them, and after) are one
+    device's, its stored directory holds the session's weights, and one device's snapshot of the same session
+    loaded from storage samples on the group as on one device. Admission counts each snapshot's bytes per rank, and
+    the sampler cache's drop of a full snapshot frees them."""
+    prompt, params = ModelInput.from_ints(list(range(5, 25))), SamplingParams(max_tokens=8, seed=3, temperature=1.0)
+    base = sc.create_sampling_client(base_model="llama")
+    want_base = [s.tokens for s in engine.sample(None, prompt, 2, params).sequences]
+    sampler = tc.save_weights_and_get_sampling_client("full-s")
+    futures = sampler.sample(prompt, 2, params), base.sample(prompt, 2, params)  # in one batch if they meet
+    got, beside = (f.result(timeout=120).sequences for f in futures)
+    for seq in got:
+        tokens = prompt.to_ints() + seq.tokens
+        datum = Datum(
+            model_input=ModelInput.from_ints(tokens[:-1]),
+            loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * (len(tokens) - 1)},
+        )
+        trained = tc.forward([datum], "cross_entropy").result(timeout=120).loss_fn_outputs[0]["logprobs"].to_numpy()
+        trained = trained[len(prompt.to_ints()) - 1 :].tolist()
+        assert seq.logprobs == pytest.approx(trained, rel=0, abs=TOL)
+        untrained = base.compute_logprobs(ModelInput.from_ints(tokens)).result(timeout=60)[len(prompt.to_ints()) :]
+        assert max(abs(a - b) for a, b in zip(untrained, trained)) > 100 * TOL  # the check above has teeth
+    assert [s.tokens for s in beside] == want_base
+    assert [s.tokens for s in base.sample(prompt, 2, params).result(timeout=120).sequences] == want_base
+
+    engine.snapshot_sampler(session, "one-device")
+    with tempfile.TemporaryDirectory() as tmp:
+        engine.save_sampler_weights("one-device", tmp)
+        with tempfile.TemporaryDirectory() as stored:
+            sc.create_rest_client().download(sampler.model_path, stored)
+            assert_close_adapter(*(load_file(os.path.join(d, "model.safetensors")) for d in (stored, tmp)))
+        path = "treadle://from-one/sampler_weights/full"
+        extra = {"full_config": FullConfig().model_dump()}
+        CheckpointStore.from_url(stack.storage_url).save(tmp, path, base_model="llama", extra=extra)
+    loaded = sc.create_sampling_client(model_path=path).sample(prompt, 2, params).result(timeout=120).sequences
+    want = engine.sample("one-device", prompt, 2, params).sequences
+    assert [s.tokens for s in loaded] == [s.tokens for s in want]
+    for g, w in zip(loaded, want):
+        assert g.logprobs == pytest.approx(w.logprobs, rel=0, abs=TOL)
+
+    # Snapshots fit until the limit (two are held: "full-s" and the loaded one), the next is refused.
+    held = sc.ops.session_info(tc.session_id).memory_bytes
+    snapshot = held * 4 // bytes_per_parameter(torch.float32, sharded=True)  # fp32 weights of a rank's shards
+    free = limit - held - 2 * snapshot
+    for i in range(free // snapshot):
+        tc.save_weights_for_sampler(f"fits-{i}").result(timeout=60)
+    with pytest.raises(InsufficientMemoryError) as refused:
+        tc.save_weights_for_sampler("over").result(timeout=60)
+    assert f"needs {snapshot} bytes per rank" in str(refused.value)
+    assert f"{free % snapshot} bytes are free" in str(refused.value)
+    # The cache drops the oldest samplers as LoRA snapshots come: once "full-s" goes, a full snapshot fits again,
+    # and samples what "full-s" sampled.
+    lora = sc.create_lora_training_client("llama", rank=4, seed=SEED)
+    for i in range(MAX_CACHED_SAMPLERS):
+        lora.save_weights_for_sampler(f"evict-{i}").result(timeout=60)
+        try:
+            again = tc.save_weights_and_get_sampling_client("after-drop")
+            break
+        except InsufficientMemoryError:
+            continue
+    else:
+        raise AssertionError("no full snapshot fits after the sampler cache dropped every older one")
+    assert [s.tokens for s in again.sample(prompt, 2, params).result(timeout=120).sequences] == [s.tokens for s in got]
 
 
 def start_two_hosts(stack: LocalStack, sc: ServiceClient, port: str) -> None:

@@ -140,13 +140,16 @@ class Engine:
     def _new_session(self, lora: LoraConfig, full: FullConfig | None = None, *, replacing: int = 0) -> Session:
         adapter = self._bank.new_name()
         if full is not None:
-            held = sum(s.memory for s in self._sessions.values() if s.full is not None) - replacing
-            self._bank.add_full(adapter, self.full_memory.admitted(full, held))
+            self._bank.add_full(adapter, self.full_memory.admitted(full, self._full_held() - replacing))
         else:
             self._bank.add(adapter, self._bank.lora_config(lora), seed=lora.seed)
         optimizer = SessionOptimizer(self._bank.parameters(adapter))
         memory = self._bank.full[adapter].state_bytes if full else 16 * optimizer.size  # fp32: weights, grads, moments
         return Session(adapter=adapter, lora=lora, optimizer=optimizer, full=full, memory=memory)
+
+    def _full_held(self) -> int:
+        """Bytes the full sessions and their sampler snapshots hold on this rank, as admission counts them."""
+        return sum(weights.held_bytes for weights in self._bank.full.values())
 
     def session_memory(self, session_id: str) -> int:
         """Bytes the session's trained weights hold on the device: weights, gradients and AdamW moments."""
@@ -269,33 +272,42 @@ class Engine:
     def snapshot_sampler(self, session_id: str, sampler_id: str) -> None:
         """A frozen copy of the session's adapter as it is now; later training never changes it."""
         session = self._session(session_id)
-        self._check_new_sampler(sampler_id, full=session.full is not None)
+        self._check_new_sampler(sampler_id, list(self._bank.parameters(session.adapter)) if session.full else None)
         adapter = self._bank.new_name()
         self._bank.add_copy(adapter, source=session.adapter)
         self._samplers[sampler_id] = adapter
 
     @on_device
     def load_sampler(self, sampler_id: str, adapter_dir: str) -> None:
-        """A frozen sampler from a PEFT adapter directory."""
-        self._check_new_sampler(sampler_id, full=full_weights.is_full_dir(adapter_dir))
+        """A frozen sampler from a PEFT adapter directory (or a full session's snapshot, a model directory)."""
+        full = full_weights.is_full_dir(adapter_dir)
+        self._check_new_sampler(sampler_id, full_weights.read_marker(adapter_dir)[1] if full else None)
         adapter = self._bank.new_name()
         self._bank.add_from_dir(adapter, adapter_dir)
         self._samplers[sampler_id] = adapter
 
-    def _check_new_sampler(self, sampler_id: str, *, full: bool) -> None:
+    def _check_new_sampler(self, sampler_id: str, full_names: list[str] | None) -> None:
+        """`full_names`: the weights of a full session's snapshot (None: a LoRA adapter's)."""
         if sampler_id in self._samplers:
             raise InvalidRequestError(f"sampler_id: {sampler_id!r} already exists")
-        self.full_memory.check_snapshot(self.sampler.path, sampler_id, full=full)
+        self.full_memory.check_snapshot(self.sampler.path, sampler_id, names=full_names, held=self._full_held())
 
     def has_sampler(self, sampler_id: str) -> bool:
         return sampler_id in self._samplers
 
-    def drop_sampler(self, sampler_id: str) -> None:
+    def drop_sampler(self, sampler_id: str, removed: Callable[[str], None] | None = None) -> None:
+        """Free the sampler once no request needs it; then `removed(adapter)` runs (holding the device lock)."""
         with self._lock, self._catalog:  # (in this order, as everywhere)
             adapter = self._sampler(sampler_id)
             del self._samplers[sampler_id]
+
+            def remove() -> None:
+                self._bank.remove(adapter)
+                if removed is not None:
+                    removed(adapter)
+
             # Requests already queued or decoding keep the adapter until they are answered.
-            self.sampler.when_unused(adapter, lambda: self._bank.remove(adapter))
+            self.sampler.when_unused(adapter, remove)
 
     def _sampler(self, sampler_id: str) -> str:
         if sampler_id not in self._samplers:

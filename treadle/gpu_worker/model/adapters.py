@@ -71,6 +71,8 @@ class AdapterBank:
         self.version = 0  # bumped whenever an adapter is added or removed (what caches of adapter tensors key on)
         self.full: dict[str, FullWeights] = {}  # full fine-tuning sessions and their snapshots, by name
         self._bindings: tuple[int, dict[str, str]] | None = None  # (version, `full_weights.bindings` of the model)
+        # The full weights a forward computes with (within `using`), which a sharded group's followers swap in too.
+        self.swapped: str | None = None
 
     def lora_config(self, lora: LoraConfig) -> peft.LoraConfig:
         """The PEFT config of a new session's adapter on this model."""
@@ -154,7 +156,7 @@ class AdapterBank:
         """A new frozen adapter from a PEFT adapter directory (adapter_config.json + adapter_model.*), or a full
         session's snapshot from its model directory."""
         if full_weights.is_full_dir(directory):
-            self.add_full(name, FullWeights.from_dir(directory, dtype=self.host.dtype, device=self.host.device))
+            self.add_full(name, FullWeights.from_dir(directory, self.host.model, dtype=self.host.dtype))
             return
         if not (Path(directory) / "adapter_config.json").is_file():
             raise CheckpointNotFoundError(f"{directory}: no adapter_config.json; not a PEFT adapter directory")
@@ -197,7 +199,11 @@ class AdapterBank:
         if name in self.full:
             with self.adapters_off() if self.peft_model is not None else nullcontext():
                 with self.full[name].swapped(self.host.model, self._full_bindings(), trainable=trainable) as model:
-                    yield model  # type: ignore[misc]  # called as the model is
+                    self.swapped = name
+                    try:
+                        yield model  # type: ignore[misc]  # called as the model is
+                    finally:
+                        self.swapped = None
             return
         if name is None:
             # The host's model itself, not the PeftModel: PeftModel's forward looks up its active adapter's

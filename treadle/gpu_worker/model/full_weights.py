@@ -17,13 +17,16 @@ its bytes on each of N ranks. There an op copies the masters into the base weigh
 gathers whole weights from its buffers, whatever tensor a call passes), lets FSDP reduce-scatter their gradients
 into the shards, adds those to the masters', and copies the base weights back (the kept base shards and FSDP's
 gradient: 2 transient bytes each a parameter under bf16, 4 under fp32, over N). A sampler snapshot of such a session
-is refused: rank 0 samples alone, and every rank would have to hold and swap in its shards of the snapshot.
+is sharded too: every rank keeps its shards of it (`frozen_copy` of its master shards), and a forward of rank 0's
+sampler with the snapshot's rows swaps them into the base weights' shards on every rank the same way
+(treadle.gpu_worker.parallel.lockstep).
 
 Which weights: every one, or every one but the embeddings (`FullConfig.train_embeddings`: the input embeddings and
 the output projection, one matrix when the model ties them). Weights a session does not train are the base's.
 
 A frozen snapshot (`frozen_copy`, for the sampler) holds the trained weights in the compute dtype; the sampler runs
-it as a model of its own (`AdapterBank.using`), in runs of rows of its own in a mixed batch.
+it as a model of its own (`AdapterBank.using`), in runs of rows of its own in a mixed batch. Admission counts what
+snapshots hold (`held_bytes`) beside the sessions' state, and admits a snapshot only if it fits (`FullMemory`).
 
 Names are the parameter names `save_pretrained` writes (`model.layers.0.mlp.up_proj.weight`); the host's model
 under PEFT's wrappers shows `...up_proj.base_layer.weight`, read as the same name. On disk a session's weights are
@@ -37,7 +40,7 @@ from __future__ import annotations
 import json
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import psutil
 import torch
@@ -117,9 +120,10 @@ def bytes_per_parameter(dtype: torch.dtype, sharded: bool) -> int:
 
 
 class FullMemory:
-    """Admission of an engine's full sessions: a session is made only if its state (`session_bytes`) and the
-    activations of one micro-batch of `budget_tokens` fit what is free: `limit` bytes less the full sessions held,
-    or (limit 0) the device's free memory, the host's available memory on a CPU."""
+    """Admission of an engine's full sessions and their snapshots: a session is made only if its state
+    (`session_bytes`) and the activations of one micro-batch of `budget_tokens` fit what is free, a snapshot only if
+    its weights do (`snapshot_bytes`). Free: `limit` bytes less what the full sessions and snapshots hold
+    (`FullWeights.held_bytes`), or (limit 0) the device's free memory, the host's available memory on a CPU."""
 
     def __init__(self, host: ModelHost, budget_tokens: int, limit: int, *, sharded: bool = False):
         self.host = host
@@ -147,27 +151,45 @@ class FullMemory:
         need, free = state + activations, self.free(held)
         if self.decides and need > free:
             raise InsufficientMemoryError(
-                f"full fine-tuning of {self.host.name}: needs {need} bytes{' per rank' if self.sharded else ''} "
+                f"full fine-tuning of {self.host.name}: needs {need} bytes{self._per_rank} "
                 f"({state} for weights, gradients and AdamW "
                 f"moments, {activations} for activations of {self.budget_tokens} tokens), {free} bytes are free "
-                f"({'--full_session_memory' if self.limit else self.host.device}); train a LoRA adapter, or use a "
-                "worker with more memory"
+                f"({self._free_of(held)}); train a LoRA adapter, or use a worker with more memory"
             )
         return FullWeights.fresh(self.host.model, config, self.host.dtype)
 
-    def check_snapshot(self, sampler_path: str, sampler_id: str, *, full: bool) -> None:
-        """A full snapshot is a model of its own, which neither the vllm sampler (sent LoRA adapters only) nor a
-        sharded group serves."""
-        if full and sampler_path == "vllm":
+    @property
+    def _per_rank(self) -> str:
+        return " per rank" if self.sharded else ""
+
+    def _free_of(self, held: int) -> str:
+        """What `free(held)` is counted from, as an error says it."""
+        if self.limit:
+            return f"--full_session_memory less {held} held by full sessions and their sampler snapshots"
+        return str(self.host.device)
+
+    def snapshot_bytes(self, names: Iterable[str]) -> int:
+        """Device bytes of a frozen snapshot of the weights `names` on this rank (its shards of them on a sharded
+        group), in the compute dtype."""
+        params = base_parameters(self.host.model)
+        return self.host.dtype.itemsize * sum(rank_numel(params[name], self.sharded) for name in names)
+
+    def check_snapshot(self, sampler_path: str, sampler_id: str, *, names: list[str] | None, held: int) -> None:
+        """A full snapshot (`names`: the weights it holds; None: a LoRA adapter) is a model of its own, which the vllm
+        sampler (sent LoRA adapters only) does not serve, admitted only if its weights fit what is free."""
+        if names is None:
+            return
+        if sampler_path == "vllm":
             raise InvalidRequestError(
                 f"sampler_id: {sampler_id!r} is a full fine-tuning snapshot, which the vllm sampler does not serve; "
                 "sample it on a worker started with --sampler hf"
             )
-        if full and self.sharded:
-            raise InvalidRequestError(
-                f"sampler_id: {sampler_id!r} would be a full fine-tuning snapshot on a sharded worker (--shard), "
-                "where rank 0 samples alone and the snapshot's weights would be sharded over every rank; save_state "
-                "and sample the checkpoint on a worker without --shard"
+        need, free = self.snapshot_bytes(names), self.free(held)
+        if self.decides and need > free:
+            raise InsufficientMemoryError(
+                f"sampler_id: {sampler_id!r}: a full fine-tuning snapshot of {self.host.name} needs {need} bytes"
+                f"{self._per_rank} (its trained weights in {str(self.host.dtype).removeprefix('torch.')}), {free} "
+                f"bytes are free ({self._free_of(held)}); sample it on a worker with more memory"
             )
 
 
@@ -177,6 +199,7 @@ class FullWeights:
     def __init__(self, tensors: dict[str, torch.Tensor], *, dtype: torch.dtype, trainable: bool, config: FullConfig):
         self.params = {name: nn.Parameter(t, requires_grad=trainable) for name, t in tensors.items()}
         self.dtype = dtype  # what the forward computes in: the host's
+        self.trainable = trainable  # a session's masters; False: a snapshot
         self.config = config
 
     @classmethod
@@ -198,6 +221,15 @@ class FullWeights:
         sharded = any(isinstance(p, DTensor) for p in self.params.values())
         local = (p.to_local() if isinstance(p, DTensor) else p for p in self.params.values())
         return bytes_per_parameter(self.dtype, sharded) * sum(t.numel() for t in local)
+
+    @property
+    def held_bytes(self) -> int:
+        """What these weights hold on this rank, as admission counts it: a session's state (`state_bytes`), a
+        snapshot's weights (`FullMemory.snapshot_bytes`)."""
+        if self.trainable:
+            return self.state_bytes
+        local = (p.to_local() if isinstance(p, DTensor) else p for p in self.params.values())
+        return sum(t.numel() * t.element_size() for t in local)
 
     @contextmanager
     def swapped(self, model: nn.Module, paths: dict[str, str], *, trainable: bool) -> Iterator["SwappedModel"]:
@@ -286,12 +318,18 @@ class FullWeights:
         (directory / FULL_MARKER).write_text(json.dumps(marker, indent=1))
 
     @classmethod
-    def from_dir(cls, directory: str | Path, *, dtype: torch.dtype, device: torch.device) -> "FullWeights":
-        """A frozen snapshot from a model directory that `save` wrote."""
+    def from_dir(cls, directory: str | Path, model: nn.Module, *, dtype: torch.dtype) -> "FullWeights":
+        """A frozen snapshot from a model directory that `save` wrote, on `model`'s device (on a sharded model: this
+        rank's shards of it, placed as the base weights' are)."""
         config, trained = read_marker(directory)
         tensors = read_weights(directory)
+        reshard_all(model)  # the base weights as their shards, which the snapshot's are placed like
+        params = base_parameters(model)
         return cls(
-            {name: tensors[name].to(device=device, dtype=dtype) for name in trained},
+            {
+                name: placed_like(tensors[name].to(device=params[name].device, dtype=dtype), params[name])
+                for name in trained
+            },
             dtype=dtype,
             trainable=False,
             config=config,

@@ -22,7 +22,9 @@ the calls that can be refused, so a refused request reaches no follower); `save_
 replica (a sharded session's gathered), the same PEFT adapter and optimizer files as a one-device worker;
 sampling, samplers and every other read run on rank 0 alone (the other ranks hold no samplers). On a sharded
 group every rank still takes part in each of those forwards, with an idle pass (treadle.gpu_worker.parallel.
-lockstep).
+lockstep), and a full session's snapshot is the exception: every rank makes (or loads) its own shards of it when
+rank 0 does, keyed by rank 0's name for it, swaps them in for the forwards rank 0 announces with it, takes part in
+the gathers of its `save_sampler_weights`, and frees them once rank 0 has dropped it and no request needs it.
 """
 
 from __future__ import annotations
@@ -81,7 +83,7 @@ def run_shard(engine, session_id: str, request: ForwardRequest, idle: int = 0) -
     # A rank with no datum still takes part in the sum (and, sharded, in every unit's collectives).
     out = run(session_id, request.data, request.loss_fn, request.loss_fn_config) if request.data else None
     for _ in range(idle):
-        idle_pass(engine, session_id, backward=request.stateful)
+        idle_pass(engine, engine._session(session_id).adapter, backward=request.stateful)
     end_of_op(engine)
     if not summed_here:
         return out
@@ -114,11 +116,12 @@ def execute(engines: dict, call: dict) -> dict | None:
     """A follower runs one call from rank 0 on its replica; the answer is what rank 0 gathers (None: a call
     rank 0 does not wait for)."""
     engine, name = engines[call["model"]], call["call"]
-    if name == "mirror":
-        idle_pass(engine, None, backward=False)
+    if name == "mirror":  # with the snapshot rank 0's forward computes with, if any (`GroupEngine._announce`)
+        snapshot = call.get("snapshot")
+        idle_pass(engine, engine._sampler(snapshot) if snapshot else None, backward=False)
         end_of_op(engine)
         return None
-    session_id = call["session_id"]
+    session_id, snapshot = call.get("session_id"), call.get("snapshot")
     if name in _RUNS:
         out = run_shard(engine, session_id, _RUNS[name].decode(call["request"]), call["idle"])
         return {"output": out.model_dump(mode="json", context=WIRE) if out is not None else None}
@@ -135,6 +138,14 @@ def execute(engines: dict, call: dict) -> dict | None:
     elif name == LoadStateRequest.op:
         # Every rank is on one host, so a follower reads the directory rank 0 holds open for the call.
         engine.load_state(session_id, call["directory"], with_optimizer=call["with_optimizer"])
+    elif name == "snapshot_sampler":  # a follower's samplers are keyed by rank 0's names for them
+        engine.snapshot_sampler(session_id, snapshot)
+    elif name == "load_sampler":
+        engine.load_sampler(snapshot, call["directory"])
+    elif name == "drop_sampler":
+        engine.drop_sampler(snapshot)
+    elif name == "save_sampler_weights":  # the gathers of rank 0's `FullWeights.save`, whose results it writes
+        engine._bank.full[engine._sampler(snapshot)].whole_tensors(engine._host.model)
     else:
         raise ValueError(f"call: unknown {name!r}")
     return {}
@@ -167,7 +178,10 @@ class GroupEngine:
         self._mirror = Mirror(local._host.model, self._announce, group.fail) if group.shard else None
 
     def _announce(self) -> None:
-        self._group.send([{"call": "mirror", "model": self._model}] * (self.ranks - 1))
+        # The full snapshot rank 0 swapped into its shards for this forward (None: the base weights'): each follower
+        # swaps in its own shards of it.
+        message = {"call": "mirror", "model": self._model, "snapshot": self._local._bank.swapped}
+        self._group.send([message] * (self.ranks - 1))
 
     def _group_op(self) -> ExitStack:
         """The block of a group op: rank 0's forwards in it are its own share, announced to no follower."""
@@ -180,8 +194,8 @@ class GroupEngine:
     def __getattr__(self, name: str):
         return getattr(self._local, name)
 
-    def _replicate(self, name: str, session_id: str, **fields) -> None:
-        message = {"call": name, "model": self._model, "session_id": session_id, **fields}
+    def _replicate(self, name: str, **fields) -> None:
+        message = {"call": name, "model": self._model, **fields}
         self._group.call([message] * (self.ranks - 1))
 
     # ------------------------------------------------------------ sessions
@@ -193,7 +207,7 @@ class GroupEngine:
             self._local.create_session(session_id, lora, full=full)
             self._replicate(
                 "create_session",
-                session_id,
+                session_id=session_id,
                 lora=lora.model_dump(mode="json"),
                 full=full.model_dump(mode="json") if full else None,
             )
@@ -201,12 +215,14 @@ class GroupEngine:
     def drop_session(self, session_id: str) -> None:
         with self._group_op():
             self._local.drop_session(session_id)
-            self._replicate("drop_session", session_id)
+            self._replicate("drop_session", session_id=session_id)
 
     def load_state(self, session_id: str, directory: str, *, with_optimizer: bool) -> None:
         with self._group_op():
             self._local.load_state(session_id, directory, with_optimizer=with_optimizer)
-            self._replicate("load_state", session_id, directory=str(directory), with_optimizer=with_optimizer)
+            self._replicate(
+                "load_state", session_id=session_id, directory=str(directory), with_optimizer=with_optimizer
+            )
 
     # ------------------------------------------------------------ training
 
@@ -278,7 +294,7 @@ class GroupEngine:
             request = OptimStepRequest(adam_params=params).encode().decode()
             # Every rank at once: a sharded session's clipping takes the global norm of its shards' gradients.
             step = partial(self._local.optim_step, session_id, params)
-            response = self._together(step, OptimStepRequest.op, session_id, request=request)
+            response = self._together(step, OptimStepRequest.op, session_id=session_id, request=request)
             log_first_step(self._local)
             return response
 
@@ -289,14 +305,54 @@ class GroupEngine:
         if not holds_shards(self._local.trainable_parameters(session_id)):
             return save()
         with self._group_op():
-            self._together(save, SaveStateRequest.op, session_id, include_optimizer=include_optimizer)
+            self._together(save, SaveStateRequest.op, session_id=session_id, include_optimizer=include_optimizer)
 
-    def _together(self, local: Callable[[], T], name: str, session_id: str, **fields) -> T:
+    def _together(self, local: Callable[[], T], name: str, **fields) -> T:
         """`local()` on rank 0 while every follower runs call `name`: a call whose collectives every rank enters."""
-        self._group.send([{"call": name, "model": self._model, "session_id": session_id, **fields}] * (self.ranks - 1))
+        self._group.send([{"call": name, "model": self._model, **fields}] * (self.ranks - 1))
         try:
             result = local()
         except Exception as exc:  # the followers are in the call: the replicas can no longer be trusted
-            self._group.fail(f"{name} on session {session_id}: {exc!r}")
+            self._group.fail(f"{name} on {fields.get('session_id') or fields.get('snapshot')}: {exc!r}")
         self._group.receive()
         return result
+
+    # ------------------------------------------------------------ samplers
+
+    def snapshot_sampler(self, session_id: str, sampler_id: str) -> None:
+        """Rank 0's snapshot; a full session's on a sharded group is made on every rank, each of its own shards."""
+        with self._lock:
+            self._local.snapshot_sampler(session_id, sampler_id)  # first: a refused snapshot reaches no follower
+            if (snapshot := self._sharded_snapshot(sampler_id)) is not None:
+                self._replicate("snapshot_sampler", session_id=session_id, snapshot=snapshot)
+
+    def load_sampler(self, sampler_id: str, adapter_dir: str) -> None:
+        with self._lock:
+            self._local.load_sampler(sampler_id, adapter_dir)
+            if (snapshot := self._sharded_snapshot(sampler_id)) is not None:
+                # Every rank is on one host, so a follower reads the directory rank 0 holds open for the call.
+                self._replicate("load_sampler", snapshot=snapshot, directory=str(adapter_dir))
+
+    def drop_sampler(self, sampler_id: str) -> None:
+        with self._lock:
+            if self._sharded_snapshot(sampler_id) is None:
+                return self._local.drop_sampler(sampler_id)
+            # The followers keep their shards until rank 0's last forward with the snapshot is done.
+            self._local.drop_sampler(
+                sampler_id, removed=lambda snapshot: self._replicate("drop_sampler", snapshot=snapshot)
+            )
+
+    def save_sampler_weights(self, sampler_id: str, directory: str) -> None:
+        """Rank 0's sampler as a one-device worker writes it; a sharded full snapshot gathered whole first, every
+        rank taking part."""
+        save = partial(self._local.save_sampler_weights, sampler_id, directory)
+        if (snapshot := self._sharded_snapshot(sampler_id)) is None:
+            return save()
+        with self._group_op():
+            self._together(save, "save_sampler_weights", snapshot=snapshot)
+
+    def _sharded_snapshot(self, sampler_id: str) -> str | None:
+        """Rank 0's name for the sampler if it is a full session's snapshot on a sharded group (each rank holds its
+        shards of it, under that name), else None."""
+        adapter = self._local._sampler(sampler_id)
+        return adapter if self._mirror is not None and adapter in self._local._bank.full else None

@@ -8,8 +8,11 @@ would break the order:
   them for every rank before any runs (`rounds`), and a rank with fewer runs `idle_pass`es, one forward (and
   backward) of one token through every unit, for the ones it lacks;
 - rank 0 alone runs every other forward (the sampler's prefills and decode steps, `compute_logprobs`, the
-  logprob audit): a pre-forward hook on its model (`mirror_forwards`) first tells each follower to run one
-  no-grad `idle_pass`, whose all-gathers meet rank 0's, before rank 0's own begin.
+  logprob audit): a pre-forward hook on its model (`Mirror`) first tells each follower to run one
+  no-grad `idle_pass`, whose all-gathers meet rank 0's, before rank 0's own begin. A forward with a full
+  session's snapshot (whose weights rank 0 has swapped into its base shards, `AdapterBank.swapped`) names the
+  snapshot, and each follower's idle pass swaps in its own shards of it: the weights gathered are the snapshot's
+  on every rank, and each rank's base shards are back when its pass ends.
 
 Every unit is sharded on every rank when an op or a forward of rank 0's alone begins (`reshard_all`): the
 followers reshard after loading and at the end of each call, rank 0 at the start of each (its last forward
@@ -36,12 +39,12 @@ def rounds_of(shards: list[list[int]], budget: int) -> list[int]:
     return [len(micro_batches(lengths, budget)) if lengths else 0 for lengths in shards]
 
 
-def idle_pass(engine, session_id: str | None, *, backward: bool) -> None:
+def idle_pass(engine, adapter: str | None, *, backward: bool) -> None:
     """This rank's share of the collectives of one micro-batch it does not hold: a one-token forward (and backward)
-    with the session's adapter (trainable when `backward`: the same units then have a backward on every rank).
-    session_id None: the bare base model, no gradients."""
+    with `adapter` (a session's, trainable when `backward`: the same units then have a backward on every rank; a
+    full session's snapshot, whose shards the forward computes with). None: the bare base model, no gradients."""
     with engine.device:
-        engine.device.run(_idle_pass, engine, session_id, backward)
+        engine.device.run(_idle_pass, engine, adapter, backward)
 
 
 def end_of_op(engine) -> None:
@@ -49,10 +52,9 @@ def end_of_op(engine) -> None:
     reshard_all(engine._host.model)
 
 
-def _idle_pass(engine, session_id: str | None, backward: bool) -> None:
+def _idle_pass(engine, adapter: str | None, backward: bool) -> None:
     # The engine's own bank and host: an idle pass must go through exactly the modules a real one does.
     bank, host = engine._bank, engine._host
-    adapter = engine._session(session_id).adapter if session_id is not None else None
     tokens = torch.full((1, 1), host.pad_token_id, dtype=torch.long, device=host.device)
     with bank.using(adapter, trainable=backward) as model, torch.set_grad_enabled(backward):
         logits = model(input_ids=tokens, use_cache=False).logits
@@ -62,7 +64,8 @@ def _idle_pass(engine, session_id: str | None, backward: bool) -> None:
 
 class Mirror:
     """Rank 0's hook on its sharded model: every forward it runs outside a group op is first announced to the
-    followers (`announce`), so that they run an idle pass beside it. Group ops run inside `group_op()`.
+    followers (`announce`, which names the full snapshot the forward computes with, if any), so that they run an
+    idle pass beside it. Group ops run inside `group_op()`.
 
     Such a forward that raises part-way (out of memory, say) leaves the followers inside a collective rank 0 will
     never enter, and the next forward's collectives would pair with it: `fail` takes the group down at once."""
