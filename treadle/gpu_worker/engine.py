@@ -22,6 +22,7 @@ import torch
 from treadle.errors import InvalidRequestError, SessionNotFoundError
 from treadle.gpu_worker.model import full_weights
 from treadle.gpu_worker.model.adapters import AdapterBank
+from treadle.gpu_worker.model.full_memory import FullMemory
 from treadle.gpu_worker.scheduling.cpu_threads import CpuThreads
 from treadle.gpu_worker.scheduling.device_lock import DeviceLock, engine_lock, on_device
 from treadle.gpu_worker.training.logprobs import Checkpointing, MemoryPlan, micro_batches, on_host, target_logprobs
@@ -118,9 +119,7 @@ class Engine:
         self.sampler = make_sampler(sampler, setup, sampler_options)
         self._threads = CpuThreads(self._host.device)
         self._base_params = sum(p.numel() for p in self._host.model.parameters())
-        self.full_memory = full_weights.FullMemory(
-            self._host, self.max_tokens_per_microbatch, full_session_memory, sharded=shard
-        )
+        self.full_memory = FullMemory(self._host, self.max_tokens_per_microbatch, full_session_memory, sharded=shard)
 
     # ------------------------------------------------------------ sessions
 
@@ -286,8 +285,7 @@ class Engine:
         self._bank.add_from_dir(adapter, adapter_dir)
         self._samplers[sampler_id] = adapter
 
-    def _check_new_sampler(self, sampler_id: str, full_names: list[str] | None) -> None:
-        """`full_names`: the weights of a full session's snapshot (None: a LoRA adapter's)."""
+    def _check_new_sampler(self, sampler_id: str, full_names: list[str] | None) -> None:  # None: a LoRA adapter
         if sampler_id in self._samplers:
             raise InvalidRequestError(f"sampler_id: {sampler_id!r} already exists")
         self.full_memory.check_snapshot(self.sampler.path, sampler_id, names=full_names, held=self._full_held())
@@ -295,19 +293,12 @@ class Engine:
     def has_sampler(self, sampler_id: str) -> bool:
         return sampler_id in self._samplers
 
-    def drop_sampler(self, sampler_id: str, removed: Callable[[str], None] | None = None) -> None:
-        """Free the sampler once no request needs it; then `removed(adapter)` runs (holding the device lock)."""
+    def drop_sampler(self, sampler_id: str) -> None:
         with self._lock, self._catalog:  # (in this order, as everywhere)
             adapter = self._sampler(sampler_id)
             del self._samplers[sampler_id]
-
-            def remove() -> None:
-                self._bank.remove(adapter)
-                if removed is not None:
-                    removed(adapter)
-
             # Requests already queued or decoding keep the adapter until they are answered.
-            self.sampler.when_unused(adapter, remove)
+            self.sampler.when_unused(adapter, lambda: self._bank.remove(adapter))
 
     def _sampler(self, sampler_id: str) -> str:
         if sampler_id not in self._samplers:

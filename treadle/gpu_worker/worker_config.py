@@ -92,8 +92,8 @@ class WorkerConfig(BaseModel):
         default=0,
         ge=0,
         description="Bytes the full fine-tuning sessions of one base model may hold in all (weights, gradients, AdamW "
-        "moments, activations); a session that would pass it is refused. 0: the device's free memory when the session "
-        "is created (the host's available memory on a CPU).",
+        "moments, activations, their sampler snapshots; on a sharded group a rank's); a session or snapshot that would "
+        "pass it is refused. 0: the device's free memory when it is made (the host's available memory on a CPU).",
     )
     sampling_max_batch_tokens: int = Field(
         default=16384,

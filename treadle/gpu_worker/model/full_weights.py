@@ -26,7 +26,8 @@ the output projection, one matrix when the model ties them). Weights a session d
 
 A frozen snapshot (`frozen_copy`, for the sampler) holds the trained weights in the compute dtype; the sampler runs
 it as a model of its own (`AdapterBank.using`), in runs of rows of its own in a mixed batch. Admission counts what
-snapshots hold (`held_bytes`) beside the sessions' state, and admits a snapshot only if it fits (`FullMemory`).
+snapshots hold (`held_bytes`) beside the sessions' state, and admits a snapshot only if it fits
+(treadle.gpu_worker.model.full_memory).
 
 Names are the parameter names `save_pretrained` writes (`model.layers.0.mlp.up_proj.weight`); the host's model
 under PEFT's wrappers shows `...up_proj.base_layer.weight`, read as the same name. On disk a session's weights are
@@ -40,9 +41,8 @@ from __future__ import annotations
 import json
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Iterable, Iterator
+from typing import Callable, Iterator
 
-import psutil
 import torch
 from huggingface_hub import save_torch_state_dict
 from safetensors.torch import load_file
@@ -50,8 +50,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.func import functional_call
 
-from treadle.errors import CheckpointNotFoundError, InsufficientMemoryError, InvalidRequestError
-from treadle.gpu_worker.model.host import ModelHost, activation_bytes_per_token
+from treadle.errors import CheckpointNotFoundError, InvalidRequestError
 from treadle.gpu_worker.model.sharding import is_sharded, placed_like, rank_numel, reshard_all, whole
 from treadle.types import FullConfig
 
@@ -119,80 +118,6 @@ def bytes_per_parameter(dtype: torch.dtype, sharded: bool) -> int:
     return 16 + (2 * dtype.itemsize if sharded or dtype != torch.float32 else 0)
 
 
-class FullMemory:
-    """Admission of an engine's full sessions and their snapshots: a session is made only if its state
-    (`session_bytes`) and the activations of one micro-batch of `budget_tokens` fit what is free, a snapshot only if
-    its weights do (`snapshot_bytes`). Free: `limit` bytes less what the full sessions and snapshots hold
-    (`FullWeights.held_bytes`), or (limit 0) the device's free memory, the host's available memory on a CPU."""
-
-    def __init__(self, host: ModelHost, budget_tokens: int, limit: int, *, sharded: bool = False):
-        self.host = host
-        self.budget_tokens = budget_tokens
-        self.limit = limit
-        self.sharded = sharded  # the host's weights are shards (`--shard`): so are a full session's, on each rank
-        self.decides = True  # False on a device group's follower ranks: rank 0 admits for the group
-
-    def session_bytes(self, config: FullConfig) -> int:
-        return session_bytes(self.host.model, config, self.host.dtype)
-
-    def free(self, held: int) -> int:
-        if self.limit:
-            return max(0, self.limit - held)
-        if self.host.device.type == "cuda":  # what the driver has free, and what torch's allocator holds unused
-            unused = torch.cuda.memory_reserved(self.host.device) - torch.cuda.memory_allocated(self.host.device)
-            return int(torch.cuda.mem_get_info(self.host.device)[0] + unused)
-        return int(psutil.virtual_memory().available)
-
-    def admitted(self, config: FullConfig, held: int) -> "FullWeights":
-        """A new session's weights, if it fits; else `InsufficientMemoryError` with the bytes it needs and the bytes
-        free. `held`: the state bytes of the full sessions the engine holds (less one it replaces)."""
-        state = self.session_bytes(config)
-        activations = int(self.budget_tokens * activation_bytes_per_token(self.host.model.config, self.host.dtype))
-        need, free = state + activations, self.free(held)
-        if self.decides and need > free:
-            raise InsufficientMemoryError(
-                f"full fine-tuning of {self.host.name}: needs {need} bytes{self._per_rank} "
-                f"({state} for weights, gradients and AdamW "
-                f"moments, {activations} for activations of {self.budget_tokens} tokens), {free} bytes are free "
-                f"({self._free_of(held)}); train a LoRA adapter, or use a worker with more memory"
-            )
-        return FullWeights.fresh(self.host.model, config, self.host.dtype)
-
-    @property
-    def _per_rank(self) -> str:
-        return " per rank" if self.sharded else ""
-
-    def _free_of(self, held: int) -> str:
-        """What `free(held)` is counted from, as an error says it."""
-        if self.limit:
-            return f"--full_session_memory less {held} held by full sessions and their sampler snapshots"
-        return str(self.host.device)
-
-    def snapshot_bytes(self, names: Iterable[str]) -> int:
-        """Device bytes of a frozen snapshot of the weights `names` on this rank (its shards of them on a sharded
-        group), in the compute dtype."""
-        params = base_parameters(self.host.model)
-        return self.host.dtype.itemsize * sum(rank_numel(params[name], self.sharded) for name in names)
-
-    def check_snapshot(self, sampler_path: str, sampler_id: str, *, names: list[str] | None, held: int) -> None:
-        """A full snapshot (`names`: the weights it holds; None: a LoRA adapter) is a model of its own, which the vllm
-        sampler (sent LoRA adapters only) does not serve, admitted only if its weights fit what is free."""
-        if names is None:
-            return
-        if sampler_path == "vllm":
-            raise InvalidRequestError(
-                f"sampler_id: {sampler_id!r} is a full fine-tuning snapshot, which the vllm sampler does not serve; "
-                "sample it on a worker started with --sampler hf"
-            )
-        need, free = self.snapshot_bytes(names), self.free(held)
-        if self.decides and need > free:
-            raise InsufficientMemoryError(
-                f"sampler_id: {sampler_id!r}: a full fine-tuning snapshot of {self.host.name} needs {need} bytes"
-                f"{self._per_rank} (its trained weights in {str(self.host.dtype).removeprefix('torch.')}), {free} "
-                f"bytes are free ({self._free_of(held)}); sample it on a worker with more memory"
-            )
-
-
 class FullWeights:
     """A full session's trained weights (fp32 masters, trainable), or a frozen snapshot of them."""
 
@@ -225,7 +150,7 @@ class FullWeights:
     @property
     def held_bytes(self) -> int:
         """What these weights hold on this rank, as admission counts it: a session's state (`state_bytes`), a
-        snapshot's weights (`FullMemory.snapshot_bytes`)."""
+        snapshot's weights (`FullMemory.snapshot_bytes`, treadle.gpu_worker.model.full_memory)."""
         if self.trainable:
             return self.state_bytes
         local = (p.to_local() if isinstance(p, DTensor) else p for p in self.params.values())

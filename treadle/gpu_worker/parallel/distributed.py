@@ -335,12 +335,11 @@ class GroupEngine:
 
     def drop_sampler(self, sampler_id: str) -> None:
         with self._lock:
-            if self._sharded_snapshot(sampler_id) is None:
-                return self._local.drop_sampler(sampler_id)
-            # The followers keep their shards until rank 0's last forward with the snapshot is done.
-            self._local.drop_sampler(
-                sampler_id, removed=lambda snapshot: self._replicate("drop_sampler", snapshot=snapshot)
-            )
+            snapshot = self._sharded_snapshot(sampler_id)
+            self._local.drop_sampler(sampler_id)
+            if snapshot is not None:  # the followers keep their shards until rank 0's last forward with them is done
+                drop = partial(self._replicate, "drop_sampler", snapshot=snapshot)
+                self._local.sampler.when_unused(snapshot, drop)
 
     def save_sampler_weights(self, sampler_id: str, directory: str) -> None:
         """Rank 0's sampler as a one-device worker writes it; a sharded full snapshot gathered whole first, every
