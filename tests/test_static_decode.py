@@ -8,7 +8,8 @@ exactly one graph; on MoE families one snapshot adapts the 3-D expert tensors an
 expert-adapter rows, other adapters' rows and base rows share the step.
 The traced step computes what the eager one does, and in fp32 the same tokens as the dynamic path with
 logprobs to rounding. A model that does not take it is refused by name; rows the table cannot hold decode
-beside on the dynamic path; a row's numbers do not depend on its batch (CPU batch invariance).
+beside on the dynamic path; a row's numbers do not depend on its batch (CPU batch invariance). The deterministic
+mode (`--sampler_deterministic_rows`, for GPUs) runs every step in its one bucket.
 """
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ from treadle.gpu_worker.engine import Engine
 from treadle.gpu_worker.model_check import cross_entropy_datum
 from treadle.gpu_worker.sampling.backend import SampleJob
 from treadle.gpu_worker.sampling.hf.batch_decode import DecodeBatch
-from treadle.gpu_worker.sampling.hf.scheduler import decode_batch
-from treadle.gpu_worker.sampling.hf.slot_batch import SlotBatch
+from treadle.gpu_worker.sampling.hf.scheduler import SampleScheduler, decode_batch
+from treadle.gpu_worker.sampling.hf.slot_batch import FIXED_RANK, SlotBatch, fixed_bucket
 from treadle.gpu_worker.training.validation import prepare_sample
 from treadle.testing.families import FAMILIES
 from treadle.testing.tiny_model import build_tiny_model
@@ -66,13 +67,18 @@ def jobs(engine: Engine, requests=REQUESTS) -> list[SampleJob]:
     return made
 
 
-def decode(engine: Engine, batch, requests=REQUESTS, join_at: int = 3) -> list[list[tuple[list[int], list[float]]]]:
-    """Run the requests through `batch` (the last two joining at step `join_at`); each row's tokens and logprobs."""
+def decode(
+    engine: Engine, batch, requests=REQUESTS, join_at: int = 3, buckets: list | None = None
+) -> list[list[tuple[list[int], list[float]]]]:
+    """Run the requests through `batch` (the last two joining at step `join_at`); each row's tokens and logprobs.
+    `buckets`: gets each step's (rows, capacity) of a `SlotBatch`."""
     made = jobs(engine, requests)
     with engine.device, torch.no_grad():
         batch.admit(made[:2])
         steps = 0
         while len(batch):
+            if buckets is not None:
+                buckets.append((batch._cache.rows, batch._cache.capacity))
             batch.step()
             steps += 1
             if steps == join_at:
@@ -175,5 +181,57 @@ def test_a_later_round_in_the_same_bucket_replays_on_the_same_buffers(family_dir
         second = decode(engine, batch)
         assert second == first and counters["stats"]["unique_graphs"] == 1
         assert addresses() == kept
+    finally:
+        engine.close()
+
+
+def test_the_deterministic_mode_runs_every_step_in_its_one_bucket(family_dirs):
+    # --sampler_deterministic_rows: whatever joins or leaves, every step runs the fixed bucket's rows and positions (on
+    # a GPU what keeps a row's kernels, and so its numbers, its own), traced as one graph; a seeded request gives the
+    # same tokens and logprobs alone and beside 14 rows; LoRA rows take the per-slot product (`LoraTable.fixed_rank`),
+    # equal to the default table's to rounding. Through the scheduler, jobs whose rows the bucket's free slots cannot
+    # hold wait for them (`SlotBatch.room`) rather than decode beside on the dynamic path (equal only to rounding).
+    engine = trained_engine(family_dirs["llama"], "float32")
+    try:
+        fixed = fixed_bucket(13, 16 * 128 + 100, engine.max_seq_len)
+        assert fixed == (16, 128)
+        torch._dynamo.reset()
+        counters.clear()
+        batch = SlotBatch(engine._bank, engine._host, compile="eager", fixed=fixed)
+        buckets: list = []
+        alone = decode(engine, batch, [REQUESTS[2], ("a", 1, 1, 3)], join_at=99, buckets=buckets)
+        crowd = [REQUESTS[2], ("a", 1, 1, 3), ("b", 6, 30, 40), (None, 6, 9, 80)]
+        batched = decode(engine, batch, crowd, join_at=1, buckets=buckets)
+        assert len(buckets) == 20 + 30 - 1 and set(buckets) == {fixed}  # alone: (8, 64) without the mode
+        assert counters["stats"]["unique_graphs"] == 1 and dict(counters["graph_break"]) == {}
+        assert batched[0] == alone[0] and batched[0][0][0]
+        assert batch.table.rank == FIXED_RANK  # the table never grows: a product's shapes stay the same
+        default = decode(engine, SlotBatch(engine._bank, engine._host), crowd, join_at=1)
+        for rows, want in zip(batched, default):
+            for (tokens, logprobs), (want_tokens, want_logprobs) in zip(rows, want):
+                assert tokens == want_tokens
+                np.testing.assert_allclose(logprobs, want_logprobs, atol=1e-4)
+
+        # 12 rows for 8 slots, 70-80 positions each: past one block of keys, where the dynamic path's sums differ.
+        requests = [("a", 4, 30, 40), (None, 4, 30, 50), ("b", 4, 30, 45)]
+        scheduler = SampleScheduler(
+            engine._bank,
+            engine._host,
+            engine.device,
+            max_batch_tokens=8 * 128,
+            decode="static",
+            static_decode=engine.profile.static_decode,
+            deterministic_rows=8,
+        )
+        try:
+            with engine.device:  # the scheduler's first round sees every job
+                answers = [scheduler.sample(job) for job in jobs(engine, requests)]
+            got = [[(s.tokens, s.logprobs) for s in answer.result(timeout=120).sequences] for answer in answers]
+            assert isinstance(scheduler._batch, SlotBatch) and list(scheduler._batch._buckets) == [(8, 128)]
+        finally:
+            scheduler.close()
+        assert got == decode(engine, SlotBatch(engine._bank, engine._host, fixed=(16, 128)), requests, join_at=1)
+        # On a CPU every path is batch-invariant: the mode leaves `auto`'s dynamic path there.
+        assert isinstance(decode_batch(engine._bank, engine._host, "auto", "yes", fixed=(8, 64)), DecodeBatch)
     finally:
         engine.close()

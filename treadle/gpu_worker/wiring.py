@@ -236,7 +236,9 @@ def load_engines(config: WorkerConfig) -> tuple[dict[str, Engine], list[ServedMo
                 # compiled, no vLLM (which would need the whole model).
                 sampler="hf" if config.shard else config.sampler,
                 sampler_options=SamplerOptions(
-                    vllm=options, hf_decode="dynamic" if config.shard else config.sampler_decode
+                    vllm=options,
+                    hf_decode="dynamic" if config.shard else config.sampler_decode,
+                    hf_deterministic_rows=config.sampler_deterministic_rows,
                 ),
                 shard=config.shard,
                 max_image_pixels=config.max_image_pixels,

@@ -129,6 +129,16 @@ class WorkerConfig(BaseModel):
         "the families that take it are listed by `treadle models check`) or dynamic (eager steps over a growing "
         "cache). auto: static on CUDA where the family takes it, dynamic otherwise (on a CPU the dynamic path is faster).",
     )
+    sampler_deterministic_rows: int = Field(
+        default=0,
+        ge=0,
+        description="The hf sampler's deterministic mode on a GPU (0: off): every static decode step runs this many "
+        "rows (rounded up to a multiple of 8) of sampling_max_batch_tokens / rows positions each, each prompt is "
+        "prefilled alone and from no kept prefix, so a seeded request gives the same tokens and logprobs whatever "
+        "shares its batch (a resumed RL run reproduces). Costs speed: steps always run the whole bucket, prefills one "
+        "by one (gpu_check's decode part measures it). A request with more samples than rows, or longer than a row's "
+        "positions, decodes beside without the guarantee. On a CPU the sampler is batch-invariant without it.",
+    )
     vllm_python: str | None = Field(
         default=None,
         description="Interpreter of vLLM's venv (default: $TREADLE_VLLM_PYTHON, else .venv-vllm/bin/python of the checkout).",

@@ -32,10 +32,13 @@ class SamplerOptions(BaseModel):
     hf_decode: DecodePath = Field(
         default="auto", description="The hf backend's decode steps (WorkerConfig.sampler_decode)."
     )
+    hf_deterministic_rows: int = Field(
+        default=0, ge=0, description="The hf backend's deterministic mode (WorkerConfig.sampler_deterministic_rows)."
+    )
 
 
 BACKENDS: dict[str, Callable[[SamplerSetup, SamplerOptions], SamplerBackend]] = {
-    "hf": lambda setup, options: SampleScheduler.from_setup(setup, options.hf_decode),
+    "hf": lambda setup, options: SampleScheduler.from_setup(setup, options.hf_decode, options.hf_deterministic_rows),
     "vllm": lambda setup, options: VllmSampler(setup.bank, setup.host, options.vllm),
 }
 

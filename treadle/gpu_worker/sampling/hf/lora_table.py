@@ -20,6 +20,12 @@ place, so a graph captured earlier reads it without being captured again. Plain 
 stacked here (`mixed_lora.plain_linear_adapters`), and an adapter's weights on MoE expert tensors in
 the same slot by `expert_table`; a request on any other adapter (DoRA, a LoRA embedding) takes the
 dynamic path.
+
+With a `fixed_rank` (the deterministic mode, `slot_batch`) a row's delta depends on its adapter alone: the buffers
+(the expert tensors' too) keep that rank (an adapter of a larger one is not held), and the second product is one per
+slot, `torch.bmm` over the slots' (rows, rank) x (rank, out), summed over the slots (the other slots add exact zeros).
+A single product over every slot's columns would add a row's own columns at an offset set by its slot, and on a GPU
+its reduction over them may group them by that offset.
 """
 
 from __future__ import annotations
@@ -50,9 +56,10 @@ class LoraTable:
     """Per LoRA linear layer of the bank's model, the stacked A and B of the adapters in the table's slots; their
     expert weights in `experts`, slot for slot."""
 
-    def __init__(self, bank: AdapterBank, slots: int = SLOTS):
+    def __init__(self, bank: AdapterBank, slots: int = SLOTS, fixed_rank: int | None = None):
         self.bank = bank
         self.slots = slots
+        self.fixed_rank = fixed_rank
         self.rank = 0
         self.names: OrderedDict[str, int] = OrderedDict()  # adapter -> slot, least recently used first
         self.mask: torch.Tensor | None = None  # (rows, slots x rank) of the step being traced or run
@@ -60,11 +67,14 @@ class LoraTable:
         self._b: dict[LoraLinear, torch.Tensor] = {}
         self._forwards: dict[LoraLinear, object] = {}
         self._version = bank.version
-        self.experts = ExpertTable(bank, slots, MIN_RANK)
+        self.experts = ExpertTable(bank, slots, fixed_rank or MIN_RANK)
 
     def can_hold(self, adapter: str | None) -> bool:
         """Whether rows of `adapter` can run here (None, the base model, always can)."""
-        return adapter is None or plain_linear_adapters(self.bank, {adapter}, besides=stackable_wrapper)
+        if adapter is None:
+            return True
+        fits = self.fixed_rank is None or self.bank.config(adapter).r <= self.fixed_rank
+        return fits and plain_linear_adapters(self.bank, {adapter}, besides=stackable_wrapper)
 
     def slot(self, adapter: str | None, busy: set[str]) -> int:
         """The slot of `adapter` (-1: the base model), copying it in if it is not there; `busy` are the adapters of
@@ -75,7 +85,7 @@ class LoraTable:
         if adapter in self.names:
             self.names.move_to_end(adapter)
             return self.names[adapter]
-        rank = max(self.bank.config(adapter).r, MIN_RANK)
+        rank = self.fixed_rank or max(self.bank.config(adapter).r, MIN_RANK)
         if rank > self.rank:
             self._grow(1 << (rank - 1).bit_length())
         free = sorted(set(range(self.slots)) - set(self.names.values()))
@@ -116,13 +126,20 @@ class LoraTable:
         if a is None:
             return base_layer.forward
 
+        slots, rank = self.slots, self.rank
+
         def forward(x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
             output = base_layer(x, *args, **kwargs)
             assert self.mask is not None
             # x is (rows, tokens, in): one token per row, or every cached position of a row (DeepSeek's latent
             # attention expands its whole cache through kv_b_proj), each token masked by its row's adapter.
             flat = x.reshape(x.shape[0], -1, x.shape[-1]).to(a.dtype)
-            delta = torch.matmul(torch.matmul(flat, a) * self.mask[:, None], b)
+            masked = torch.matmul(flat, a) * self.mask[:, None]
+            if self.fixed_rank is None:
+                delta = torch.matmul(masked, b)
+            else:  # one product per slot (the module docstring)
+                per_slot = masked.view(-1, slots, rank).transpose(0, 1)
+                delta = torch.bmm(per_slot, b.view(slots, rank, -1)).sum(0)
             return output + delta.to(output.dtype).view(output.shape)
 
         return forward

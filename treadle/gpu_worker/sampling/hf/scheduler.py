@@ -42,7 +42,8 @@ from treadle.gpu_worker.model.adapters import AdapterBank
 from treadle.gpu_worker.sampling.backend import LogprobJob, SampleJob, SamplerSetup, TokenStream
 from treadle.gpu_worker.sampling.hf.batch_decode import DecodeBatch, forward_rows, prompt_logprobs_from_logits
 from treadle.gpu_worker.sampling.hf.prefix_cache import PrefixCache
-from treadle.gpu_worker.sampling.hf.slot_batch import SlotBatch
+from treadle.gpu_worker.sampling.hf import row_invariant
+from treadle.gpu_worker.sampling.hf.slot_batch import SlotBatch, fixed_bucket
 from treadle.gpu_worker.scheduling.device_lock import DeviceLock
 from treadle.gpu_worker.scheduling.fair import FairShare
 from treadle.gpu_worker.sampling.logprob_audit import LogprobAudit
@@ -55,17 +56,33 @@ DecodePath = Literal["auto", "static", "dynamic"]
 
 
 def decode_batch(
-    bank: AdapterBank, host: ModelHost, decode: DecodePath, static_decode: str, prefixes: PrefixCache | None = None
+    bank: AdapterBank,
+    host: ModelHost,
+    decode: DecodePath,
+    static_decode: str,
+    prefixes: PrefixCache | None = None,
+    fixed: tuple[int, int] | None = None,
 ) -> DecodeBatch | SlotBatch:
     """The batch that runs the decode steps: static-shape (`slot_batch`) or dynamic (`batch_decode`). `auto` is
     static on CUDA where the model takes it (`static_decode` is "yes", else why not), dynamic otherwise: on a CPU the
     dynamic path, which attends over the rows' own lengths only, is the faster. `static` asked for a model that does
-    not take it is refused, naming why. `prefixes`: the KV kept for prompts to resume from (None: none)."""
+    not take it is refused, naming why. `prefixes`: the KV kept for prompts to resume from (None: none). `fixed`: the
+    deterministic mode's bucket (`slot_batch.fixed_bucket`), on an accelerator the static path's alone (on a CPU
+    every path is batch-invariant already); it keeps no prefixes."""
     cuda, takes = host.device.type == "cuda", static_decode.startswith("yes")
     if decode == "static" and not takes:
         raise ValueError(f"sampler_decode static: {host.name} ({host.model_type}): {static_decode}")
-    if decode == "static" or (decode == "auto" and cuda and takes):
-        return SlotBatch(bank, host, compile="graphs" if cuda else None, prefixes=prefixes)
+    static = decode == "static" or (decode == "auto" and cuda and takes)
+    if fixed is not None and not static and not row_invariant.invariant_layouts(host.device):
+        raise ValueError(
+            f"sampler_deterministic_rows: {host.name} ({host.model_type}) decodes on the dynamic path on "
+            f"{host.device.type}, which is not batch-invariant there (sampler_decode {decode}; static: {static_decode})"
+        )
+    if static:
+        compile = "graphs" if cuda else None
+        if fixed is not None:
+            return SlotBatch(bank, host, compile=compile, fixed=fixed)
+        return SlotBatch(bank, host, compile=compile, prefixes=prefixes)
     return DecodeBatch(bank, host, prefixes)
 
 
@@ -90,6 +107,7 @@ class SampleScheduler:
         path: str = "hf",
         decode: DecodePath = "dynamic",
         static_decode: str = "yes",
+        deterministic_rows: int = 0,
     ):
         self.bank = bank
         self.host = host
@@ -97,7 +115,8 @@ class SampleScheduler:
         self.max_batch_tokens = max_batch_tokens
         self.max_forward_tokens = max_forward_tokens
         prefixes = PrefixCache.for_model(host, prefix_cache_tokens)
-        self._batch = decode_batch(bank, host, decode, static_decode, prefixes)
+        fixed = fixed_bucket(deterministic_rows, max_batch_tokens, host.max_seq_len) if deterministic_rows else None
+        self._batch = decode_batch(bank, host, decode, static_decode, prefixes, fixed)
         steps = {DecodeBatch: "dynamic decode steps", SlotBatch: "static-shape decode steps"}[type(self._batch)]
         graphs = " (CUDA graphs)" if isinstance(self._batch, SlotBatch) and self._batch.compiled else ""
         self.path = f"{path}; {steps}{graphs}"
@@ -113,7 +132,9 @@ class SampleScheduler:
         self._thread.start()
 
     @classmethod
-    def from_setup(cls, setup: SamplerSetup, decode: DecodePath = "auto") -> SampleScheduler:
+    def from_setup(
+        cls, setup: SamplerSetup, decode: DecodePath = "auto", deterministic_rows: int = 0
+    ) -> SampleScheduler:
         return cls(
             setup.bank,
             setup.host,
@@ -124,6 +145,7 @@ class SampleScheduler:
             path=setup.hf_batching,
             decode=decode,
             static_decode=setup.static_decode,
+            deterministic_rows=deterministic_rows,
         )
 
     # ------------------------------------------------------------ public
@@ -267,7 +289,8 @@ class SampleScheduler:
 
     def _take_admissible(self) -> list[SampleJob]:
         """Waiting sample requests in fair turns between snapshots, while the batch's projected KV cache stays
-        within `max_batch_tokens` and their prompts fit one prefill forward (at least one when the batch is empty).
+        within `max_batch_tokens`, their prompts fit one prefill forward and, in the deterministic mode, their rows the
+        fixed bucket's free slots (`SlotBatch.room`): at least one when the batch is empty.
 
         Each turn goes to the snapshot (adapter; None: the base model) with the fewest token positions admitted so
         far (treadle.gpu_worker.scheduling.fair: rows x (prompt + max_tokens), a snapshot that was idle rejoining at the
@@ -291,7 +314,11 @@ class SampleScheduler:
                 if adapter in present:
                     limit = int(limit * (1 - ROOM_FOR_OTHERS))
                 if self._batch or taken:
-                    if self._projected(candidate) > limit or len(candidate) * longest_prompt > self.max_forward_tokens:
+                    if (
+                        self._projected(candidate) > limit
+                        or len(candidate) * longest_prompt > self.max_forward_tokens
+                        or (isinstance(self._batch, SlotBatch) and not self._batch.room(candidate))
+                    ):
                         break  # the request whose turn it is waits for room, and the others behind it
                 del self._samples[index]
                 positions = job.num_samples * (len(job.request.prompt) + job.request.max_tokens)

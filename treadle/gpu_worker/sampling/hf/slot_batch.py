@@ -27,6 +27,13 @@ Prefill stays eager (`batch_decode.prefill`), and its K, V and states are copied
 Requests this path cannot take run beside it in a dynamic batch (`DecodeBatch`), stepped in the same
 round: an adapter the table cannot stack (`LoraTable.can_hold`: DoRA, a LoRA embedding), or a step whose rows would use
 more adapters than the table's slots. Which families take the path at all is `slot_cache.static_path`.
+
+The deterministic mode (`fixed`, the worker's `--sampler_deterministic_rows`): on a GPU the kernels of a product
+are chosen by its shapes, so a row's numbers move with its bucket. With one fixed bucket every step has the same
+shapes whatever rows share it; each prompt is prefilled alone (its forward's shapes its own) and resumes from no
+kept KV (whose numbers would come from another forward's shapes); the adapters' deltas are taken per slot
+(`LoraTable`'s `fixed_rank`). A job that cannot take it (more rows than the bucket, or longer) decodes beside, on
+the dynamic path, without the guarantee; the scheduler holds jobs back while the bucket's slots are full (`room`).
 """
 
 from __future__ import annotations
@@ -47,6 +54,7 @@ from treadle.gpu_worker.sampling.hf.slot_cache import SlotCache, attending
 
 
 KEPT_BUCKETS = 2  # buckets whose buffers stay allocated (`SlotBatch._fit`)
+FIXED_RANK = 64  # the deterministic mode's LoRA table rank: rows of adapters of a larger rank decode dynamically
 
 
 def bucket(needed: int, least: int) -> int:
@@ -57,11 +65,20 @@ def bucket(needed: int, least: int) -> int:
     return size
 
 
+def fixed_bucket(rows: int, positions: int, max_seq_len: int) -> tuple[int, int]:
+    """The deterministic mode's one bucket: `rows` (up to a multiple of `ROW_MULTIPLE`) of the most positions, a
+    multiple of `KEY_MULTIPLE` up to the model's longest sequence, that `positions` in all hold (at least one block)."""
+    rows = -(-rows // ROW_MULTIPLE) * ROW_MULTIPLE
+    capacity = positions // rows // KEY_MULTIPLE * KEY_MULTIPLE
+    return rows, max(KEY_MULTIPLE, min(capacity, bucket(max_seq_len, KEY_MULTIPLE)))
+
+
 class SlotBatch:
     """The rows being decoded on the static-shape path, their slots, and the rows beside them on the dynamic path.
 
     `compile`: how the step runs: None (eagerly), "graphs" (`torch.compile(mode="reduce-overhead")`: CUDA graphs), or
-    a `torch.compile` backend name (tests trace the step with backend "eager" to check it is one graph)."""
+    a `torch.compile` backend name (tests trace the step with backend "eager" to check it is one graph). `fixed`: the
+    deterministic mode's (rows, capacity) of every step (`fixed_bucket`); None: buckets as the rows need."""
 
     def __init__(
         self,
@@ -71,10 +88,12 @@ class SlotBatch:
         compile: str | None = None,
         slots: int = SLOTS,
         prefixes: PrefixCache | None = None,
+        fixed: tuple[int, int] | None = None,
     ):
         self.bank = bank
         self.host = host
-        self.table = LoraTable(bank, slots)
+        self.fixed = fixed
+        self.table = LoraTable(bank, slots, fixed_rank=FIXED_RANK if fixed else None)
         self.rows: list[Row] = []
         self.slots: list[int] = []  # each row's slot
         self.prefixes = prefixes  # prompts resume from kept KV (`prefix_cache`); answers are kept by `dynamic` only
@@ -97,24 +116,33 @@ class SlotBatch:
     def remaining(self) -> list[int]:
         return [*(row.job.request.max_tokens - len(row.tokens) for row in self.rows), *self.dynamic.remaining()]
 
+    def room(self, jobs: list[SampleJob]) -> bool:
+        """Whether the jobs' rows fit the fixed bucket's free slots (always without one): the scheduler holds the
+        others back rather than have them decode beside, without the deterministic mode's guarantee."""
+        return self.fixed is None or sum(job.num_samples for job in jobs) <= self.fixed[0] - len(self.rows)
+
     def admit(self, jobs: list[SampleJob]) -> list[SampleJob]:
         """Prefill the jobs and place their rows in slots (or in the dynamic batch); returns the jobs already
         complete."""
         busy = {row.job.adapter for row in self.rows if row.job.adapter is not None}
+        free = self.fixed[0] - len(self.rows) if self.fixed else 0
         mine, others = [], []
         for job in jobs:  # in order: a job's adapter slot is kept from the jobs admitted after it
-            if self._takes(job, busy):
+            if self._takes(job, busy) and self._fits(job, free):
                 mine.append(job)
                 busy.add(job.adapter)
+                free -= job.num_samples
             else:
                 others.append(job)
         completed = self.dynamic.admit(others) if others else []
-        if not mine:
-            return completed
-        done = prefill(self.bank, self.host, mine, self.prefixes)
-        if done.rows:
-            self._place(done.rows, done.cache, done.mask, done.last)
-        return [*completed, *done.completed]
+        # The deterministic mode prefills each job alone: a batched prefill's shapes depend on its neighbours.
+        groups = [[job] for job in mine] if self.fixed else [mine]
+        for group in filter(None, groups):
+            done = prefill(self.bank, self.host, group, self.prefixes)
+            if done.rows:
+                self._place(done.rows, done.cache, done.mask, done.last)
+            completed += done.completed
+        return completed
 
     def step(self) -> list[SampleJob]:
         """One decode step of every row; returns the jobs that completed in it."""
@@ -187,6 +215,12 @@ class SlotBatch:
             return False
         return True
 
+    def _fits(self, job: SampleJob, free: int) -> bool:
+        """Whether the job's rows fit the fixed bucket: `free` slots left, and its prompt and answer within a slot."""
+        if self.fixed is None:
+            return True
+        return job.num_samples <= free and len(job.request.prompt) + job.request.max_tokens <= self.fixed[1]
+
     def _place(self, rows: list[Row], cache, mask: torch.Tensor, last: torch.Tensor) -> None:
         """Give the prefilled rows slots, their K, V and states, first tokens, lengths and adapter slots."""
         lengths = mask.sum(dim=1).tolist()  # the prompts' lengths: one read at admission
@@ -211,7 +245,7 @@ class SlotBatch:
         addresses, and buffers made anew would be captured again (CUDA graph trees re-record a graph whose
         static inputs moved, and give up on it after a number of times)."""
         now = self._cache if self.rows else None  # an empty bucket moves nothing and sets no least size
-        want = (
+        want = self.fixed or (
             bucket(max(rows, now.rows if now else 0), ROW_MULTIPLE),
             min(bucket(max(capacity, now.capacity if now else 0), KEY_MULTIPLE), self._limit),
         )
