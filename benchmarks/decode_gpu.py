@@ -21,13 +21,19 @@ drives it. It measures:
    mean length) over the bandwidth of a device-to-device copy measured here; the static decode steps' tokens/s as a
    share of the roofline's;
 6. |sampled - trainer| logprob of every token of a LoRA round (the trainer's forward on the sessions the snapshots
-   were taken from).
+   were taken from);
+7. after the table above, in a table of its own, the deterministic mode (`--sampler_deterministic_rows`: one fixed
+   bucket, `SlotBatch(fixed=...)`) on the LoRA rounds: its tokens/s against the default's, and a probe row (prompt 0
+   on its snapshot, one sample, seed 1000) alone and admitted last beside the other prompts' rows, with and without
+   the mode: max |logprob difference| over the tokens both drew alike (the mode's target: 0, bitwise). Its compiles
+   (the fixed bucket; the default path's 8-row bucket, for the probe alone) are printed as warm-up times.
 
 It prints one table with the GPU targets beside the figures (PASS/FAIL): the static decode steps (base) at least
 30 % of the roofline's tokens/s, a static round (base) at least 1.0x HF generate's tokens/s, the GPU busy at least
-70 % of a profiled static round (base), a mean logprob gap of at most 0.01 nats. It exits 1 when one fails or a part
-raises (the other parts' figures are still printed). The warm-up rounds' times say what the compiles cost; a rerun on
-the same machine reuses Inductor's caches on disk, and `--skip hf,dynamic,profile` leaves parts out.
+70 % of a profiled static round (base), a mean logprob gap of at most 0.01 nats, the deterministic mode's probe
+bitwise alike. It exits 1 when one fails or a part raises (the other parts' figures are still printed). The warm-up
+rounds' times say what the compiles cost; a rerun on the same machine reuses Inductor's caches on disk, and
+`--skip hf,dynamic,profile,deterministic` leaves parts out.
 
     python benchmarks/decode_gpu.py --model DIR [--prompts 8 --samples 8 --tokens 128 --prompt_length 64]
 
@@ -54,7 +60,7 @@ from treadle.gpu_worker.engine import Engine
 from treadle.gpu_worker.model_check import cross_entropy_datum
 from treadle.gpu_worker.sampling.backend import SampleJob
 from treadle.gpu_worker.sampling.hf.batch_decode import DecodeBatch
-from treadle.gpu_worker.sampling.hf.slot_batch import SlotBatch
+from treadle.gpu_worker.sampling.hf.slot_batch import SlotBatch, fixed_bucket
 from treadle.gpu_worker.training.validation import prepare_sample
 from treadle.types import AdamParams, LoraConfig, ModelInput, SamplingParams
 
@@ -114,20 +120,31 @@ class Bench:
         self.adapters = [self.engine._samplers[f"snap{i}"] for i in range(args.prompts)]
 
     def jobs(self, lora: bool) -> list[SampleJob]:
-        made = []
-        for i, prompt in enumerate(self.prompts):
-            params = SamplingParams(max_tokens=self.args.tokens, temperature=1.0, seed=i)
-            request = prepare_sample(
-                ModelInput.from_ints(prompt),
-                self.args.samples,
-                params,
-                0,
-                max_seq_len=self.host.max_seq_len,
-                vocab_size=self.host.vocab_size,
-            )
-            adapter = self.adapters[i] if lora else None
-            made.append(SampleJob(adapter, request, self.args.samples, params, frozenset()))  # no stop: full rows
-        return made
+        return [self.job(i, self.args.samples, i, lora) for i in range(len(self.prompts))]
+
+    def job(self, prompt: int, samples: int, seed: int, lora: bool) -> SampleJob:
+        params = SamplingParams(max_tokens=self.args.tokens, temperature=1.0, seed=seed)
+        request = prepare_sample(
+            ModelInput.from_ints(self.prompts[prompt]),
+            samples,
+            params,
+            0,
+            max_seq_len=self.host.max_seq_len,
+            vocab_size=self.host.vocab_size,
+        )
+        adapter = self.adapters[prompt] if lora else None
+        return SampleJob(adapter, request, samples, params, frozenset())  # no stop: full rows
+
+    def probe(self, batch: SlotBatch, beside: bool) -> tuple[list[int], list[float]]:
+        """Prompt 0 on its snapshot, one sample, seed 1000: alone, or admitted last beside the other prompts' rows
+        (so in another slot and another prefill); its tokens and logprobs."""
+        probe = self.job(0, 1, 1000, True)
+        with self.engine.device, torch.no_grad():
+            batch.admit([*(self.jobs(True)[1:] if beside else []), probe])
+            until_empty(batch)
+        drawn = probe.sequences[0]
+        assert drawn is not None and drawn.logprobs is not None
+        return drawn.tokens, drawn.logprobs
 
     def round(self, batch: SlotBatch, lora: bool, profiled: bool = False) -> tuple[Round, Profile | None]:
         """One round of every row on `batch`, to its end; with `profiled`, its decode steps under torch.profiler."""
@@ -335,10 +352,12 @@ def gb(size: float) -> str:
     return f"{size / 1e9:.2f} GB" if size >= 1e8 else f"{size / 1e6:.2f} MB"
 
 
-def static_path(table: Table, bench: Bench) -> tuple[dict[bool, list[Round]], dict[str, Profile], int]:
+def static_path(
+    table: Table, bench: Bench
+) -> tuple[dict[bool, list[Round]], dict[str, Profile], int, dict[bool, SlotBatch]]:
     """The static path's rounds: one batch (one bucket, one graph) for the base model, one for the snapshots; a
     warm-up round each, then measured rounds alternating, then a profiled round each. Returns the rounds, the
-    profiles and the LoRA table's bytes."""
+    profiles, the LoRA table's bytes and the batches."""
     args, cuda = bench.args, bench.cuda
     batches = {
         lora: SlotBatch(bench.engine._bank, bench.host, compile="graphs" if cuda else None) for lora in (False, True)
@@ -372,7 +391,7 @@ def static_path(table: Table, bench: Bench) -> tuple[dict[bool, list[Round]], di
             profiles[f"static {'LoRA' if lora else 'base'}"] = bench.round(batches[lora], lora, profiled=True)[1]
     table_ = batches[True].table
     extra = sum(t.numel() * t.element_size() for t in (*table_._a.values(), *table_._b.values()))
-    return rounds, profiles, extra
+    return rounds, profiles, extra, batches
 
 
 def dynamic_path(table: Table, bench: Bench, static: list[Round], profiles: dict[str, Profile]) -> None:
@@ -428,6 +447,35 @@ def roofline_rows(table: Table, bench: Bench, rounds: dict[bool, list[Round]], b
     )
 
 
+def deterministic_rows(table: Table, bench: Bench, default: SlotBatch, rounds: list[Round]) -> None:
+    """The deterministic mode on the LoRA rounds (7. in the module docstring): `default` is the default path's LoRA
+    batch, `rounds` its rounds."""
+    args = bench.args
+    fixed = fixed_bucket(bench.rows, bench.rows * rounds[0].capacity, bench.host.max_seq_len)
+    batch = SlotBatch(bench.engine._bank, bench.host, compile="graphs" if bench.cuda else None, fixed=fixed)
+    warm = bench.round(batch, True)[0].seconds
+    print(f"deterministic, LoRA: warm-up round {warm:.1f} s", flush=True)
+    done = [bench.round(batch, True)[0] for _ in range(args.rounds)]
+    label = f"deterministic mode ({fixed[0]} rows x {fixed[1]} positions), {args.prompts} LoRA snapshots mixed"
+    for figure, rate in (("round", lambda r: r.rate), ("its decode steps", lambda r: r.decode_rate(bench.rows))):
+        on, off = statistics.median(rate(r) for r in done), statistics.median(rate(r) for r in rounds)
+        table.add(f"{label}: {figure}", f"{on:,.0f} tokens/s = {on / off:.2f}x the default path's {off:,.0f}")
+    table.add(f"{label}: warm-up round", f"{warm:.1f} s")
+    for name, probed, judged in (("default path", default, False), ("deterministic mode", batch, True)):
+        started = time.perf_counter()
+        alone, beside = bench.probe(probed, False), bench.probe(probed, True)
+        print(f"probe, {name}: {time.perf_counter() - started:.1f} s", flush=True)
+        same = next((i for i, (a, b) in enumerate(zip(alone[0], beside[0])) if a != b), len(alone[0]))
+        compared = min(same + 1, len(alone[0]))  # the first token drawn apart is still drawn from the same context
+        gap = max(abs(a - b) for a, b in zip(alone[1][:compared], beside[1][:compared]))
+        table.add(
+            f"probe row alone vs beside {bench.rows - args.samples} rows, {name}: max |logprob diff|",
+            f"{gap:.3g} nats over {compared} tokens; tokens {'alike' if same == len(alone[0]) else f'apart from {same}'}",
+            "0 (bitwise), tokens alike" if judged else "",
+            gap == 0 and same == len(alone[0]) if judged else None,
+        )
+
+
 def profile_rows(table: Table, cuda: bool, profiles: dict[str, Profile]) -> None:
     unit = "kernels" if cuda else "top-level aten operators (cpu)"
     table.add(
@@ -457,7 +505,9 @@ def main() -> None:
     parser.add_argument("--rank", type=int, default=32, help="the snapshots' LoRA rank")
     parser.add_argument("--rounds", type=int, default=2, help="measured rounds of each path (after a warm-up)")
     parser.add_argument("--dynamic_steps", type=int, default=8, help="timed (and as many profiled) dynamic steps")
-    parser.add_argument("--skip", default="", help="parts left out, comma-separated: dynamic, hf, profile")
+    parser.add_argument(
+        "--skip", default="", help="parts left out, comma-separated: dynamic, hf, profile, deterministic"
+    )
     args = parser.parse_args()
     args.skip = set(filter(None, args.skip.split(",")))
     cuda = args.device == "cuda"
@@ -472,7 +522,7 @@ def main() -> None:
     print(f"engine up, {args.prompts} sessions trained and snapshotted in {time.perf_counter() - started:.0f} s")
     table = Table(judge=cuda)
     bandwidth = copy_bandwidth(args.device, cuda)
-    rounds, profiles, extra = static_path(table, bench)
+    rounds, profiles, extra, batches = static_path(table, bench)
     gaps = bench.logprob_gaps(rounds[True][-1].jobs)
     if "dynamic" not in args.skip:
         table.attempt("dynamic path", lambda: dynamic_path(table, bench, rounds[False], profiles))
@@ -492,10 +542,19 @@ def main() -> None:
         f"decode on {name}, {args.model} (bf16): {args.prompts} prompts of {lengths[0]}-{lengths[-1]} tokens x "
         f"{args.samples} samples = {bench.rows} rows x {args.tokens} tokens, T=1, no stop"
     )
+    print(f"decode_gpu: the table above took {time.perf_counter() - started:.0f} s", flush=True)
+    # Its own table, printed after the one above: what it costs (two compiles) never holds the others back.
+    deterministic = Table(judge=cuda)
+    if "deterministic" not in args.skip:
+        deterministic.attempt(
+            "deterministic mode", lambda: deterministic_rows(deterministic, bench, batches[True], rounds[True])
+        )
+        deterministic.print(f"the deterministic mode (--sampler_deterministic_rows) on {name}")
     print(f"decode_gpu took {time.perf_counter() - started:.0f} s", flush=True)
     bench.engine.close()
-    if table.failed or table.errors:
-        raise SystemExit("decode_gpu: " + "; ".join([*(f"{e} failed" for e in table.errors), *table.failed]))
+    failed = [*(f"{e} failed" for e in [*table.errors, *deterministic.errors]), *table.failed, *deterministic.failed]
+    if failed:
+        raise SystemExit("decode_gpu: " + "; ".join(failed))
 
 
 if __name__ == "__main__":

@@ -93,7 +93,8 @@ def test_the_decode_benchmark_runs_every_part_on_the_cpu(tmp_path):
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     stdout = result.stdout
-    rows = [line for line in stdout.splitlines() if line.startswith("| ")][2:]  # below the header and rule
+    # The two tables' rows, below their headers and rules.
+    rows = [line for line in stdout.splitlines() if line.startswith("| ") and not line.startswith(("| figure", "| -"))]
     table = {cells[0]: cells[1:] for cells in ([c.strip() for c in row.strip("|").split(" | ")] for row in rows)}
     figures = " ".join(table)
     for part in (
@@ -104,6 +105,8 @@ def test_the_decode_benchmark_runs_every_part_on_the_cpu(tmp_path):
     ):
         assert part in figures, (part, list(table))
     assert "roofline step, base" in figures and "sampled vs trainer logprob" in figures
+    assert "deterministic mode (8 rows x 64 positions)" in figures
+    assert "probe row alone vs beside 2 rows, deterministic mode" in figures
     # On a CPU nothing is judged against the GPU targets, and no part failed.
     assert {check for _, _, check in table.values()} == {"", "not judged (cpu)"}
     assert "failed" not in stdout
