@@ -121,7 +121,7 @@ class WorkerConfig(BaseModel):
         default="auto",
         description="What samples: hf (batched transformers decoding in this process) or vllm (a vLLM engine per base "
         "model in a child process with its own venv: scripts/setup_vllm.sh). auto: vllm when CUDA and vLLM "
-        "are both there, hf otherwise; the log says which.",
+        "are both there (and no --sampler_deterministic_rows), hf otherwise; the log says which.",
     )
     sampler_decode: Literal["auto", "static", "dynamic"] = Field(
         default="auto",
@@ -137,7 +137,8 @@ class WorkerConfig(BaseModel):
         "prefilled alone and from no kept prefix, so a seeded request gives the same tokens and logprobs whatever "
         "shares its batch (a resumed RL run reproduces). Costs speed: steps always run the whole bucket, prefills one "
         "by one (gpu_check's decode part measures it). A request with more samples than rows, or longer than a row's "
-        "positions, decodes beside without the guarantee. On a CPU the sampler is batch-invariant without it.",
+        "positions, decodes beside without the guarantee. With it `--sampler auto` is hf. On a CPU the sampler is "
+        "batch-invariant without it.",
     )
     vllm_python: str | None = Field(
         default=None,

@@ -45,13 +45,15 @@ BACKENDS: dict[str, Callable[[SamplerSetup, SamplerOptions], SamplerBackend]] = 
 
 def resolve_kind(kind: SamplerKind, options: SamplerOptions, setup: SamplerSetup) -> str:
     """`auto` is vllm when CUDA and a vLLM installation are both there and vLLM serves the model's family
-    (`setup.vllm_serves` is "yes", else why not), hf otherwise. `vllm` asked for a family it does not
-    serve is refused, naming the family."""
+    (`setup.vllm_serves` is "yes", else why not), hf otherwise, and hf in hf's deterministic mode (a mode vLLM does
+    not have). `vllm` asked for a family it does not serve is refused, naming the family."""
     serves = setup.vllm_serves == "yes"
     if kind == "vllm" and not serves:
         raise ValueError(f"sampler vllm: {setup.host.name} ({setup.host.model_type}): {setup.vllm_serves}")
     if kind != "auto":
         return kind
+    if options.hf_deterministic_rows:
+        return "hf"
     return "vllm" if serves and torch.cuda.is_available() and vllm_python(options.vllm) else "hf"
 
 
