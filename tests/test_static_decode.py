@@ -23,7 +23,8 @@ from treadle.gpu_worker.engine import Engine
 from treadle.gpu_worker.model_check import cross_entropy_datum
 from treadle.gpu_worker.sampling.backend import SampleJob
 from treadle.gpu_worker.sampling.hf.batch_decode import DecodeBatch
-from treadle.gpu_worker.sampling.hf.scheduler import SampleScheduler, decode_batch
+from treadle.gpu_worker.sampling.hf.decode_path import decode_batch
+from treadle.gpu_worker.sampling.hf.scheduler import SampleScheduler
 from treadle.gpu_worker.sampling.hf.slot_batch import FIXED_RANK, SlotBatch, fixed_bucket
 from treadle.gpu_worker.training.validation import prepare_sample
 from treadle.testing.families import FAMILIES

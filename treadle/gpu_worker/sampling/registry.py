@@ -17,7 +17,8 @@ import torch
 from pydantic import BaseModel, Field
 
 from treadle.gpu_worker.sampling.backend import SamplerBackend, SamplerSetup
-from treadle.gpu_worker.sampling.hf.scheduler import DecodePath, SampleScheduler
+from treadle.gpu_worker.sampling.hf.decode_path import DecodePath
+from treadle.gpu_worker.sampling.hf.scheduler import SampleScheduler
 from treadle.gpu_worker.sampling.vllm.sampler import VllmOptions, VllmSampler, vllm_python
 
 log = logging.getLogger("treadle.sampler")

@@ -96,7 +96,9 @@ class SlotBatch:
         self.table = LoraTable(bank, slots, fixed_rank=FIXED_RANK if fixed else None)
         self.rows: list[Row] = []
         self.slots: list[int] = []  # each row's slot
-        self.prefixes = prefixes  # prompts resume from kept KV (`prefix_cache`); answers are kept by `dynamic` only
+        # Prompts resume from kept KV (`prefix_cache`; answers are kept by `dynamic` only), but for the deterministic
+        # mode's: kept KV was computed in other forwards' shapes.
+        self.prefixes = None if fixed else prefixes
         self.dynamic = DecodeBatch(bank, host, prefixes)
         self._cache: SlotCache | None = None
         self._buckets: OrderedDict[tuple[int, int], tuple] = OrderedDict()  # (rows, capacity) -> buffers, `_fit`
