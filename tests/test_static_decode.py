@@ -186,13 +186,14 @@ def test_a_later_round_in_the_same_bucket_replays_on_the_same_buffers(family_dir
         engine.close()
 
 
-def test_the_deterministic_mode_runs_every_step_in_its_one_bucket(family_dirs):
+@pytest.mark.parametrize("family", ["llama", "llama4"])  # llama4: expert adapters at the fixed rank too
+def test_the_deterministic_mode_runs_every_step_in_its_one_bucket(family, family_dirs):
     # --sampler_deterministic_rows: whatever joins or leaves, every step runs the fixed bucket's rows and positions (on
     # a GPU what keeps a row's kernels, and so its numbers, its own), traced as one graph; a seeded request gives the
     # same tokens and logprobs alone and beside 14 rows; LoRA rows take the per-slot product (`LoraTable.fixed_rank`),
     # equal to the default table's to rounding. Through the scheduler, jobs whose rows the bucket's free slots cannot
     # hold wait for them (`SlotBatch.room`) rather than decode beside on the dynamic path (equal only to rounding).
-    engine = trained_engine(family_dirs["llama"], "float32")
+    engine = trained_engine(family_dirs[family], "float32")
     try:
         fixed = fixed_bucket(13, 16 * 128 + 100, engine.max_seq_len)
         assert fixed == (16, 128)
@@ -206,7 +207,8 @@ def test_the_deterministic_mode_runs_every_step_in_its_one_bucket(family_dirs):
         assert len(buckets) == 20 + 30 - 1 and set(buckets) == {fixed}  # alone: (8, 64) without the mode
         assert counters["stats"]["unique_graphs"] == 1 and dict(counters["graph_break"]) == {}
         assert batched[0] == alone[0] and batched[0][0][0]
-        assert batch.table.rank == FIXED_RANK  # the table never grows: a product's shapes stay the same
+        # The tables never grow: a product's shapes stay the same (llama4: its expert adapters' too).
+        assert (batch.table.rank, batch.table.experts.rank) == (FIXED_RANK, FIXED_RANK if family == "llama4" else 0)
         default = decode(engine, SlotBatch(engine._bank, engine._host), crowd, join_at=1)
         for rows, want in zip(batched, default):
             for (tokens, logprobs), (want_tokens, want_logprobs) in zip(rows, want):

@@ -137,8 +137,8 @@ class WorkerConfig(BaseModel):
         "prefilled alone and from no kept prefix, so a seeded request gives the same tokens and logprobs whatever "
         "shares its batch (a resumed RL run reproduces). Costs speed: steps always run the whole bucket, prefills one "
         "by one (gpu_check's decode part measures it). A request with more samples than rows, or longer than a row's "
-        "positions, decodes beside without the guarantee. With it `--sampler auto` is hf. On a CPU the sampler is "
-        "batch-invariant without it.",
+        "positions, decodes beside without the guarantee. With it `--sampler auto` is hf. On a CPU the default "
+        "(dynamic) steps are batch-invariant without it.",
     )
     vllm_python: str | None = Field(
         default=None,
