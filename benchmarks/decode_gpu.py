@@ -25,7 +25,7 @@ drives it. It measures:
 7. after the table above, in a table of its own, the deterministic mode (`--sampler_deterministic_rows`: one fixed
    bucket, `SlotBatch(fixed=...)`) on the LoRA rounds: its tokens/s against the default's, and a probe row (prompt 0
    on its snapshot, one sample, seed 1000) alone and admitted last beside the other prompts' rows, with and without
-   the mode: max |logprob difference| over the tokens both drew alike (the mode's target: 0, bitwise). Its compiles
+   the mode: max abs logprob difference over the tokens both drew alike (the mode's target: 0, bitwise). Its compiles
    (the fixed bucket; the default path's 8-row bucket, for the probe alone) are printed as warm-up times.
 
 It prints one table with the GPU targets beside the figures (PASS/FAIL): the static decode steps (base) at least
@@ -60,7 +60,7 @@ from treadle.gpu_worker.engine import Engine
 from treadle.gpu_worker.model_check import cross_entropy_datum
 from treadle.gpu_worker.sampling.backend import SampleJob
 from treadle.gpu_worker.sampling.hf.batch_decode import DecodeBatch
-from treadle.gpu_worker.sampling.hf.slot_batch import SlotBatch, fixed_bucket
+from treadle.gpu_worker.sampling.hf.slot_batch import FIXED_RANK, SlotBatch, fixed_bucket
 from treadle.gpu_worker.training.validation import prepare_sample
 from treadle.types import AdamParams, LoraConfig, ModelInput, SamplingParams
 
@@ -457,6 +457,7 @@ def deterministic_rows(table: Table, bench: Bench, default: SlotBatch, rounds: l
     print(f"deterministic, LoRA: warm-up round {warm:.1f} s", flush=True)
     done = [bench.round(batch, True)[0] for _ in range(args.rounds)]
     label = f"deterministic mode ({fixed[0]} rows x {fixed[1]} positions), {args.prompts} LoRA snapshots mixed"
+    label += f" (table rank {FIXED_RANK}, the default's {default.table.rank})"
     for figure, rate in (("round", lambda r: r.rate), ("its decode steps", lambda r: r.decode_rate(bench.rows))):
         on, off = statistics.median(rate(r) for r in done), statistics.median(rate(r) for r in rounds)
         table.add(f"{label}: {figure}", f"{on:,.0f} tokens/s = {on / off:.2f}x the default path's {off:,.0f}")
@@ -469,7 +470,7 @@ def deterministic_rows(table: Table, bench: Bench, default: SlotBatch, rounds: l
         compared = min(same + 1, len(alone[0]))  # the first token drawn apart is still drawn from the same context
         gap = max(abs(a - b) for a, b in zip(alone[1][:compared], beside[1][:compared]))
         table.add(
-            f"probe row alone vs beside {bench.rows - args.samples} rows, {name}: max |logprob diff|",
+            f"probe row alone vs beside {bench.rows - args.samples} rows, {name}: max abs logprob diff",
             f"{gap:.3g} nats over {compared} tokens; tokens {'alike' if same == len(alone[0]) else f'apart from {same}'}",
             "0 (bitwise), tokens alike" if judged else "",
             gap == 0 and same == len(alone[0]) if judged else None,
