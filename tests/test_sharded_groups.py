@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import json
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -373,12 +374,20 @@ def check_full_snapshot(
     assert [s.tokens for s in again.sample(prompt, 2, params).result(timeout=120).sequences] == [s.tokens for s in got]
 
 
-def start_two_hosts(stack: LocalStack, sc: ServiceClient, port: str) -> None:
+def start_two_hosts(stack: LocalStack, sc: ServiceClient, port: str, host0_tmp: str) -> None:
     """One group of four sharded ranks: two `treadle worker` processes (hosts 0 and 1, two ranks each) meeting at
-    `port`. Host 1 consumes nothing."""
+    `port`. Host 1 consumes nothing, and sees none of host 0's temporary files (where rank 0 downloads checkpoints):
+    host 0's are in `host0_tmp`, and host 1 runs in a mount namespace of its own with an empty tmpfs over it."""
     across = ["--devices", "2", "--nnodes", "2", "--master_port", port, *GROUP_ARGS]
-    stack.start_worker([*across, "--node_rank", "1"])
-    stack.start_worker([*across, "--node_rank", "0"])
+    command = stack.worker_command
+    try:
+        private = 'mount -t tmpfs host1 "$0" && exec "$@"'
+        stack.worker_command = ["unshare", "-rm", "sh", "-c", private, host0_tmp, *command]
+        stack.start_worker([*across, "--node_rank", "1"])
+        stack.worker_command = ["env", f"TMPDIR={host0_tmp}", *command]
+        stack.start_worker([*across, "--node_rank", "0"])
+    finally:
+        stack.worker_command = command
     stack.wait_for_workers(1, 300)
     assert len(sc.ops.workers.live_workers()) == 1
 
@@ -398,19 +407,28 @@ def master_port() -> str:
 
 
 @pytest.fixture(scope="module")
-def four_ranks(stack, sc, ref, master_port) -> dict[str, Run]:
+def host0_tmp(tmp_path_factory) -> str:
+    """Host 0's temporary directory, which host 1 cannot see (`start_two_hosts`)."""
+    if shutil.which("unshare") is None or subprocess.run(["unshare", "-rm", "true"]).returncode != 0:
+        pytest.skip("two hosts without a shared filesystem need `unshare -rm` (user and mount namespaces)")
+    return str(tmp_path_factory.mktemp("host0-tmp"))
+
+
+@pytest.fixture(scope="module")
+def four_ranks(stack, sc, ref, master_port, host0_tmp) -> dict[str, Run]:
     """The two-host group, checked like one device: each family's uninterrupted run on it."""
     stop_workers(stack)  # the two-rank group
     for log in os.listdir(os.path.join(stack.home, "logs")):  # only this group's lines count in assert_memory_logged
         os.truncate(os.path.join(stack.home, "logs", log), 0)
-    start_two_hosts(stack, sc, master_port)
+    start_two_hosts(stack, sc, master_port, host0_tmp)
     return check_like_one_device(sc, ref, "four")
 
 
 def test_a_group_on_two_hosts_trains_like_one_device_and_moves_checkpoints(stack, sc, ref, four_ranks):
     """Two hosts of two ranks each form one group of four and train like one device. A checkpoint saved on it
     continues on one device as it does on the group, and one saved on one device continues on the group as it
-    does on one device."""
+    does on one device: a LoRA session's, and a full session's, whose sampler snapshot samples on the group as on one
+    device too. Host 1 cannot read the files rank 0 downloads: its ranks get what they load from rank 0."""
     assert_memory_logged(stack, 4)
     tc = four_ranks["llama"].tc
 
@@ -436,6 +454,28 @@ def test_a_group_on_two_hosts_trains_like_one_device_and_moves_checkpoints(stack
     assert_close_adapter(
         adapter_of(sc, resumed.save_state("one-end").result(timeout=60).path), ref.adapter("llama", "four-llama")
     )
+
+    # A full session, one device -> four sharded ranks: each keeps its shards of the weights and moments rank 0 read.
+    engine.create_session("full-one", LoraConfig(rank=8, seed=SEED), full=FullConfig())
+    engine.forward_backward("full-one", *batch(0))
+    engine.optim_step("full-one", ADAM)
+    extra = {"full_config": FullConfig().model_dump()}
+    with tempfile.TemporaryDirectory() as tmp:
+        engine.save_state("full-one", tmp)
+        path = "treadle://from-one/weights/full"
+        CheckpointStore.from_url(stack.storage_url).save(tmp, path, base_model="llama", step=1, extra=extra)
+    full_steps(sc.create_training_client_from_state_with_optimizer(path), engine, "full-one", range(1, 3))
+    engine.snapshot_sampler("full-one", "full-one")
+    with tempfile.TemporaryDirectory() as tmp:
+        engine.save_sampler_weights("full-one", tmp)
+        path = "treadle://from-one/sampler_weights/full-one"
+        CheckpointStore.from_url(stack.storage_url).save(tmp, path, base_model="llama", extra=extra)
+    prompt, params = ModelInput.from_ints(list(range(5, 25))), SamplingParams(max_tokens=8, seed=3, temperature=1.0)
+    loaded = sc.create_sampling_client(model_path=path).sample(prompt, 2, params).result(timeout=120).sequences
+    want = engine.sample("full-one", prompt, 2, params).sequences
+    assert [s.tokens for s in loaded] == [s.tokens for s in want]
+    for g, w in zip(loaded, want):
+        assert g.logprobs == pytest.approx(w.logprobs, rel=0, abs=TOL)
 
 
 def ranks_of(proc: subprocess.Popen) -> dict[int, int]:
@@ -465,7 +505,9 @@ def kill_rank_two(stack: LocalStack, sc: ServiceClient, session_id: str) -> floa
     return gone_s
 
 
-def test_a_dead_rank_on_the_other_host_ends_the_group_and_the_loop_sees_nothing(stack, sc, four_ranks, master_port):
+def test_a_dead_rank_on_the_other_host_ends_the_group_and_the_loop_sees_nothing(
+    stack, sc, four_ranks, master_port, host0_tmp
+):
     """SIGKILL of rank 2 (host 1's first rank) mid-run: host 0's rank 0 sees its connection close and ends its host's
     ranks, host 1's process ends its other rank, and both exit 1. Restarted as a supervisor would (the same command
     lines), the group adopts the session from its journal once its lease expires, and the loop sees no error: its
@@ -481,20 +523,20 @@ def test_a_dead_rank_on_the_other_host_ends_the_group_and_the_loop_sees_nothing(
         if step == kill_at:
             pairs[step - 1][1].result(timeout=120)  # the run is going on the group: kill one of its ranks
             print(f"the group was gone {kill_rank_two(stack, sc, tc.session_id):.2f} s after the kill")
-            start_two_hosts(stack, sc, master_port)  # as a supervisor would, with the same command lines
+            start_two_hosts(stack, sc, master_port, host0_tmp)  # as a supervisor would, with the same command lines
     assert [opt.result(timeout=300).metrics["step:max"] for _, opt in pairs] == list(range(1, STEPS + 1))
     assert [fb.result(timeout=300).metrics["loss:sum"] for fb, _ in pairs] == twin.losses
     assert_same_adapter(adapter_of(sc, tc.save_state("killed-end").result(timeout=60).path), adapter_of(sc, twin.final))
     assert sc.ops.session_info(tc.session_id).epoch == 2  # created on the group, adopted by its restart
 
 
-def test_the_other_host_exits_0_when_rank_0_stops_and_1_when_it_dies(stack, sc, master_port):
+def test_the_other_host_exits_0_when_rank_0_stops_and_1_when_it_dies(stack, sc, master_port, host0_tmp):
     """Host 1's `treadle worker` ends with its group. Stopped in order (SIGTERM), rank 0 ends the group and host 1
     exits 0; killed, it leaves host 1 exiting 1, so a supervisor that restarts failed processes restarts both."""
     for how, status in ((signal.SIGTERM, 0), (signal.SIGKILL, 1)):
         if len(stack.workers) != 2:
             stop_workers(stack)
-            start_two_hosts(stack, sc, master_port)
+            start_two_hosts(stack, sc, master_port, host0_tmp)
         (host0,) = [p for p in stack.workers if p.args[p.args.index("--node_rank") + 1] == "0"]
         (host1,) = [p for p in stack.workers if p is not host0]
         host0.send_signal(how)

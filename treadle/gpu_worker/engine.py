@@ -35,7 +35,7 @@ from treadle.gpu_worker.sampling.extras import SampleExtras
 from treadle.gpu_worker.sampling.backend import LogprobJob, SampleJob, SamplerSetup, TokenStream
 from treadle.gpu_worker.sampling.registry import SamplerKind, SamplerOptions, make_sampler
 from treadle.gpu_worker.training.session import Session
-from treadle.gpu_worker.training.state import read_state, restore_rng, write_state
+from treadle.gpu_worker.training.state import Checkpoint, read_checkpoint, restore_rng, write_state
 from treadle.gpu_worker.training.validation import (
     PreparedDatum,
     check_loss,
@@ -277,10 +277,9 @@ class Engine:
         self._samplers[sampler_id] = adapter
 
     @on_device
-    def load_sampler(self, sampler_id: str, adapter_dir: str) -> None:
-        """A frozen sampler from a PEFT adapter directory (or a full session's snapshot, a model directory)."""
-        full = full_weights.is_full_dir(adapter_dir)
-        self._check_new_sampler(sampler_id, full_weights.read_marker(adapter_dir)[1] if full else None)
+    def load_sampler(self, sampler_id: str, adapter_dir: str | full_weights.FullSnapshot) -> None:
+        """A frozen sampler from a PEFT adapter directory (or a full session's snapshot: a model directory, or read)."""
+        self._check_new_sampler(sampler_id, full_weights.snapshot_names(adapter_dir))
         adapter = self._bank.new_name()
         self._bank.add_from_dir(adapter, adapter_dir)
         self._samplers[sampler_id] = adapter
@@ -370,21 +369,21 @@ class Engine:
         write_state(directory, session.state(self.base_model, include_optimizer=include_optimizer))
 
     @on_device
-    def load_state(self, session_id: str, directory: str, *, with_optimizer: bool) -> None:
-        """Create (or replace) the session from a state directory.
+    def load_state(self, session_id: str, directory: str | Checkpoint, *, with_optimizer: bool) -> None:
+        """Create (or replace) the session from a state directory (or its `Checkpoint`, read).
 
         with_optimizer=True restores Adam moments, pending gradients and the RNG exactly, or raises;
         False loads the weights and step count and starts Adam afresh. Everything is loaded into a new
         adapter first, so a failed load leaves an existing session untouched.
         """
-        state = read_state(directory, with_optimizer=with_optimizer)
-        current = self._sessions.get(session_id)
+        read = directory if isinstance(directory, Checkpoint) else read_checkpoint(directory, with_optimizer)
+        current, state, source = self._sessions.get(session_id), read.state, read.source
         if current is not None:
-            current.check_loadable(state, source=str(directory))
+            current.check_loadable(state, source=source)
         fresh = self._new_session(state.lora, state.full, replacing=current.memory if current else 0)
         try:
-            self._bank.load_weights(fresh.adapter, directory)
-            fresh.restore(state, source=str(directory))
+            self._bank.load_weights(fresh.adapter, read.weights, source=source)
+            fresh.restore(state, source=source)
         except Exception:
             self._bank.remove(fresh.adapter)
             raise

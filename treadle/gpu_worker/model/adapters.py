@@ -31,7 +31,7 @@ from torch import nn
 
 from treadle.errors import CheckpointNotFoundError, InvalidRequestError
 from treadle.gpu_worker.model import full_weights
-from treadle.gpu_worker.model.full_weights import FullWeights
+from treadle.gpu_worker.model.full_weights import FullSnapshot, FullWeights
 from treadle.gpu_worker.model.lora_targets import LoraTargets, check_requested
 from treadle.gpu_worker.model.host import ModelHost
 from treadle.types import LoraConfig
@@ -152,11 +152,11 @@ class AdapterBank:
         self.add(name, self.config(source))
         self.copy_weights(name, {k: p.detach() for k, p in self.parameters(source).items()}, source=source)
 
-    def add_from_dir(self, name: str, directory: str | Path) -> None:
+    def add_from_dir(self, name: str, directory: str | Path | FullSnapshot) -> None:
         """A new frozen adapter from a PEFT adapter directory (adapter_config.json + adapter_model.*), or a full
-        session's snapshot from its model directory."""
-        if full_weights.is_full_dir(directory):
-            self.add_full(name, FullWeights.from_dir(directory, self.host.model, dtype=self.host.dtype))
+        session's snapshot from its model directory or its tensors (`FullSnapshot`)."""
+        if isinstance(directory, FullSnapshot) or full_weights.is_full_dir(directory):
+            self.add_full(name, FullWeights.of_snapshot(directory, self.host.model, dtype=self.host.dtype))
             return
         if not (Path(directory) / "adapter_config.json").is_file():
             raise CheckpointNotFoundError(f"{directory}: no adapter_config.json; not a PEFT adapter directory")
@@ -167,12 +167,12 @@ class AdapterBank:
             self.remove(name)
             raise
 
-    def load_weights(self, name: str, directory: str | Path) -> None:
-        """Copy the weights of a saved state (`save`'s directory) into adapter `name`; every key must match."""
+    def load_weights(self, name: str, tensors: dict[str, torch.Tensor], *, source: str) -> None:
+        """Copy the weights of a saved state (`save`'s directory, read) into adapter `name`; every key must match."""
         if name in self.full:
-            self.full[name].load(full_weights.read_weights(directory), source=str(directory))
+            self.full[name].load(tensors, source=source)
         else:
-            self.copy_weights(name, load_peft_weights(str(directory), device="cpu"), source=str(directory))
+            self.copy_weights(name, tensors, source=source)
 
     def save(self, name: str, directory: str | Path) -> None:
         """Write the adapter as a PEFT directory that `PeftModel.from_pretrained` loads (a full session's weights: a

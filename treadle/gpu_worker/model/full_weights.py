@@ -39,6 +39,7 @@ that `AutoModelForCausalLM.from_pretrained` loads, the untrained weights written
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterator
@@ -243,22 +244,36 @@ class FullWeights:
         (directory / FULL_MARKER).write_text(json.dumps(marker, indent=1))
 
     @classmethod
-    def from_dir(cls, directory: str | Path, model: nn.Module, *, dtype: torch.dtype) -> "FullWeights":
-        """A frozen snapshot from a model directory that `save` wrote, on `model`'s device (on a sharded model: this
-        rank's shards of it, placed as the base weights' are)."""
-        config, trained = read_marker(directory)
-        tensors = read_weights(directory)
+    def of_snapshot(cls, snapshot: str | Path | FullSnapshot, model: nn.Module, *, dtype: torch.dtype) -> "FullWeights":
+        """A frozen snapshot from a model directory that `save` wrote (or its tensors, read), on `model`'s device (on a
+        sharded model: this rank's shards of it, placed as the base weights' are)."""
+        if not isinstance(snapshot, FullSnapshot):
+            snapshot = FullSnapshot.read(snapshot)
         reshard_all(model)  # the base weights as their shards, which the snapshot's are placed like
         params = base_parameters(model)
         return cls(
             {
-                name: placed_like(tensors[name].to(device=params[name].device, dtype=dtype), params[name])
-                for name in trained
+                name: placed_like(tensor.to(device=params[name].device, dtype=dtype), params[name])
+                for name, tensor in snapshot.tensors.items()
             },
             dtype=dtype,
             trainable=False,
-            config=config,
+            config=snapshot.config,
         )
+
+
+@dataclass
+class FullSnapshot:
+    """A full session's snapshot read into memory: its config and its trained weights by name, whole, on the CPU."""
+
+    config: FullConfig
+    tensors: dict[str, torch.Tensor]
+
+    @classmethod
+    def read(cls, directory: str | Path) -> "FullSnapshot":
+        config, trained = read_marker(directory)
+        tensors = read_weights(directory)
+        return cls(config, {name: tensors[name] for name in trained})
 
 
 class SwappedModel:
@@ -286,6 +301,14 @@ class SwappedModel:
 
 def is_full_dir(directory: str | Path) -> bool:
     return (Path(directory) / FULL_MARKER).is_file()
+
+
+def snapshot_names(source: str | Path | FullSnapshot) -> list[str] | None:
+    """The trained weights' names of a full session's snapshot (its model directory, or read); None for a LoRA
+    adapter's directory."""
+    if isinstance(source, FullSnapshot):
+        return list(source.tensors)
+    return read_marker(source)[1] if is_full_dir(source) else None
 
 
 def read_marker(directory: str | Path) -> tuple[FullConfig, list[str]]:

@@ -17,14 +17,16 @@ sharded group each rank holds its shards of them instead (DTensors, treadle.gpu_
 sums their gradients over the ranks in each backward, `optim_step` runs on every rank at once (clipping gathers
 the global norm), and `save_state` gathers them whole, every rank taking part (docs/scaling.md).
 
-What runs where: session lifecycle, training and `load_state` run on every rank (rank 0 first for
-the calls that can be refused, so a refused request reaches no follower); `save_state` writes rank 0's
-replica (a sharded session's gathered), the same PEFT adapter and optimizer files as a one-device worker;
-sampling, samplers and every other read run on rank 0 alone (the other ranks hold no samplers). On a sharded
-group every rank still takes part in each of those forwards, with an idle pass (treadle.gpu_worker.parallel.
-lockstep), and a full session's snapshot is the exception: every rank makes (or loads) its own shards of it when
-rank 0 does, keyed by rank 0's name for it, swaps them in for the forwards rank 0 announces with it, takes part in
-the gathers of its `save_sampler_weights`, and frees them once rank 0 has dropped it and no request needs it.
+What runs where: session lifecycle, training and `load_state` run on every rank (rank 0 first for the calls that
+can be refused, so a refused request reaches no follower); rank 0 alone reads a loaded checkpoint's files, and the
+followers, on its host or others, receive its tensors by broadcast (treadle.gpu_worker.parallel.broadcast);
+`save_state` writes rank 0's replica (a sharded session's gathered), the same PEFT adapter and optimizer files as a
+one-device worker; sampling, samplers and every other read run on rank 0 alone (the other ranks hold no samplers). On
+a sharded group every rank still takes part in each of those forwards, with an idle pass (treadle.gpu_worker.parallel.
+lockstep), and a full session's snapshot is the exception: every rank makes (or loads, from the tensors rank 0 read)
+its own shards of it when rank 0 does, keyed by rank 0's name for it, swaps them in for the forwards rank 0 announces
+with it, takes part in the gathers of its `save_sampler_weights`, and frees them once rank 0 has dropped it and no
+request needs it.
 """
 
 from __future__ import annotations
@@ -38,8 +40,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from treadle.gpu_worker.model.full_weights import FullSnapshot, is_full_dir
 from treadle.gpu_worker.model.sharding import is_sharded, log_memory
+from treadle.gpu_worker.parallel.broadcast import checkpoint_call, share_checkpoint, share_snapshot, snapshot_call
 from treadle.gpu_worker.parallel.lockstep import Mirror, end_of_op, idle_pass, rounds_of
+from treadle.gpu_worker.training.state import read_checkpoint
 from treadle.gpu_worker.training.validation import check_loss, prepare_data
 from treadle.queue.ops import (
     CreateSessionRequest,
@@ -135,13 +140,13 @@ def execute(engines: dict, call: dict) -> dict | None:
         engine.drop_session(session_id)
     elif name == SaveStateRequest.op:
         gather_state(engine, session_id, include_optimizer=call["include_optimizer"])
-    elif name == LoadStateRequest.op:
-        # Every rank is on one host, so a follower reads the directory rank 0 holds open for the call.
-        engine.load_state(session_id, call["directory"], with_optimizer=call["with_optimizer"])
+    elif name == LoadStateRequest.op:  # the checkpoint rank 0 has read, by broadcast: its files may be on another host
+        read = share_checkpoint(None, call["checkpoint"], engine._host.device)
+        engine.load_state(session_id, read, with_optimizer=call["with_optimizer"])
     elif name == "snapshot_sampler":  # a follower's samplers are keyed by rank 0's names for them
         engine.snapshot_sampler(session_id, snapshot)
     elif name == "load_sampler":
-        engine.load_sampler(snapshot, call["directory"])
+        engine.load_sampler(snapshot, share_snapshot(None, call["full"], engine._host.device))
     elif name == "drop_sampler":
         engine.drop_sampler(snapshot)
     elif name == "save_sampler_weights":  # the gathers of rank 0's `FullWeights.save`, whose results it writes
@@ -218,10 +223,15 @@ class GroupEngine:
             self._replicate("drop_session", session_id=session_id)
 
     def load_state(self, session_id: str, directory: str, *, with_optimizer: bool) -> None:
+        """Rank 0 reads the checkpoint and loads it first (a refused load reaches no follower); the followers receive
+        the tensors it read (treadle.gpu_worker.parallel.broadcast), never its files."""
+        read = read_checkpoint(directory, with_optimizer)
         with self._group_op():
-            self._local.load_state(session_id, directory, with_optimizer=with_optimizer)
-            self._replicate(
-                "load_state", session_id=session_id, directory=str(directory), with_optimizer=with_optimizer
+            self._local.load_state(session_id, read, with_optimizer=with_optimizer)
+            call = checkpoint_call(read, list(self._local.trainable_parameters(session_id)))
+            share = partial(share_checkpoint, read, call, self._local._host.device)
+            self._together(
+                share, LoadStateRequest.op, session_id=session_id, with_optimizer=with_optimizer, checkpoint=call
             )
 
     # ------------------------------------------------------------ training
@@ -327,11 +337,15 @@ class GroupEngine:
                 self._replicate("snapshot_sampler", session_id=session_id, snapshot=snapshot)
 
     def load_sampler(self, sampler_id: str, adapter_dir: str) -> None:
+        """Rank 0's sampler; a full session's snapshot on a sharded group is loaded on every rank, from the tensors rank
+        0 read (treadle.gpu_worker.parallel.broadcast)."""
+        read = FullSnapshot.read(adapter_dir) if self._mirror is not None and is_full_dir(adapter_dir) else None
         with self._lock:
-            self._local.load_sampler(sampler_id, adapter_dir)
-            if (snapshot := self._sharded_snapshot(sampler_id)) is not None:
-                # Every rank is on one host, so a follower reads the directory rank 0 holds open for the call.
-                self._replicate("load_sampler", snapshot=snapshot, directory=str(adapter_dir))
+            self._local.load_sampler(sampler_id, read or adapter_dir)  # first: a refused load reaches no follower
+            if read is not None and (snapshot := self._sharded_snapshot(sampler_id)) is not None:
+                call = snapshot_call(read)
+                share = partial(share_snapshot, read, call, self._local._host.device)
+                self._together(share, "load_sampler", snapshot=snapshot, full=call)
 
     def drop_sampler(self, sampler_id: str) -> None:
         with self._lock:

@@ -9,7 +9,9 @@
     rng_state.safetensors                            torch RNG state(s) of the process
     engine_state.json                                step count, LoRA or full config, base model, format
 
-Files are plain safetensors and JSON: nothing is pickled.
+Files are plain safetensors and JSON: nothing is pickled. `read_checkpoint` reads a directory into a `Checkpoint`,
+the tensors that `Engine.load_state` applies (on a device group rank 0 alone reads it, and its followers receive its
+tensors: treadle.gpu_worker.parallel.broadcast).
 """
 
 from __future__ import annotations
@@ -19,9 +21,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from peft.utils import load_peft_weights
 from safetensors.torch import load_file, save_file
 
 from treadle.errors import CheckpointNotFoundError, InvalidRequestError
+from treadle.gpu_worker.model import full_weights
 from treadle.types import FullConfig, LoraConfig
 
 FORMAT_VERSION = 1
@@ -40,6 +44,16 @@ class TrainingState:
     gradients: dict[str, torch.Tensor]
     rng: dict[str, torch.Tensor]
     full: FullConfig | None = None  # set for a full fine-tuning session
+
+
+@dataclass
+class Checkpoint:
+    """A training state read into memory: `TrainingState` and the session's weights by name (a LoRA adapter's portable
+    names; a full session's, the model directory's)."""
+
+    state: TrainingState
+    weights: dict[str, torch.Tensor]
+    source: str  # where it was read from, for errors
 
 
 def capture_rng() -> dict[str, torch.Tensor]:
@@ -65,15 +79,7 @@ def write_state(directory: str | Path, state: TrainingState) -> None:
     if state.gradients:
         save_file(state.gradients, str(directory / GRADIENTS))
     save_file(state.rng, str(directory / RNG_STATE))
-    meta = {
-        "format": FORMAT_VERSION,
-        "base_model": state.base_model,
-        "lora": state.lora.model_dump(),
-        "full": state.full.model_dump() if state.full else None,
-        "step": state.step,
-        "has_optimizer": state.optimizer is not None,
-        "has_gradients": bool(state.gradients),
-    }
+    meta = {"format": FORMAT_VERSION, **state_meta(state)}
     (directory / ENGINE_STATE).write_text(json.dumps(meta, indent=2, sort_keys=True))
 
 
@@ -97,6 +103,38 @@ def read_state(directory: str | Path, *, with_optimizer: bool) -> TrainingState:
         optimizer = load_file(str(directory / OPTIMIZER))
     gradients = load_file(str(directory / GRADIENTS)) if meta["has_gradients"] else {}
     rng = load_file(str(directory / RNG_STATE)) if (directory / RNG_STATE).is_file() else {}
+    return state_from_meta(meta, optimizer=optimizer, gradients=gradients, rng=rng)
+
+
+def read_checkpoint(directory: str | Path, with_optimizer: bool) -> Checkpoint:
+    """A state directory (`read_state`) with its session's weights, on the CPU."""
+    state = read_state(directory, with_optimizer=with_optimizer)
+    if state.full is not None:
+        weights = full_weights.read_weights(directory)
+    else:
+        weights = load_peft_weights(str(directory), device="cpu")
+    return Checkpoint(state, weights, source=str(directory))
+
+
+def state_meta(state: TrainingState) -> dict:
+    """What a state holds beside its tensors, as JSON."""
+    return {
+        "base_model": state.base_model,
+        "lora": state.lora.model_dump(),
+        "full": state.full.model_dump() if state.full else None,
+        "step": state.step,
+        "has_optimizer": state.optimizer is not None,
+        "has_gradients": bool(state.gradients),
+    }
+
+
+def state_from_meta(
+    meta: dict,
+    *,
+    optimizer: dict[str, torch.Tensor] | None,
+    gradients: dict[str, torch.Tensor],
+    rng: dict[str, torch.Tensor],
+) -> TrainingState:
     return TrainingState(
         base_model=meta["base_model"],
         lora=LoraConfig.model_validate(meta["lora"]),
