@@ -152,17 +152,17 @@ class AdapterBank:
         self.add(name, self.config(source))
         self.copy_weights(name, {k: p.detach() for k, p in self.parameters(source).items()}, source=source)
 
-    def add_from_dir(self, name: str, directory: str | Path | FullSnapshot) -> None:
+    def add_from_dir(self, name: str, source: str | Path | FullSnapshot) -> None:
         """A new frozen adapter from a PEFT adapter directory (adapter_config.json + adapter_model.*), or a full
         session's snapshot from its model directory or its tensors (`FullSnapshot`)."""
-        if isinstance(directory, FullSnapshot) or full_weights.is_full_dir(directory):
-            self.add_full(name, FullWeights.of_snapshot(directory, self.host.model, dtype=self.host.dtype))
+        if isinstance(source, FullSnapshot) or full_weights.is_full_dir(source):
+            self.add_full(name, FullWeights.of_snapshot(source, self.host.model, dtype=self.host.dtype))
             return
-        if not (Path(directory) / "adapter_config.json").is_file():
-            raise CheckpointNotFoundError(f"{directory}: no adapter_config.json; not a PEFT adapter directory")
-        self.add(name, peft.LoraConfig.from_pretrained(str(directory)))
+        if not (Path(source) / "adapter_config.json").is_file():
+            raise CheckpointNotFoundError(f"{source}: no adapter_config.json; not a PEFT adapter directory")
+        self.add(name, peft.LoraConfig.from_pretrained(str(source)))
         try:
-            self.copy_weights(name, load_peft_weights(str(directory), device="cpu"), source=str(directory))
+            self.copy_weights(name, load_peft_weights(str(source), device="cpu"), source=str(source))
         except Exception:
             self.remove(name)
             raise

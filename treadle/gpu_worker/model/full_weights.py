@@ -39,8 +39,8 @@ that `AutoModelForCausalLM.from_pretrained` loads, the untrained weights written
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
