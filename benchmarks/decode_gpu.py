@@ -117,7 +117,7 @@ class Bench:
             self.engine.forward_backward(session, data, "cross_entropy")
             self.engine.optim_step(session, AdamParams(learning_rate=1e-3))  # B != 0: the deltas count
             self.engine.snapshot_sampler(session, f"snap{i}")
-        self.adapters = [self.engine._samplers[f"snap{i}"] for i in range(args.prompts)]
+        self.adapters = [self.engine.samplers.adapter(f"snap{i}") for i in range(args.prompts)]
 
     def jobs(self, lora: bool) -> list[SampleJob]:
         return [self.job(i, self.args.samples, i, lora) for i in range(len(self.prompts))]

@@ -107,9 +107,12 @@ def compare_training(engine: Engine, steps: int, batch: int, length: int, rounds
 def sample_rate(engine: Engine, sampler: str | None, prompts: list[list[int]], samples: int, tokens: int) -> float:
     """Tokens/s of every prompt's request submitted at once (after a small warm-up)."""
     params = lambda i: SamplingParams(max_tokens=tokens, seed=i)  # noqa: E731
-    engine.sample(sampler, ModelInput.from_ints(prompts[0]), 2, SamplingParams(max_tokens=8, seed=0))
+    engine.samplers.sample(sampler, ModelInput.from_ints(prompts[0]), 2, SamplingParams(max_tokens=8, seed=0))
     started = time.perf_counter()
-    futures = [engine.sample_async(sampler, ModelInput.from_ints(p), samples, params(i)) for i, p in enumerate(prompts)]
+    futures = [
+        engine.samplers.sample_async(sampler, ModelInput.from_ints(p), samples, params(i))
+        for i, p in enumerate(prompts)
+    ]
     count = sum(len(s.tokens) for f in futures for s in f.result(timeout=600).sequences)
     return count / (time.perf_counter() - started)
 
@@ -117,7 +120,9 @@ def sample_rate(engine: Engine, sampler: str | None, prompts: list[list[int]], s
 def logprob_gap(engine: Engine, sampler: str, prompt: list[int]) -> float:
     """Largest |sampled - trainer forward| logprob at T=1 over a few samples of the snapshot of session s."""
     worst = 0.0
-    for seq in engine.sample(sampler, ModelInput.from_ints(prompt), 4, SamplingParams(max_tokens=32, seed=1)).sequences:
+    for seq in engine.samplers.sample(
+        sampler, ModelInput.from_ints(prompt), 4, SamplingParams(max_tokens=32, seed=1)
+    ).sequences:
         tokens = prompt + seq.tokens
         expected = (
             engine.forward("s", [cross_entropy_datum(tokens)], "cross_entropy")

@@ -172,7 +172,7 @@ def inprocess_sampler(model_dir: str):
     engine = Engine(model_dir)
     engine.create_session("s", LoraConfig(rank=8, seed=0))
     engine.snapshot_sampler("s", "snapshot")
-    return lambda: engine.sample("snapshot", SAMPLE_PROMPT, 1, SamplingParams(max_tokens=8, seed=0))
+    return lambda: engine.samplers.sample("snapshot", SAMPLE_PROMPT, 1, SamplingParams(max_tokens=8, seed=0))
 
 
 def run_child(checkout: str, n: int, threads: int | None) -> dict[str, float]:

@@ -141,7 +141,7 @@ def backend_rows(model_dir: str, prompts: list[list[int]], args) -> dict[str, li
 
         def at_once(sampler, samples, tokens, engine=engine):
             futures = [
-                engine.sample_async(
+                engine.samplers.sample_async(
                     sampler, ModelInput.from_ints(p), samples, SamplingParams(max_tokens=tokens, seed=i)
                 )
                 for i, p in enumerate(prompts[: args.prompts])

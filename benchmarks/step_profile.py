@@ -67,7 +67,9 @@ def main() -> None:
 
     def sample() -> None:
         futures = [
-            engine.sample_async("snap", p, args.rows // len(prompts), SamplingParams(max_tokens=args.tokens, seed=i))
+            engine.samplers.sample_async(
+                "snap", p, args.rows // len(prompts), SamplingParams(max_tokens=args.tokens, seed=i)
+            )
             for i, p in enumerate(prompts)
         ]
         for f in futures:

@@ -76,10 +76,10 @@ def test_training_sampling_and_state_all_compute_on_one_thread(tiny_model_dir, t
         engine.save_state("s", str(tmp_path / "state"))
         engine.load_state("s", str(tmp_path / "state"), with_optimizer=True)
         engine.snapshot_sampler("s", "snap")
-        engine.sample_async("snap", ModelInput.from_ints([1, 5, 9]), 2, SamplingParams(max_tokens=4, seed=0)).result(
-            timeout=WAIT_S
-        )
-        assert engine.compute_logprobs("snap", ModelInput.from_ints([1, 5, 9, 13]))[0] is None
+        engine.samplers.sample_async(
+            "snap", ModelInput.from_ints([1, 5, 9]), 2, SamplingParams(max_tokens=4, seed=0)
+        ).result(timeout=WAIT_S)
+        assert engine.samplers.compute_logprobs("snap", ModelInput.from_ints([1, 5, 9, 13]))[0] is None
     finally:
         engine.close()
     assert threads == {"treadle-compute"}

@@ -250,7 +250,7 @@ def grpo_reference(model_dir: str) -> dict:
         engine.snapshot_sampler("ref", f"ref-{step}")
         datums = []
         for g in range(GROUPS):
-            response = engine.sample(f"ref-{step}", PROMPTS[g], GROUP_SIZE, grpo_params(step, g))
+            response = engine.samplers.sample(f"ref-{step}", PROMPTS[g], GROUP_SIZE, grpo_params(step, g))
             datums += grpo_datums(PROMPTS[g], response.sequences)
         engine.forward_backward("ref", datums, "importance_sampling")
         engine.optim_step("ref", ADAM)

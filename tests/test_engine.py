@@ -246,16 +246,18 @@ def test_snapshot_is_frozen_while_training_continues(engine):
         engine.forward_backward("freeze", data, "cross_entropy")
         engine.optim_step("freeze", ADAM)
     engine.snapshot_sampler("freeze", "freeze-v1")
-    before = engine.sample("freeze-v1", prompt, 3, params)
+    before = engine.samplers.sample("freeze-v1", prompt, 3, params)
     for _ in range(5):
         engine.forward_backward("freeze", data, "cross_entropy")
         engine.optim_step("freeze", ADAM)
-    after = engine.sample("freeze-v1", prompt, 3, params)
+    after = engine.samplers.sample("freeze-v1", prompt, 3, params)
     assert [s.tokens for s in after.sequences] == [s.tokens for s in before.sequences]
     assert [s.logprobs for s in after.sequences] == [s.logprobs for s in before.sequences]
     # The training did move the session: a new snapshot scores the same prompt differently.
     engine.snapshot_sampler("freeze", "freeze-v2")
-    assert engine.compute_logprobs("freeze-v2", prompt) != engine.compute_logprobs("freeze-v1", prompt)
+    assert engine.samplers.compute_logprobs("freeze-v2", prompt) != engine.samplers.compute_logprobs(
+        "freeze-v1", prompt
+    )
 
 
 def test_a_sample_request_is_queued_while_the_device_is_busy(engine):
@@ -264,7 +266,9 @@ def test_a_sample_request_is_queued_while_the_device_is_busy(engine):
     prompt, queued = ModelInput.from_ints([5, 6, 7, 8]), []
     with engine._lock:  # a decode step or a training op holds the device
         thread = threading.Thread(
-            target=lambda: queued.append(engine.sample_async(None, prompt, 2, SamplingParams(max_tokens=4, seed=1)))
+            target=lambda: queued.append(
+                engine.samplers.sample_async(None, prompt, 2, SamplingParams(max_tokens=4, seed=1))
+            )
         )
         thread.start()
         thread.join(timeout=120)
@@ -280,7 +284,9 @@ def test_sampled_logprobs_at_temperature_1_equal_forward_logprobs(engine):
     engine.optim_step("onpolicy", AdamParams(learning_rate=1e-2))
     engine.snapshot_sampler("onpolicy", "onpolicy-v1")
     prompt = data[1].model_input.to_ints()[:5]
-    response = engine.sample("onpolicy-v1", ModelInput.from_ints(prompt), 2, SamplingParams(max_tokens=16, seed=3))
+    response = engine.samplers.sample(
+        "onpolicy-v1", ModelInput.from_ints(prompt), 2, SamplingParams(max_tokens=16, seed=3)
+    )
     for seq in response.sequences:
         full = prompt + seq.tokens
         out = engine.forward("onpolicy", [datum(full)], "cross_entropy")
@@ -296,12 +302,14 @@ def test_logprobs_are_those_of_the_warped_distribution(engine):
     engine.create_session("warp", LORA)
     engine.snapshot_sampler("warp", "warp-v1")
     prompt = [1, 266, 269, 202, 75]
-    warped = engine.sample(
+    warped = engine.samplers.sample(
         "warp-v1", ModelInput.from_ints(prompt), 2, SamplingParams(max_tokens=8, seed=5, temperature=0.7, top_k=5)
     )
     for seq in warped.sequences:
         full = ModelInput.from_ints(prompt + seq.tokens)
-        raw = engine.sample("warp-v1", full, 1, SamplingParams(max_tokens=1), topk_prompt_logprobs=engine.vocab_size)
+        raw = engine.samplers.sample(
+            "warp-v1", full, 1, SamplingParams(max_tokens=1), topk_prompt_logprobs=engine.vocab_size
+        )
         for t, (token, logprob) in enumerate(zip(seq.tokens, seq.logprobs)):
             distribution = torch.full((engine.vocab_size,), -math.inf)
             for token_id, lp in raw.topk_prompt_logprobs[len(prompt) + t]:
@@ -313,7 +321,9 @@ def test_logprobs_are_those_of_the_warped_distribution(engine):
             assert logprob == pytest.approx(expected.item(), abs=1e-4)
             assert logprob > distribution[token].item()  # not the raw-model logprob
     greedy = [
-        engine.sample("warp-v1", ModelInput.from_ints(prompt), 1, SamplingParams(max_tokens=8, seed=s, temperature=0))
+        engine.samplers.sample(
+            "warp-v1", ModelInput.from_ints(prompt), 1, SamplingParams(max_tokens=8, seed=s, temperature=0)
+        )
         for s in (1, 2)
     ]
     assert greedy[0].sequences[0].tokens == greedy[1].sequences[0].tokens
@@ -322,9 +332,9 @@ def test_logprobs_are_those_of_the_warped_distribution(engine):
 
 def test_seeds_reproduce_and_rows_differ(engine):
     prompt = ModelInput.from_ints([1, 266, 269, 202])
-    a = engine.sample(None, prompt, 3, SamplingParams(max_tokens=10, seed=42))
-    b = engine.sample(None, prompt, 3, SamplingParams(max_tokens=10, seed=42))
-    c = engine.sample(None, prompt, 3, SamplingParams(max_tokens=10, seed=43))
+    a = engine.samplers.sample(None, prompt, 3, SamplingParams(max_tokens=10, seed=42))
+    b = engine.samplers.sample(None, prompt, 3, SamplingParams(max_tokens=10, seed=42))
+    c = engine.samplers.sample(None, prompt, 3, SamplingParams(max_tokens=10, seed=43))
     assert [s.tokens for s in a.sequences] == [s.tokens for s in b.sequences]
     assert [s.tokens for s in a.sequences] != [s.tokens for s in c.sequences]
     assert len({tuple(s.tokens) for s in a.sequences}) == 3
@@ -332,19 +342,23 @@ def test_seeds_reproduce_and_rows_differ(engine):
 
 def test_stop_tokens_stop_strings_and_max_tokens(engine):
     prompt = ModelInput.from_ints([1, 266, 269, 202])
-    free = engine.sample(None, prompt, 1, SamplingParams(max_tokens=20, seed=8)).sequences[0]
+    free = engine.samplers.sample(None, prompt, 1, SamplingParams(max_tokens=20, seed=8)).sequences[0]
     assert free.stop_reason == "length" and len(free.tokens) == 20
 
     stop_id = free.tokens[8]
     first = free.tokens.index(stop_id)
-    by_token = engine.sample(None, prompt, 1, SamplingParams(max_tokens=20, seed=8, stop=[stop_id])).sequences[0]
+    by_token = engine.samplers.sample(None, prompt, 1, SamplingParams(max_tokens=20, seed=8, stop=[stop_id])).sequences[
+        0
+    ]
     assert by_token.stop_reason == "stop"
     assert by_token.tokens == free.tokens[: first + 1]
     assert by_token.logprobs == pytest.approx(free.logprobs[: first + 1])
 
     text = engine.tokenizer.decode(free.tokens)
     stop_text = next(text[i : i + 2] for i in range(len(text) // 2, len(text) - 1) if text[i : i + 2].strip())
-    by_string = engine.sample(None, prompt, 1, SamplingParams(max_tokens=20, seed=8, stop=stop_text)).sequences[0]
+    by_string = engine.samplers.sample(
+        None, prompt, 1, SamplingParams(max_tokens=20, seed=8, stop=stop_text)
+    ).sequences[0]
     assert by_string.stop_reason == "stop"
     assert stop_text in engine.tokenizer.decode(by_string.tokens)
     assert stop_text not in engine.tokenizer.decode(by_string.tokens[:-1])
@@ -357,11 +371,11 @@ def test_prompt_logprobs_and_compute_logprobs(engine):
     engine.snapshot_sampler("plp", "plp-v1")
     ids = data[2].model_input.to_ints()
     prompt = ModelInput.from_ints(ids)
-    computed = engine.compute_logprobs("plp-v1", prompt)
+    computed = engine.samplers.compute_logprobs("plp-v1", prompt)
     forward = engine.forward("plp", [datum(ids)], "cross_entropy").loss_fn_outputs[0]["logprobs"].tolist()
     assert computed[0] is None and len(computed) == len(ids)
     assert computed[1:] == pytest.approx(forward, abs=1e-5)
-    response = engine.sample(
+    response = engine.samplers.sample(
         "plp-v1", prompt, 1, SamplingParams(max_tokens=1), include_prompt_logprobs=True, topk_prompt_logprobs=3
     )
     assert response.prompt_logprobs[1:] == pytest.approx(forward, abs=1e-5)
@@ -428,7 +442,9 @@ def test_sampler_weights_round_trip_and_merged_export(engine, tiny_model_dir, tm
     engine.load_sampler("export-loaded", adapter_dir)
     params = SamplingParams(max_tokens=10, seed=9)
     prompt = ModelInput.from_ints(data[0].model_input.to_ints()[:6])
-    assert engine.sample("export-loaded", prompt, 2, params) == engine.sample("export-v1", prompt, 2, params)
+    assert engine.samplers.sample("export-loaded", prompt, 2, params) == engine.samplers.sample(
+        "export-v1", prompt, 2, params
+    )
 
     export_merged(tiny_model_dir, adapter_dir, merged_dir)
     ids = torch.tensor([data[0].model_input.to_ints()])
@@ -473,13 +489,13 @@ def test_drop_session_and_sampler(engine):
     engine.create_session("gone", LORA)
     engine.snapshot_sampler("gone", "gone-v1")
     engine.drop_session("gone")
-    assert not engine.has_session("gone") and engine.has_sampler("gone-v1")
+    assert not engine.has_session("gone") and "gone-v1" in engine.samplers
     engine.drop_sampler("gone-v1")
-    assert not engine.has_sampler("gone-v1")
+    assert "gone-v1" not in engine.samplers
     with pytest.raises(SessionNotFoundError):
         engine.forward_backward("gone", sft_data(engine), "cross_entropy")
     with pytest.raises(SessionNotFoundError):
-        engine.sample("gone-v1", ModelInput.from_ints([1, 2]), 1, SamplingParams(max_tokens=2))
+        engine.samplers.sample("gone-v1", ModelInput.from_ints([1, 2]), 1, SamplingParams(max_tokens=2))
 
 
 # ---------------------------------------------------------------- validation
@@ -573,16 +589,18 @@ def test_bad_requests_are_rejected_by_field_and_leave_the_session_unchanged(engi
 def test_bad_sample_requests(engine):
     too_long = ModelInput.from_ints([5] * engine.max_seq_len)
     with pytest.raises(InvalidRequestError, match="prompt: length 512 leaves no room"):
-        engine.sample(None, too_long, 1, SamplingParams(max_tokens=1))
+        engine.samplers.sample(None, too_long, 1, SamplingParams(max_tokens=1))
     with pytest.raises(
         InvalidRequestError, match="sampling_params.max_tokens: prompt length 500 \\+ max_tokens 20 exceeds"
     ):
-        engine.sample(None, ModelInput.from_ints([5] * 500), 1, SamplingParams(max_tokens=20))
+        engine.samplers.sample(None, ModelInput.from_ints([5] * 500), 1, SamplingParams(max_tokens=20))
     with pytest.raises(InvalidRequestError, match=r"prompt.tokens\[1\]: token id -3 outside vocabulary"):
         # The client refuses a negative id when the input is built; the engine checks again, for raw callers.
-        engine.sample(
+        engine.samplers.sample(
             None, ModelInput(chunks=[EncodedTextChunk.model_construct(tokens=[5, -3])]), 1, SamplingParams(max_tokens=2)
         )
     with pytest.raises(InvalidRequestError, match=r"sampling_params.stop\[0\]: token id 100000"):
-        engine.sample(None, ModelInput.from_ints([5]), 1, SamplingParams(max_tokens=2, stop=[100000]))
-    assert len(engine.compute_logprobs(None, too_long)) == engine.max_seq_len  # a full-length prompt can be scored
+        engine.samplers.sample(None, ModelInput.from_ints([5]), 1, SamplingParams(max_tokens=2, stop=[100000]))
+    assert (
+        len(engine.samplers.compute_logprobs(None, too_long)) == engine.max_seq_len
+    )  # a full-length prompt can be scored

@@ -188,7 +188,7 @@ def test_family_through_the_engine(family, dtype, family_dirs, tmp_path):
         # Sampling: the sampled tokens' logprobs, and the prompt's, equal the training forward's.
         engine.snapshot_sampler("s", "snap")
         prompt = rng.integers(5, 500, 12).tolist()
-        response = engine.sample(
+        response = engine.samplers.sample(
             "snap", ModelInput.from_ints(prompt), 3, SamplingParams(max_tokens=16, seed=3), include_prompt_logprobs=True
         )
         for seq in response.sequences:
@@ -197,7 +197,9 @@ def test_family_through_the_engine(family, dtype, family_dirs, tmp_path):
         agree(response.prompt_logprobs[1:], forward_logprobs(engine, "s", prompt), family, dtype, routed=routed)
         # The same rows under two adapters at once (the snapshot and the base model): the mixed-step path.
         mixed = [
-            engine.sample_async(adapter, ModelInput.from_ints(prompt), 3, SamplingParams(max_tokens=16, seed=3))
+            engine.samplers.sample_async(
+                adapter, ModelInput.from_ints(prompt), 3, SamplingParams(max_tokens=16, seed=3)
+            )
             for adapter in ("snap", None)
         ]
         for future in mixed:
@@ -208,8 +210,8 @@ def test_family_through_the_engine(family, dtype, family_dirs, tmp_path):
         # compute_logprobs past the sliding windows, batched with a shorter request of another adapter.
         long = rng.integers(5, 500, LONG).tolist()
         trained_long = forward_logprobs(engine, "s", long)
-        future = engine.sampler.compute_logprobs(LogprobJob(None, np.asarray(long[:9])))
-        computed = engine.compute_logprobs("snap", ModelInput.from_ints(long))
+        future = engine.samplers.backend.compute_logprobs(LogprobJob(None, np.asarray(long[:9])))
+        computed = engine.samplers.compute_logprobs("snap", ModelInput.from_ints(long))
         future.result(timeout=120)
         agree(computed[1:], trained_long, family, dtype, routed=routed)
 
@@ -253,7 +255,9 @@ def test_family_sampling_with_accelerator_layouts(family, dtype, family_dirs, mo
         monkeypatch.setattr(row_invariant, "invariant_layouts", lambda device: False)
         prompt = rng.integers(5, 500, 12).tolist()
         mixed = [
-            engine.sample_async(adapter, ModelInput.from_ints(prompt), 3, SamplingParams(max_tokens=16, seed=3))
+            engine.samplers.sample_async(
+                adapter, ModelInput.from_ints(prompt), 3, SamplingParams(max_tokens=16, seed=3)
+            )
             for adapter in ("snap", None)
         ]
         for seq in mixed[0].result(timeout=300).sequences:
@@ -261,7 +265,7 @@ def test_family_sampling_with_accelerator_layouts(family, dtype, family_dirs, mo
             agree(seq.logprobs, trained[len(prompt) - 1 :], family, dtype, routed=routed)
         assert all(len(seq.tokens) for seq in mixed[1].result(timeout=300).sequences)
         long = rng.integers(5, 500, LONG).tolist()
-        computed = engine.compute_logprobs("snap", ModelInput.from_ints(long))
+        computed = engine.samplers.compute_logprobs("snap", ModelInput.from_ints(long))
         agree(computed[1:], forward_logprobs(engine, "s", long), family, dtype, routed=routed)
     finally:
         engine.close()
@@ -305,9 +309,9 @@ def test_vision_family_through_the_engine(arch, dtype, vision_dirs):
         # The sampler: the image row draws the same tokens, with the same logprobs, alone and beside other rows.
         engine.snapshot_sampler("s", "snap")
         params = SamplingParams(max_tokens=6, seed=3, temperature=1.0)
-        futures = [engine.sample_async("snap", p, 2, params) for p in (TEXT, RED, BLUE_FIRST)]
+        futures = [engine.samplers.sample_async("snap", p, 2, params) for p in (TEXT, RED, BLUE_FIRST)]
         together = [f.result(timeout=300) for f in futures]
-        by_itself = engine.sample("snap", RED, 2, params)
+        by_itself = engine.samplers.sample("snap", RED, 2, params)
         assert [s.tokens for s in by_itself.sequences] == [s.tokens for s in together[1].sequences]
         # Bit for bit, as the CPU sampler keeps text rows; a linear-attention layer's chunked scan over a differently
         # padded batch reorders its sums (text rows of Qwen3.5 move by ~1e-6 nats as well).
@@ -330,10 +334,12 @@ def test_vision_family_through_the_engine(arch, dtype, vision_dirs):
         )
         trained = scored.loss_fn_outputs[0]["logprobs"].to_numpy()[n - 1 :]
         assert np.abs(trained - np.asarray(seq.logprobs)).max() < VISION_BOUND[dtype]
-        prompt_logprobs = engine.compute_logprobs("snap", ModelInput(chunks=[*RED.chunks, text(*seq.tokens)]))
+        prompt_logprobs = engine.samplers.compute_logprobs("snap", ModelInput(chunks=[*RED.chunks, text(*seq.tokens)]))
         assert np.abs(np.asarray(prompt_logprobs[n:]) - np.asarray(seq.logprobs)).max() < VISION_BOUND[dtype]
         other = ModelInput(chunks=[RED.chunks[0], image((30, 200, 30)), RED.chunks[2]])
-        moved = np.asarray(engine.compute_logprobs("snap", other)[-3:]) - np.asarray(prompt_logprobs[n - 3 : n])
+        moved = np.asarray(engine.samplers.compute_logprobs("snap", other)[-3:]) - np.asarray(
+            prompt_logprobs[n - 3 : n]
+        )
         assert np.abs(moved).max() > 1e-3
     finally:
         engine.close()

@@ -63,7 +63,7 @@ def engine(request, model_dir):
     kind, _, decode = request.param.partition("-")
     options = SamplerOptions(vllm=OPTIONS, hf_decode=decode or "dynamic")
     engine = Engine(model_dir, sampler=kind, sampler_options=options)
-    assert ("static-shape" in engine.sampler.path) == (decode == "static")
+    assert ("static-shape" in engine.samplers.backend.path) == (decode == "static")
     engine.kind = request.param
     yield engine
     engine.close()
@@ -102,7 +102,7 @@ def trained(engine):
 
 
 def sample(engine, sampler, n=3, prompt=PROMPT, **params):
-    return engine.sample(sampler, ModelInput.from_ints(prompt), n, SamplingParams(**params))
+    return engine.samplers.sample(sampler, ModelInput.from_ints(prompt), n, SamplingParams(**params))
 
 
 def snapshot(engine, session: str, name: str) -> str:
@@ -165,7 +165,7 @@ def test_a_burst_of_long_seeded_requests_is_answered_alike_twice(trained):
 
     def burst():
         futures = [
-            engine.sample_async(
+            engine.samplers.sample_async(
                 sampler if i % 2 else None, ModelInput.from_ints(p), 2, SamplingParams(max_tokens=6, seed=i)
             )
             for i, p in enumerate(prompts)
@@ -257,7 +257,9 @@ def test_a_stream_carries_the_answer_and_a_cancel_frees_its_rows(trained):
     engine = trained
     sampler = snapshot(engine, "b", "b-stream")
     stream, params = Stream(), SamplingParams(max_tokens=8, seed=13)
-    answer = engine.sample_async(sampler, ModelInput.from_ints(PROMPT), 3, params, stream=stream).result(timeout=WAIT)
+    answer = engine.samplers.sample_async(sampler, ModelInput.from_ints(PROMPT), 3, params, stream=stream).result(
+        timeout=WAIT
+    )
     # Each row's tokens reached the stream as they were drawn, each once, with the answer's logprobs.
     assert [[(t, lp) for r, t, lp in stream.drawn if r == k] for k in range(3)] == [
         list(zip(s.tokens, s.logprobs)) for s in answer.sequences
@@ -265,7 +267,7 @@ def test_a_stream_carries_the_answer_and_a_cancel_frees_its_rows(trained):
     assert stream.ended is None
     point = Stream()  # at temperature 0 the stream's logprobs are the answer's, those of a point mass
     prompt, greedy = ModelInput.from_ints(PROMPT), SamplingParams(max_tokens=4, temperature=0)
-    seqs = engine.sample_async(sampler, prompt, 3, greedy, stream=point).result(timeout=WAIT).sequences
+    seqs = engine.samplers.sample_async(sampler, prompt, 3, greedy, stream=point).result(timeout=WAIT).sequences
     seq = seqs[0]  # greedy rows are one row, three times (vLLM draws it once)
     assert [s.tokens for s in seqs] == [seq.tokens] * 3 and seq.logprobs == [0.0] * len(seq.tokens)
     assert sorted(point.drawn) == sorted((row, t, 0.0) for row in range(3) for t in seq.tokens)
@@ -278,7 +280,7 @@ def test_a_stream_carries_the_answer_and_a_cancel_frees_its_rows(trained):
     # A client that goes away: its rows leave at a step boundary; what they drew is what went out and is billed.
     gone = Stream(cancel_after=4)
     long = SamplingParams(max_tokens=400, seed=0, top_k=1)  # (vLLM takes no n > 1 at temperature 0)
-    future = engine.sample_async(None, ModelInput.from_ints(PROMPT), 2, long, stream=gone)
+    future = engine.samplers.sample_async(None, ModelInput.from_ints(PROMPT), 2, long, stream=gone)
     with pytest.raises(SampleCancelledError, match="cancelled it after") as cancelled:
         future.result(timeout=WAIT)
     assert gone.ended is not None
@@ -290,7 +292,7 @@ def test_a_stream_carries_the_answer_and_a_cancel_frees_its_rows(trained):
 
 def reference_prompt_logprobs(engine, sampler: str | None, tokens: list[int], k: int):
     """Per prompt token, its logprob and the top-k (id, logprob), from the trainer's model in this process."""
-    adapter = engine._samplers[sampler] if sampler else None
+    adapter = engine.samplers.adapter(sampler) if sampler else None
     with engine._bank.using(adapter, trainable=False) as model, torch.no_grad():
         lp = torch.log_softmax(model(input_ids=torch.tensor([tokens])).logits[0, :-1].float(), dim=-1)
     chosen = lp.gather(1, torch.tensor(tokens[1:]).unsqueeze(1)).squeeze(1).numpy()
@@ -304,15 +306,15 @@ def test_compute_logprobs_with_topk(trained, sampler_of):
     sampler = snapshot(engine, sampler_of, f"{sampler_of}-logprobs") if sampler_of else None
     tokens = [5, *PROMPT, 7, 300, 12]
     chosen, top_ids, top_values = reference_prompt_logprobs(engine, sampler, tokens, 3)
-    job = LogprobJob(engine._samplers[sampler] if sampler else None, np.array(tokens), 3)
-    logprobs, top = engine.sampler.compute_logprobs(job).result(timeout=WAIT)
+    job = LogprobJob(engine.samplers.adapter(sampler) if sampler else None, np.array(tokens), 3)
+    logprobs, top = engine.samplers.backend.compute_logprobs(job).result(timeout=WAIT)
     assert logprobs[0] is None and top[0] is None and len(logprobs) == len(top) == len(tokens)
     np.testing.assert_allclose(logprobs[1:], chosen, atol=TOLERANCE[engine.kind])
     assert [[t for t, _ in row] for row in top[1:]] == top_ids  # the same top 3, in order
     np.testing.assert_allclose([[v for _, v in row] for row in top[1:]], top_values, atol=TOLERANCE[engine.kind])
     # Through the engine's public door, and with a sample (the same prompt logprobs as the sample's prefill).
-    assert engine.compute_logprobs(sampler, ModelInput.from_ints(tokens)) == logprobs
-    with_sample = engine.sample(
+    assert engine.samplers.compute_logprobs(sampler, ModelInput.from_ints(tokens)) == logprobs
+    with_sample = engine.samplers.sample(
         sampler,
         ModelInput.from_ints(tokens),
         2,
@@ -323,13 +325,16 @@ def test_compute_logprobs_with_topk(trained, sampler_of):
     np.testing.assert_allclose(with_sample.prompt_logprobs[1:], chosen, atol=TOLERANCE[engine.kind])
     assert [[t for t, _ in row] for row in with_sample.topk_prompt_logprobs[1:]] == [ids[:2] for ids in top_ids]
     # A one-token prompt has no logprobs to give.
-    assert engine.sampler.compute_logprobs(LogprobJob(None, np.array([9]), 2)).result(timeout=WAIT) == ([None], [None])
+    assert engine.samplers.backend.compute_logprobs(LogprobJob(None, np.array([9]), 2)).result(timeout=WAIT) == (
+        [None],
+        [None],
+    )
 
 
 def processed_top(engine, sampler: str | None, tokens: list[int], params: SamplingParams) -> torch.Tensor:
     """Per token sampled after PROMPT, the distribution it was drawn from as the hf backend computes it
     (`processed_logprobs`: temperature, top-k, top-p), from the trainer's model in this process."""
-    adapter = engine._samplers[sampler] if sampler else None
+    adapter = engine.samplers.adapter(sampler) if sampler else None
     with engine._bank.using(adapter, trainable=False) as model, torch.no_grad():
         logits = model(input_ids=torch.tensor([PROMPT + tokens])).logits[0, len(PROMPT) - 1 : -1]
     rows = len(tokens)
@@ -349,7 +354,9 @@ def test_topk_sample_logprobs_are_the_top_of_the_distribution_sampled_from(train
     ):
         stream, widths[k] = Stream(), set()
         seqs = (
-            engine.sample_async(sampler, prompt, 2, params, extras=SampleExtras(topk_sample_logprobs=k), stream=stream)
+            engine.samplers.sample_async(
+                sampler, prompt, 2, params, extras=SampleExtras(topk_sample_logprobs=k), stream=stream
+            )
             .result(timeout=WAIT)
             .sequences
         )
@@ -374,7 +381,11 @@ def test_topk_sample_logprobs_are_the_top_of_the_distribution_sampled_from(train
     assert max(widths[8]) <= 5 and min(widths[8]) < 5  # top-k 5 leaves at most 5, top-p 0.6 fewer
     greedy, point = SamplingParams(max_tokens=4, temperature=0), Stream()
     extras = SampleExtras(topk_sample_logprobs=3)
-    seqs = engine.sample_async(sampler, prompt, 3, greedy, extras=extras, stream=point).result(timeout=WAIT).sequences
+    seqs = (
+        engine.samplers.sample_async(sampler, prompt, 3, greedy, extras=extras, stream=point)
+        .result(timeout=WAIT)
+        .sequences
+    )
     for row, seq in enumerate(seqs):
         assert seq.topk_logprobs == [[(t, 0.0)] for t in seq.tokens]
         assert [top for r, top in point.tops if r == row] == seq.topk_logprobs
@@ -385,7 +396,7 @@ def test_dropped_snapshot_stops_being_served(trained):
     sampler = snapshot(engine, "a", "a-dropped")
     sample(engine, sampler, n=1, max_tokens=2, seed=0)
     engine.drop_sampler(sampler)
-    assert not engine.has_sampler(sampler)
+    assert sampler not in engine.samplers
     with pytest.raises(Exception, match="no sampler"):
         sample(engine, sampler, n=1, max_tokens=2, seed=0)
     assert sample(engine, None, n=1, max_tokens=2, seed=0).sequences[0].tokens  # the engine goes on
@@ -402,7 +413,9 @@ def test_what_vllm_cannot_honour_is_refused_by_name(trained):
     with pytest.raises(InvalidRequestError, match="lora rank: 16 exceeds the vLLM sampler's max_lora_rank 8"):
         sample(engine, wide, n=1, max_tokens=2, seed=0)
     with pytest.raises(InvalidRequestError, match="topk_prompt_logprobs: 65 exceeds .* limit 64"):
-        engine.sample(None, ModelInput.from_ints(PROMPT), 1, SamplingParams(max_tokens=2), topk_prompt_logprobs=65)
+        engine.samplers.sample(
+            None, ModelInput.from_ints(PROMPT), 1, SamplingParams(max_tokens=2), topk_prompt_logprobs=65
+        )
     assert sample(engine, None, n=1, max_tokens=2, seed=0).sequences[0].tokens  # refused requests leave it serving
 
 
@@ -421,7 +434,7 @@ def test_prompt_and_sample_side_logprob_options_are_served_or_refused_by_name(tr
     ):
 
         def ask(extras=extras):
-            return engine.sample(
+            return engine.samplers.sample(
                 None, ModelInput.from_ints(PROMPT), 1, SamplingParams(max_tokens=2, seed=0), extras=extras
             )
 
@@ -444,7 +457,7 @@ def test_prompt_and_sample_side_logprob_options_are_served_or_refused_by_name(tr
     with pytest.raises(
         InvalidRequestError, match=r"target_prompt_logprobs\[0\]\[0\]: token id 100000 outside vocabulary"
     ):
-        engine.sample(
+        engine.samplers.sample(
             None,
             ModelInput.from_ints(PROMPT),
             1,

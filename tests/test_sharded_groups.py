@@ -154,12 +154,12 @@ def check_like_one_device(sc: ServiceClient, ref: Reference, tag: str) -> dict[s
         sampler = tc.save_weights_and_get_sampling_client(f"{tag}-s")
         ref.engines[family].snapshot_sampler(session, f"{tag}-s")
         got = sampler.sample(prompt, 2, params).result(timeout=120).sequences
-        want = ref.engines[family].sample(f"{tag}-s", prompt, 2, params).sequences
+        want = ref.engines[family].samplers.sample(f"{tag}-s", prompt, 2, params).sequences
         assert [s.tokens for s in got] == [s.tokens for s in want], family
         for g, w in zip(got, want):
             assert g.logprobs == pytest.approx(w.logprobs, rel=0, abs=TOL), family
         assert sampler.compute_logprobs(prompt).result(timeout=60)[1:] == pytest.approx(
-            ref.engines[family].compute_logprobs(f"{tag}-s", prompt)[1:], rel=0, abs=TOL
+            ref.engines[family].samplers.compute_logprobs(f"{tag}-s", prompt)[1:], rel=0, abs=TOL
         )
         runs[family] = Run(tc, losses, final)
     return runs
@@ -289,7 +289,7 @@ def test_a_full_session_on_a_sharded_group_holds_its_shards_trains_and_samples_l
     assert close(train(lora, range(2)), ref.run("llama", "after-full", range(2)))
     prompt, params = ModelInput.from_ints(list(range(5, 25))), SamplingParams(max_tokens=8, seed=3, temperature=1.0)
     got = sc.create_sampling_client(base_model="llama").sample(prompt, 2, params).result(timeout=120).sequences
-    assert [s.tokens for s in got] == [s.tokens for s in engine.sample(None, prompt, 2, params).sequences]
+    assert [s.tokens for s in got] == [s.tokens for s in engine.samplers.sample(None, prompt, 2, params).sequences]
 
     # The group's checkpoint resumes exactly on the group and on one device.
     tc.stop()
@@ -316,7 +316,7 @@ def check_full_snapshot(
     the sampler cache's drop of a full snapshot frees them."""
     prompt, params = ModelInput.from_ints(list(range(5, 25))), SamplingParams(max_tokens=8, seed=3, temperature=1.0)
     base = sc.create_sampling_client(base_model="llama")
-    want_base = [s.tokens for s in engine.sample(None, prompt, 2, params).sequences]
+    want_base = [s.tokens for s in engine.samplers.sample(None, prompt, 2, params).sequences]
     sampler = tc.save_weights_and_get_sampling_client("full-s")
     futures = sampler.sample(prompt, 2, params), base.sample(prompt, 2, params)  # in one batch if they meet
     got, beside = (f.result(timeout=120).sequences for f in futures)
@@ -344,7 +344,7 @@ def check_full_snapshot(
         extra = {"full_config": FullConfig().model_dump()}
         CheckpointStore.from_url(stack.storage_url).save(tmp, path, base_model="llama", extra=extra)
     loaded = sc.create_sampling_client(model_path=path).sample(prompt, 2, params).result(timeout=120).sequences
-    want = engine.sample("one-device", prompt, 2, params).sequences
+    want = engine.samplers.sample("one-device", prompt, 2, params).sequences
     assert [s.tokens for s in loaded] == [s.tokens for s in want]
     for g, w in zip(loaded, want):
         assert g.logprobs == pytest.approx(w.logprobs, rel=0, abs=TOL)
@@ -472,7 +472,7 @@ def test_a_group_on_two_hosts_trains_like_one_device_and_moves_checkpoints(stack
         CheckpointStore.from_url(stack.storage_url).save(tmp, path, base_model="llama", extra=extra)
     prompt, params = ModelInput.from_ints(list(range(5, 25))), SamplingParams(max_tokens=8, seed=3, temperature=1.0)
     loaded = sc.create_sampling_client(model_path=path).sample(prompt, 2, params).result(timeout=120).sequences
-    want = engine.sample("full-one", prompt, 2, params).sequences
+    want = engine.samplers.sample("full-one", prompt, 2, params).sequences
     assert [s.tokens for s in loaded] == [s.tokens for s in want]
     for g, w in zip(loaded, want):
         assert g.logprobs == pytest.approx(w.logprobs, rel=0, abs=TOL)

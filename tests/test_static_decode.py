@@ -63,7 +63,7 @@ def jobs(engine: Engine, requests=REQUESTS) -> list[SampleJob]:
         request = prepare_sample(
             prompt, samples, params, 0, max_seq_len=engine.max_seq_len, vocab_size=engine.vocab_size
         )
-        adapter = engine._samplers[snapshot] if snapshot else None
+        adapter = engine.samplers.adapter(snapshot) if snapshot else None
         made.append(SampleJob(adapter, request, samples, params, frozenset({engine._host.eos_token_id})))
     return made
 
@@ -106,9 +106,9 @@ def test_the_decode_step_traces_as_one_graph_while_rows_join_and_leave(family, d
         assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
         assert not traced_batch.rows and int(traced_batch._lengths.max()) == 0  # every row ended, its slot freed
         # Both snapshots decoded in the table's slots (none beside, on the dynamic path), expert weights included.
-        assert set(traced_batch.table.names) == {engine._samplers["a"], engine._samplers["b"]}
+        assert set(traced_batch.table.names) == {engine.samplers.adapter("a"), engine.samplers.adapter("b")}
         expert_slots = traced_batch.table.experts.held
-        assert list(expert_slots.values()) == ([engine._samplers["a"]] if engine._host.targets.experts else [])
+        assert list(expert_slots.values()) == ([engine.samplers.adapter("a")] if engine._host.targets.experts else [])
         assert all(len(rows) for rows in traced)
         assert traced == eager
         if dtype == "float32":  # the dynamic path draws the same tokens; logprobs agree to rounding
@@ -154,7 +154,7 @@ def test_rows_beyond_the_adapter_slots_decode_beside_on_the_dynamic_path(family_
     try:
         batch = SlotBatch(engine._bank, engine._host, slots=1)  # "a" takes the one slot; "b" cannot join the table
         both = decode(engine, batch, join_at=1)
-        assert set(batch.table.names) == {engine._samplers["a"]}
+        assert set(batch.table.names) == {engine.samplers.adapter("a")}
         dynamic = decode(engine, DecodeBatch(engine._bank, engine._host), join_at=1)
         assert [[t for t, _ in rows] for rows in both] == [[t for t, _ in rows] for rows in dynamic]
     finally:

@@ -95,7 +95,7 @@ def test_bad_images_are_refused_by_chunk_and_the_session_goes_on(engine):
         with pytest.raises(InvalidRequestError, match=r"data\[1\]\.model_input\." + message):
             engine.forward_backward("s", [*good, datum(model_input, n)], "cross_entropy")
         with pytest.raises(InvalidRequestError, match=r"prompt\." + message):
-            engine.sample(None, model_input, 1, SamplingParams(max_tokens=2))
+            engine.samplers.sample(None, model_input, 1, SamplingParams(max_tokens=2))
     # Nothing of the refused batches stayed: no gradients, the same loss, and the session trains on.
     assert all(p.grad is None or not p.grad.any() for p in engine.trainable_parameters("s").values())
     assert engine.forward("s", good, "cross_entropy").metrics["loss:sum"] == before
@@ -115,7 +115,7 @@ def test_an_image_for_a_text_model_is_refused_by_chunk(tmp_path_factory):
         ):
             engine.forward_backward("s", [datum(RED, RED.length)], "cross_entropy")
         with pytest.raises(InvalidRequestError, match=r"prompt\.chunks\[1\]: an image chunk"):
-            engine.sample(None, RED, 1, SamplingParams(max_tokens=2))
+            engine.samplers.sample(None, RED, 1, SamplingParams(max_tokens=2))
         with pytest.raises(InvalidRequestError, match=r"lora: train_vision=True, but .* has no vision tower"):
             engine.create_session("t", LoraConfig(rank=4, train_vision=True))
         engine.forward_backward("s", [datum(TEXT, TEXT.length)], "cross_entropy")
@@ -155,7 +155,7 @@ def test_a_vision_lora_learns_to_name_the_colour_of_held_out_images(vl_dir):
     def accuracy(step: int) -> float:
         engine.snapshot_sampler("learner", f"step-{step}")
         greedy = SamplingParams(max_tokens=1, temperature=0.0)
-        futures = [engine.sample_async(f"step-{step}", prompt, 1, greedy) for _, prompt in held_out]
+        futures = [engine.samplers.sample_async(f"step-{step}", prompt, 1, greedy) for _, prompt in held_out]
         named = [f.result(timeout=300).sequences[0].tokens[0] for f in futures]
         return float(np.mean([token == answers[colour] for token, (colour, _) in zip(named, held_out)]))
 
@@ -256,7 +256,7 @@ def test_gemma3_images_attend_both_ways_within_an_image_as_transformers_computes
             "cross_entropy",
         )
         np.testing.assert_allclose(scored.loss_fn_outputs[0]["logprobs"].to_numpy()[:-1], own, rtol=0, atol=1e-4)
-        np.testing.assert_allclose(engine.compute_logprobs(None, prompt)[1:], own, rtol=0, atol=1e-4)
+        np.testing.assert_allclose(engine.samplers.compute_logprobs(None, prompt)[1:], own, rtol=0, atol=1e-4)
         # The OpenAI endpoint puts a chat's image where Gemma 3's processor does: between its markers, blank lines around.
         assert placeholder(engine.tokenizer) == f"\n\n<start_of_image>{PLACEHOLDER}<end_of_image>\n\n"
     finally:

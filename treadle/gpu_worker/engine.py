@@ -1,19 +1,19 @@
 """The worker's compute engine: one base model, loaded once, serving many training sessions.
 
 Each session is one LoRA adapter (or a full session's own weights, `full_weights`) plus one AdamW on the shared base
-model; each sampler a frozen snapshot of either (or the bare base model). The engine knows nothing of queues, ordering
-or storage: the Celery worker calls these methods in each session's `seq` order, and the checkpoint store moves what
-`save_state` / `save_sampler_weights` write.
+model; each sampler a frozen snapshot of either, which the engine makes, loads, saves and drops in its bank. Which
+snapshot serves which sampler id, and the sample and `compute_logprobs` requests on them (or on the bare base model),
+are `engine.samplers` (`sampling/samplers.py`). The engine knows nothing of queues, ordering or storage: the Celery
+worker calls these methods in each session's `seq` order, and the checkpoint store moves what `save_state` /
+`save_sampler_weights` write.
 
-Every public method but queueing a sample or a `compute_logprobs` request takes the fair `DeviceLock` (the
-active adapter is PeftModel-wide state; the sampler's batched decode loop takes it per forward, so a training op
-waits at most one decode step); vLLM samples in a child process, lock-free. Requests are validated before any tensor.
+Every method here that touches the model takes the fair `DeviceLock` (the active adapter is PeftModel-wide state;
+the sampler's batched decode loop takes it per forward, so a training op waits at most one decode step); vLLM
+samples in a child process, lock-free. Requests are validated before any tensor.
 """
 
 from __future__ import annotations
 
-import threading
-from concurrent.futures import Future
 from typing import Callable, TypeVar
 
 import numpy as np
@@ -31,36 +31,24 @@ from treadle.gpu_worker.model.host import ModelHost, pick_device
 from treadle.types.base import DEFAULT_MAX_IMAGE_PIXELS
 from treadle.gpu_worker.model_profile import profile
 from treadle.gpu_worker.training.optimizer import SessionOptimizer
-from treadle.gpu_worker.sampling.extras import SampleExtras
-from treadle.gpu_worker.sampling.backend import LogprobJob, SampleJob, SamplerSetup, TokenStream
+from treadle.gpu_worker.sampling.backend import SamplerSetup
 from treadle.gpu_worker.sampling.registry import SamplerKind, SamplerOptions, make_sampler
+from treadle.gpu_worker.sampling.samplers import Samplers
 from treadle.gpu_worker.training.session import Session
 from treadle.gpu_worker.training.state import Checkpoint, read_checkpoint, restore_rng, write_state
-from treadle.gpu_worker.training.validation import (
-    PreparedDatum,
-    check_loss,
-    check_tokens,
-    prepare_data,
-    prepare_sample,
-)
+from treadle.gpu_worker.training.validation import PreparedDatum, check_loss, prepare_data
 from treadle.types import (
     AdamParams,
     Datum,
     ForwardBackwardOutput,
     FullConfig,
     LoraConfig,
-    ModelInput,
     OptimStepResponse,
-    SampleResponse,
-    SamplingParams,
     TensorData,
 )
 
 
 T = TypeVar("T")
-
-# Bound on an in-process caller's wait for the sampler thread (which answers or fails every request).
-LOCAL_WAIT_S = 600.0
 
 
 class Engine:
@@ -90,8 +78,6 @@ class Engine:
             )
         self._bank = AdapterBank(self._host)
         self._sessions: dict[str, Session] = {}
-        self._samplers: dict[str, str] = {}  # sampler id -> adapter name
-        self._catalog = threading.Lock()  # sampler ids; not the device lock, held by every decode step (sample_async)
         self.base_model = model
         self.max_seq_len = self._host.max_seq_len
         self.vocab_size = self._host.vocab_size
@@ -116,7 +102,7 @@ class Engine:
             vllm_serves=self.profile.vllm,
             prefix_cache_tokens=sampling_prefix_cache_tokens,
         )
-        self.sampler = make_sampler(sampler, setup, sampler_options)
+        self.samplers = Samplers(make_sampler(sampler, setup, sampler_options), self._host)
         self._threads = CpuThreads(self._host.device)
         self._base_params = sum(p.numel() for p in self._host.model.parameters())
         self.full_memory = FullMemory(self._host, self.max_tokens_per_microbatch, full_session_memory, sharded=shard)
@@ -274,7 +260,7 @@ class Engine:
         self._check_new_sampler(sampler_id, list(self._bank.parameters(session.adapter)) if session.full else None)
         adapter = self._bank.new_name()
         self._bank.add_copy(adapter, source=session.adapter)
-        self._samplers[sampler_id] = adapter
+        self.samplers.add(sampler_id, adapter)
 
     @on_device
     def load_sampler(self, sampler_id: str, adapter_dir: str | full_weights.FullSnapshot) -> None:
@@ -282,82 +268,23 @@ class Engine:
         self._check_new_sampler(sampler_id, full_weights.snapshot_names(adapter_dir))
         adapter = self._bank.new_name()
         self._bank.add_from_dir(adapter, adapter_dir)
-        self._samplers[sampler_id] = adapter
+        self.samplers.add(sampler_id, adapter)
 
     def _check_new_sampler(self, sampler_id: str, full_names: list[str] | None) -> None:  # None: a LoRA adapter
-        if sampler_id in self._samplers:
+        if sampler_id in self.samplers:
             raise InvalidRequestError(f"sampler_id: {sampler_id!r} already exists")
-        self.full_memory.check_snapshot(self.sampler.path, sampler_id, names=full_names, held=self._full_held())
-
-    def has_sampler(self, sampler_id: str) -> bool:
-        return sampler_id in self._samplers
+        self.full_memory.check_snapshot(
+            self.samplers.backend.path, sampler_id, names=full_names, held=self._full_held()
+        )
 
     def drop_sampler(self, sampler_id: str) -> None:
-        with self._lock, self._catalog:  # (in this order, as everywhere)
-            adapter = self._sampler(sampler_id)
-            del self._samplers[sampler_id]
-            # Requests already queued or decoding keep the adapter until they are answered.
-            self.sampler.when_unused(adapter, lambda: self._bank.remove(adapter))
-
-    def _sampler(self, sampler_id: str) -> str:
-        if sampler_id not in self._samplers:
-            raise SessionNotFoundError(f"sampler_id: no sampler {sampler_id!r} on base model {self.base_model}")
-        return self._samplers[sampler_id]
-
-    def sample_async(
-        self,
-        sampler_id: str | None,
-        prompt: ModelInput,
-        num_samples: int,
-        params: SamplingParams,
-        include_prompt_logprobs: bool = False,
-        topk_prompt_logprobs: int = 0,
-        extras: SampleExtras = SampleExtras(),
-        tenant: str = "",
-        stream: TokenStream | None = None,
-    ) -> Future:
-        """Queue a sample request on a frozen sampler (None: base); the future resolves to its `SampleResponse`, whose
-        logprobs are those of the distribution sampled from (`sampling/backend.py`). A rejected request raises here.
-        Queueing never waits for the device. `tenant`: whom its device time counts for (`scheduling/device_lock.py`);
-        `stream`: where its tokens go as they are drawn, and whence its client's cancel comes (None: neither)."""
-        with self._catalog:
-            adapter = self._sampler(sampler_id) if sampler_id is not None else None
-            request = prepare_sample(prompt, num_samples, params, topk_prompt_logprobs, **self._limits)
-            extras.check(self.vocab_size)
-            stop_ids = frozenset({self._host.eos_token_id, *request.stop_token_ids})
-            return self.sampler.sample(
-                SampleJob(
-                    adapter,
-                    request,
-                    num_samples,
-                    params,
-                    stop_ids,
-                    include_prompt_logprobs,
-                    topk_prompt_logprobs,
-                    extras,
-                    tenant,
-                    stream,
-                )
-            )
-
-    def sample(self, *args, **kwargs) -> SampleResponse:
-        """`sample_async(...)`, awaited (never call it holding the engine's lock: the sampler needs it)."""
-        return self.sample_async(*args, **kwargs).result(timeout=LOCAL_WAIT_S)
-
-    def compute_logprobs(self, sampler_id: str | None, prompt: ModelInput) -> list[float | None]:
-        """Logprob of each prompt token given the ones before it; entry 0 is None (batched with others)."""
-        if not prompt.is_text:  # images are prepared and encoded where a sample's prompt is
-            params = SamplingParams(max_tokens=1)
-            return self.sample(sampler_id, prompt, 1, params, include_prompt_logprobs=True).prompt_logprobs or []
-        with self._catalog:
-            adapter = self._sampler(sampler_id) if sampler_id is not None else None
-            tokens = check_tokens("prompt", prompt.to_ints(), max_seq_len=self.max_seq_len, vocab_size=self.vocab_size)
-            future = self.sampler.compute_logprobs(LogprobJob(adapter, tokens))
-        return future.result(timeout=LOCAL_WAIT_S)[0]
+        """Serve the sampler no more, and free its snapshot once no queued or running request needs it."""
+        with self._lock:  # before the samplers' catalog lock, as everywhere
+            self.samplers.drop(sampler_id, then=self._bank.remove)
 
     def close(self) -> None:
         """Stop the sampler thread (unanswered sample requests fail)."""
-        self.sampler.close()
+        self.samplers.backend.close()
 
     # ------------------------------------------------------------ state
 
@@ -396,4 +323,4 @@ class Engine:
     @on_device
     def save_sampler_weights(self, sampler_id: str, directory: str) -> None:
         """The sampler's adapter as a PEFT directory (adapter only); a full session's snapshot as a model directory."""
-        self._bank.save(self._sampler(sampler_id), directory)
+        self._bank.save(self.samplers.adapter(sampler_id), directory)

@@ -77,7 +77,7 @@ def smoke(engine, *, rank: int = 32, steps: int = 2, seed: int = 0) -> SmokeResu
         engine.snapshot_sampler("check", "check-sampler")
         prompt = draw(12)
         t0 = time.monotonic()
-        response = engine.sample(
+        response = engine.samplers.sample(
             "check-sampler", ModelInput.from_ints(prompt), 4, SamplingParams(max_tokens=16, seed=seed, temperature=1.0)
         )
         sampled = sum(len(s.tokens) for s in response.sequences)

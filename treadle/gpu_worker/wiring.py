@@ -267,6 +267,6 @@ def _served(name: str, path: str, engine: Engine) -> ServedModel:
         vocab_size=engine.vocab_size,
         family=engine.profile.family,
         dtype=engine.profile.dtype,
-        sampler=engine.sampler.path,
+        sampler=engine.samplers.backend.path,
         inputs=engine.profile.inputs,
     )

@@ -90,7 +90,7 @@ class Sampling:
         target = None if req.target_prompt_logprobs is None else req.target_prompt_logprobs.to_numpy()
         with self.op_lock:  # the sampler cache: look-ups, loads and evictions one at a time
             engine, sampler_id = self.cache.engine_and_sampler(req.base_model, req.model_path)
-            return engine.sample_async(
+            return engine.samplers.sample_async(
                 sampler_id,
                 req.prompt_input,
                 req.num_samples,

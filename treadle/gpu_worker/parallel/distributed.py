@@ -123,7 +123,7 @@ def execute(engines: dict, call: dict) -> dict | None:
     engine, name = engines[call["model"]], call["call"]
     if name == "mirror":  # with the snapshot rank 0's forward computes with, if any (`GroupEngine._announce`)
         snapshot = call.get("snapshot")
-        idle_pass(engine, engine._sampler(snapshot) if snapshot else None, backward=False)
+        idle_pass(engine, engine.samplers.adapter(snapshot) if snapshot else None, backward=False)
         end_of_op(engine)
         return None
     session_id, snapshot = call.get("session_id"), call.get("snapshot")
@@ -150,7 +150,7 @@ def execute(engines: dict, call: dict) -> dict | None:
     elif name == "drop_sampler":
         engine.drop_sampler(snapshot)
     elif name == "save_sampler_weights":  # the gathers of rank 0's `FullWeights.save`, whose results it writes
-        engine._bank.full[engine._sampler(snapshot)].whole_tensors(engine._host.model)
+        engine._bank.full[engine.samplers.adapter(snapshot)].whole_tensors(engine._host.model)
     else:
         raise ValueError(f"call: unknown {name!r}")
     return {}
@@ -353,7 +353,7 @@ class GroupEngine:
             self._local.drop_sampler(sampler_id)
             if snapshot is not None:  # the followers keep their shards until rank 0's last forward with them is done
                 drop = partial(self._replicate, "drop_sampler", snapshot=snapshot)
-                self._local.sampler.when_unused(snapshot, drop)
+                self._local.samplers.backend.when_unused(snapshot, drop)
 
     def save_sampler_weights(self, sampler_id: str, directory: str) -> None:
         """Rank 0's sampler as a one-device worker writes it; a sharded full snapshot gathered whole first, every
@@ -367,5 +367,5 @@ class GroupEngine:
     def _sharded_snapshot(self, sampler_id: str) -> str | None:
         """Rank 0's name for the sampler if it is a full session's snapshot on a sharded group (each rank holds its
         shards of it, under that name), else None."""
-        adapter = self._local._sampler(sampler_id)
+        adapter = self._local.samplers.adapter(sampler_id)
         return adapter if self._mirror is not None and adapter in self._local._bank.full else None
