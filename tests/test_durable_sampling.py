@@ -7,7 +7,8 @@ where it should. The worker running the requests is SIGKILLed, and every future 
 uninterrupted run gives, through the SDK, the gateway's OpenAI endpoint and the official tinker SDK alike: a
 seeded request's rows do not depend on their batch on CPU, so a re-run from the prompt draws the same tokens with
 the same logprobs. The workers also kill themselves on a request holding the token a test names: such a request
-is answered with CrashingRequestError once it has killed two of them.
+is answered with CrashingRequestError once it has killed two of them; workers paused past their claims (SIGSTOP)
+did not die, and count for nothing.
 """
 
 from __future__ import annotations
@@ -123,10 +124,26 @@ def held(sc: ServiceClient, count: int, timeout: float = 60) -> list[str]:
     return [fid.decode() for fid in pending]
 
 
-def kill_worker(stack: LocalStack, sc: ServiceClient, hostname: str) -> None:
-    """SIGKILL the worker process announced under `hostname`."""
+def worker_process(stack: LocalStack, sc: ServiceClient, hostname: str):
+    """The process of the worker announced under `hostname`."""
     [pid] = [w.pid for w in sc.ops.workers.live_workers() if w.hostname == hostname]
     [proc] = [p for p in stack.workers if p.pid == pid]
+    return proc
+
+
+def claimer_other_than(sc: ServiceClient, future_id: str, other: str | None, timeout: float = 60) -> str:
+    """The worker whose claim on the request is live, once it is not `other` (bounded wait)."""
+    deadline = time.monotonic() + timeout
+    while (holder := sc.ops.control.claimer(future_id)) in (None, other):
+        assert sc.ops.control.is_held(future_id), "the request was answered before the test paused its worker"
+        assert time.monotonic() < deadline, f"request {future_id} not claimed by a worker other than {other}"
+        time.sleep(0.02)
+    return holder
+
+
+def kill_worker(stack: LocalStack, sc: ServiceClient, hostname: str) -> None:
+    """SIGKILL the worker process announced under `hostname`."""
+    proc = worker_process(stack, sc, hostname)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     stack.workers.remove(proc)
@@ -201,6 +218,36 @@ def test_prefill_scoring_creation_and_the_gateway_survive_the_only_worker(stack,
         assert [(s.tokens, s.logprobs) for s in first] == [(s.tokens, s.logprobs) for s in again]
         tc = creating.result(timeout=300)
     assert tc.forward_backward(batch(1), "cross_entropy").result(timeout=120).metrics["loss:sum"] > 0
+
+
+def test_claims_that_lapse_while_their_workers_live_count_no_death(stack, sc, sampler):
+    """A sample's worker is paused past its claim's lease (SIGSTOP: a long GC pause, a starved machine) and the
+    other worker takes the request over; the first resumes, the second is paused in turn, and the first takes it
+    back. Two claims lapsed, as many as --max_request_crashes allows, but no worker died: the sample is answered
+    with what an uninterrupted run gives, not with CrashingRequestError."""
+    while len(stack.workers) < 2:
+        stack.start_worker()
+    consuming(sc, 2)
+    params = SamplingParams(max_tokens=48, seed=11, temperature=1.0)
+    expected = sampler.sample(PROMPTS[1], 2, params).result(timeout=120)
+    paused = []
+    slow(sc, step=0.05)  # a few seconds of decoding: each worker is paused before it answers
+    try:
+        future = sampler.sample(PROMPTS[1], 2, params)
+        first = claimer_other_than(sc, future.id, None)
+        paused.append(worker_process(stack, sc, first))
+        paused[0].send_signal(signal.SIGSTOP)
+        second = claimer_other_than(sc, future.id, first)  # after the first claim lapsed
+        paused.append(worker_process(stack, sc, second))
+        paused[1].send_signal(signal.SIGSTOP)
+        paused[0].send_signal(signal.SIGCONT)  # it finds its claim lost, says it is alive, and runs the request again
+        answer = future.result(timeout=120)
+    finally:
+        for proc in paused:
+            proc.send_signal(signal.SIGCONT)
+        slow(sc, step=0)
+    assert answer == expected
+    assert all(p.poll() is None for p in stack.workers)
 
 
 # ---------------------------------------------------------------- a GRPO loop in math_rl's shape

@@ -38,9 +38,11 @@ class Seen(UsageRecorder):
         return super().control_op_finished(sessions, future_id, request, response, seconds, outcome, error)
 
 
-def control_ops(redis_client, results: ResultStore, handler, deliver, holder: str = "w1") -> ControlOps:
+def control_ops(
+    redis_client, results: ResultStore, handler, deliver, holder: str = "w1", ttl_ms: int = 30_000
+) -> ControlOps:
     return ControlOps(
-        ControlRequests(redis_client, holder, ttl_ms=30_000),
+        ControlRequests(redis_client, holder, ttl_ms=ttl_ms),
         {SampleRequest: handler},
         models=["tiny"],
         registry=SessionRegistry(redis_client),
@@ -155,10 +157,14 @@ def test_a_request_whose_claim_lapsed_is_rerun_once_and_the_late_answer_is_dropp
     assert record.op_id == future_id and record.sampled_tokens == 2 and record.prefill_tokens == 2
 
 
-def test_claims_given_back_count_no_death_and_lapsed_ones_stop_the_request_at_the_limit(redis_client, redis_url):
-    """A claim given back at a warm shutdown counts no death; each claim that lapsed counts one, and the claimer
-    after two such deaths (the default max_request_crashes) answers with CrashingRequestError through the normal
-    answer path (rows freed, metered as a failure, the request ended) without running it."""
+def test_claims_given_back_or_lost_alive_count_no_death_and_lapsed_ones_stop_the_request_at_the_limit(
+    redis_client, redis_url
+):
+    """A claim given back at a warm shutdown counts no death, nor one whose claimer lost it alive (it says so at its
+    next renewal, after the next claim counted it); each other claim that lapsed counts one, and the claimer after
+    two such deaths (the default max_request_crashes) answers with CrashingRequestError through the normal answer
+    path (rows freed, metered as a failure, the request ended) without running it, once the last dead claimer had
+    a lease TTL to say it was alive."""
     results = ResultStore(make_app(redis_url))
     future_id, owner = "crashing-sample", "bob"
     rows_key = names.owner_sample_rows_key(owner)
@@ -173,12 +179,20 @@ def test_claims_given_back_count_no_death_and_lapsed_ones_stop_the_request_at_th
         shutting_down = control_ops(redis_client, results, running("a"), deliver, holder="a")
         assert shutting_down.run(future_id)
         shutting_down.release_all()
-        for holder in ["b", "c"]:  # each claims it, and dies in it: the claim lapses
+        paused = control_ops(redis_client, results, running("b"), deliver, holder="b")
+        assert paused.run(future_id)
+        redis_client.delete(names.control_claim_key(future_id))  # b's heartbeat is late: its claim lapses
+        for holder in ["c", "d"]:  # each claims it, and dies in it: the claim lapses
             assert control_ops(redis_client, results, running(holder), deliver, holder=holder).run(future_id)
             redis_client.delete(names.control_claim_key(future_id))
-        last = control_ops(redis_client, results, running("d"), deliver, holder="d")
-        last.recover()
-    assert ran == ["a", "b", "c"]
+            paused.renew()  # b wakes (after c counted its lapse), finds its claim lost, and says it is alive
+        last = control_ops(redis_client, results, running("e"), deliver, holder="e", ttl_ms=100)
+        deadline = time.monotonic() + 30
+        while last.requests.is_held(future_id):
+            last.recover()  # nothing the first time: d may yet say it is alive, for e's lease TTL
+            assert time.monotonic() < deadline, "the request was never answered"
+            time.sleep(0.02)
+    assert ran == ["a", "b", "c", "d"]
     meta = results.backend.get_task_meta(future_id)
     assert meta["status"] == "FAILURE" and isinstance(meta["result"], CrashingRequestError)
     assert "2 workers died" in meta["result"].message and future_id in meta["result"].message

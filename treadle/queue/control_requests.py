@@ -15,11 +15,16 @@ claim in the transaction that stores it (`queue_done`), and only while the claim
 (treadle.gpu_worker.executor.control_ops): an answer is stored once, and a worker that lost its claim has its
 late answer dropped.
 
-A claim that lapsed (its claimer died, or stalled past the lease) is counted in the request's record when the
-request is claimed next (`crashes`); a claim given back at a warm shutdown (`release`) is not. A request that
-kills every worker that runs it (a prefill that gets the process OOM-killed, a kernel that crashes it) would
-otherwise take down each worker of its model in turn: the worker that claims it after `max_request_crashes`
-such deaths answers it with an error instead of running it (treadle.gpu_worker.executor.control_ops).
+A request that kills every worker that runs it (a prefill that gets the process OOM-killed, a kernel that crashes
+it) would otherwise take down each worker of its model in turn: the worker that claims it after
+`max_request_crashes` deaths of its claimers answers it with an error instead of running it
+(treadle.gpu_worker.executor.control_ops). A claim that lapsed is a death unless its claimer says it is alive:
+a claimer that was stalled past the lease (a long pause, a starved heartbeat) and finds its claim lost, at its
+next renewal or at its answer, says so (`alive`), and a claim given back at a warm shutdown (`release`) is no
+death either. The next claim counts a lapse its claimer has not spoken for (`crashes`, one record field per
+claim's fate, so one lapse counts once), and `alive` takes back a count made before the claimer woke. A lapse
+that would stop the request is judged only once its claimer has had a lease TTL more to speak: until then the
+request is not claimed (a claimer silent that long counts as dead).
 
 A request not answered within its lifetime expires: its record goes, no worker runs it any more, and `is_held`
 says so. A sample's lifetime is the one its waits are bounded by (`sample_ttl_s`, treadle.queue.wait_bounds), so a
@@ -45,16 +50,25 @@ CONTROL_REQUEST_TTL_S = 24 * 3600
 # long behind a busy worker's long training op, and running such a request early is harmless (claims dedupe).
 UNCLAIMED_RERUN_S = 60.0
 
-# KEYS: the request's hash, its claim. ARGV: the claimer, the claim's TTL (ms). Answers {epoch, op, body, model,
-# crashes} when claimed, {-1} when the request is not held (answered, or expired), {-2} when another worker's claim
-# is live. An earlier claim that is gone and was not given back (`released`) lapsed: its claimer died.
+# KEYS: the request's hash, its claim. ARGV: the claimer, the claim's TTL (ms), max_request_crashes. Answers {epoch, op,
+# body, model, crashes} when claimed, {-1} when the request is not held (answered, or expired), {-2} when another
+# worker's claim is live, {-3} while the last claim's lapse would stop the request and its claimer may still speak.
+# Field `fate:<epoch>` is what became of that claim: "died" (counted), "alive" (its claimer said so, or gave it back).
 _CLAIM = """
-local req = redis.call('HMGET', KEYS[1], 'op', 'body', 'model', 'epoch', 'released', 'crashes')
+local req = redis.call('HMGET', KEYS[1], 'op', 'body', 'model', 'epoch', 'crashes')
 if not req[2] then return {-1} end
 if redis.call('EXISTS', KEYS[2]) == 1 then return {-2} end
 local last = tonumber(req[4]) or 0
-local crashes = tonumber(req[6]) or 0
-if last > 0 and tonumber(req[5]) ~= last then
+local crashes = tonumber(req[5]) or 0
+if last > 0 and not redis.call('HGET', KEYS[1], 'fate:' .. last) then
+  if crashes + 1 >= tonumber(ARGV[3]) then
+    local t = redis.call('TIME')
+    local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+    local seen = tonumber(redis.call('HGET', KEYS[1], 'lapsed:' .. last))
+    if not seen then redis.call('HSET', KEYS[1], 'lapsed:' .. last, now) end
+    if not seen or now - seen < tonumber(ARGV[2]) then return {-3} end
+  end
+  redis.call('HSET', KEYS[1], 'fate:' .. last, 'died')
   crashes = redis.call('HINCRBY', KEYS[1], 'crashes', 1)
 end
 local epoch = redis.call('HINCRBY', KEYS[1], 'epoch', 1)
@@ -63,11 +77,20 @@ redis.call('SET', KEYS[2], ARGV[1] .. ':' .. epoch, 'PX', ARGV[2])
 return {epoch, req[1], req[2], req[3], crashes}
 """
 # KEYS: the request's hash, its claim. ARGV: the claim's token, its epoch. Gives the claim back if it is still
-# this one, and marks it given back in the record (if the request is still held) so that it counts no death.
+# this one, and marks its claimer alive in the record (if the request is still held): it counts no death.
 _RELEASE = """
 if redis.call('GET', KEYS[2]) ~= ARGV[1] then return 0 end
 redis.call('DEL', KEYS[2])
-if redis.call('EXISTS', KEYS[1]) == 1 then redis.call('HSET', KEYS[1], 'released', ARGV[2]) end
+if redis.call('EXISTS', KEYS[1]) == 1 then redis.call('HSET', KEYS[1], 'fate:' .. ARGV[2], 'alive') end
+return 1
+"""
+# KEYS: the request's hash. ARGV: the epoch of a claim its claimer lost while alive. No death: a count already made
+# for it is taken back.
+_ALIVE = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+local fate = 'fate:' .. ARGV[1]
+if redis.call('HGET', KEYS[1], fate) == 'died' then redis.call('HINCRBY', KEYS[1], 'crashes', -1) end
+redis.call('HSET', KEYS[1], fate, 'alive')
 return 1
 """
 
@@ -81,7 +104,7 @@ class ClaimedRequest:
     op: str
     raw_request: bytes
     base_model: str
-    crashes: int = 0  # earlier claims that ended with their claimer's death (they lapsed, not given back)
+    crashes: int = 0  # earlier claims that ended with their claimer's death (lapsed, and it never said it was alive)
 
     @property
     def rerun(self) -> bool:
@@ -101,6 +124,7 @@ class ControlRequests:
         self.claims = LeaseManager(redis, holder, ttl_ms, key=names.control_claim_key)
         self._claim = redis.register_script(_CLAIM)
         self._release = redis.register_script(_RELEASE)
+        self._alive = redis.register_script(_ALIVE)
 
     # ------------------------------------------------------------ the client
     @staticmethod
@@ -124,10 +148,12 @@ class ControlRequests:
         return None if value is None else value.decode().rsplit(":", 1)[0]
 
     # ------------------------------------------------------------ the worker
-    def claim(self, future_id: str) -> ClaimedRequest | None:
-        """Claim the request to run it; None when it is answered, expired, or another worker's claim is live."""
+    def claim(self, future_id: str, max_crashes: int) -> ClaimedRequest | None:
+        """Claim the request to run it; None when it is answered, expired, or another worker's claim is live, or
+        while the lapse of the last claim would bring its deaths to `max_crashes` and its claimer may yet say it is
+        alive (for a lease TTL after the lapse is first seen here)."""
         keys = [names.control_request_key(future_id), names.control_claim_key(future_id)]
-        answer = self._claim(keys=keys, args=[self.claims.holder, self.claims.ttl_ms])
+        answer = self._claim(keys=keys, args=[self.claims.holder, self.claims.ttl_ms, max_crashes])
         if int(answer[0]) < 0:
             return None
         op, model = (v.decode() if isinstance(v, bytes) else v for v in (answer[1], answer[3]))
@@ -138,6 +164,11 @@ class ControlRequests:
         does not count this one as a death."""
         keys = [names.control_request_key(future_id), names.control_claim_key(future_id)]
         self._release(keys=keys, args=[self.claims.token(epoch), epoch])
+
+    def alive(self, future_id: str, epoch: int) -> None:
+        """This worker's claim at `epoch` is lost, and this worker alive (it was paused or starved past the lease):
+        the lapse is no death, and a count a later claim made of it is taken back."""
+        self._alive(keys=[names.control_request_key(future_id)], args=[epoch])
 
     def orphans(self, base_model: str, unclaimed_after_s: float = UNCLAIMED_RERUN_S) -> list[str]:
         """The model's held requests that nobody runs: claimed before and the claim lapsed, or never claimed for

@@ -19,9 +19,10 @@ The answer is one MULTI/EXEC when results live in the broker's Redis (the defaul
 (treadle.gpu_worker.executor.op_record): the op's meter record, the release of a sample's rows from its owner's
 bound, the result and the end of the held request, under a WATCH of the claim. A worker whose claim lapsed (it
 was paused past the lease, or gave the request back at shutdown) has its answer dropped: the request is, or
-will be, answered by the worker that claimed it next. An answer already stored stays (`first_only`), and the
-meter counts a request once (it is keyed by the future id), so fair turns, row bounds and metering count a
-re-run request once.
+will be, answered by the worker that claimed it next; and, being alive, it says so, so that its lapse counts as
+no death (`ControlRequests.alive`, also when the heartbeat finds the claim lost). An answer already stored stays
+(`first_only`), and the meter counts a request once (it is keyed by the future id), so fair turns, row bounds and
+metering count a re-run request once.
 """
 
 from __future__ import annotations
@@ -91,6 +92,7 @@ class ControlOps:
             held = dict(self._held)
         for future_id in self.requests.claims.renew_all(held):
             log.warning("lost the claim on control request %s; its answer will be dropped", future_id)
+            self.requests.alive(future_id, held[future_id])  # paused past the lease, not dead: no crash to count
             with self._lock:
                 self._held.pop(future_id, None)
 
@@ -105,7 +107,7 @@ class ControlOps:
     # ------------------------------------------------------------ a request
     def run(self, future_id: str) -> bool:
         """Claim the request and run it; False when it is answered, expired or claimed elsewhere."""
-        claim = self.requests.claim(future_id)
+        claim = self.requests.claim(future_id, self.max_crashes)
         if claim is None:
             return False
         with self._lock:
@@ -199,6 +201,7 @@ class ControlOps:
                 pipe.watch(claim_key)
                 if not self.requests.claims.is_ours(pipe.get(claim_key), claim.epoch):
                     log.warning("dropped the answer to %s: this worker's claim on it lapsed", claim.future_id)
+                    self.requests.alive(claim.future_id, claim.epoch)  # it ran the request and lived
                     return False
                 pipe.multi()
                 if metered is not None:  # a billed op: metered before its answer shows
@@ -212,6 +215,7 @@ class ControlOps:
                 pipe.execute()
             except WatchError:
                 log.warning("dropped the answer to %s: its claim changed while it was stored", claim.future_id)
+                self.requests.alive(claim.future_id, claim.epoch)
                 return False
         if not self.one_write:
             self.results.store(claim.future_id, payload, error)
