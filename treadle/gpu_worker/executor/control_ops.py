@@ -46,6 +46,8 @@ from treadle.queue.results import ResultStore
 from treadle.queue.sessions import SessionRegistry
 
 log = logging.getLogger("treadle.worker")
+# Tries to store an answer whose WATCHed claim a heartbeat renewed meanwhile (a renewal every few seconds).
+_ANSWER_TRIES = 3
 
 # A request's handler: it takes the request of its own class.
 Handler = Callable[..., BaseModel | Future]
@@ -196,27 +198,33 @@ class ControlOps:
                 self.registry, claim.future_id, request, response, seconds, outcome, error
             )
         claim_key = names.control_claim_key(claim.future_id)
-        with self.requests.redis.pipeline(transaction=True) as pipe:
-            try:
-                pipe.watch(claim_key)
-                if not self.requests.claims.is_ours(pipe.get(claim_key), claim.epoch):
-                    log.warning("dropped the answer to %s: this worker's claim on it lapsed", claim.future_id)
-                    self.requests.alive(claim.future_id, claim.epoch)  # it ran the request and lived
-                    return False
-                pipe.multi()
-                if metered is not None:  # a billed op: metered before its answer shows
-                    self.usage.record(metered, client=pipe)
-                if isinstance(request, SampleRequest):
-                    pipe.hdel(names.owner_sample_rows_key(request.owner or SDK_OWNER), claim.future_id)
-                    pipe.expire(names.submitted_key(claim.future_id), self.results.backend.expires)
-                if self.one_write:
-                    self.results.queue_store(pipe, claim.future_id, payload, error, first_only=True)
-                self.requests.queue_done(pipe, claim.future_id, claim.base_model)
-                pipe.execute()
-            except WatchError:
-                log.warning("dropped the answer to %s: its claim changed while it was stored", claim.future_id)
-                self.requests.alive(claim.future_id, claim.epoch)
-                return False
+        # A heartbeat that renewed the claim (PEXPIRE) between WATCH and EXEC aborts the transaction though the claim
+        # is still ours: try again, and let `is_ours` say when it is not.
+        for _ in range(_ANSWER_TRIES):
+            with self.requests.redis.pipeline(transaction=True) as pipe:
+                try:
+                    pipe.watch(claim_key)
+                    if not self.requests.claims.is_ours(pipe.get(claim_key), claim.epoch):
+                        log.warning("dropped the answer to %s: this worker's claim on it lapsed", claim.future_id)
+                        self.requests.alive(claim.future_id, claim.epoch)  # it ran the request and lived
+                        return False
+                    pipe.multi()
+                    if metered is not None:  # a billed op: metered before its answer shows
+                        self.usage.record(metered, client=pipe)
+                    if isinstance(request, SampleRequest):
+                        pipe.hdel(names.owner_sample_rows_key(request.owner or SDK_OWNER), claim.future_id)
+                        pipe.expire(names.submitted_key(claim.future_id), self.results.backend.expires)
+                    if self.one_write:
+                        self.results.queue_store(pipe, claim.future_id, payload, error, first_only=True)
+                    self.requests.queue_done(pipe, claim.future_id, claim.base_model)
+                    pipe.execute()
+                    break
+                except WatchError:
+                    continue
+        else:
+            log.warning("dropped the answer to %s: its claim changed while it was stored", claim.future_id)
+            self.requests.alive(claim.future_id, claim.epoch)
+            return False
         if not self.one_write:
             self.results.store(claim.future_id, payload, error)
         return True
