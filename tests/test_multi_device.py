@@ -99,12 +99,17 @@ def train(tc, steps: range) -> tuple[list[float], list[float]]:
     )
 
 
-def children(pid: int) -> list[int]:
+def followers(pid: int) -> list[int]:
+    """The ranks `pid` spawned (`device_group.spawn_rank`). Found by their command line: a worker may have other
+    children for a moment (a library probing the system), and those are not ranks."""
     found = []
     for entry in filter(str.isdigit, os.listdir("/proc")):
         try:
             with open(f"/proc/{entry}/stat") as f:
-                if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                if int(f.read().rsplit(")", 1)[1].split()[1]) != pid:
+                    continue
+            with open(f"/proc/{entry}/cmdline") as f:
+                if "treadle.gpu_worker.parallel.device_group" in f.read():
                     found.append(int(entry))
         except OSError:
             pass
@@ -161,20 +166,18 @@ def only_worker(stack: LocalStack, devices: int):
     stack.devices[proc] = devices
     stack.wait_for_workers(len(stack.workers), 180)
     for old in [p for p in stack.workers if p is not proc]:
-        followers = children(old.pid)
+        ranks = followers(old.pid)
         old.send_signal(signal.SIGTERM)  # a warm shutdown: its sessions are checkpointed and handed over
         old.wait(timeout=60)
         stack.workers.remove(old)
-        wait_until(lambda: not any(alive(f) for f in followers), "followers outlived their rank 0")
+        wait_until(lambda: not any(alive(f) for f in ranks), "followers outlived their rank 0")
     return proc
 
 
 def test_two_ranks_train_like_one_device(stack, sc, ref):
     worker = only_worker(stack, 2)
-    followers = children(worker.pid)
-    assert len(followers) == 1 and all(alive(f) for f in followers)
-    with open(f"/proc/{followers[0]}/cmdline") as f:
-        assert "treadle.gpu_worker.parallel.device_group" in f.read()
+    ranks = followers(worker.pid)
+    assert len(ranks) == 1 and all(alive(f) for f in ranks)
     tc = sc.create_lora_training_client("tiny", rank=8, seed=SEED)
     losses, norms = train(tc, range(20))
     ref.engine.create_session("same", ref.lora)
@@ -255,7 +258,7 @@ def kill_a_rank(stack: LocalStack, sc: ServiceClient, session_id: str, rank: int
     """SIGKILL one rank of the 2-rank group that owns the session; returns how long the whole group took to
     go (rank 0 and its follower), and starts a fresh 2-rank worker in its place, as a supervisor would."""
     owner = owner_process(stack, sc, session_id)
-    (follower,) = children(owner.pid)
+    (follower,) = followers(owner.pid)
     os.kill(follower if rank == 1 else owner.pid, signal.SIGKILL)
     t0 = time.monotonic()
     wait_until(lambda: owner.poll() is not None and not alive(follower), f"the group outlived its dead rank {rank}")

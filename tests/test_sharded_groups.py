@@ -28,7 +28,7 @@ import torch
 from safetensors.torch import load_file
 
 from tests.test_durability import adapter_of, assert_same_adapter, owner_process
-from tests.test_multi_device import alive, children, wait_until
+from tests.test_multi_device import alive, followers, wait_until
 from tests.test_multi_device import batch as multi_device_batch
 from treadle import AdamParams, Datum, ModelInput, SamplingParams, ServiceClient
 from treadle.gpu_worker.executor.sample_requests import MAX_CACHED_SAMPLERS
@@ -481,7 +481,7 @@ def test_a_group_on_two_hosts_trains_like_one_device_and_moves_checkpoints(stack
 def ranks_of(proc: subprocess.Popen) -> dict[int, int]:
     """The ranks a `treadle worker` process spawned (`device_group.spawn_rank`): rank -> pid."""
     found = {}
-    for pid in children(proc.pid):
+    for pid in followers(proc.pid):
         with open(f"/proc/{pid}/cmdline") as f:
             found[json.loads(f.read().split("\0")[3])["rank"]] = pid  # python -m MODULE SPEC
     return found
