@@ -64,12 +64,19 @@ def test_run_refuses_a_thread_that_does_not_hold_the_lock():
 
 
 def test_training_sampling_and_state_all_compute_on_one_thread(tiny_model_dir, tmp_path):
-    """A forward hook on the model records the thread of every forward: training ops from this thread, a
-    checkpoint round trip, and the sampler's prefill and decode steps."""
-    engine = Engine(tiny_model_dir)
-    threads: set[str] = set()
-    engine._host.model.register_forward_hook(lambda *_: threads.add(threading.current_thread().name))
+    """A forward hook on every module records the thread of every forward and the torch threads it had: the
+    engine's load (its profile runs the model: `model_profile`), training ops from this thread, a checkpoint round
+    trip, and the sampler's prefill and decode steps. Only the compute thread may compute on more than one thread:
+    one forward of the load on this thread started a second OpenMP team, and every later sampler step was 1.5 to
+    2.5x slower (benchmarks/sampling.py)."""
+    threads: set[tuple[str, int]] = set()
+    hook = torch.nn.modules.module.register_module_forward_hook(
+        lambda *_: threads.add((threading.current_thread().name, torch.get_num_threads()))
+    )
+    engine = None
     try:
+        engine = Engine(tiny_model_dir)
+        assert threads == {("treadle-compute", torch.get_num_threads())}  # the load's forwards
         engine.create_session("s", LoraConfig(rank=4, seed=0))
         engine.forward_backward("s", [datum([1, 5, 9, 13, 17, 21])], "cross_entropy")
         engine.optim_step("s", AdamParams(learning_rate=1e-3))
@@ -81,5 +88,7 @@ def test_training_sampling_and_state_all_compute_on_one_thread(tiny_model_dir, t
         ).result(timeout=WAIT_S)
         assert engine.samplers.compute_logprobs("snap", ModelInput.from_ints([1, 5, 9, 13]))[0] is None
     finally:
-        engine.close()
-    assert threads == {"treadle-compute"}
+        hook.remove()
+        if engine is not None:
+            engine.close()
+    assert {name for name, count in threads if count > 1} == {"treadle-compute"}

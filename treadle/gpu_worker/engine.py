@@ -86,11 +86,12 @@ class Engine:
         self._limits = dict(max_seq_len=self.max_seq_len, vocab_size=self.vocab_size, vision=self.vision)
         self.memory_plan = MemoryPlan.of(self._host, max_tokens_per_microbatch, activation_checkpointing)
         self.max_tokens_per_microbatch = self.memory_plan.budget
-        # Family, LoRA targets, sampler path; a model treadle cannot serve is refused here (`model_profile`).
+        # Family, LoRA targets, sampler path; a model treadle cannot serve is refused here (`model_profile`). Its
+        # smoke forwards run where the model computes too, for the same reason as the load.
         images = self.vision is not None and not self.vision.refused
-        self.profile = profile(
-            self._host.model, self._host.targets, str(self._host.dtype).removeprefix("torch."), images=images
-        )
+        dtype_name = str(self._host.dtype).removeprefix("torch.")
+        with self._lock:
+            self.profile = self._lock.run(profile, self._host.model, self._host.targets, dtype_name, images=images)
         setup = SamplerSetup(
             self._bank,
             self._host,
