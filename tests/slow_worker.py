@@ -9,11 +9,13 @@ python -m tests.slow_worker --when-asked <treadle worker options...>
     starts a sample or a forward_backward whose tokens hold the token id that Redis key `tests:poison` names.
 python -m tests.slow_worker --fail-when-asked <treadle worker options...>
     every decoder layer of this process's models raises RuntimeError while Redis key `tests:fail:layer` is set: a
-    forward that fails part-way, as one out of device memory does (a device group's followers are not affected).
+    forward that fails part-way, as one out of device memory does (a device group's followers are not affected);
+    and writing a full session's weights raises OSError (no space left on device) while `tests:fail:write` is set.
 """
 
 from __future__ import annotations
 
+import errno
 import functools
 import os
 import signal
@@ -101,6 +103,17 @@ def fail_when_asked() -> None:
         return call(self, *args, **kwargs)
 
     GradientCheckpointingLayer.__call__ = failing
+
+    from treadle.gpu_worker.model.full_weights import FullWeights
+
+    write = FullWeights.write
+
+    def failing_write(self, *args, **kwargs):
+        if client.exists("tests:fail:write"):
+            raise OSError(errno.ENOSPC, "No space left on device (tests: asked to fail)")
+        return write(self, *args, **kwargs)
+
+    FullWeights.write = failing_write
 
 
 if __name__ == "__main__":

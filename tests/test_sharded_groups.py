@@ -546,10 +546,9 @@ def test_the_other_host_exits_0_when_rank_0_stops_and_1_when_it_dies(stack, sc, 
         stack.workers.remove(host1)
 
 
-def test_a_forward_of_rank_0_alone_that_fails_part_way_takes_the_group_down_at_once(stack, sc):
-    """A sample's forward on rank 0 raises in a decoder layer while the followers run its idle pass: they wait in a
-    collective rank 0 will not enter, so the group goes down then (status 1, the reason logged), not after the
-    followers' collective timeout (CALL_TIMEOUT_S, 600 s), and the request waits for the next worker."""
+def failing_group(stack: LocalStack, sc: ServiceClient) -> tuple[subprocess.Popen, str]:
+    """The stack's one worker: a 2-rank sharded group whose rank 0 fails when the test asks (`tests.slow_worker
+    --fail-when-asked`); the worker and its log's path."""
     stop_workers(stack)
     # A worker killed by the test before leaves its registration until its heartbeat lapses: the wait below is for
     # this worker's.
@@ -564,6 +563,41 @@ def test_a_forward_of_rank_0_alone_that_fails_part_way_takes_the_group_down_at_o
     finally:
         stack.worker_command = command
     stack.wait_for_workers(1, 300)
+    return worker, log_path
+
+
+def test_a_checkpoint_write_that_fails_on_a_sharded_group_fails_its_op_and_the_group_trains_on(stack, sc, ref):
+    """A full session's save_state and save_weights_for_sampler on a sharded group gather on every rank, then rank 0
+    writes: a write that fails (a full disk) fails that op with the reason, and the group, its ranks and the
+    session go on like one device."""
+    worker, _ = failing_group(stack, sc)
+    ranks = ranks_of(worker)
+    engine = ref.engines["llama"]
+    tc = sc.create_full_training_client("llama")
+    engine.create_session("full-disk", LoraConfig(rank=8, seed=SEED), full=FullConfig())
+    full_steps(tc, engine, "full-disk", range(1))
+    sc.ops.redis.set("tests:fail:write", 1)
+    try:
+        for save in (lambda: tc.save_state("no-space"), lambda: tc.save_weights_for_sampler("no-space")):
+            with pytest.raises(Exception, match="No space left on device") as failed:
+                save().result(timeout=120)
+            assert "OSError" in str(failed.value)
+    finally:
+        sc.ops.redis.delete("tests:fail:write")
+    assert worker.poll() is None and len(ranks) == 1 and all(alive(pid) for pid in ranks.values())
+    full_steps(tc, engine, "full-disk", range(1, 3))
+    _, weights, moments = full_state(sc, tc.save_state("full-disk").result(timeout=120).path)
+    with tempfile.TemporaryDirectory() as tmp:
+        engine.save_state("full-disk", tmp)
+        assert_close_adapter(weights, load_file(os.path.join(tmp, "model.safetensors")))
+        assert_close_adapter(moments, load_file(os.path.join(tmp, "optimizer.safetensors")))
+
+
+def test_a_forward_of_rank_0_alone_that_fails_part_way_takes_the_group_down_at_once(stack, sc):
+    """A sample's forward on rank 0 raises in a decoder layer while the followers run its idle pass: they wait in a
+    collective rank 0 will not enter, so the group goes down then (status 1, the reason logged), not after the
+    followers' collective timeout (CALL_TIMEOUT_S, 600 s), and the request waits for the next worker."""
+    worker, log_path = failing_group(stack, sc)
     sc.ops.redis.set("tests:fail:layer", 1)
     try:
         sc.create_sampling_client(base_model="llama").sample(

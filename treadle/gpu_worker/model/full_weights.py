@@ -234,10 +234,13 @@ class FullWeights:
     def save(self, model: nn.Module, tokenizer, directory: str | Path) -> None:
         """A Hugging Face model directory: these weights, the base's for the rest, the model's config and
         tokenizer; tied weights written once, as `save_pretrained` does."""
+        self.write(self.whole_tensors(model), model, tokenizer, directory)
+
+    def write(self, tensors: dict[str, torch.Tensor], model: nn.Module, tokenizer, directory: str | Path) -> None:
+        """`save`'s directory from `whole_tensors`' result (a sharded group gathers first, then rank 0 writes)."""
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
-        state = self.whole_tensors(model)
-        save_torch_state_dict(state, str(directory), max_shard_size=MAX_SHARD_SIZE, metadata={"format": "pt"})
+        save_torch_state_dict(tensors, str(directory), max_shard_size=MAX_SHARD_SIZE, metadata={"format": "pt"})
         model.config.save_pretrained(str(directory))
         tokenizer.save_pretrained(str(directory))
         marker = {"config": self.config.model_dump(), "trained": sorted(self.params)}

@@ -44,7 +44,7 @@ from treadle.gpu_worker.model.full_weights import FullSnapshot, is_full_dir
 from treadle.gpu_worker.model.sharding import is_sharded, log_memory
 from treadle.gpu_worker.parallel.broadcast import checkpoint_call, share_checkpoint, share_snapshot, snapshot_call
 from treadle.gpu_worker.parallel.lockstep import Mirror, end_of_op, idle_pass, rounds_of
-from treadle.gpu_worker.training.state import read_checkpoint
+from treadle.gpu_worker.training.state import TrainingState, read_checkpoint, write_state
 from treadle.gpu_worker.training.validation import check_loss, prepare_data
 from treadle.queue.ops import (
     CreateSessionRequest,
@@ -156,13 +156,21 @@ def execute(engines: dict, call: dict) -> dict | None:
     return {}
 
 
-def gather_state(engine, session_id: str, *, include_optimizer: bool) -> None:
-    """A follower's part in rank 0's `save_state` of a sharded full session: the same gathers in the same order as
-    `Engine.save_state` (the weights, then the optimizer's moments and gradients), whose results rank 0 alone
-    writes."""
+def gather_state(engine, session_id: str, *, include_optimizer: bool) -> tuple[dict[str, torch.Tensor], TrainingState]:
+    """A sharded full session's weights and state whole, as `Engine.save_state` writes them: every rank runs the same
+    gathers in the same order (the weights, then the optimizer's moments and gradients); rank 0 alone writes."""
     session = engine._session(session_id)
-    engine._bank.full[session.adapter].whole_tensors(engine._host.model)
-    session.state(engine.base_model, include_optimizer=include_optimizer)
+    tensors = engine._bank.full[session.adapter].whole_tensors(engine._host.model)
+    return tensors, session.state(engine.base_model, include_optimizer=include_optimizer)
+
+
+def write_gathered(engine, session_id: str, directory: str, gathered: tuple[dict[str, torch.Tensor], TrainingState]):
+    """Rank 0 writes what `gather_state` gathered: the files `Engine.save_state` writes."""
+    tensors, state = gathered
+    engine._bank.full[engine._session(session_id).adapter].write(
+        tensors, engine._host.model, engine.tokenizer, directory
+    )
+    write_state(directory, state)
 
 
 class GroupEngine:
@@ -311,11 +319,16 @@ class GroupEngine:
     def save_state(self, session_id: str, directory: str, *, include_optimizer: bool = True) -> None:
         """Rank 0's replica, as a one-device worker writes it; a sharded session's gathered whole first, every rank
         taking part (`gather_state`)."""
-        save = partial(self._local.save_state, session_id, directory, include_optimizer=include_optimizer)
         if not holds_shards(self._local.trainable_parameters(session_id)):
-            return save()
+            return self._local.save_state(session_id, directory, include_optimizer=include_optimizer)
         with self._group_op():
-            self._together(save, SaveStateRequest.op, session_id=session_id, include_optimizer=include_optimizer)
+            gather = partial(self._lock.run, gather_state, self._local, session_id, include_optimizer=include_optimizer)
+            gathered = self._together(
+                gather, SaveStateRequest.op, session_id=session_id, include_optimizer=include_optimizer
+            )
+        # Written once every rank has left the gathers: a write that fails (a full disk) fails this op, not the group.
+        with self._lock:
+            self._lock.run(write_gathered, self._local, session_id, directory, gathered)
 
     def _together(self, local: Callable[[], T], name: str, **fields) -> T:
         """`local()` on rank 0 while every follower runs call `name`: a call whose collectives every rank enters."""
@@ -358,11 +371,15 @@ class GroupEngine:
     def save_sampler_weights(self, sampler_id: str, directory: str) -> None:
         """Rank 0's sampler as a one-device worker writes it; a sharded full snapshot gathered whole first, every
         rank taking part."""
-        save = partial(self._local.save_sampler_weights, sampler_id, directory)
         if (snapshot := self._sharded_snapshot(sampler_id)) is None:
-            return save()
+            return self._local.save_sampler_weights(sampler_id, directory)
+        weights, host = self._local._bank.full[snapshot], self._local._host
         with self._group_op():
-            self._together(save, "save_sampler_weights", snapshot=snapshot)
+            tensors = self._together(
+                partial(self._lock.run, weights.whole_tensors, host.model), "save_sampler_weights", snapshot=snapshot
+            )
+        with self._lock:  # as `save_state`: a write that fails fails this op alone
+            self._lock.run(weights.write, tensors, host.model, host.tokenizer, directory)
 
     def _sharded_snapshot(self, sampler_id: str) -> str | None:
         """Rank 0's name for the sampler if it is a full session's snapshot on a sharded group (each rank holds its
