@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from treadle.gpu_worker.engine import Engine
-from treadle.gpu_worker.scheduling.compute_thread import ComputeThread
+from treadle.gpu_worker.scheduling.compute_thread import ComputeThread, compute_thread
 from treadle.gpu_worker.scheduling.device_lock import DeviceLock
 from treadle.types import AdamParams, Datum, LoraConfig, ModelInput, SamplingParams, TensorData
 
@@ -73,10 +73,16 @@ def test_training_sampling_and_state_all_compute_on_one_thread(tiny_model_dir, t
     hook = torch.nn.modules.module.register_module_forward_hook(
         lambda *_: threads.add((threading.current_thread().name, torch.get_num_threads()))
     )
+    # Two threads here and on the compute thread (each thread keeps its own count; an earlier test in this process
+    # may have left one): on one thread there is no team to start.
+    previous, compute = torch.get_num_threads(), compute_thread(torch.device("cpu"))
+    assert compute is not None
+    torch.set_num_threads(2)
+    compute.run(torch.set_num_threads, 2)
     engine = None
     try:
         engine = Engine(tiny_model_dir)
-        assert threads == {("treadle-compute", torch.get_num_threads())}  # the load's forwards
+        assert threads == {("treadle-compute", 2)}  # the load's forwards
         engine.create_session("s", LoraConfig(rank=4, seed=0))
         engine.forward_backward("s", [datum([1, 5, 9, 13, 17, 21])], "cross_entropy")
         engine.optim_step("s", AdamParams(learning_rate=1e-3))
@@ -91,4 +97,6 @@ def test_training_sampling_and_state_all_compute_on_one_thread(tiny_model_dir, t
         hook.remove()
         if engine is not None:
             engine.close()
+        torch.set_num_threads(previous)
+        compute.run(torch.set_num_threads, previous)
     assert {name for name, count in threads if count > 1} == {"treadle-compute"}
