@@ -3,7 +3,8 @@ holds the device (the sampler's decode loop), so the answer's metering and Redis
 other rows waiting; its meter record, the release of its rows and the answer are one write; and only the worker
 whose claim on the request is live answers it: a doorbell for a request claimed elsewhere runs nothing, a request
 whose claim lapsed is run again by another worker, and the first claimer's late answer is dropped; one whose claims
-lapsed `max_request_crashes` times is answered with an error instead. Real Redis, the worker's own `ControlOps`."""
+lapsed `max_request_crashes` times is answered with an error instead. A sample's rows count against its owner's
+bound from its submit (briefly, until it is held) to its answer. Real Redis, the worker's own `ControlOps`."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import pytest
 
-from treadle.errors import CrashingRequestError, ServerError
+from treadle.errors import CapacityError, CrashingRequestError, ServerError
 from treadle.gpu_worker.executor.control_ops import ControlOps
 from treadle.gpu_worker.executor.usage import UsageRecorder
 from treadle.metering import Meter
@@ -21,6 +22,7 @@ from treadle.queue import names
 from treadle.queue.celery_app import make_app
 from treadle.queue.control_requests import ControlRequests
 from treadle.queue.ops import SampleRequest, decode_result
+from treadle.queue.ops_client import ADMITTED_UNHELD_S, SAMPLE_ROWS_TTL_S, OpsClient
 from treadle.queue.results import ResultStore
 from treadle.queue.sessions import SessionRegistry
 from treadle.types import SampledSequence, SampleResponse
@@ -234,3 +236,38 @@ def test_a_streamed_sample_whose_worker_died_mid_stream_fails_clearly(redis_clie
     failed = results.backend.get_task_meta("mid-stream")
     assert failed["status"] == "FAILURE" and "does not resume" in str(failed["result"])
     assert results.backend.get_task_meta("stream-not-started")["status"] == "SUCCESS"
+
+
+class Killed(BaseException):
+    """The client process dying where this is raised."""
+
+
+def test_rows_admitted_for_a_sample_its_client_never_held_count_only_briefly(redis_client, redis_url, monkeypatch):
+    """A loop killed as it submits a sample leaves the rows it was admitted for and no request to answer: they count
+    against its owner's bound for ADMITTED_UNHELD_S (they held every later sample of the owner for SAMPLE_ROWS_TTL_S,
+    ten minutes). The request's hold gives its rows the full lifetime, in the same transaction."""
+    redis_client.hset(names.LIMITS_KEY, "max_queued_sample_rows_per_owner", 8)
+    ops = OpsClient(redis_url)
+    rows_key = names.owner_sample_rows_key("carol")
+    request = SampleRequest.build(base_model="tiny", prompt=[5, 6], num_samples=4, owner="carol")
+
+    def dies(*args, **kwargs):
+        raise Killed
+
+    monkeypatch.setattr(ops, "_hold_and_ring", dies)
+    with pytest.raises(Killed):
+        ops.submit_sample(request)
+    [(lost, entry)] = redis_client.hgetall(rows_key).items()
+    rows, deadline = entry.decode().split()
+    assert rows == "4" and float(deadline) <= time.time() + ADMITTED_UNHELD_S
+    assert not ops.control.is_held(lost.decode())
+
+    monkeypatch.undo()
+    before = time.time()
+    held = ops.submit_sample(request)
+    assert ops.control.is_held(held)
+    rows, deadline = redis_client.hget(rows_key, held).decode().split()
+    assert rows == "4" and float(deadline) >= before + SAMPLE_ROWS_TTL_S
+    assert redis_client.ttl(rows_key) > SAMPLE_ROWS_TTL_S - 60
+    with pytest.raises(CapacityError, match="owner 'carol' has 8 sample rows queued and the limit is 8"):
+        ops.submit_sample(request)  # both count meanwhile

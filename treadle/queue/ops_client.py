@@ -9,9 +9,10 @@ from __future__ import annotations
 import threading
 import time
 import uuid
-from typing import cast
+from typing import Callable, cast
 
 import redis as redis_lib
+from redis.client import Pipeline
 
 from treadle.errors import (
     BrokerUnavailableError,
@@ -47,8 +48,9 @@ from treadle.settings import WaitSettings
 
 
 # KEYS: the owner's queued sample rows (hash future id -> "rows deadline"), the workers' limits. ARGV: the future
-# id, its rows, now, the entry's lifetime. Entries past their deadline (a request lost with its worker) no longer
-# count. Answers {-1, 0} when admitted (the entry is added), else {rows queued, the limit}.
+# id, its rows, now, the entry's lifetime, the hash's lifetime. Entries past their deadline (a request lost with its
+# worker, or with its client before it was held) no longer count. Answers {-1, the limit} when admitted (the entry
+# is added; {-1, 0}: no limit, no entry), else {rows queued, the limit}.
 _ADMIT_ROWS = """
 local limit = tonumber(redis.call('HGET', KEYS[2], 'max_queued_sample_rows_per_owner') or '0') or 0
 if limit <= 0 then return {-1, 0} end
@@ -60,11 +62,15 @@ for i = 1, #entries, 2 do
 end
 if queued > 0 and queued + tonumber(ARGV[2]) > limit then return {queued, limit} end
 redis.call('HSET', KEYS[1], ARGV[1], ARGV[2] .. ' ' .. (now + tonumber(ARGV[4])))
-redis.call('EXPIRE', KEYS[1], ARGV[4])
-return {-1, 0}
+redis.call('EXPIRE', KEYS[1], ARGV[5])
+return {-1, limit}
 """
 # How long a sample request counts against its owner's queued rows if no worker answers it.
 SAMPLE_ROWS_TTL_S = 600
+# How long its rows count from admission until the request is held: a client that dies in between (a loop killed
+# as it submits) leaves no request to answer, and its rows held the owner's later samples for SAMPLE_ROWS_TTL_S.
+# The hold's transaction gives the entry its full lifetime.
+ADMITTED_UNHELD_S = 30
 # A sample's rows free within a few decode steps of each other; a retry a second later usually fits.
 SAMPLE_RETRY_AFTER_S = 1.0
 
@@ -165,17 +171,24 @@ class OpsClient:
             ) from None
 
     def _hold_and_ring(
-        self, fid: str, request: ControlRequest, ttl_s: float = CONTROL_REQUEST_TTL_S, marks: dict | None = None
+        self,
+        fid: str,
+        request: ControlRequest,
+        ttl_s: float = CONTROL_REQUEST_TTL_S,
+        marks: dict | None = None,
+        also: Callable[[Pipeline], None] | None = None,
     ) -> None:
         """Hold a control request in Redis until a worker answers it or `ttl_s` passes (treadle.queue.control_requests),
-        with `marks` (key -> value, kept as long as a result lives), then ring its base model's control queue: the
-        message names the request, which survives the worker that runs it."""
+        with `marks` (key -> value, kept as long as a result lives) and what `also` queues, in one transaction; then
+        ring its base model's control queue: the message names the request, which survives the worker that runs it."""
 
         def hold() -> None:
             with self.redis.pipeline(transaction=True) as pipe:
                 self.control.queue_hold(pipe, fid, request, ttl_s)
                 for key, value in (marks or {}).items():
                     pipe.set(key, value, ex=RESULT_EXPIRES_S)
+                if also is not None:
+                    also(pipe)
                 pipe.execute()
 
         self._retrying(hold)
@@ -191,10 +204,11 @@ class OpsClient:
         CapacityError when its owner's queued sample rows would pass the workers' bound (nothing is queued)."""
         fid = names.sample_future_id(uuid.uuid4().hex)
         owner = request.owner or SDK_OWNER
+        rows_key = names.owner_sample_rows_key(owner)
         queued, limit = self._retrying(
             lambda: self._admit_rows(
-                keys=[names.owner_sample_rows_key(owner), names.LIMITS_KEY],
-                args=[fid, request.num_samples, repr(time.time()), SAMPLE_ROWS_TTL_S],
+                keys=[rows_key, names.LIMITS_KEY],
+                args=[fid, request.num_samples, repr(time.time()), ADMITTED_UNHELD_S, SAMPLE_ROWS_TTL_S],
             )
         )
         if queued >= 0:
@@ -209,7 +223,13 @@ class OpsClient:
         # request is held as long as that lifetime: past it, no worker runs it.
         ttl_s = self.bounds.settings.sample_ttl_s
         marker = sample_marker(request.base_model, ttl_s)
-        self._hold_and_ring(fid, request, ttl_s, {names.submitted_key(fid): marker})
+
+        def counted_while_held(pipe: Pipeline) -> None:  # the admitted entry's full lifetime, with the hold
+            pipe.hset(rows_key, fid, f"{request.num_samples} {time.time() + SAMPLE_ROWS_TTL_S!r}")
+            pipe.expire(rows_key, SAMPLE_ROWS_TTL_S)
+
+        marks = {names.submitted_key(fid): marker}
+        self._hold_and_ring(fid, request, ttl_s, marks, counted_while_held if limit > 0 else None)
         return fid
 
     def tokenizer_files(self, base_model: str) -> dict[str, bytes]:
