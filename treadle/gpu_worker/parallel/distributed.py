@@ -164,7 +164,9 @@ def gather_state(engine, session_id: str, *, include_optimizer: bool) -> tuple[d
     return tensors, session.state(engine.base_model, include_optimizer=include_optimizer)
 
 
-def write_gathered(engine, session_id: str, directory: str, gathered: tuple[dict[str, torch.Tensor], TrainingState]):
+def write_gathered(
+    engine, session_id: str, directory: str, gathered: tuple[dict[str, torch.Tensor], TrainingState]
+) -> None:
     """Rank 0 writes what `gather_state` gathered: the files `Engine.save_state` writes."""
     tensors, state = gathered
     engine._bank.full[engine._session(session_id).adapter].write(
